@@ -1,0 +1,33 @@
+"""The algorithm registry: the names ``search --algos`` and ``simulate --algo`` take (ARCHITECTURE.md).
+
+Every name of the contract is listed; those whose modules have not landed yet are refused with the issue
+that brings them (``simulate``) or skipped and counted (``search``).
+"""
+
+from __future__ import annotations
+
+from meshplan.algorithms.base import Algorithm
+from meshplan.algorithms.passq import PassQ
+from meshplan.algorithms.ring import Ring
+from meshplan.errors import UserError
+
+#: Contract order.
+NAMES = ("ring", "pass-q", "ulysses", "usp", "loongtrain", "startrail", "tasp", "merge", "rmplus", "charm", "mesh")
+REGISTRY: dict[str, Algorithm] = {a.name: a for a in (Ring(), PassQ())}
+PLANNED = {"mesh": "issue 3 (Mesh-Attention)", **{n: "issue 5 (baseline library)" for n in
+                                                   ("ulysses", "usp", "loongtrain", "startrail", "tasp", "merge",
+                                                    "rmplus", "charm")}}
+
+
+def get(name: str) -> Algorithm:
+    """The algorithm registered under ``name``.
+
+    Raises:
+        UserError: unknown name (with the valid ones), or a contract name not implemented yet.
+    """
+    if name in REGISTRY:
+        return REGISTRY[name]
+    if name in PLANNED:
+        raise UserError("--algo", f"{name!r} is not implemented yet (planned in {PLANNED[name]})",
+                        f"use one of {', '.join(REGISTRY)}")
+    raise UserError("--algo", f"unknown algorithm {name!r}", f"use one of {', '.join(NAMES)}")

@@ -1,0 +1,125 @@
+"""What every algorithm module provides, and the knob plumbing they share.
+
+An algorithm decides *who computes what, who sends what to whom, and in what order* (plan + schedule);
+the shared builder (:class:`~meshplan.schedule.ScheduleBuilder`) does the plumbing. Each algorithm also
+gives a closed-form (L0) timing: an uncontended per-step alpha-beta recurrence, which is a lower bound
+on the simulated makespan because contention and overlap only slow ops down.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from meshplan.errors import UserError
+from meshplan.matrix import AttnMatrix
+from meshplan.plan import Plan
+from meshplan.schedule import DTYPES, Schedule
+from meshplan.topology import Topology
+from meshplan.workload import Workload
+
+#: Knobs with their own CLI flag; every other knob is ``--knob name=value``.
+KNOB_FLAGS = {"tile": "--tile", "mapping": "--mapping", "partial_dtype": "--partial-dtype",
+              "dkv_dtype": "--dkv-dtype", "ulysses_degree": "--ulysses-degree", "inner_ring": "--inner-ring",
+              "team_size": "--team-size", "domains": "--domains"}
+
+
+def knob_flag(name: str) -> str:
+    """The CLI spelling of a knob."""
+    return KNOB_FLAGS.get(name, f"--knob {name}")
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One knob: its choices (or a parser), its default and what it means."""
+
+    name: str
+    default: Any
+    choices: tuple[Any, ...] | None = None
+    help: str = ""
+    parse: Callable[[str], Any] | None = None
+
+    def value(self, raw: Any, algorithm: str) -> Any:
+        """Parse and check a user value."""
+        v = raw
+        if self.parse is not None and isinstance(raw, str):
+            try:
+                v = self.parse(raw)
+            except ValueError:
+                raise UserError(knob_flag(self.name), f"cannot read {raw!r}", self.help) from None
+        if self.choices is not None and v not in self.choices:
+            raise UserError(knob_flag(self.name), f"{algorithm} does not take {raw!r}",
+                            f"use one of {', '.join(map(str, self.choices))}")
+        return v
+
+
+DTYPE_KNOB = lambda name, default, help_: Knob(name, default, DTYPES, help_)  # noqa: E731
+
+
+@dataclass
+class PassTiming:
+    """Closed-form (L0) timing of one pass.
+
+    ``makespan_s`` is the uncontended recurrence, a lower bound; ``bound_s`` the larger of it and the
+    busiest link's bytes / capacity. ``compute_s`` and ``comm_s`` are per-rank sums on the critical rank.
+    """
+
+    makespan_s: float
+    bound_s: float
+    compute_s: float
+    comm_s: float
+    recv_bytes_max: float
+    inter_node_bytes_max: float
+    flops_total: float
+    recv_bytes_total: float
+    peak_memory_bytes: float
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class Algorithm:
+    """Base class: subclasses set ``name``, ``knobs`` and implement plan/schedule/timing."""
+
+    name: str = ""
+    knobs: dict[str, Knob] = {}
+    forward_only: bool = False
+    summary: str = ""
+
+    def normalize(self, given: dict[str, Any]) -> dict[str, Any]:
+        """Defaults filled in and values checked; a knob this algorithm does not take is refused."""
+        out = {}
+        for key, raw in given.items():
+            if key not in self.knobs:
+                takes = ", ".join(knob_flag(k) for k in self.knobs) or "no knobs"
+                raise UserError(knob_flag(key), f"{self.name} does not take this knob", f"{self.name} takes {takes}")
+            out[key] = self.knobs[key].value(raw, self.name)
+        return {k: out.get(k, kn.default) for k, kn in self.knobs.items()}
+
+    def check(self, workload: Workload, topo: Topology, n_ranks: int, knobs: dict[str, Any]) -> None:
+        """Raise SkipCandidate/UserError when this (workload, N, knobs) cannot run. Default: anything goes."""
+        if workload.passes != "fwd" and self.forward_only:
+            from meshplan.errors import SkipCandidate
+            raise SkipCandidate("forward only", f"{self.name} has no backward")
+
+    def knob_space(self, workload: Workload, topo: Topology, n_ranks: int,
+                   filters: dict[str, Any]) -> list[dict[str, Any]]:
+        """Knob settings search enumerates (``filters`` pins knobs the user gave)."""
+        return [self.normalize(filters)]
+
+    def device_map(self, topo: Topology, n_ranks: int, knobs: dict[str, Any]) -> np.ndarray:
+        """rank -> device. ``auto``/``identity``: rank r on device r (locality order)."""
+        return np.arange(n_ranks)
+
+    def plan(self, workload: Workload, topo: Topology, n_ranks: int, knobs: dict[str, Any],
+             matrix: AttnMatrix | None = None) -> Plan:
+        """Who computes which block and where chunks live."""
+        raise NotImplementedError
+
+    def schedule(self, plan: Plan, topo: Topology) -> Schedule:
+        """Lower a plan to ops."""
+        raise NotImplementedError
+
+    def timing(self, plan: Plan, topo: Topology) -> dict[str, PassTiming]:
+        """Closed-form timing per pass (``fwd``/``bwd`` as the workload asks)."""
+        raise NotImplementedError

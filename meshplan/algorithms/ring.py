@@ -1,0 +1,91 @@
+"""Ring-Attention (pass-KV): each rank keeps its query chunk; KV chunks rotate around the ring.
+
+Liu et al., "Ring Attention with Blockwise Transformers" (arXiv 2310.01889); the schedule follows
+zhuzilin/ring-flash-attention: at step s rank r computes block (r, r − s mod N) while it forwards that KV
+chunk to rank r + 1. The layout (contiguous, zigzag, striped) is a workload flag.
+
+Bytes received per rank (ALGORITHMS.md):
+    forward   (N − 1) · KVc
+    backward  (N − 1) · KVc + N · dKVc   (``dkv_hops = n``, ring-flash-attention)
+              (N − 1) · KVc + (N − 1) · dKVc   (``dkv_hops = n-1``: the owner keeps its own partial)
+with KVc = 2·B·c·Hkv·D·β and dKVc = KVc · (bytes of ``dkv_dtype``) / β (fp32 by default).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from meshplan.algorithms.base import DTYPE_KNOB, Algorithm, Knob
+from meshplan.algorithms.rotate import rotate_backward, rotate_forward_merge
+from meshplan.matrix import AttnMatrix
+from meshplan.plan import Plan
+from meshplan.schedule import Schedule, ScheduleBuilder
+from meshplan.topology import Topology
+from meshplan.workload import Workload
+
+MAPPINGS = ("auto", "identity")
+
+
+def ring_plan(alg: Algorithm, workload: Workload, topo: Topology, n: int, knobs: dict,
+              matrix: AttnMatrix | None, rows: bool) -> Plan:
+    """Row split (``rows``: rank r computes query chunk r's row) or column split (pass-Q)."""
+    m = matrix if matrix is not None else AttnMatrix(workload, n)
+    idx = np.arange(n)
+    owner = np.broadcast_to(idx[:, None] if rows else idx[None, :], (n, n)).copy()
+    owner[~m.permitted] = -1
+    return Plan(alg.name, knobs, m, n, owner, idx, idx, alg.device_map(topo, n, knobs))
+
+
+def new_builder(alg: Algorithm, plan: Plan, topo: Topology) -> ScheduleBuilder:
+    """A builder for ``plan`` with its topology recorded."""
+    return ScheduleBuilder(plan.workload, plan.matrix, plan.n_ranks, algorithm=alg.name, knobs=plan.knobs,
+                           device_of_rank=plan.device_of_rank)
+
+
+def topology_record(topo: Topology) -> dict:
+    """What a schedule records about the topology it was planned for."""
+    return {"name": topo.name, "hash": topo.content_hash, "devices": topo.n_devices}
+
+
+class Ring(Algorithm):
+    """Ring-Attention, pass-KV."""
+
+    name = "ring"
+    summary = "KV rotates around the ring; N−1 dependent transfers (Ring-Attention, ring-flash-attention)"
+    knobs = {
+        "mapping": Knob("mapping", "auto", MAPPINGS, "rank -> GPU placement (auto = identity for a ring)"),
+        "dkv_dtype": DTYPE_KNOB("dkv_dtype", "fp32", "dtype of partial dK/dV on the wire"),
+        "dkv_hops": Knob("dkv_hops", "n", ("n", "n-1"), "dK/dV accumulator hops: n (ring-flash-attention) or n-1"),
+    }
+
+    def plan(self, workload, topo, n_ranks, knobs, matrix=None) -> Plan:
+        """Rank r computes row r (every permitted block (r, j))."""
+        return ring_plan(self, workload, topo, n_ranks, knobs, matrix, rows=True)
+
+    def schedule(self, plan: Plan, topo: Topology) -> Schedule:
+        """Forward and/or backward rotation of KV (see the module docstring)."""
+        b = new_builder(self, plan, topo)
+        n, w = plan.n_ranks, plan.workload
+        r = np.arange(n)
+        b.stream("compute", "compute")
+        b.stream("kv", "comm")
+        if "fwd" in w.pass_list:
+            b.phase = 0
+            q = b.tensor(r, "q", r, role="input")
+            kv = b.tensor(r, "kv", r, role="input")
+            out = b.tensor(r, "out", r, role="output", dtype="fp32")
+            io = lambda ok, s, j, cur: ([q[ok], cur[ok]], [out[ok]], "merge", None)  # noqa: E731
+            rotate_forward_merge(b, plan, kv, "kv", lambda rr, j: (rr, j), io)
+        if "bwd" in w.pass_list:
+            b.stream("dkv", "comm")
+            b.phase = 1
+            q = b.tensor(r, "q", r, role="input")
+            kv = b.tensor(r, "kv", r, role="input")
+            out = b.tensor(r, "out", r, role="input")
+            dout = b.tensor(r, "dout", r, role="input")
+            dq = b.tensor(r, "dq", r, role="output", dtype="fp32")
+            rotate_backward(b, plan, travel=kv, travel_kind="kv", grad_kind="dkv",
+                            grad_dtype=plan.knobs["dkv_dtype"], hops=plan.knobs["dkv_hops"],
+                            block=lambda rr, j: (rr, j), static_inputs=[q, out, dout], local_grad=dq,
+                            travel_first=False)
+        return b.build(topology_record(topo))

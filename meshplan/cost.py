@@ -1,0 +1,64 @@
+"""Closed-form costs (COSTMODEL.md level L0): compute, merges and uncontended alpha-beta transfers.
+
+All times in seconds, sizes in bytes, rates in bytes/s.
+
+* Attention block: ``t = t_launch + FLOPs / (peak(dtype) · e(s_q, s_kv, pass, mask))`` with ``e`` from
+  the device's kernel table (:mod:`meshplan.kernels`); FLOPs = 4·B·h·pairs·D forward, 2.5x backward.
+* Combining a result into an accumulator (LSE merge or gradient add) is memory bound:
+  ``t = t_launch + bytes_touched / (f · HBM bandwidth)`` with f = the table's ``merge_hbm_fraction``
+  (0.8, COSTMODEL.md). A compute op with ``combine`` merge/accumulate pays it for each output:
+  3 x the output's bytes (read accumulator, read partial, write accumulator).
+* Transfer alone on its route: ``T(S) = alpha_sw + Σ hop latency + S / min(link capacity, per-flow cap)``.
+
+The simulator (L1) adds contention and overlap; these formulas are also what lower bounds are made of.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from meshplan.schedule import COMBINES, COMPUTE, KIND, PASS_NAMES, Schedule, csr_sum
+from meshplan.topology import Topology
+
+
+class CostModel:
+    """Op durations on one topology for one workload dtype."""
+
+    def __init__(self, topo: Topology) -> None:
+        self.topo = topo
+        self.kernel = topo.kernel
+        self.merge_rate = self.kernel.spec.merge_hbm_fraction * topo.hbm_bytes_per_s
+
+    def block_time_s(self, flops, s_q, s_kv, elementwise, pass_: str, dtype: str) -> np.ndarray:
+        """Kernel time of attention ops (vectorised): launch + FLOPs / (peak · efficiency). Zero FLOPs -> 0."""
+        flops = np.asarray(flops, dtype=np.float64)
+        eff = self.kernel.efficiency(s_q, s_kv, pass_, elementwise)
+        t = self.kernel.launch_s + flops / (self.topo.peak_flops(dtype) * eff)
+        return np.where(flops > 0, t, 0.0)
+
+    def merge_time_s(self, bytes_touched) -> np.ndarray:
+        """Memory-bound merge/accumulate time: launch + bytes / (0.8 · HBM bandwidth)."""
+        b = np.asarray(bytes_touched, dtype=np.float64)
+        return np.where(b > 0, self.kernel.launch_s + b / self.merge_rate, 0.0)
+
+    def op_durations(self, sched: Schedule) -> np.ndarray:
+        """[n_ops] seconds for compute, merge and accumulate ops alone on their device; 0 for the rest."""
+        o, t = sched.ops, sched.tensors
+        dur = np.zeros(len(o))
+        dtype = sched.workload.dtype
+        for phase in (0, 1):
+            sel = np.flatnonzero((o.kind == COMPUTE) & (o.phase == phase))
+            if len(sel):
+                dur[sel] = self.block_time_s(o.flops[sel], o.s_q[sel], o.s_kv[sel], o.mask[sel] > 0,
+                                             PASS_NAMES[phase], dtype)
+        combined = (o.kind == COMPUTE) & (o.combine != COMBINES.index("write"))
+        out_bytes = csr_sum(o.out_ptr, t.size_bytes[o.outputs].astype(np.float64))
+        dur[combined] += 3 * out_bytes[combined] / self.merge_rate
+        side = np.flatnonzero((o.kind == KIND["merge"]) | (o.kind == KIND["accumulate"]))
+        dur[side] = self.merge_time_s(o.size_bytes[side])
+        return dur
+
+    def transfer_time_s(self, src_dev: int, dst_dev: int, size_bytes: float) -> float:
+        """Uncontended alpha-beta time of one transfer between devices."""
+        return self.topo.transfer_time_s(src_dev, dst_dev, size_bytes)
+

@@ -1,0 +1,129 @@
+"""Attention-kernel efficiency tables: achieved FLOP/s as a fraction of the device's peak, by kernel shape.
+
+COSTMODEL.md: ``t_block = t_launch + FLOPs / (peak · e(shape, pass, mask))``, with ``e`` keyed by the
+kernel's shape (s_q query rows, s_kv key columns), not by FLOPs, because zigzag blocks run as c × c/2
+kernels. Tables live in ``meshplan/topologies/kernels/*.yaml`` with their sources; a topology's
+``device.kernel`` names one (or gives a path). Calibration (``meshplan calibrate``) writes new ones.
+
+Interpolation is bilinear in (log2 s_q, log2 s_kv); above the largest grid size the edge value holds;
+below the smallest it falls linearly with the size (a kernel on 16 tokens does not run at the
+efficiency of one on 64).
+"""
+
+from __future__ import annotations
+
+import functools
+from importlib import resources
+from pathlib import Path
+from typing import Annotated
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+
+Efficiency = Annotated[float, Field(gt=0, le=1)]
+
+
+class KernelTableSpec(BaseModel):
+    """A kernel efficiency file."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    source: str = Field(description="where the numbers come from")
+    launch_us: Annotated[float, Field(ge=0)] = Field(description="fixed cost per kernel call, microseconds")
+    tokens: list[PositiveInt] = Field(description="grid of s_q and s_kv sizes, ascending")
+    fwd: list[list[Efficiency]] = Field(description="forward efficiency, rows s_q, columns s_kv")
+    bwd: list[list[Efficiency]] | None = None
+    bwd_factor: Annotated[float, Field(gt=0, le=1)] | None = Field(None, description="bwd = factor x fwd")
+    elementwise_factor: Annotated[float, Field(gt=0, le=1)] = Field(
+        1.0, description="multiplier for blocks needing an elementwise mask (causal diagonal, window, docs)")
+    merge_hbm_fraction: Annotated[float, Field(gt=0, le=1)] = Field(
+        0.8, description="merges and accumulations run at this fraction of the memory bandwidth")
+
+    @model_validator(mode="after")
+    def _shapes(self) -> KernelTableSpec:
+        n = len(self.tokens)
+        if n < 2 or any(b <= a for a, b in zip(self.tokens, self.tokens[1:])):
+            raise ValueError("tokens must hold at least two ascending sizes")
+        for name in ("fwd", "bwd"):
+            table = getattr(self, name)
+            if table is not None and (len(table) != n or any(len(r) != n for r in table)):
+                raise ValueError(f"{name} must be a {n} x {n} table (tokens x tokens)")
+        if (self.bwd is None) == (self.bwd_factor is None):
+            raise ValueError("give exactly one of bwd (a table) or bwd_factor")
+        return self
+
+
+class KernelTable:
+    """Vectorised efficiency lookup for one kernel family on one device."""
+
+    def __init__(self, spec: KernelTableSpec) -> None:
+        self.spec = spec
+        self.launch_s = spec.launch_us * 1e-6
+        self._log_tokens = np.log2(np.asarray(spec.tokens, dtype=np.float64))
+        fwd = np.asarray(spec.fwd, dtype=np.float64)
+        bwd = fwd * spec.bwd_factor if spec.bwd is None else np.asarray(spec.bwd, dtype=np.float64)
+        self._tables = {"fwd": fwd, "bwd": bwd}
+        self._symmetric = {k: bool(np.array_equal(t, t.T)) for k, t in self._tables.items()}
+
+    def efficiency(self, s_q, s_kv, pass_: str, elementwise) -> np.ndarray:
+        """Efficiency in (0, 1] for kernels of shape (s_q, s_kv) tokens (arrays broadcast).
+
+        A symmetric table gives bit-identical results for (a, b) and (b, a), which the simulator's
+        symmetry reduction relies on.
+        """
+        s_q = np.asarray(s_q, dtype=np.float64)
+        s_kv = np.asarray(s_kv, dtype=np.float64)
+        if self._symmetric[pass_]:
+            s_q, s_kv = np.minimum(s_q, s_kv), np.maximum(s_q, s_kv)
+        e = self._bilinear(self._tables[pass_], s_q, s_kv)
+        return np.where(np.asarray(elementwise, dtype=bool), e * self.spec.elementwise_factor, e)
+
+    def _bilinear(self, table: np.ndarray, s_q: np.ndarray, s_kv: np.ndarray) -> np.ndarray:
+        lt = self._log_tokens
+        iq, wq, sq_scale = self._axis(np.log2(np.maximum(s_q, 1.0)), lt)
+        ik, wk, sk_scale = self._axis(np.log2(np.maximum(s_kv, 1.0)), lt)
+        e = ((1 - wq) * (1 - wk) * table[iq, ik] + wq * (1 - wk) * table[iq + 1, ik]
+             + (1 - wq) * wk * table[iq, ik + 1] + wq * wk * table[iq + 1, ik + 1])
+        return e * sq_scale * sk_scale
+
+    @staticmethod
+    def _axis(x: np.ndarray, grid: np.ndarray):
+        xc = np.clip(x, grid[0], grid[-1])
+        i = np.clip(np.searchsorted(grid, xc, side="right") - 1, 0, len(grid) - 2)
+        w = (xc - grid[i]) / (grid[i + 1] - grid[i])
+        below = np.where(x < grid[0], np.exp2(x - grid[0]), 1.0)  # linear fall-off below the grid
+        return i, w, below
+
+
+@functools.cache
+def load_kernel_table(name_or_path: str, base_dir: str | None = None) -> KernelTable:
+    """Load a kernel table by shipped name (``fa2-hopper``) or by path (relative to ``base_dir``).
+
+    Raises:
+        UserError: no such table, or the file does not validate.
+    """
+    import yaml
+    from pydantic import ValidationError
+
+    from meshplan.errors import UserError
+
+    path = Path(name_or_path)
+    if base_dir and not path.is_absolute():
+        path = Path(base_dir) / path
+    if path.suffix in (".yaml", ".yml") and path.exists():
+        text = path.read_text()
+    else:
+        shipped = resources.files("meshplan").joinpath(f"topologies/kernels/{name_or_path}.yaml")
+        if not shipped.is_file():
+            names = sorted(p.name[:-5] for p in resources.files("meshplan").joinpath("topologies/kernels").iterdir()
+                           if p.name.endswith(".yaml"))
+            raise UserError("node.device.kernel", f"no kernel table {name_or_path!r}",
+                            f"use one of {', '.join(names)} or a path to a .yaml file")
+        text = shipped.read_text()
+    try:
+        return KernelTable(KernelTableSpec.model_validate(yaml.safe_load(text)))
+    except ValidationError as err:
+        first = err.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"])
+        raise UserError(f"kernel table {name_or_path}: {loc}", first["msg"]) from None

@@ -1,0 +1,225 @@
+"""The attention matrix: the Nq x Nkv chunk grid of a layout and the exact work of every block.
+
+No ranks, no topology: this module describes the work, algorithms decide the split (STYLE.md rule 4).
+
+A *chunk* is the token set a layout gives one rank: ``contiguous`` chunk i = [i·c, (i+1)·c);
+``zigzag`` chunk i = pieces i and 2N−1−i of p = S/(2N) tokens; ``striped`` chunk i = {t : t mod N = i}.
+Every chunk is stored as *segments*, arithmetic progressions ``(start, stride, count)`` of global token
+positions, so one closed form counts query-key pairs for every layout and mask
+(:func:`count_pairs`). Block (i, j) = query chunk i against KV chunk j.
+
+Exact work (ALGORITHMS.md, zigzag oracle): an off-diagonal zigzag block holds exactly 2p² of 4p² pairs, a
+diagonal one 2p² + p (fraction ½ + 1/(4p)); the causal total is S(S+1)/2. FLOPs per block (FlashAttention
+convention): forward 4·B·H·D·pairs, backward 2.5× forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from meshplan.errors import UserError
+from meshplan.workload import Workload
+
+BWD_FLOP_FACTOR = 2.5  # FlashAttention-2 paper (arXiv 2307.08691) §3: backward = 2.5x forward matmul FLOPs
+_INF = 2**50
+
+
+def _ceil_div(x: np.ndarray, s: np.ndarray) -> np.ndarray:
+    return -((-x) // s)
+
+
+def _tri_capped(m: np.ndarray, cap: np.ndarray) -> np.ndarray:
+    """H(m) = sum_{u=1..m} min(cap, u) for m >= 0 (int64, elementwise)."""
+    m = np.maximum(m, 0)
+    small = m * (m + 1) // 2
+    big = cap * (cap + 1) // 2 + (m - cap) * cap
+    return np.where(m <= cap, small, big)
+
+
+def _pairs_delta_le(x: np.ndarray, cq: np.ndarray, ckv: np.ndarray) -> np.ndarray:
+    """C(X) = #{(a, b) in [0,cq) x [0,ckv) : a − b <= X}."""
+    hi = ckv + x
+    lo = ckv + x - cq + 1
+    return _tri_capped(hi, ckv) - _tri_capped(lo - 1, ckv)
+
+
+def count_pairs(q_start, q_count, k_start, k_count, stride, lo, hi) -> np.ndarray:
+    """Count pairs (q, k) with ``lo <= q − k < hi`` between two token progressions of one stride.
+
+    Query tokens are ``q_start + a·stride`` (a < q_count), keys ``k_start + b·stride`` (b < k_count).
+    Causal is (lo, hi) = (0, ∞), a window of W tokens (0, W), full (−∞, ∞); pass ±2**50 for ∞.
+    Exact integer arithmetic on int64 arrays (broadcast); the derivation sums a capped triangle over
+    the diagonals δ = a − b.
+
+    Returns:
+        int64 array of pair counts.
+    """
+    qs, cq, ks, ckv, s = (np.asarray(v, dtype=np.int64) for v in (q_start, q_count, k_start, k_count, stride))
+    lo, hi = np.asarray(lo, dtype=np.int64), np.asarray(hi, dtype=np.int64)
+    delta = qs - ks
+    d_lo = np.maximum(_ceil_div(lo - delta, s), -ckv)       # smallest allowed a − b
+    d_hi = np.minimum((hi - delta - 1) // s, cq)            # largest allowed a − b
+    n = _pairs_delta_le(d_hi, cq, ckv) - _pairs_delta_le(d_lo - 1, cq, ckv)
+    return np.where((cq > 0) & (ckv > 0) & (d_hi >= d_lo), n, 0)
+
+
+def restrict(start, stride, count, lo, hi):
+    """Restrict progressions to positions in [lo, hi): returns (start, count, first_index) arrays."""
+    start, stride, count = (np.asarray(v, dtype=np.int64) for v in (start, stride, count))
+    a0 = np.clip(_ceil_div(np.asarray(lo) - start, stride), 0, count)
+    a1 = np.clip(_ceil_div(np.asarray(hi) - start, stride), 0, count)
+    a1 = np.maximum(a1, a0)
+    return start + a0 * stride, a1 - a0, a0
+
+
+@dataclass(frozen=True)
+class Chunking:
+    """The token sets of ``n`` chunks, each ``n_seg`` segments (arrays of shape [n, n_seg]).
+
+    ``offset[i, k]`` is where segment k starts in chunk i's local token order (chunk-local index).
+    """
+
+    layout: str
+    n: int
+    start: np.ndarray
+    stride: np.ndarray
+    count: np.ndarray
+    offset: np.ndarray
+
+    @property
+    def tokens_per_chunk(self) -> int:
+        """c: tokens per chunk (equal for every chunk of a layout)."""
+        return int(self.count[0].sum())
+
+    def segments(self, i: int) -> list[tuple[int, int, int]]:
+        """Chunk i's segments as (start, stride, count) of global token positions, in local order."""
+        return [(int(a), int(b), int(c)) for a, b, c in zip(self.start[i], self.stride[i], self.count[i])]
+
+    def positions(self, i: int) -> np.ndarray:
+        """Global token positions of chunk i in its local order (for tests and the executor)."""
+        return np.concatenate([a + b * np.arange(c) for a, b, c in self.segments(i)])
+
+
+def chunking(workload: Workload, n: int) -> Chunking:
+    """Cut the sequence into ``n`` chunks by the workload's layout.
+
+    Raises:
+        UserError: the sequence length is not a multiple of the layout's granularity (N, or 2N for
+            zigzag); the message gives the padded length to use with ``--valid-len``.
+    """
+    S, layout = workload.seq_len, workload.layout
+    unit = 2 * n if layout == "zigzag" else n
+    if S % unit:
+        padded = -(-S // unit) * unit
+        what = f"2·N = {unit}" if layout == "zigzag" else f"N = {unit}"
+        real = workload.n_valid
+        raise UserError("--seq-len", f"{S} is not a multiple of {what} for the {layout} layout",
+                        f"pad to {padded} and mask the padding: --seq-len {padded} --valid-len {real}")
+    idx = np.arange(n, dtype=np.int64)[:, None]
+    if layout == "contiguous":
+        c = S // n
+        start, stride, count = idx * c, np.ones_like(idx), np.full_like(idx, c)
+    elif layout == "zigzag":
+        p = S // (2 * n)
+        start = np.concatenate([idx * p, (2 * n - 1 - idx) * p], axis=1)
+        stride, count = np.ones_like(start), np.full_like(start, p)
+    else:
+        start, stride, count = idx.copy(), np.full_like(idx, n), np.full_like(idx, S // n)
+    offset = np.cumsum(count, axis=1) - count
+    return Chunking(layout, n, start, stride, count, offset)
+
+
+class AttnMatrix:
+    """Exact work of every (query chunk, KV chunk) block of a workload cut into ``n`` chunks.
+
+    Attributes (arrays of shape [n, n] unless said):
+        pairs: permitted query-key pairs per (batch, head) — the mask and padding applied.
+        s_q, s_kv: the kernel's shape in tokens: query rows and key columns that take part.
+        elementwise: True where the block needs an elementwise mask (a causal diagonal, a window, a
+            document boundary); False where the participating rectangle is fully permitted.
+        q_involved, kv_involved: [n, n, n_seg] which segments of the chunks take part.
+    """
+
+    def __init__(self, workload: Workload, n: int) -> None:
+        self.workload, self.n = workload, n
+        self._flops: dict = {}
+        self.chunks = chunking(workload, n)
+        self._count()
+
+    def _count(self) -> None:
+        ch, w = self.chunks, self.workload
+        # Padding: only tokens < n_valid exist as queries and keys.
+        vs, vc, v0 = restrict(ch.start, ch.stride, ch.count, 0, w.n_valid)
+        self.valid_start, self.valid_count, self.valid_first = vs, vc, v0
+        qs, qc = vs[:, None, :, None], vc[:, None, :, None]       # [n, 1, seg, 1]
+        ks, kc = vs[None, :, None, :], vc[None, :, None, :]       # [1, n, 1, seg]
+        stride = ch.stride[0, 0]
+        seg_pairs = self._seg_pairs(qs, qc, ks, kc, stride)        # [n, n, seg, seg]
+        self.q_involved = seg_pairs.sum(axis=3) > 0
+        self.kv_involved = seg_pairs.sum(axis=2) > 0
+        self.pairs = seg_pairs.sum(axis=(2, 3))
+        self.s_q = (self.q_involved * vc[:, None, :]).sum(axis=2)
+        self.s_kv = (self.kv_involved * vc[None, :, :]).sum(axis=2)
+        self.elementwise = (self.pairs > 0) & (self.pairs != self.s_q * self.s_kv)
+
+    def _seg_pairs(self, qs, qc, ks, kc, stride) -> np.ndarray:
+        mask = self.workload.mask
+        if mask.kind == "full":
+            return np.broadcast_to(qc * kc, np.broadcast_shapes(qc.shape, kc.shape)).astype(np.int64)
+        if mask.kind in ("causal", "window"):
+            hi = mask.window if mask.kind == "window" else _INF
+            return count_pairs(qs, qc, ks, kc, stride, 0, hi)
+        total = np.zeros(np.broadcast_shapes(qc.shape, kc.shape), dtype=np.int64)
+        bounds = np.cumsum((0,) + mask.doc_lens)
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            dqs, dqc, _ = restrict(qs, stride, qc, lo, hi)
+            dks, dkc, _ = restrict(ks, stride, kc, lo, hi)
+            total += count_pairs(dqs, dqc, dks, dkc, stride, 0, _INF)
+        return total
+
+    @cached_property
+    def permitted(self) -> np.ndarray:
+        """[n, n] bool: blocks with at least one permitted pair (the ones that must be computed)."""
+        return self.pairs > 0
+
+    @property
+    def tokens_per_chunk(self) -> int:
+        """c = S / N."""
+        return self.chunks.tokens_per_chunk
+
+    def flops(self, pass_: str = "fwd", heads: int | None = None) -> np.ndarray:
+        """[n, n] FLOPs per block: 4·B·h·D·pairs forward, 2.5x that backward (h = ``heads`` or H). Cached."""
+        w = self.workload
+        h = w.n_heads if heads is None else heads
+        key = (pass_, h)
+        if key not in self._flops:
+            f = 4.0 * w.batch * h * w.head_dim * self.pairs
+            self._flops[key] = f * BWD_FLOP_FACTOR if pass_ == "bwd" else f
+        return self._flops[key]
+
+    def block_descriptor(self, i: int, j: int) -> dict:
+        """How to compute block (i, j) with no decisions left (the Schedule's compute-op descriptor).
+
+        ``q_rows`` / ``kv_cols``: [start, end) ranges of chunk-local token indices that take part;
+        ``mask``: ``full`` (the rectangle is entirely permitted) or the workload's elementwise rule
+        (``causal``, ``window``, ``docs``) applied with the tokens' global positions.
+        """
+        rows = self._local_ranges(i, self.q_involved[i, j])
+        cols = self._local_ranges(j, self.kv_involved[i, j])
+        mask = self.workload.mask.kind if self.elementwise[i, j] else "full"
+        return {"q_rows": rows, "kv_cols": cols, "mask": mask}
+
+    def _local_ranges(self, chunk: int, involved: np.ndarray) -> list[list[int]]:
+        out: list[list[int]] = []
+        ch = self.chunks
+        for k in np.flatnonzero(involved):
+            a = int(ch.offset[chunk, k] + self.valid_first[chunk, k])
+            b = a + int(self.valid_count[chunk, k])
+            if out and out[-1][1] == a:
+                out[-1][1] = b
+            else:
+                out.append([a, b])
+        return out

@@ -1,0 +1,346 @@
+"""Topology: devices, switches, NICs and sockets as a networkx graph of directed links.
+
+Loaded from a YAML file (:mod:`meshplan.topology_spec`), by path or by the bare name of a shipped file
+(``h100x32`` or ``h100x32.yaml``). ``gpus`` picks the device count as the CLI contract says: a multiple of
+the GPUs per node (that many nodes), or a divisor of it (placed inside one node, NUMA domain first).
+
+Every directed link has a usable capacity (bytes/s), a latency (s), a class (``nvlink``, ``pcie``,
+``socket``, ``net``, ``loopback``) and a per-flow cap (bytes/s; the NIC's, on network links).
+``route(src, dst)`` gives the link ids a transfer crosses. Links are numbered node by node in one
+template order, so shifting every device by one node maps link ``n·L + k`` to ``(n+1)·L + k``: the
+symmetry the simulator exploits.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from importlib import resources
+from pathlib import Path
+
+import networkx as nx
+import numpy as np
+
+from meshplan.errors import UserError
+from meshplan.kernels import KernelTable, load_kernel_table
+from meshplan.topology_spec import LinkSpec, TopologySpec
+
+LINK_CLASSES = ("loopback", "nvlink", "pcie", "socket", "net")
+MAX_DEVICES = 65536
+
+
+class Topology:
+    """A cluster with a fixed device count. Device ids 0..n_devices−1 are in locality order."""
+
+    def __init__(self, spec: TopologySpec, gpus: int | None = None, source: str = "") -> None:
+        self.spec, self.source, self.name = spec, source, spec.name
+        self.gpus_per_node, self.n_nodes, self.n_devices = _place(spec, gpus)
+        self.graph = nx.DiGraph()
+        self._links: list[tuple[str, str]] = []
+        self._attrs: list[tuple[float, float, str, float]] = []
+        self.device_vertex: list[str] = []
+        self.node_of_device = np.repeat(np.arange(self.n_nodes), self.gpus_per_node)[: self.n_devices]
+        self.domain_of_device = np.zeros(self.n_devices, dtype=np.int64)
+        for n in range(self.n_nodes):
+            self._build_node(n)
+        self.links_per_node = len(self._links) // self.n_nodes
+        self._finish_links()
+        self._route_cache: dict[tuple[int, int], np.ndarray] = {}
+
+    # ---------------------------------------------------------------- loading
+    @classmethod
+    def load(cls, name_or_path: str, gpus: int | None = None) -> Topology:
+        """Load a topology file by path or shipped name.
+
+        Raises:
+            UserError: no such file, invalid YAML or keys, or a device count the topology cannot place.
+        """
+        path, text = _find(name_or_path)
+        spec = _parse(text, path)
+        return cls(spec, gpus, source=str(path))
+
+    # ---------------------------------------------------------------- building
+    def _add_link(self, u: str, v: str, link: LinkSpec, cls_: str, both: bool = True,
+                  flow_cap: float = np.inf, cap: float | None = None) -> None:
+        capacity = link.bytes_per_s if cap is None else cap
+        for a, b in ((u, v), (v, u)) if both else ((u, v),):
+            self.graph.add_edge(a, b, id=len(self._links))
+            self._links.append((a, b))
+            self._attrs.append((capacity, link.latency_us * 1e-6, cls_, flow_cap))
+
+    def _build_node(self, n: int) -> None:
+        node, fab = self.spec.node, self.spec.node.fabric
+        first = n * self.gpus_per_node
+        local = range(min(self.gpus_per_node, self.n_devices - first))
+        devs = [f"n{n}/gpu{i}" for i in local]
+        for v in devs:
+            self.graph.add_node(v, device=True)
+        self.device_vertex.extend(devs)
+        if fab.kind == "nvswitch":
+            for v in devs:
+                self._add_link(v, f"n{n}/nvswitch", fab.port, "nvlink")
+        elif fab.kind == "pcie":
+            per_switch = self.gpus_per_node // (fab.sockets * fab.switches_per_socket)
+            for s in range(fab.sockets):
+                for k in range(fab.switches_per_socket):
+                    self._add_link(f"n{n}/pcie{s}.{k}", f"n{n}/socket{s}", fab.uplink, "pcie")
+                for t in range(s + 1, fab.sockets):
+                    self._add_link(f"n{n}/socket{s}", f"n{n}/socket{t}", fab.socket_link, "socket")
+            for i, v in enumerate(devs):
+                sw = i // per_switch
+                s, k = divmod(sw, fab.switches_per_socket)
+                self._add_link(v, f"n{n}/pcie{s}.{k}", fab.gpu_link, "pcie")
+                self.domain_of_device[first + i] = n * fab.sockets + s
+        else:
+            shared = LinkSpec(usable_GBps=fab.shared_GBps)
+            self._add_link(f"n{n}/lo-in", f"n{n}/lo-out", shared, "loopback", both=False)
+            for v in devs:
+                self._add_link(v, f"n{n}/lo-in", fab.link, "loopback", both=False)
+                self._add_link(f"n{n}/lo-out", v, fab.link, "loopback", both=False)
+        if fab.kind != "pcie":
+            self.domain_of_device[first:first + len(devs)] = n
+        if node.nics is not None and self.n_nodes > 1:
+            self._build_nics(n, devs)
+
+    def _build_nics(self, n: int, devs: list[str]) -> None:
+        nics, net = self.spec.node.nics, self.spec.network
+        per_nic = self.gpus_per_node // nics.count
+        agg = LinkSpec(usable_GBps=nics.node_aggregate_GBps, latency_us=net.latency_us / 2)
+        self._add_link(f"n{n}/net-out", "net", agg, "net", both=False)
+        self._add_link("net", f"n{n}/net-in", agg, "net", both=False)
+        for k in range(nics.count):
+            nic = f"n{n}/nic{k}"
+            cap = nics.per_flow_GBps * 1e9
+            self._add_link(nic, f"n{n}/net-out", nics.port, "net", both=False, flow_cap=cap)
+            self._add_link(f"n{n}/net-in", nic, nics.port, "net", both=False, flow_cap=cap)
+            for v in devs[k * per_nic:(k + 1) * per_nic]:
+                self._add_link(v, nic, nics.gpu_link, "pcie")
+
+    def _finish_links(self) -> None:
+        cap, lat, cls_, flow = zip(*self._attrs)
+        self.link_capacity = np.asarray(cap, dtype=np.float64)
+        self.link_latency_s = np.asarray(lat, dtype=np.float64)
+        self.link_class = np.asarray([LINK_CLASSES.index(c) for c in cls_], dtype=np.int8)
+        self.link_flow_cap = np.asarray(flow, dtype=np.float64)
+        self.n_links = len(self._links)
+        del self._attrs
+
+    # ---------------------------------------------------------------- queries
+    def link_name(self, link: int) -> str:
+        """``'u -> v'`` for a link id."""
+        u, v = self._links[link]
+        return f"{u} -> {v}"
+
+    def route(self, src: int, dst: int) -> np.ndarray:
+        """Link ids from device ``src`` to device ``dst`` (empty when equal). Cached.
+
+        The route is the fewest-hops path that passes through no other device (devices do not forward).
+        Inside a node it is node 0's route shifted; across nodes it is src -> ``net`` -> dst.
+        """
+        key = (src, dst)
+        hit = self._route_cache.get(key)
+        if hit is None:
+            g, L = self.gpus_per_node, self.links_per_node
+            (ns, ls), (nd, ld) = divmod(src, g), divmod(dst, g)
+            if ns == nd:
+                hit = self._template(ls, ld) + ns * L
+            else:
+                up, down = self._template(ls, "net"), self._template("net", ld)
+                hit = np.concatenate([up + ns * L, down + nd * L])
+            self._route_cache[key] = hit
+        return hit
+
+    def _template(self, a, b) -> np.ndarray:
+        key = ("tpl", a, b)
+        if key not in self._route_cache:
+            u = self.device_vertex[a] if a != "net" else "net"
+            v = self.device_vertex[b] if b != "net" else "net"
+            self._route_cache[key] = self._bfs(u, v)
+        return self._route_cache[key]
+
+    def _bfs(self, s: str, t: str) -> np.ndarray:
+        if s == t:
+            return np.zeros(0, dtype=np.int64)
+        succ, parent, frontier = self.graph.succ, {s: None}, [s]
+        while frontier and t not in parent:
+            nxt = []
+            for u in frontier:
+                for v in succ[u]:
+                    if v not in parent and (v == t or not self.graph.nodes[v].get("device")):
+                        parent[v] = u
+                        nxt.append(v)
+            frontier = nxt
+        if t not in parent:
+            raise UserError("topology", f"{self.name}: no route from {s} to {t}")
+        path, v = [], t
+        while parent[v] is not None:
+            path.append(self.graph.edges[parent[v], v]["id"])
+            v = parent[v]
+        return np.asarray(path[::-1], dtype=np.int64)
+
+    def pair_stats(self, src, dst) -> tuple[np.ndarray, np.ndarray]:
+        """Vectorised uncontended (latency_s, bandwidth bytes/s) for device pairs (arrays broadcast).
+
+        latency = alpha_sw + the hops' latencies; bandwidth = the bottleneck of link capacities and
+        per-flow caps on the route (inf, with latency 0, for src == dst).
+        """
+        src, dst = np.broadcast_arrays(np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64))
+        g = self.gpus_per_node
+        (ns, ls), (nd, ld) = np.divmod(src, g), np.divmod(dst, g)
+        t = self._stat_tables()
+        same = ns == nd
+        lat = np.where(same, t["lat"][ls, ld], t["up_lat"][ls] + t["down_lat"][ld])
+        bw = np.where(same, t["bw"][ls, ld], np.minimum(t["up_bw"][ls], t["down_bw"][ld]))
+        overhead = self.spec.p2p_overhead_us * 1e-6
+        lat = np.where(src == dst, 0.0, lat + overhead)
+        return lat, bw
+
+    @functools.cache
+    def _stat_tables(self) -> dict[str, np.ndarray]:
+        g = min(self.gpus_per_node, self.n_devices)
+        stats = lambda r: (self.link_latency_s[r].sum(),  # noqa: E731
+                           min(self.link_capacity[r].min(), self.link_flow_cap[r].min()) if len(r) else np.inf)
+        lat, bw = np.zeros((g, g)), np.full((g, g), np.inf)
+        for a in range(g):
+            for b in range(g):
+                lat[a, b], bw[a, b] = stats(self._template(a, b))
+        up_lat, up_bw, down_lat, down_bw = (np.zeros(g), np.full(g, np.inf), np.zeros(g), np.full(g, np.inf))
+        if self.n_nodes > 1:
+            for a in range(g):
+                up_lat[a], up_bw[a] = stats(self._template(a, "net"))
+                down_lat[a], down_bw[a] = stats(self._template("net", a))
+        return {"lat": lat, "bw": bw, "up_lat": up_lat, "up_bw": up_bw, "down_lat": down_lat, "down_bw": down_bw}
+
+    def route_latency_s(self, src: int, dst: int) -> float:
+        """Software overhead plus the latency of every hop (seconds)."""
+        return float(self.pair_stats(src, dst)[0])
+
+    def route_bandwidth(self, src: int, dst: int) -> float:
+        """Uncontended rate of one flow (bytes/s): the bottleneck capacity and per-flow caps on the route."""
+        return float(self.pair_stats(src, dst)[1])
+
+    def transfer_time_s(self, src: int, dst: int, size_bytes: float) -> float:
+        """Uncontended alpha-beta time: alpha_sw + sum of hop latencies + size / bottleneck rate."""
+        if src == dst:
+            return 0.0
+        lat, bw = self.pair_stats(src, dst)
+        return float(lat + size_bytes / bw)
+
+    def same_node(self, a, b):
+        """Whether devices are in one node (arrays broadcast)."""
+        return self.node_of_device[a] == self.node_of_device[b]
+
+    @functools.cached_property
+    def kernel(self) -> KernelTable:
+        """The device's attention efficiency table."""
+        base = str(Path(self.source).parent) if self.source else None
+        return load_kernel_table(self.spec.node.device.kernel, base)
+
+    def peak_flops(self, dtype: str) -> float:
+        """Peak FLOP/s of one device for attention in ``dtype``."""
+        d = self.spec.node.device
+        tflops = {"bf16": d.peak_bf16_tflops, "fp16": d.peak_fp16_tflops or d.peak_bf16_tflops,
+                  "fp32": d.peak_fp32_tflops}[dtype]
+        return tflops * 1e12
+
+    @property
+    def memory_bytes(self) -> float:
+        """Device memory in bytes."""
+        d = self.spec.node.device
+        return d.memory_GB * 1e9 if d.memory_GB is not None else d.memory_GiB * 2**30
+
+    @property
+    def hbm_bytes_per_s(self) -> float:
+        """Device memory bandwidth, bytes/s."""
+        return self.spec.node.device.hbm_GBps * 1e9
+
+    @property
+    def pool_capacity(self) -> float | None:
+        """Ranks' worth of compute the shared pool gives (None: every device computes on its own)."""
+        pool = self.spec.node.compute_pool
+        return None if pool is None else pool.cores / pool.threads_per_rank
+
+    def kappa(self) -> np.ndarray:
+        """kappa per link class, in LINK_CLASSES order."""
+        k = self.spec.overlap_kappa
+        return np.asarray([getattr(k, c) for c in LINK_CLASSES], dtype=np.float64)
+
+    @functools.cached_property
+    def content_hash(self) -> str:
+        """sha256 of the spec and the device count (a schedule records it)."""
+        blob = json.dumps({"spec": self.spec.model_dump(mode="json"), "devices": self.n_devices}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def node_shift_links(self, k: int) -> np.ndarray:
+        """Link permutation for shifting every device by ``k`` nodes (link l -> result[l])."""
+        ids = np.arange(self.n_links)
+        node, local = np.divmod(ids, self.links_per_node)
+        return ((node + k) % self.n_nodes) * self.links_per_node + local
+
+    @property
+    def node_symmetric(self) -> bool:
+        """Whether shifting all devices by whole nodes is an automorphism (all nodes full and alike)."""
+        return self.n_nodes > 1 and self.n_devices == self.n_nodes * self.gpus_per_node
+
+
+def _place(spec: TopologySpec, gpus: int | None) -> tuple[int, int, int]:
+    """(devices per node, nodes, devices) for a requested device count."""
+    node = spec.node
+    if node.gpus is None:  # a host of CPU ranks: any count up to max_ranks
+        default = node.compute_pool.cores if node.compute_pool is not None else node.max_ranks
+        n = gpus if gpus is not None else default
+        if not 1 <= n <= node.max_ranks:
+            raise UserError("--gpus", f"{spec.name} takes 1..{node.max_ranks} ranks, not {n}",
+                            f"use a rank count from 1 to {node.max_ranks}")
+        return n, 1, n
+    g = node.gpus
+    if gpus is None:
+        return g, spec.nodes, g * spec.nodes
+    if gpus > 0 and gpus % g == 0 and gpus <= MAX_DEVICES:
+        return g, gpus // g, gpus
+    if gpus > 0 and g % gpus == 0:
+        return g, 1, gpus
+    divisors = [d for d in range(1, g + 1) if g % d == 0]
+    raise UserError("--gpus", f"{gpus} GPUs cannot be placed on {spec.name} ({g} GPUs per node)",
+                    f"use a divisor of {g} ({', '.join(map(str, divisors))}) or a multiple of {g} "
+                    f"({g}, {2 * g}, {3 * g}, ...)")
+
+
+def shipped_topologies() -> list[str]:
+    """Names of the topology files shipped with the package."""
+    root = resources.files("meshplan").joinpath("topologies")
+    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml"))
+
+
+def _find(name_or_path: str) -> tuple[Path, str]:
+    path = Path(name_or_path)
+    if path.is_file():
+        return path, path.read_text()
+    stem = path.name[:-5] if path.name.endswith(".yaml") else path.name
+    shipped = resources.files("meshplan").joinpath(f"topologies/{stem}.yaml")
+    if path.parent == Path(".") or str(path.parent).endswith("topologies"):
+        if shipped.is_file():
+            return Path(str(shipped)), shipped.read_text()
+    raise UserError("--topo", f"no topology file {name_or_path!r}",
+                    f"give a path or a shipped name: {', '.join(shipped_topologies())}")
+
+
+def _parse(text: str, path: Path) -> TopologySpec:
+    import yaml
+    from pydantic import ValidationError
+
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise UserError(f"--topo {path.name}", f"invalid YAML{where}", "fix the file's syntax") from None
+    try:
+        return TopologySpec.model_validate(raw)
+    except ValidationError as err:
+        first = err.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"] if not str(p).startswith(("function-", "tagged-union")))
+        msg = first["msg"].replace("Extra inputs are not permitted", "unknown key")
+        fix = "remove or correct it" if first["type"] == "extra_forbidden" else "see the shipped topologies"
+        raise UserError(f"{path.name}: {loc}", msg, fix) from None

@@ -1,0 +1,166 @@
+"""The topology YAML format: pydantic models with unit-suffixed keys, unknown keys refused.
+
+A file describes one node template (device, intra-node fabric, NICs), a node count and the network
+between nodes. Every number carries its source in a YAML comment (ARCHITECTURE.md invariant 6).
+Human units here (``GBps`` = 1e9 bytes/s per direction, ``us``, ``TFLOPS``, ``GB``/``GiB``); the
+:class:`~meshplan.topology.Topology` converts them once to bytes/s, seconds and FLOP/s.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+
+NonNegFloat = Annotated[float, Field(ge=0)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LinkSpec(_Strict):
+    """One direction's usable capacity and per-hop latency of a link.
+
+    Give either ``usable_GBps`` (measured or effective) or ``nominal_GBps`` with ``efficiency``, never both.
+    """
+
+    usable_GBps: PositiveFloat | None = Field(None, description="usable bandwidth per direction, GB/s (1e9 B/s)")
+    nominal_GBps: PositiveFloat | None = Field(None, description="datasheet bandwidth per direction, GB/s")
+    efficiency: Annotated[float, Field(gt=0, le=1)] | None = Field(None, description="usable / nominal")
+    latency_us: NonNegFloat = Field(0.0, description="per-hop latency, microseconds")
+
+    @model_validator(mode="after")
+    def _one_form(self) -> LinkSpec:
+        if (self.usable_GBps is None) == (self.nominal_GBps is None):
+            raise ValueError("give either usable_GBps, or nominal_GBps with efficiency")
+        if (self.nominal_GBps is None) != (self.efficiency is None):
+            raise ValueError("nominal_GBps needs efficiency (and efficiency needs nominal_GBps)")
+        return self
+
+    @property
+    def bytes_per_s(self) -> float:
+        """Usable bytes/s per direction."""
+        gbps = self.usable_GBps if self.usable_GBps is not None else self.nominal_GBps * self.efficiency
+        return gbps * 1e9
+
+
+class DeviceSpec(_Strict):
+    """The accelerator (or CPU rank) in every slot of a node."""
+
+    model: str
+    peak_bf16_tflops: PositiveFloat = Field(description="dense BF16 peak, TFLOP/s")
+    peak_fp16_tflops: PositiveFloat | None = Field(None, description="dense FP16 peak; default: the BF16 peak")
+    peak_fp32_tflops: PositiveFloat = Field(description="FP32 peak used for fp32 attention, TFLOP/s")
+    memory_GB: PositiveFloat | None = None
+    memory_GiB: PositiveFloat | None = None
+    hbm_GBps: PositiveFloat = Field(description="device memory bandwidth, GB/s (merges are memory bound)")
+    kernel: str = Field(description="attention efficiency table: a name in topologies/kernels/ or a path")
+
+    @model_validator(mode="after")
+    def _one_memory(self) -> DeviceSpec:
+        if (self.memory_GB is None) == (self.memory_GiB is None):
+            raise ValueError("give exactly one of memory_GB or memory_GiB")
+        return self
+
+
+class NVSwitchFabric(_Strict):
+    """All GPUs of the node on NVSwitch: contention only at each GPU's in/out port."""
+
+    kind: Literal["nvswitch"]
+    port: LinkSpec
+
+
+class PcieFabric(_Strict):
+    """A PCIe tree: GPU -> switch -> socket (root complex); sockets joined by a socket link (UPI/xGMI).
+
+    GPUs are numbered socket-major, switch-major: socket 0's first switch holds GPUs 0..k−1.
+    """
+
+    kind: Literal["pcie"]
+    sockets: PositiveInt
+    switches_per_socket: PositiveInt
+    gpu_link: LinkSpec
+    uplink: LinkSpec
+    socket_link: LinkSpec
+
+
+class LoopbackFabric(_Strict):
+    """CPU ranks of one host talking over loopback: per-rank links into one shared pool."""
+
+    kind: Literal["loopback"]
+    link: LinkSpec
+    shared_GBps: PositiveFloat = Field(description="all loopback traffic of the host together, GB/s")
+
+
+class NicSpec(_Strict):
+    """NICs of a node: GPU k uses NIC k * count // gpus. Per-flow cap and per-node aggregate both apply."""
+
+    count: PositiveInt
+    gpu_link: LinkSpec = Field(description="GPU <-> NIC path (PCIe)")
+    port: LinkSpec = Field(description="one NIC's port to the network")
+    per_flow_GBps: PositiveFloat = Field(description="the most one flow reaches, GB/s")
+    node_aggregate_GBps: PositiveFloat = Field(description="all of a node's NICs together, GB/s per direction")
+
+
+class ComputePool(_Strict):
+    """Ranks sharing a host's cores: capacity = cores / threads_per_rank ranks at full speed."""
+
+    cores: PositiveInt
+    threads_per_rank: PositiveInt = 1
+
+
+class NodeSpec(_Strict):
+    """The node template."""
+
+    device: DeviceSpec
+    gpus: PositiveInt | None = Field(None, description="devices per node; omit for a host of any rank count")
+    max_ranks: PositiveInt | None = Field(None, description="with gpus omitted: the most ranks the host takes")
+    fabric: Union[NVSwitchFabric, PcieFabric, LoopbackFabric] = Field(discriminator="kind")
+    nics: NicSpec | None = None
+    compute_pool: ComputePool | None = None
+
+    @model_validator(mode="after")
+    def _shape(self) -> NodeSpec:
+        if self.gpus is None and (self.fabric.kind != "loopback" or self.max_ranks is None):
+            raise ValueError("gpus is required (only a loopback host may omit it and give max_ranks)")
+        if isinstance(self.fabric, PcieFabric) and self.gpus is not None:
+            per = self.fabric.sockets * self.fabric.switches_per_socket
+            if self.gpus % per:
+                raise ValueError(f"gpus ({self.gpus}) must divide evenly over {per} PCIe switches")
+        if self.nics is not None and self.gpus is not None and self.gpus % self.nics.count:
+            raise ValueError(f"nics.count ({self.nics.count}) must divide gpus ({self.gpus})")
+        return self
+
+
+class NetworkSpec(_Strict):
+    """Between nodes: a non-blocking switch (full bisection) with a per-traversal latency."""
+
+    kind: Literal["nonblocking"] = "nonblocking"
+    latency_us: NonNegFloat = 0.0
+
+
+class OverlapSpec(_Strict):
+    """kappa per link class: the fraction of compute lost while a transfer of that class is active.
+
+    Calculon's ``processor_usage`` (0.15 NVLink, 0.02 network); other classes are ours to measure.
+    """
+
+    nvlink: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    pcie: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    socket: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    net: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    loopback: Annotated[float, Field(ge=0, lt=1)] = 0.0
+
+
+class TopologySpec(_Strict):
+    """A topology file."""
+
+    name: str
+    description: str = ""
+    nodes: PositiveInt = Field(description="node count when --gpus is not given")
+    node: NodeSpec
+    network: NetworkSpec = NetworkSpec()
+    p2p_overhead_us: NonNegFloat = Field(description="software cost per message (alpha_sw), microseconds")
+    step_overhead_us: NonNegFloat = Field(0.0, description="per batched-P2P launch overhead, microseconds")
+    overlap_kappa: OverlapSpec = OverlapSpec()

@@ -1,0 +1,204 @@
+"""The verifier: proves a schedule is complete, matched, deadlock-free and within memory.
+
+Checks (ARCHITECTURE.md invariant 4), each reported as one line per violation (first few of each kind):
+
+* structure: known kinds, comm ops on comm streams with a peer in range, compute-type ops on compute
+  streams, one communicator per comm stream; deps on earlier ops of the same rank and pass (so a rank can
+  issue its ops in program order);
+* tensors: every referenced tensor exists on the op's rank; sizes match the workload;
+* transfers: every send has exactly one FIFO-matched recv with equal bytes and dtype;
+* coverage: in every pass, every mask-permitted (query chunk, KV chunk) block is computed exactly once
+  for every query head, and no block without a permitted pair is computed;
+* data hazards: every buffer access ordered as the data requires (:mod:`meshplan.hazards`);
+* deadlock freedom: the semantics of :mod:`meshplan.schedule` are monotone, so the schedule can run to
+  completion iff the uncontended evaluation of :mod:`meshplan.dataflow` completes every item;
+* memory: peak live tensor bytes per rank, along that evaluation, within the device memory (when a
+  topology is given).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from meshplan.dataflow import build_items, evaluate, peak_memory
+from meshplan.hazards import check_hazards
+from meshplan.matrix import AttnMatrix
+from meshplan.schedule import (COMPUTE, DTYPES, KIND, OP_KINDS, RECV, SEND, TENSOR_KIND_NAMES, Schedule,
+                               tensor_bytes)
+
+_COMPUTE_KINDS = np.array([KIND[k] for k in ("compute", "merge", "accumulate", "alloc", "free")])
+_MAX_PER_KIND = 5
+
+
+@dataclass
+class Report:
+    """The verifier's verdict: ``ok`` when ``violations`` is empty."""
+
+    violations: list[str] = field(default_factory=list)
+    peak_memory_bytes: float = 0.0
+    counts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        """True when the schedule passed every check."""
+        return not self.violations
+
+    def add(self, kind: str, lines: list[str]) -> None:
+        """Record violations of one kind (the first few, with a count of the rest)."""
+        if lines:
+            self.violations.extend(lines[:_MAX_PER_KIND])
+            if len(lines) > _MAX_PER_KIND:
+                self.violations.append(f"... and {len(lines) - _MAX_PER_KIND} more {kind} violations")
+            self.counts[kind] = len(lines)
+
+
+def verify(sched: Schedule, memory_bytes: float | None = None, op_seconds: np.ndarray | None = None,
+           transfer_seconds: np.ndarray | None = None) -> Report:
+    """Run every check. ``op_seconds``/``transfer_seconds`` time the evaluation (default: unit times)."""
+    rep = Report()
+    rep.add("structure", _structure(sched))
+    if rep.violations:
+        return rep  # later checks index with these fields
+    rep.add("tensor", _tensors(sched))
+    partner, _, problems = sched.match_transfers()
+    rep.add("transfer", problems)
+    matrix = AttnMatrix(sched.workload, sched.n_chunks)
+    for phase in sched.passes:
+        rep.add("coverage", _coverage(sched, matrix, phase))
+    rep.add("pass", _passes(sched))
+    if rep.violations:
+        return rep
+    n = len(sched.ops)
+    dur = np.ones(n) if op_seconds is None else op_seconds
+    tr = np.ones(n) if transfer_seconds is None else transfer_seconds
+    for phase in sched.passes:
+        items = build_items(sched, phase, partner)
+        rep.add("deadlock", [f"op {int(items.members[items.member_ptr[i]])}: depends on another op of its own "
+                             f"batch (a cycle)" for i in items.self_dep])
+        ev = evaluate(items, dur, tr)
+        if not ev.complete:
+            rep.add("deadlock", _stuck(sched, items, ev))
+            continue
+        rep.add("hazard", check_hazards(sched, items))
+        start, end = np.full(n, np.nan), np.full(n, np.nan)
+        start[items.ops], end[items.ops] = ev.start[items.item_of_op[items.ops]], ev.end[items.item_of_op[items.ops]]
+        peak = peak_memory(sched, phase, start, end)
+        rep.peak_memory_bytes = max(rep.peak_memory_bytes, float(peak.max(initial=0)))
+        if memory_bytes is not None and peak.max(initial=0) > memory_bytes:
+            r = int(peak.argmax())
+            rep.add("memory", [f"rank {r} needs {peak[r] / 1e9:.3g} GB of buffers in {('fwd', 'bwd')[phase]}, "
+                               f"more than the device's {memory_bytes / 1e9:.3g} GB"])
+    return rep
+
+
+def _structure(s: Schedule) -> list[str]:
+    o, out = s.ops, []
+    n = len(o)
+    if len(set(s.streams.communicator[i] for i, k in enumerate(s.streams.kinds) if k == "comm")) != \
+            sum(k == "comm" for k in s.streams.kinds):
+        out.append("two comm streams share a communicator; give each its own")
+    bad_kind = np.flatnonzero((o.kind < 0) | (o.kind >= len(OP_KINDS)))
+    out += [f"op {i}: unknown kind" for i in bad_kind]
+    stream_kind = np.asarray([k == "comm" for k in s.streams.kinds])[o.stream]
+    comm = (o.kind == SEND) | (o.kind == RECV)
+    out += [f"op {i}: {OP_KINDS[o.kind[i]]} on compute stream {s.streams.names[o.stream[i]]!r}"
+            for i in np.flatnonzero(comm & ~stream_kind)]
+    out += [f"op {i}: {OP_KINDS[o.kind[i]]} on comm stream {s.streams.names[o.stream[i]]!r}"
+            for i in np.flatnonzero(np.isin(o.kind, _COMPUTE_KINDS) & stream_kind)]
+    bad_peer = comm & ((o.peer < 0) | (o.peer >= s.n_ranks) | (o.peer == o.rank))
+    out += [f"op {i} on rank {o.rank[i]}: peer {o.peer[i]} is not another rank" for i in np.flatnonzero(bad_peer)]
+    owner = np.repeat(np.arange(n), np.diff(o.dep_ptr))
+    d = o.deps
+    bad = (d < 0) | (d >= n)
+    dc = np.clip(d, 0, max(n - 1, 0))
+    bad |= (o.rank[dc] != o.rank[owner]) | (dc >= owner) | (o.phase[dc] != o.phase[owner])
+    out += [f"op {owner[k]} on rank {o.rank[owner[k]]}: dep {d[k]} is not an earlier op of the same rank and pass"
+            for k in np.flatnonzero(bad)]
+    return out
+
+
+def _tensors(s: Schedule) -> list[str]:
+    o, t, out = s.ops, s.tensors, []
+    nt = len(t)
+    refs = [(np.repeat(np.arange(len(o)), np.diff(o.in_ptr)), o.inputs, "input"),
+            (np.repeat(np.arange(len(o)), np.diff(o.out_ptr)), o.outputs, "output")]
+    comm = np.flatnonzero((o.kind == SEND) | (o.kind == RECV))
+    refs.append((comm, o.tensor[comm], "tensor"))
+    for owner, tid, what in refs:
+        bad = (tid < 0) | (tid >= nt)
+        out += [f"op {owner[k]}: {what} {tid[k]} does not exist" for k in np.flatnonzero(bad)]
+        ok = ~bad
+        wrong = np.flatnonzero(ok & (t.rank[np.clip(tid, 0, max(nt - 1, 0))] != o.rank[owner]))
+        out += [f"op {owner[k]} on rank {o.rank[owner[k]]}: {what} {tid[k]} lives on rank {t.rank[tid[k]]}"
+                for k in wrong]
+    c = s.workload.seq_len // s.n_chunks
+    nchunks = np.diff(t.chunk_ptr)
+    key = np.stack([t.kind, nchunks, t.h1 - t.h0, t.dtype], axis=1)
+    uniq, inv = np.unique(key, axis=0, return_inverse=True)
+    expect = np.array([tensor_bytes(s.workload, TENSOR_KIND_NAMES[k], c * m, h, DTYPES[dt]) for k, m, h, dt in uniq])
+    bad = np.flatnonzero(expect[inv.ravel()] != t.size_bytes)
+    out += [f"tensor {i} ({TENSOR_KIND_NAMES[t.kind[i]]}): {t.size_bytes[i]} bytes, the workload needs "
+            f"{expect[inv.ravel()[i]]}" for i in bad]
+    wire = o.size_bytes[comm]
+    tk = t.kind[o.tensor[comm]]
+    wkey = np.stack([tk, nchunks[o.tensor[comm]], (t.h1 - t.h0)[o.tensor[comm]], o.dtype[comm]], axis=1)
+    wu, winv = np.unique(wkey, axis=0, return_inverse=True) if len(comm) else (np.zeros((0, 4), int), np.zeros(0, int))
+    wexp = np.array([tensor_bytes(s.workload, TENSOR_KIND_NAMES[k], c * m, h, DTYPES[dt]) for k, m, h, dt in wu])
+    bad = np.flatnonzero(wexp[winv.ravel()] != wire) if len(comm) else []
+    out += [f"op {comm[k]}: moves {wire[k]} bytes, its tensor is {wexp[winv.ravel()[k]]} bytes on the wire"
+            for k in bad]
+    return out
+
+
+def _coverage(s: Schedule, m: AttnMatrix, phase: int) -> list[str]:
+    """Every permitted block exactly once per head; no block without a permitted pair."""
+    o, H, N = s.ops, s.workload.n_heads, s.n_chunks
+    ops = np.flatnonzero((o.kind == COMPUTE) & (o.phase == phase))
+    nq, nk = np.diff(o.qc_ptr)[ops], np.diff(o.kvc_ptr)[ops]
+    reps = nq * nk
+    op_of = np.repeat(ops, reps)
+    local = np.arange(reps.sum()) - np.repeat(np.cumsum(reps) - reps, reps)
+    qi = o.q_chunks[o.qc_ptr[op_of] + local // np.repeat(nk, reps)]
+    ki = o.kv_chunks[o.kvc_ptr[op_of] + local % np.repeat(nk, reps)]
+    h0, h1 = o.h0[op_of].astype(np.int64), o.h1[op_of].astype(np.int64)
+    out: list[str] = []
+    name = ("fwd", "bwd")[phase]
+    empty = ~m.permitted[qi, ki]
+    out += [f"{name}: op {op_of[k]} computes block ({qi[k]}, {ki[k]}), which has no permitted pair"
+            for k in np.flatnonzero(empty)]
+    block = qi * N + ki
+    order = np.lexsort((h0, block))
+    b, a0, a1, ow = block[order], h0[order], h1[order], op_of[order]
+    first = np.r_[True, b[1:] != b[:-1]] if len(b) else np.zeros(0, dtype=bool)
+    last = np.r_[b[1:] != b[:-1], True] if len(b) else np.zeros(0, dtype=bool)
+    prev_h1 = np.r_[0, a1[:-1]]
+    gap = np.where(first, a0 != 0, a0 != prev_h1)
+    out += [f"{name}: block ({b[k] // N}, {b[k] % N}) heads {'overlap' if a0[k] < prev_h1[k] and not first[k] else 'gap'}"
+            f" at head {a0[k]} (op {ow[k]}): computed twice or missing" for k in np.flatnonzero(gap)]
+    out += [f"{name}: block ({b[k] // N}, {b[k] % N}) covers heads up to {a1[k]} of {H} (op {ow[k]})"
+            for k in np.flatnonzero(last & (a1 != H))]
+    covered = np.zeros(N * N, dtype=bool)
+    covered[block] = True
+    missing = np.flatnonzero(m.permitted.ravel() & ~covered)
+    out += [f"{name}: block ({i // N}, {i % N}) is never computed" for i in missing]
+    return out
+
+
+def _passes(s: Schedule) -> list[str]:
+    want = {"fwd": [0], "bwd": [1], "fwd+bwd": [0, 1]}[s.workload.passes]
+    if s.passes != want:
+        have = "+".join(("fwd", "bwd")[p] for p in s.passes) or "nothing"
+        return [f"the workload asks for {s.workload.passes} but the schedule holds {have}"]
+    return []
+
+
+def _stuck(s: Schedule, items, ev) -> list[str]:
+    never = np.flatnonzero(~np.isfinite(ev.end))
+    lines = []
+    for i in never[:_MAX_PER_KIND]:
+        op = int(items.members[items.member_ptr[i]])
+        lines.append(f"deadlock: op {op} ({OP_KINDS[s.ops.kind[op]]}) on rank {s.ops.rank[op]} stream "
+                     f"{s.streams.names[s.ops.stream[op]]!r} never completes")
+    return lines + ([f"... {len(never)} items never complete"] if len(never) > _MAX_PER_KIND else [])

@@ -1,0 +1,204 @@
+"""The attention workload: shapes, dtype, mask, token layout and pass.
+
+Vocabulary (STYLE.md): B batch, S tokens of the whole sequence, H query heads, Hkv KV heads
+(GQA group g = H / Hkv), D head dim. ``valid_len`` marks tokens at positions >= valid_len as padding:
+they never contribute as keys and their outputs are not computed.
+
+Presets live in ``meshplan/data/presets.yaml``; explicit flags override a preset, which overrides the
+contract's defaults (``--model llama3-8b --seq-len 1M --batch 1 --dtype bf16 --mask causal
+--layout zigzag --pass fwd+bwd``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+from meshplan.errors import UserError
+from meshplan.units import DTYPE_BYTES, fmt_count, parse_count
+
+LAYOUTS = ("contiguous", "zigzag", "striped")
+PASSES = ("fwd", "bwd", "fwd+bwd")
+MASK_KINDS = ("full", "causal", "window", "docs")
+DEFAULTS: dict[str, Any] = {"model": "llama3-8b", "seq_len": 2**20, "batch": 1, "dtype": "bf16",
+                            "mask": "causal", "layout": "zigzag", "passes": "fwd+bwd"}
+
+
+@dataclass(frozen=True)
+class Mask:
+    """Which (query, key) pairs attend.
+
+    ``full``: all pairs. ``causal``: key position <= query position. ``window``: causal and
+    query - key < ``window`` (sliding window of W tokens, the query's own included). ``docs``: causal
+    inside each document of a packed sequence, documents of ``doc_lens`` tokens in order.
+    """
+
+    kind: str = "causal"
+    window: int = 0
+    doc_lens: tuple[int, ...] = ()
+
+    @classmethod
+    def parse(cls, text: str, field: str = "--mask") -> Mask:
+        """Parse ``full | causal | window:W | docs:L1,L2,...`` (sizes accept K/M suffixes)."""
+        kind, _, arg = str(text).strip().partition(":")
+        if kind not in MASK_KINDS:
+            raise UserError(field, f"unknown mask {text!r}", "use full, causal, window:W or docs:L1,L2,...")
+        if kind in ("full", "causal"):
+            if arg:
+                raise UserError(field, f"{kind} takes no argument", f"write --mask {kind}")
+            return cls(kind)
+        if not arg:
+            raise UserError(field, f"{kind} needs an argument", "write window:4096 or docs:1000,3096")
+        if kind == "window":
+            return cls("window", window=parse_count(arg, field))
+        return cls("docs", doc_lens=tuple(parse_count(x, field) for x in arg.split(",")))
+
+    def spec(self) -> str:
+        """The CLI spelling of this mask (round-trips through :meth:`parse`)."""
+        if self.kind == "window":
+            return f"window:{self.window}"
+        if self.kind == "docs":
+            return "docs:" + ",".join(str(n) for n in self.doc_lens)
+        return self.kind
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One attention layer's work. Sizes in tokens; ``dtype`` of Q/K/V/O on the wire and in kernels."""
+
+    batch: int
+    seq_len: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    dtype: str = "bf16"
+    mask: Mask = Mask("causal")
+    layout: str = "zigzag"
+    passes: str = "fwd+bwd"
+    valid_len: int | None = None
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    @property
+    def gqa_group(self) -> int:
+        """g = H / Hkv: query heads per KV head."""
+        return self.n_heads // self.n_kv_heads
+
+    @property
+    def elem_bytes(self) -> int:
+        """Bytes per element of the input dtype (beta)."""
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def n_valid(self) -> int:
+        """Tokens that are not padding."""
+        return self.seq_len if self.valid_len is None else self.valid_len
+
+    @property
+    def pass_list(self) -> tuple[str, ...]:
+        """``('fwd',)``, ``('bwd',)`` or ``('fwd', 'bwd')``."""
+        return ("fwd", "bwd") if self.passes == "fwd+bwd" else (self.passes,)
+
+    def with_(self, **changes: Any) -> Workload:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (mask as its CLI spelling)."""
+        d = dataclasses.asdict(self)
+        d["mask"] = self.mask.spec()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Workload:
+        """Inverse of :meth:`to_dict`."""
+        d = dict(d)
+        d["mask"] = Mask.parse(d["mask"], "workload.mask")
+        return cls(**d)
+
+    def describe(self) -> str:
+        """One line for tables and logs."""
+        name = self.model or "custom"
+        return (f"{name}: B={self.batch} S={fmt_count(self.seq_len)} H={self.n_heads} Hkv={self.n_kv_heads} "
+                f"D={self.head_dim} {self.dtype} {self.mask.spec()} {self.layout} {self.passes}")
+
+
+def _validate(w: Workload) -> None:
+    for name in ("batch", "seq_len", "n_heads", "n_kv_heads", "head_dim"):
+        value = getattr(w, name)
+        if not isinstance(value, int) or value <= 0:
+            raise UserError(_flag(name), f"must be a positive integer, got {value!r}")
+    if w.n_heads % w.n_kv_heads:
+        divisors = [k for k in range(1, w.n_heads + 1) if w.n_heads % k == 0]
+        raise UserError("--kv-heads", f"{w.n_kv_heads} KV heads do not divide {w.n_heads} query heads",
+                        f"choose one of {', '.join(map(str, divisors))}")
+    if w.dtype not in DTYPE_BYTES:
+        raise UserError("--dtype", f"unknown dtype {w.dtype!r}", "use bf16, fp16 or fp32")
+    if w.layout not in LAYOUTS:
+        raise UserError("--layout", f"unknown layout {w.layout!r}", "use contiguous, zigzag or striped")
+    if w.passes not in PASSES:
+        raise UserError("--pass", f"unknown pass {w.passes!r}", "use fwd, bwd or fwd+bwd")
+    if w.valid_len is not None and not 0 < w.valid_len <= w.seq_len:
+        raise UserError("--valid-len", f"{w.valid_len} is outside 1..{w.seq_len} (--seq-len)",
+                        "give the number of real tokens, at most --seq-len")
+    if w.mask.kind == "docs" and sum(w.mask.doc_lens) != w.seq_len:
+        raise UserError("--mask", f"document lengths add up to {sum(w.mask.doc_lens)}, not --seq-len "
+                        f"{w.seq_len}", "make them add up to the sequence length (pad with --valid-len)")
+
+
+_FLAGS = {"batch": "--batch", "seq_len": "--seq-len", "n_heads": "--heads", "n_kv_heads": "--kv-heads",
+          "head_dim": "--head-dim"}
+
+
+def _flag(name: str) -> str:
+    return _FLAGS.get(name, name)
+
+
+@functools.cache
+def presets() -> dict[str, dict[str, Any]]:
+    """The shipped model presets (name -> fields), validated."""
+    import yaml
+    from pydantic import BaseModel, ConfigDict, PositiveInt
+
+    class Preset(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        n_heads: PositiveInt
+        n_kv_heads: PositiveInt
+        head_dim: PositiveInt
+        dtype: str | None = None
+        mask: str | None = None
+        batch: PositiveInt | None = None
+        seq_len: PositiveInt | None = None
+
+    text = resources.files("meshplan").joinpath("data/presets.yaml").read_text()
+    raw = yaml.safe_load(text)
+    return {name: Preset.model_validate(body).model_dump(exclude_none=True) for name, body in raw.items()}
+
+
+def resolve(*, model: str | None = None, seq_len: str | int | None = None, batch: int | None = None,
+            heads: int | None = None, kv_heads: int | None = None, head_dim: int | None = None,
+            dtype: str | None = None, mask: str | None = None, layout: str | None = None,
+            passes: str | None = None, valid_len: str | int | None = None) -> Workload:
+    """Build a Workload from CLI-style values: explicit values > the preset > the contract's defaults.
+
+    Raises:
+        UserError: unknown preset or any invalid field (one line naming the flag).
+    """
+    name = model if model is not None else DEFAULTS["model"]
+    table = presets()
+    if name not in table:
+        raise UserError("--model", f"unknown preset {name!r}", f"use one of {', '.join(table)}")
+    base = {**DEFAULTS, **table[name]}
+    pick = lambda given, key: given if given is not None else base[key]  # noqa: E731
+    return Workload(
+        batch=pick(batch, "batch"),
+        seq_len=parse_count(pick(seq_len, "seq_len"), "--seq-len"),
+        n_heads=pick(heads, "n_heads"), n_kv_heads=pick(kv_heads, "n_kv_heads"),
+        head_dim=pick(head_dim, "head_dim"), dtype=pick(dtype, "dtype"),
+        mask=Mask.parse(pick(mask, "mask")), layout=pick(layout, "layout"), passes=pick(passes, "passes"),
+        valid_len=None if valid_len is None else parse_count(valid_len, "--valid-len"), model=name)
