@@ -212,6 +212,27 @@ class Topology:
                 down_lat[a], down_bw[a] = stats(self._template("net", a))
         return {"lat": lat, "bw": bw, "up_lat": up_lat, "up_bw": up_bw, "down_lat": down_lat, "down_bw": down_bw}
 
+    def link_loads(self, src, dst, size_bytes) -> np.ndarray:
+        """[n_links] bytes crossing every link when each (src, dst) pair moves ``size_bytes`` (vectorised)."""
+        src, dst, size = np.broadcast_arrays(np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64),
+                                             np.asarray(size_bytes, dtype=np.float64))
+        src, dst, size = src.ravel(), dst.ravel(), size.ravel()
+        g, L = self.gpus_per_node, self.links_per_node
+        (ns, ls), (nd, ld) = np.divmod(src, g), np.divmod(dst, g)
+        load = np.zeros(self.n_links)
+        moving = src != dst
+        same = moving & (ns == nd)
+        parts = [(same, ls * g + ld, ns, lambda k: self._template(*divmod(k, g)))]
+        if self.n_nodes > 1:
+            parts += [(moving & ~same, ls, ns, lambda k: self._template(k, "net")),
+                      (moving & ~same, ld, nd, lambda k: self._template("net", k))]
+        for sel, key, node, template in parts:
+            for k in np.unique(key[sel]).tolist():
+                rows = sel & (key == k)
+                links = template(k)
+                np.add.at(load, (links[None, :] + (node[rows] * L)[:, None]).ravel(), np.repeat(size[rows], len(links)))
+        return load
+
     def route_latency_s(self, src: int, dst: int) -> float:
         """Software overhead plus the latency of every hop (seconds)."""
         return float(self.pair_stats(src, dst)[0])

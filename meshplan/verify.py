@@ -135,21 +135,35 @@ def _tensors(s: Schedule) -> list[str]:
                 for k in wrong]
     c = s.workload.seq_len // s.n_chunks
     nchunks = np.diff(t.chunk_ptr)
-    key = np.stack([t.kind, nchunks, t.h1 - t.h0, t.dtype], axis=1)
-    uniq, inv = np.unique(key, axis=0, return_inverse=True)
+    uniq, inv = _unique_rows(t.kind, nchunks, t.h1 - t.h0, t.dtype)
     expect = np.array([tensor_bytes(s.workload, TENSOR_KIND_NAMES[k], c * m, h, DTYPES[dt]) for k, m, h, dt in uniq])
     bad = np.flatnonzero(expect[inv.ravel()] != t.size_bytes)
     out += [f"tensor {i} ({TENSOR_KIND_NAMES[t.kind[i]]}): {t.size_bytes[i]} bytes, the workload needs "
             f"{expect[inv.ravel()[i]]}" for i in bad]
     wire = o.size_bytes[comm]
     tk = t.kind[o.tensor[comm]]
-    wkey = np.stack([tk, nchunks[o.tensor[comm]], (t.h1 - t.h0)[o.tensor[comm]], o.dtype[comm]], axis=1)
-    wu, winv = np.unique(wkey, axis=0, return_inverse=True) if len(comm) else (np.zeros((0, 4), int), np.zeros(0, int))
+    wu, winv = _unique_rows(tk, nchunks[o.tensor[comm]], (t.h1 - t.h0)[o.tensor[comm]], o.dtype[comm])
     wexp = np.array([tensor_bytes(s.workload, TENSOR_KIND_NAMES[k], c * m, h, DTYPES[dt]) for k, m, h, dt in wu])
     bad = np.flatnonzero(wexp[winv.ravel()] != wire) if len(comm) else []
     out += [f"op {comm[k]}: moves {wire[k]} bytes, its tensor is {wexp[winv.ravel()[k]]} bytes on the wire"
             for k in bad]
     return out
+
+
+def _unique_rows(*cols: np.ndarray) -> tuple[list[tuple[int, ...]], np.ndarray]:
+    """Distinct rows of small non-negative int columns (hashing a packed key), and each row's index."""
+    key = np.zeros(len(cols[0]), dtype=np.int64)
+    for c in cols:
+        key = key * (1 << 15) + np.asarray(c, dtype=np.int64)
+    uniq, inv = np.unique(key, return_inverse=True)
+    rows = []
+    for u in uniq.tolist():
+        parts = []
+        for _ in cols:
+            u, r = divmod(u, 1 << 15)
+            parts.append(r)
+        rows.append(tuple(parts[::-1]))
+    return rows, inv.ravel()
 
 
 def _coverage(s: Schedule, m: AttnMatrix, phase: int) -> list[str]:

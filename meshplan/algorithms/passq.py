@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from meshplan.algorithms.base import DTYPE_KNOB, Algorithm, Knob
+from meshplan.algorithms.base import DTYPE_KNOB, Algorithm, Knob, PassTiming
 from meshplan.algorithms.ring import MAPPINGS, new_builder, ring_plan, topology_record
 from meshplan.algorithms.rotate import rotate_backward, rotate_forward_merge
+from meshplan.algorithms.rotate_timing import Rotation, backward, forward, size_of
 from meshplan.plan import Plan
 from meshplan.schedule import Schedule, ScheduleBuilder
 from meshplan.topology import Topology
@@ -91,3 +92,42 @@ class PassQ(Algorithm):
         # each received partial is merged into the owner's output (step order, the same on every rank)
         mrg = b.combine_op(dst, "merge", src=landing, dst=out[dst], deps=[rcv])
         b.free_after(landing, mrg)
+
+    def timing(self, plan: Plan, topo: Topology) -> dict[str, PassTiming]:
+        """Closed form per pass: the uncontended recurrence (a lower bound) and bytes per rank."""
+        w, n, out = plan.workload, plan.n_ranks, {}
+        rot = Rotation(plan, topo, rows=False)
+        kv, q = size_of(plan, "kv", w.dtype), size_of(plan, "q", w.dtype)
+        if "fwd" in w.pass_list:
+            out["fwd"] = self._forward_timing(plan, topo, rot, q, kv)
+        if "bwd" in w.pass_list:
+            qside = size_of(plan, "qside", w.dtype)
+            out["bwd"] = backward(rot, "qside", "dq", plan.knobs["dq_dtype"], plan.knobs["dq_hops"],
+                                  size_of(plan, "dkv", "fp32"), qside + kv)
+        return out
+
+    def _forward_timing(self, plan, topo, rot, q, kv) -> PassTiming:
+        """Q rotation, then the all-to-all of partial outputs and the owners' merges."""
+        n, dev = plan.n_ranks, plan.device_of_rank
+        acc = size_of(plan, "out", "fp32")
+        part = size_of(plan, "out", plan.knobs["partial_dtype"] or plan.workload.dtype)
+        combine = np.r_[3 * acc, np.zeros(n - 1)]
+        cend, d, ends = forward(rot, "q", combine)
+        src, step = np.nonzero(rot.ok[:, 1:])
+        dst = (src - step - 1) % n
+        lat, bw = topo.pair_stats(dev[src], dev[dst])
+        t = np.maximum(cend[src], cend[dst]) + lat + part / bw
+        a2a = np.zeros(n)
+        np.maximum.at(a2a, src, t)
+        np.maximum.at(a2a, dst, t)
+        merges = np.bincount(dst, minlength=n) * float(rot.cost.merge_time_s(2 * acc + part))
+        end = np.maximum(cend, a2a) + merges
+        if n > 1:
+            end = np.maximum(end, ends.max(axis=1))
+        recv = (n - 1) * q + np.bincount(dst, minlength=n) * part
+        a2a_cross = np.bincount(dst, weights=np.where(topo.same_node(dev[src], dev[dst]), 0.0, part), minlength=n)
+        cross = np.where(rot.hop_cross, (n - 1) * q, 0.0) + a2a_cross
+        loads = rot.hop_loads(q, n - 1) + topo.link_loads(dev[src], dev[dst], part)
+        comm = (n - 1) * rot.hop(q) + np.bincount(dst, weights=lat + part / bw, minlength=n)
+        peak = q + kv + acc + min(n - 1, 2) * q + 2 * (n - 1) * part
+        return rot.timing("fwd", end, d.sum(axis=1) + merges, comm, recv, cross, loads, peak)

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from meshplan.algorithms.base import DTYPE_KNOB, Algorithm, Knob
+from meshplan.algorithms.base import DTYPE_KNOB, Algorithm, Knob, PassTiming
 from meshplan.algorithms.rotate import rotate_backward, rotate_forward_merge
+from meshplan.algorithms.rotate_timing import Rotation, backward, forward, size_of
 from meshplan.matrix import AttnMatrix
 from meshplan.plan import Plan
 from meshplan.schedule import Schedule, ScheduleBuilder
@@ -89,3 +90,22 @@ class Ring(Algorithm):
                             block=lambda rr, j: (rr, j), static_inputs=[q, out, dout], local_grad=dq,
                             travel_first=False)
         return b.build(topology_record(topo))
+
+    def timing(self, plan: Plan, topo: Topology) -> dict[str, PassTiming]:
+        """Closed form per pass: the uncontended recurrence (a lower bound) and bytes per rank."""
+        w, n, out = plan.workload, plan.n_ranks, {}
+        rot = Rotation(plan, topo, rows=True)
+        kv, q = size_of(plan, "kv", w.dtype), size_of(plan, "q", w.dtype)
+        if "fwd" in w.pass_list:
+            acc = size_of(plan, "out", "fp32")
+            cend, d, ends = forward(rot, "kv", 3 * acc)
+            end = np.maximum(cend, ends.max(axis=1)) if n > 1 else cend
+            recv = np.full(n, (n - 1) * kv)
+            peak = q + kv + acc + min(n - 1, 2) * kv
+            out["fwd"] = rot.timing("fwd", end, d.sum(axis=1), (n - 1) * rot.hop(kv), recv,
+                                    np.where(rot.hop_cross, recv, 0.0), rot.hop_loads(kv, n - 1), peak)
+        if "bwd" in w.pass_list:
+            static = q + kv + size_of(plan, "out", w.dtype) + size_of(plan, "dout", w.dtype)
+            out["bwd"] = backward(rot, "kv", "dkv", plan.knobs["dkv_dtype"], plan.knobs["dkv_hops"],
+                                  size_of(plan, "dq", "fp32"), static)
+        return out

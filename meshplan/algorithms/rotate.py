@@ -24,11 +24,16 @@ def _recv_on(recv_ids: np.ndarray, n: int) -> np.ndarray:
     return recv_ids[(np.arange(n) - 1) % n]
 
 
-def pass_travel(b: ScheduleBuilder, cur: np.ndarray, kind: str, s: int, n: int, stream: str):
-    """Forward the travelling tensors to rank r + 1; returns (send ids, recv ids on each rank, new tensors)."""
+def pass_travel(b: ScheduleBuilder, cur: np.ndarray, kind: str, s: int, n: int, stream: str, last_comp: np.ndarray):
+    """Forward the travelling tensors to rank r + 1; returns (send ids, recv ids on each rank, new tensors).
+
+    Double buffering: the recv of step s waits for the rank's previous compute (``last_comp``), so at most
+    two travelling buffers are alive besides the rank's own.
+    """
     r = np.arange(n)
     nxt = b.tensor(r, kind, (r - s - 1) % n)
-    snd, rcv = b.transfer(r, (r + 1) % n, cur, nxt[(r + 1) % n], stream=stream, step=s)
+    gate = last_comp[(r + 1) % n]
+    snd, rcv = b.transfer(r, (r + 1) % n, cur, nxt[(r + 1) % n], stream=stream, step=s, recv_deps=[gate])
     return snd, _recv_on(rcv, n), nxt
 
 
@@ -42,12 +47,12 @@ def rotate_forward_merge(b: ScheduleBuilder, plan: Plan, travel: np.ndarray, kin
     """
     n, m = plan.n_ranks, plan.matrix
     r = np.arange(n)
-    cur, prev_recv, steps = travel, np.full(n, -1), []
+    cur, prev_recv, steps, last_comp = travel, np.full(n, -1), [], np.full(n, -1)
     for s in range(n):
         j = (r - s) % n
         snd = rcv = nxt = None
         if s < n - 1:
-            snd, rcv, nxt = pass_travel(b, cur, kind, s, n, stream=kind)
+            snd, rcv, nxt = pass_travel(b, cur, kind, s, n, stream=kind, last_comp=last_comp)
         qi, ki = block(r, j)
         ok = m.permitted[qi, ki]
         inputs, outputs, combine, fresh = make_io(ok, s, j, cur)
@@ -64,6 +69,7 @@ def rotate_forward_merge(b: ScheduleBuilder, plan: Plan, travel: np.ndarray, kin
         step_ops = np.full(n, -1)
         step_ops[ok] = comp
         steps.append(step_ops)
+        last_comp = np.where(ok, step_ops, last_comp)
     return steps
 
 
@@ -79,13 +85,13 @@ def rotate_backward(b: ScheduleBuilder, plan: Plan, *, travel: np.ndarray, trave
     """
     n, m = plan.n_ranks, plan.matrix
     r = np.arange(n)
-    cur, prev_recv = travel, np.full(n, -1)
+    cur, prev_recv, last_comp = travel, np.full(n, -1), np.full(n, -1)
     g_in, g_recv, own = np.full(n, -1), np.full(n, -1), np.full(n, -1)
     for s in range(n):
         j = (r - s) % n
         snd = rcv = nxt = None
         if s < n - 1:
-            snd, rcv, nxt = pass_travel(b, cur, travel_kind, s, n, stream=stream or travel_kind)
+            snd, rcv, nxt = pass_travel(b, cur, travel_kind, s, n, stream=stream or travel_kind, last_comp=last_comp)
         qi, ki = block(r, j)
         ok = m.permitted[qi, ki]
         part = np.full(n, -1)
@@ -99,6 +105,7 @@ def rotate_backward(b: ScheduleBuilder, plan: Plan, *, travel: np.ndarray, trave
         comp[ok] = b.compute(r[ok], qi[ok], ki[ok], inputs=ins, outputs=[local_grad[ok], part[ok]],
                              combine="accumulate", deps=[prev_recv[ok]])
         b.alloc_at(part[ok], comp[ok])
+        last_comp = np.where(ok, comp, last_comp)
         if s > 0:
             b.free_after(cur[ok], comp[ok])
             if snd is not None:

@@ -1,0 +1,141 @@
+"""Closed-form (L0) timing of the ring rotations: the uncontended per-step alpha-beta recurrence.
+
+It evaluates the same semantics as the simulator (batched P2P per step, deps on the previous step's
+recv) with every transfer at its route's uncontended rate, ``T = alpha_sw + Σ hop latency + S / bottleneck``,
+and no overlap penalty, vectorised over ranks step by step. Contention and overlap only lengthen ops,
+and the semantics are monotone, so this is a lower bound on the simulated makespan; with no shared link
+and κ = 0 it equals the simulation (tests check both). ``bound_s`` adds the busiest link's bytes /
+capacity. Bytes per rank follow the module docstrings of ``ring`` and ``pass-q``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from meshplan.algorithms.base import PassTiming
+from meshplan.cost import CostModel
+from meshplan.plan import Plan
+from meshplan.schedule import tensor_bytes
+from meshplan.topology import Topology
+
+
+def size_of(plan: Plan, kind: str, dtype: str) -> float:
+    """Bytes of one chunk's tensor of ``kind`` in ``dtype`` (all query heads)."""
+    w = plan.workload
+    return float(tensor_bytes(w, kind, plan.matrix.tokens_per_chunk, w.n_heads, dtype))
+
+
+class Rotation:
+    """Per-(rank, step) blocks and costs of a rotation; rank r holds travelling chunk j = (r − s) mod N."""
+
+    def __init__(self, plan: Plan, topo: Topology, rows: bool) -> None:
+        self.plan, self.topo, self.n = plan, topo, plan.n_ranks
+        self.cost = CostModel(topo)
+        n, m = self.n, plan.matrix
+        r = np.arange(n)[:, None]
+        j = (r - np.arange(n)[None, :]) % n
+        self.qi, self.ki = (np.broadcast_to(r, (n, n)), j) if rows else (j, np.broadcast_to(r, (n, n)))
+        self.ok = m.permitted[self.qi, self.ki]
+        dev = plan.device_of_rank
+        self.hop_lat, self.hop_bw = topo.pair_stats(dev[(np.arange(n) - 1) % n], dev)
+        self.hop_cross = ~topo.same_node(dev[(np.arange(n) - 1) % n], dev)
+
+    def blocks(self, pass_: str, combine_bytes: float) -> np.ndarray:
+        """[n, n] duration of each rank's block at each step (0 where empty), with its combine cost."""
+        m, w = self.plan.matrix, self.plan.workload
+        qi, ki = self.qi, self.ki
+        d = self.cost.block_time_s(m.flops(pass_)[qi, ki], m.s_q[qi, ki], m.s_kv[qi, ki], m.elementwise[qi, ki],
+                                   pass_, w.dtype)
+        return np.where(self.ok, d + combine_bytes / self.cost.merge_rate, 0.0)
+
+    def hop(self, size: float) -> np.ndarray:
+        """[n] uncontended time of a transfer of ``size`` bytes into each rank from its predecessor."""
+        return np.where(np.isfinite(self.hop_bw), self.hop_lat + size / self.hop_bw, 0.0)
+
+    def batch(self, prev_end: np.ndarray, gate: np.ndarray, T: np.ndarray) -> np.ndarray:
+        """End of every rank's batch (send to r+1, recv from r−1) that starts after its previous batch and
+        after ``gate`` (the rank's last compute: double buffering)."""
+        start = np.maximum(prev_end, gate)
+        t_end = np.maximum(start, np.roll(start, 1)) + T
+        return np.maximum(t_end, np.roll(t_end, -1))
+
+    def link_bound(self, loads: np.ndarray) -> float:
+        """max over links of bytes / capacity."""
+        return float((loads / self.topo.link_capacity).max(initial=0.0))
+
+    def hop_loads(self, size: float, count: float) -> np.ndarray:
+        """Link loads of ``count`` transfers of ``size`` on every hop r−1 -> r."""
+        dev = self.plan.device_of_rank
+        return self.topo.link_loads(dev[(np.arange(self.n) - 1) % self.n], dev, size * count)
+
+    def timing(self, pass_: str, makespan, compute, comm, recv, cross, loads, peak) -> PassTiming:
+        """Assemble a PassTiming (critical rank = the one that ends last)."""
+        crit = int(np.argmax(makespan))
+        flops = float(self.plan.matrix.flops(pass_).sum())
+        return PassTiming(makespan_s=float(makespan[crit]),
+                          bound_s=max(float(makespan[crit]), self.link_bound(loads)),
+                          compute_s=float(compute[crit]), comm_s=float(comm[crit]), recv_bytes_max=float(recv.max()),
+                          inter_node_bytes_max=float(cross.max()), flops_total=flops,
+                          recv_bytes_total=float(recv.sum()), peak_memory_bytes=float(peak))
+
+
+def forward(rot: Rotation, travel_kind: str, combine_bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Forward rotation: (compute-stream end [n], block durations [n, n], batch ends [n, n−1]).
+
+    ``combine_bytes`` (scalar or per step [n]) is what each block's output combine touches.
+    """
+    d = rot.blocks("fwd", np.broadcast_to(np.asarray(combine_bytes, dtype=np.float64), (rot.n,))[None, :])
+    T = rot.hop(size_of(rot.plan, travel_kind, rot.plan.workload.dtype))
+    n = rot.n
+    ends, cend = np.zeros((n, max(n - 1, 0))), np.zeros(n)
+    for s in range(n):
+        if s < n - 1:
+            ends[:, s] = rot.batch(ends[:, s - 1] if s else 0.0, cend, T)
+        start = np.maximum(cend, ends[:, s - 1]) if s else cend
+        cend = np.where(rot.ok[:, s], start + d[:, s], cend)
+    return cend, d, ends
+
+
+def backward(rot: Rotation, travel_kind: str, grad_kind: str, grad_dtype: str, hops: str, local_fp32: float,
+             static_bytes: float) -> PassTiming:
+    """Backward rotation: partial gradients of the travelling chunk ride along (hops ``n`` or ``n-1``)."""
+    plan, n = rot.plan, rot.n
+    part = size_of(plan, grad_kind, "fp32")
+    wire = size_of(plan, grad_kind, grad_dtype)
+    travel = size_of(plan, travel_kind, plan.workload.dtype)
+    d = rot.blocks("bwd", 3 * (local_fp32 + part))
+    acc = float(rot.cost.merge_time_s(2 * part + wire))
+    T, Tg = rot.hop(travel), rot.hop(wire)
+    t_ends = np.zeros((n, max(n - 1, 0)))
+    free, g_prev, last = np.zeros(n), np.zeros(n), np.zeros(n)
+    comp_sum, comm_sum = d.sum(axis=1), np.zeros(n)
+    for s in range(n):
+        have = rot.ok[:, s]
+        if s < n - 1:
+            t_ends[:, s] = rot.batch(t_ends[:, s - 1] if s else 0.0, last, T)
+        start = np.maximum(free, t_ends[:, s - 1]) if s else free
+        free = np.where(have, start + d[:, s], free)
+        last = np.where(have, free, last)
+        if n == 1 or (hops == "n-1" and s == 0):
+            continue
+        if s >= (2 if hops == "n-1" else 1):
+            free = np.where(have, np.maximum(free, g_prev) + acc, free)
+            comp_sum += np.where(have, acc, 0.0)
+        gstart = np.maximum(g_prev, np.where(have, free, 0.0))
+        t_end = np.maximum(gstart, np.roll(gstart, 1)) + Tg
+        g_prev = np.maximum(t_end, np.roll(t_end, -1))
+        comm_sum += Tg
+    if hops == "n-1" and n > 1:
+        free = np.maximum(free, g_prev) + acc
+        comp_sum += acc
+    end = np.maximum(free, g_prev)
+    if n > 1:
+        end = np.maximum(end, t_ends.max(axis=1))
+    n_grad = n if hops == "n" else n - 1
+    hop_t = rot.hop(travel)
+    recv = (n - 1) * travel + (n_grad * wire if n > 1 else 0.0) + np.zeros(n)
+    cross = np.where(rot.hop_cross, recv, 0.0)
+    loads = rot.hop_loads(travel, n - 1) + (rot.hop_loads(wire, n_grad) if n > 1 else 0.0)
+    extra = 2 * travel + 2 * part + wire + (part if hops == "n-1" else 0.0)
+    peak = static_bytes + local_fp32 + (extra if n > 1 else part)
+    return rot.timing("bwd", end, comp_sum, comm_sum + (n - 1) * hop_t, recv, cross, loads, peak)

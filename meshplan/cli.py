@@ -1,0 +1,181 @@
+"""The ``meshplan`` command line (ARCHITECTURE.md, CLI contract).
+
+Human tables on stdout by default, JSON on stdout with ``--json``; progress, logs and warnings on stderr.
+Bad input: one line on stderr naming the field and the fix, exit status 2, nothing written.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+try:  # typer >= 0.20 vendors click; older typer uses the click package
+    from typer._click import exceptions as _cx
+except ImportError:  # pragma: no cover
+    import click.exceptions as _cx
+
+from meshplan import cli_options as o
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Plan, simulate and run distributed attention for long-context LLMs.")
+topo_app = typer.Typer(no_args_is_help=True, help="Inspect topologies.")
+app.add_typer(topo_app, name="topo")
+
+
+def _err_console():
+    from rich.console import Console
+    return Console(stderr=True)
+
+
+def _out_console():
+    from rich.console import Console
+    return Console(width=200 if not sys.stdout.isatty() else None)
+
+
+def _emit(body, as_json: bool, human) -> None:
+    if as_json:
+        sys.stdout.write(json.dumps(body, indent=1) + "\n")
+    else:
+        human(_out_console())
+
+
+@app.command()
+def search(gpus: o.Gpus = None, topo: o.Topo = None, model: o.Model = None, seq_len: o.SeqLen = None,
+           batch: o.Batch = None, heads: o.Heads = None, kv_heads: o.KvHeads = None, head_dim: o.HeadDim = None,
+           dtype: o.Dtype = None, mask: o.MaskOpt = None, layout: o.Layout = None, passes: o.Pass = None,
+           valid_len: o.ValidLen = None, tile: o.Tile = None, mapping: o.Mapping = None,
+           partial_dtype: o.PartialDtype = None, dkv_dtype: o.DkvDtype = None, ulysses_degree: o.UlyssesDegree = None,
+           inner_ring: o.InnerRing = None, team_size: o.TeamSize = None, domains: o.Domains = None,
+           knob: o.KnobKV = None,
+           algos: Annotated[Optional[str], typer.Option("--algos", help="comma-separated algorithm names")] = None,
+           top: Annotated[int, typer.Option("--top", help="rows shown")] = 10,
+           write: Annotated[int, typer.Option("--write", help="best schedules written (0: none)")] = 1,
+           out: Annotated[str, typer.Option("--out", help="directory for written schedules")] = "schedules",
+           scheduler: Annotated[str, typer.Option("--scheduler", help="greedy | ilp | auto")] = "greedy",
+           ilp_time_limit_s: Annotated[float, typer.Option("--ilp-time-limit-s", help="CP-SAT time limit")] = 10.0,
+           memory_limit: Annotated[Optional[str], typer.Option("--memory-limit", help="bytes per GPU (80GiB, 64GB, ...)")] = None,
+           prune_slack: Annotated[float, typer.Option("--prune-slack", help="prune within this fraction of the best (0: exact)")] = 0.01,
+           as_json: o.Json = False) -> None:
+    """Rank every algorithm, layout and knob setting for a workload on a cluster; write the best schedules."""
+    from meshplan.errors import UserError
+    from meshplan.search import run_search, search_json, write_best
+    from meshplan.units import parse_bytes
+
+    if gpus is None:
+        raise UserError("--gpus", "search needs a GPU count", "give --gpus N")
+    if scheduler not in ("greedy", "ilp", "auto"):
+        raise UserError("--scheduler", f"unknown scheduler {scheduler!r}", "use greedy, ilp or auto")
+    if scheduler == "ilp":
+        raise UserError("--scheduler", "the CP-SAT scheduler is not implemented yet (issue 7)", "use greedy or auto")
+    if not 0 <= prune_slack < 1:
+        raise UserError("--prune-slack", f"{prune_slack} is outside [0, 1)", "give a fraction such as 0.01")
+    topology = o.topology(topo, gpus, "search")
+    base = o.workload(model, seq_len, batch, heads, kv_heads, head_dim, dtype, mask, layout, passes, valid_len)
+    filters = o.knobs(tile, mapping, partial_dtype, dkv_dtype, ulysses_degree, inner_ring, team_size, domains, knob)
+    names = [a.strip() for a in algos.split(",")] if algos else None
+    limit = parse_bytes(memory_limit, "--memory-limit") if memory_limit else None
+    progress = _progress()
+    with progress:
+        task = progress.add_task("simulating", total=None)
+        result = run_search(base, topology, gpus, algos=names, filters=filters, layout_pinned=layout is not None,
+                            memory_limit=limit, prune_slack=prune_slack,
+                            progress=lambda k, n, label: progress.update(task, total=n, completed=k, description=label))
+        if write > 0:
+            progress.update(task, description=f"verifying and writing {write} schedule(s)")
+            write_best(result, write, out)
+    if not result.candidates:
+        raise UserError("--algos" if names else "--gpus", "no candidate can run this workload",
+                        "see the skipped reasons with --json, or change the filters")
+    body = search_json(result, scheduler)
+    from meshplan.cli_output import print_search
+    _emit(body, as_json, lambda c: print_search(body, c, top))
+
+
+def _progress():
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    return Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=_err_console(),
+                    transient=True)
+
+
+@app.command()
+def simulate(schedule: Annotated[Optional[str], typer.Argument(help="a schedule file (or use --algo)")] = None,
+             algo: Annotated[Optional[str], typer.Option("--algo", help="algorithm name")] = None,
+             gpus: o.Gpus = None, topo: o.Topo = None, model: o.Model = None, seq_len: o.SeqLen = None,
+             batch: o.Batch = None, heads: o.Heads = None, kv_heads: o.KvHeads = None, head_dim: o.HeadDim = None,
+             dtype: o.Dtype = None, mask: o.MaskOpt = None, layout: o.Layout = None, passes: o.Pass = None,
+             valid_len: o.ValidLen = None, tile: o.Tile = None, mapping: o.Mapping = None,
+             partial_dtype: o.PartialDtype = None, dkv_dtype: o.DkvDtype = None,
+             ulysses_degree: o.UlyssesDegree = None, inner_ring: o.InnerRing = None, team_size: o.TeamSize = None,
+             domains: o.Domains = None, knob: o.KnobKV = None,
+             out: Annotated[Optional[str], typer.Option("--out", help="write the schedule (.json or .json.gz)")] = None,
+             trace: Annotated[Optional[str], typer.Option("--trace", help="write a Chrome/Perfetto trace")] = None,
+             as_json: o.Json = False) -> None:
+    """Predict one algorithm's time on a cluster (by name), or a schedule file's."""
+    from meshplan.cli_run import simulate_file, simulate_named
+    if schedule is not None:
+        simulate_file(schedule, topo, trace, as_json, _emit)
+        return
+    wl = o.workload(model, seq_len, batch, heads, kv_heads, head_dim, dtype, mask, layout, passes, valid_len)
+    kn = o.knobs(tile, mapping, partial_dtype, dkv_dtype, ulysses_degree, inner_ring, team_size, domains, knob)
+    simulate_named(algo, gpus, topo, wl, kn, out, trace, as_json, _emit)
+
+
+@app.command()
+def validate(schedule: Annotated[str, typer.Argument(help="a schedule file")],
+             topo: o.Topo = None, as_json: o.Json = False) -> None:
+    """The verifier: exit 0 valid, 1 invalid (violations listed), 2 unreadable or another schema version."""
+    from meshplan.cli_run import validate_file
+    raise typer.Exit(validate_file(schedule, topo, as_json))
+
+
+@app.command()
+def schema() -> None:
+    """Print the JSON Schema of the Schedule file."""
+    from meshplan.schedule_io import schema as schedule_schema
+    sys.stdout.write(json.dumps(schedule_schema(), indent=1) + "\n")
+
+
+@topo_app.command("show")
+def topo_show(topo: Annotated[str, typer.Argument(help="topology file or shipped name")],
+              gpus: o.Gpus = None, as_json: o.Json = False) -> None:
+    """Show a topology: devices, link classes with capacities and latencies, example routes."""
+    from meshplan.cli_output import print_topology
+    from meshplan.cli_run import topology_info
+    info = topology_info(topo, gpus)
+    _emit(info, as_json, lambda c: print_topology(info, c))
+
+
+@topo_app.command("list")
+def topo_list() -> None:
+    """List the shipped topologies."""
+    from meshplan.topology import shipped_topologies
+    sys.stdout.write("\n".join(shipped_topologies()) + "\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: run the app; user errors become one line on stderr and exit status 2."""
+    from meshplan.errors import UserError
+    command = typer.main.get_command(app)
+    try:
+        code = command.main(args=argv, prog_name="meshplan", standalone_mode=False)
+    except UserError as err:
+        sys.stderr.write(f"error: {err}\n")
+        sys.exit(2)
+    except _cx.UsageError as err:
+        hint = f" (see meshplan {err.ctx.command_path.split(' ', 1)[-1]} --help)" if err.ctx and " " in err.ctx.command_path else ""
+        sys.stderr.write(f"error: {err.format_message()}{hint}\n")
+        sys.exit(2)
+    except typer.Abort:
+        sys.stderr.write("aborted\n")
+        sys.exit(130)
+    except _cx.ClickException as err:
+        sys.stderr.write(f"error: {err.format_message()}\n")
+        sys.exit(2)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

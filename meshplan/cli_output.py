@@ -1,0 +1,93 @@
+"""Human-readable tables for the CLI (rich), printed on stdout; units converted here only."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from meshplan.units import fmt_bytes, fmt_seconds
+
+_ROWS = [("makespan_s", "makespan", fmt_seconds), ("compute_s", "compute (critical rank)", fmt_seconds),
+         ("exposed_comm_s", "exposed communication", fmt_seconds), ("comm_busy_s", "communication busy", fmt_seconds),
+         ("comm_bytes_per_gpu_max", "bytes received / GPU (max)", fmt_bytes),
+         ("inter_node_bytes_per_gpu_max", "inter-node bytes / GPU (max)", fmt_bytes),
+         ("compute_to_comm", "compute / communication", lambda x: f"{x:.3g}"),
+         ("ring_ccr", "Ring CCR (CHARM+ definition)", lambda x: f"{x:.3g}"),
+         ("bytes_per_flop", "bytes / FLOP", lambda x: f"{x:.3g}"),
+         ("peak_memory_bytes", "peak buffer memory / GPU", fmt_bytes)]
+
+
+def _fmt(value: Any, f) -> str:
+    return "-" if value is None else f(value)
+
+
+def print_simulation(body: dict[str, Any], console: Console, title: str) -> None:
+    """The predicted metrics of one schedule, a column per pass."""
+    pred = body["predicted"]
+    parts = [p for p in ("fwd", "bwd", "total") if p in pred] or [body["pass"]]
+    table = Table(title=title, title_justify="left")
+    table.add_column("predicted")
+    for p in parts:
+        table.add_column(p, justify="right")
+    for key, label, f in _ROWS:
+        table.add_row(label, *[_fmt((pred[p] if p in pred else pred).get(key), f) for p in parts])
+    console.print(table)
+
+
+def _knob_text(knobs: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in knobs.items() if v not in (None, "auto"))
+
+
+def print_search(body: dict[str, Any], console: Console, top: int) -> None:
+    """The ranked candidates of a search."""
+    topo, counts = body["topology"], body["counts"]
+    table = Table(title=f"{topo['name']} x {body['n_ranks']} ranks; {_workload_text(body['workload'])}",
+                  title_justify="left")
+    for col, just in (("#", "right"), ("algorithm", "left"), ("layout", "left"), ("knobs", "left"),
+                      ("level", "left"), ("time", "right"), ("fwd", "right"), ("bwd", "right"),
+                      ("exposed comm", "right"), ("bytes/GPU", "right"), ("inter-node/GPU", "right"),
+                      ("comp/comm", "right"), ("peak mem", "right"), ("schedule", "left")):
+        table.add_column(col, justify=just)
+    for i, c in enumerate(body["candidates"][:top], start=1):
+        p = c["predicted"]
+        level = "sim" if c["model_level"] == "simulated" else "bound"
+        table.add_row(str(i), c["algorithm"], c["layout"], _knob_text(c["knobs"]), level,
+                      fmt_seconds(p["makespan_s"]), _fmt(p.get("fwd", {}).get("makespan_s"), fmt_seconds),
+                      _fmt(p.get("bwd", {}).get("makespan_s"), fmt_seconds), fmt_seconds(p["exposed_comm_s"]),
+                      fmt_bytes(p["comm_bytes_per_gpu_max"]), fmt_bytes(p["inter_node_bytes_per_gpu_max"]),
+                      _fmt(p["compute_to_comm"], lambda x: f"{x:.3g}"), fmt_bytes(p["peak_memory_bytes"]),
+                      c["schedule_path"] or "")
+    console.print(table)
+    skipped = ", ".join(f"{v} {k}" for k, v in counts["skipped"].items()) or "none"
+    console.print(f"{counts['enumerated']} enumerated, {counts['simulated']} simulated, {counts['pruned']} left at "
+                  f"their closed-form bound (prune slack {counts['prune_slack']:.0%}); skipped: {skipped}; "
+                  f"{body['wall_s']:.2f} s")
+
+
+def _workload_text(w: dict[str, Any]) -> str:
+    from meshplan.units import fmt_count
+    return (f"{w.get('model') or 'custom'} B={w['batch']} S={fmt_count(w['seq_len'])} H={w['n_heads']} "
+            f"Hkv={w['n_kv_heads']} D={w['head_dim']} {w['dtype']} {w['mask']} {w['layout']} {w['passes']}")
+
+
+def print_topology(info: dict[str, Any], console: Console) -> None:
+    """A topology's devices and link classes."""
+    console.print(f"[bold]{info['name']}[/bold]: {info['description']}")
+    console.print(f"{info['devices']} devices = {info['nodes']} node(s) x {info['devices_per_node']}; "
+                  f"{info['device']['model']}, {info['device']['peak_bf16_tflops']} TFLOP/s BF16, "
+                  f"{info['device']['memory_GB']:.0f} GB; kernel table {info['device']['kernel']}")
+    table = Table(title="links by class (per direction)", title_justify="left")
+    for col in ("class", "links", "usable GB/s", "latency us", "per-flow cap GB/s", "kappa"):
+        table.add_column(col, justify="right" if col != "class" else "left")
+    for row in info["link_classes"]:
+        table.add_row(row["class"], str(row["links"]), row["GBps"], row["latency_us"], row["flow_cap_GBps"],
+                      f"{row['kappa']:.2f}")
+    console.print(table)
+    routes = Table(title="example routes", title_justify="left")
+    for col in ("from", "to", "hops", "GB/s", "latency us"):
+        routes.add_column(col)
+    for r in info["routes"]:
+        routes.add_row(str(r["src"]), str(r["dst"]), " -> ".join(r["path"]), f"{r['GBps']:.4g}", f"{r['latency_us']:.3g}")
+    console.print(routes)

@@ -1,0 +1,148 @@
+"""One candidate end to end: plan, schedule, simulate (L1) or closed form (L0), and the contract's keys.
+
+Also Ring's CCR as the CHARM+ paper defines it (Σ compute / Σ communication of Ring's steps run one
+after the other), the same for every candidate of a workload and topology.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from meshplan import algorithms
+from meshplan.algorithms.base import PassTiming
+from meshplan.algorithms.rotate_timing import Rotation, size_of
+from meshplan.errors import UserError
+from meshplan.matrix import AttnMatrix
+from meshplan.metrics import KEYS, combine, pass_metrics
+from meshplan.plan import Plan
+from meshplan.schedule import Schedule
+from meshplan.simulate import SimResult, simulate
+from meshplan.topology import Topology
+from meshplan.workload import Workload
+
+
+@dataclass
+class Candidate:
+    """An (algorithm, workload, knobs) to evaluate on a topology with ``n_ranks`` ranks."""
+
+    algorithm: str
+    workload: Workload
+    knobs: dict[str, Any]
+    n_ranks: int
+    plan: Plan | None = None
+    timing: dict[str, PassTiming] | None = None
+    schedule: Schedule | None = None
+    sim: SimResult | None = None
+    predicted: dict[str, Any] = field(default_factory=dict)
+    model_level: str = "closed-form"
+    schedule_path: str | None = None
+
+    @property
+    def bound_s(self) -> float:
+        """Closed-form lower bound of the total makespan."""
+        return sum(t.bound_s for t in self.timing.values())
+
+    @property
+    def makespan_s(self) -> float:
+        """Best known total makespan: simulated, else the bound."""
+        return self.predicted["makespan_s"] if self.predicted else self.bound_s
+
+
+def make_candidate(name: str, workload: Workload, topo: Topology, n_ranks: int, knobs: dict[str, Any],
+                   matrix: AttnMatrix | None = None) -> Candidate:
+    """Normalise knobs, check, plan, and compute the closed-form timing.
+
+    Raises:
+        UserError: bad knob values or an impossible workload; SkipCandidate: the method cannot do this.
+    """
+    alg = algorithms.get(name)
+    norm = alg.normalize(knobs)
+    alg.check(workload, topo, n_ranks, norm)
+    plan = alg.plan(workload, topo, n_ranks, norm, matrix)
+    plan.check()
+    return Candidate(name, workload, norm, n_ranks, plan=plan, timing=alg.timing(plan, topo))
+
+
+def simulate_candidate(cand: Candidate, topo: Topology, ccr: float | None) -> Candidate:
+    """Build the schedule, simulate it and fill ``predicted`` (model level ``simulated``)."""
+    alg = algorithms.get(cand.algorithm)
+    cand.schedule = alg.schedule(cand.plan, topo)
+    cand.sim = simulate(cand.schedule, topo)
+    parts = {("fwd", "bwd")[p]: pass_metrics(cand.schedule, topo, cand.sim, p) for p in cand.schedule.passes}
+    cand.predicted, cand.model_level = combine(parts, ccr), "simulated"
+    return cand
+
+
+def closed_form_predicted(cand: Candidate, ccr: float | None) -> dict[str, Any]:
+    """``predicted`` from the closed form: makespan = the lower bound (model level ``closed-form``)."""
+    parts = {}
+    for name, t in cand.timing.items():
+        comm = t.comm_s
+        parts[name] = {
+            "makespan_s": t.bound_s, "compute_s": t.compute_s, "exposed_comm_s": max(t.bound_s - t.compute_s, 0.0),
+            "comm_busy_s": comm, "comm_bytes_per_gpu_max": t.recv_bytes_max,
+            "inter_node_bytes_per_gpu_max": t.inter_node_bytes_max,
+            "compute_to_comm": t.compute_s / comm if comm else None,
+            "bytes_per_flop": t.recv_bytes_total / t.flops_total if t.flops_total else None,
+            "peak_memory_bytes": t.peak_memory_bytes,
+            "_recv_by_rank": np.array([t.recv_bytes_max]), "_cross_by_rank": np.array([t.inter_node_bytes_max]),
+            "_flops": t.flops_total,
+        }
+    return combine(parts, ccr)
+
+
+def ring_ccr(workload: Workload, topo: Topology, n_ranks: int) -> float | None:
+    """CHARM+'s CCR of Ring on this workload: Σ over steps of the slowest rank's block time divided by
+    Σ over steps of the slowest hop's transfer time (KV forward; KV and dK/dV in fp32 backward).
+
+    Uses the workload's layout, or contiguous when the layout cannot split the sequence. None for N = 1.
+    """
+    if n_ranks == 1:
+        return None
+    w = workload
+    try:
+        matrix = AttnMatrix(w, n_ranks)
+    except UserError:
+        w = workload.with_(layout="contiguous")
+        matrix = AttnMatrix(w, n_ranks)
+    ring = algorithms.get("ring")
+    plan = ring.plan(w, topo, n_ranks, ring.normalize({}), matrix)
+    rot = Rotation(plan, topo, rows=True)
+    comp = comm = 0.0
+    kv = size_of(plan, "kv", w.dtype)
+    dkv = size_of(plan, "dkv", "fp32")
+    for pass_ in w.pass_list:
+        comp += rot.blocks(pass_, 0.0).max(axis=0).sum()
+        if pass_ == "fwd":
+            comm += (n_ranks - 1) * rot.hop(kv).max()
+        else:  # N−1 steps move KV and dK/dV over the same hop, the last one dK/dV alone
+            comm += (n_ranks - 1) * rot.hop(kv + dkv).max() + rot.hop(dkv).max()
+    return float(comp / comm) if comm else None
+
+
+def predict(name: str, workload: Workload, topo: Topology, n_ranks: int, knobs: dict[str, Any]) -> Candidate:
+    """Plan, schedule and simulate one algorithm (what ``meshplan simulate --algo`` does)."""
+    cand = make_candidate(name, workload, topo, n_ranks, knobs)
+    return simulate_candidate(cand, topo, ring_ccr(workload, topo, n_ranks))
+
+
+def result_json(cand: Candidate) -> dict[str, Any]:
+    """The ``--json`` body of ``simulate`` for a candidate."""
+    pred = cand.predicted if cand.predicted else {}
+    return {"algorithm": cand.algorithm, "knobs": cand.knobs, "workload": cand.workload.to_dict(),
+            "pass": cand.workload.passes, "model_level": cand.model_level, "predicted": _clean(pred)}
+
+
+def _clean(d: Any) -> Any:
+    if isinstance(d, dict):
+        return {k: _clean(v) for k, v in d.items() if not k.startswith("_")}
+    if isinstance(d, (np.floating, np.integer)):
+        return d.item()
+    return d
+
+
+__all__ = ["KEYS", "Candidate", "make_candidate", "simulate_candidate", "closed_form_predicted", "ring_ccr",
+           "predict", "result_json"]

@@ -1,0 +1,195 @@
+"""The Schedule JSON format: pydantic models (the file edge only). ``meshplan schema`` prints their schema.
+
+The blocking semantics the verifier proves and the executor obeys are in :mod:`meshplan.schedule`'s
+docstring; ``semantics`` in every file names that version of them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt
+
+from meshplan.schedule import SCHEMA_VERSION
+
+Dtype = Literal["bf16", "fp16", "fp32"]
+Range = tuple[NonNegativeInt, NonNegativeInt]
+SEMANTICS = ("meshplan-1: per-stream program order; deps on earlier ops of the same rank and pass; consecutive "
+             "send/recv of one stream and step form a batch that starts together and ends together; FIFO "
+             "matching per (communicator, src, dst); a barrier between passes; tensors live from alloc_op "
+             "(or pass start) until all free_after ops end")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class StreamJSON(_Strict):
+    """A named stream; comm streams each have their own communicator."""
+
+    name: str
+    kind: Literal["compute", "comm"]
+    communicator: int | None = None
+
+
+class ChunkJSON(_Strict):
+    """A chunk's tokens: segments (start, stride, count) of global positions, in local order."""
+
+    id: NonNegativeInt
+    segments: list[tuple[NonNegativeInt, PositiveInt, NonNegativeInt]]
+
+
+class TensorJSON(_Strict):
+    """A buffer on one rank: ``kind`` of the listed chunks and query heads [h0, h1) (KV kinds: h/g heads)."""
+
+    id: NonNegativeInt
+    rank: NonNegativeInt
+    kind: Literal["q", "kv", "out", "dout", "qside", "dq", "dkv"]
+    chunks: list[NonNegativeInt]
+    heads: Range
+    dtype: Dtype
+    size_bytes: NonNegativeInt
+    role: Literal["input", "output", "buffer"]
+    pass_: Literal["fwd", "bwd"] = Field(alias="pass")
+    alloc_op: int | None = Field(None, description="op whose start allocates it; null: exists when its pass starts")
+    free_after: list[NonNegativeInt] = Field(default_factory=list, description="freed when all these ops have ended")
+
+
+class _Op(_Strict):
+    id: NonNegativeInt
+    stream: str
+    deps: list[NonNegativeInt] = Field(default_factory=list)
+    pass_: Literal["fwd", "bwd"] = Field(alias="pass")
+
+
+class SendOp(_Op):
+    """Send ``tensor`` to ``peer`` (``dtype`` on the wire)."""
+
+    kind: Literal["send"]
+    peer: NonNegativeInt
+    tensor: NonNegativeInt
+    size_bytes: PositiveInt
+    dtype: Dtype
+    step: int | None = Field(None, description="batch id: consecutive send/recv of a stream with one step")
+
+
+class RecvOp(_Op):
+    """Receive into ``tensor`` from ``peer``."""
+
+    kind: Literal["recv"]
+    peer: NonNegativeInt
+    tensor: NonNegativeInt
+    size_bytes: PositiveInt
+    dtype: Dtype
+    step: int | None = None
+
+
+class ComputeOp(_Op):
+    """Attention of the query chunks x KV chunks (concatenated in order), heads [h0, h1).
+
+    ``q_rows``/``kv_cols``: [start, end) local token ranges that take part (empty list: none restricted);
+    ``mask``: ``full`` or the elementwise rule applied with the tokens' global positions.
+    """
+
+    kind: Literal["compute"]
+    q_chunks: list[NonNegativeInt]
+    kv_chunks: list[NonNegativeInt]
+    heads: Range
+    q_rows: list[Range]
+    kv_cols: list[Range]
+    mask: Literal["full", "causal", "window", "docs"]
+    inputs: list[NonNegativeInt]
+    outputs: list[NonNegativeInt]
+    combine: Literal["write", "merge", "accumulate"]
+    flops: float = Field(ge=0)
+
+
+class MergeOp(_Op):
+    """LSE-merge the partial (O, LSE) ``inputs[0]`` into ``outputs[0]`` (fp32, overflow-free)."""
+
+    kind: Literal["merge"]
+    inputs: list[NonNegativeInt]
+    outputs: list[NonNegativeInt]
+    size_bytes: NonNegativeInt
+
+
+class AccumulateOp(_Op):
+    """``outputs[0] += inputs[0]`` in fp32."""
+
+    kind: Literal["accumulate"]
+    inputs: list[NonNegativeInt]
+    outputs: list[NonNegativeInt]
+    size_bytes: NonNegativeInt
+
+
+class AllocOp(_Op):
+    """Marks a point in a stream; tensors naming it as ``alloc_op`` are allocated when it starts."""
+
+    kind: Literal["alloc"]
+
+
+class FreeOp(_Op):
+    """Marks a point in a stream that tensors may name in ``free_after``."""
+
+    kind: Literal["free"]
+
+
+Op = Annotated[Union[SendOp, RecvOp, ComputeOp, MergeOp, AccumulateOp, AllocOp, FreeOp], Field(discriminator="kind")]
+
+
+class RankJSON(_Strict):
+    """One rank's ops in program order."""
+
+    rank: NonNegativeInt
+    ops: list[Op]
+
+
+class PermutationJSON(_Strict):
+    """The token permutation (layout) and the seed inputs are drawn with."""
+
+    name: str
+    seed: int = 0
+
+
+class WorkloadJSON(_Strict):
+    """The workload (mask in its CLI spelling)."""
+
+    batch: PositiveInt
+    seq_len: PositiveInt
+    n_heads: PositiveInt
+    n_kv_heads: PositiveInt
+    head_dim: PositiveInt
+    dtype: Dtype
+    mask: str
+    layout: Literal["contiguous", "zigzag", "striped"]
+    passes: Literal["fwd", "bwd", "fwd+bwd"]
+    valid_len: PositiveInt | None = None
+    model: str | None = None
+    permutation: PermutationJSON
+
+
+class TopologyRef(_Strict):
+    """The topology the schedule was planned for."""
+
+    name: str
+    hash: str
+    devices: PositiveInt
+
+
+class ScheduleJSON(_Strict):
+    """A meshplan schedule."""
+
+    schema_version: Literal[SCHEMA_VERSION]  # type: ignore[valid-type]
+    semantics: str
+    algorithm: str
+    knobs: dict[str, Any]
+    workload: WorkloadJSON
+    topology: TopologyRef
+    n_ranks: PositiveInt
+    n_chunks: PositiveInt
+    device_of_rank: list[NonNegativeInt]
+    streams: list[StreamJSON]
+    chunks: list[ChunkJSON]
+    tensors: list[TensorJSON]
+    ranks: list[RankJSON]
+

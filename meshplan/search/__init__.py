@@ -1,0 +1,164 @@
+"""Search: enumerate algorithms x layouts x knobs, prune with closed-form bounds, simulate the survivors.
+
+Pruning is bounded: a candidate is left at ``model_level: closed-form`` when its lower bound (the
+uncontended recurrence, or the busiest link's bytes / capacity) exceeds (1 − ``prune_slack``) x the best
+simulated makespan, so it cannot beat the pick by more than ``prune_slack`` (default 1%; 0 makes the
+pick exactly the best of all candidates). Combinations a method cannot do are skipped and counted with
+the reason.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from meshplan import algorithms
+from meshplan.errors import SkipCandidate, UserError
+from meshplan.matrix import AttnMatrix
+from meshplan.predict import Candidate, closed_form_predicted, make_candidate, ring_ccr, simulate_candidate
+from meshplan.topology import Topology
+from meshplan.workload import LAYOUTS, Workload
+
+PRUNE_SLACK = 0.01
+#: Knobs search varies by default (numerically neutral); others stay at their defaults unless given.
+SEARCHED = {"ring": {"dkv_hops": ("n", "n-1")}, "pass-q": {"dq_hops": ("n", "n-1")}}
+
+
+@dataclass
+class SearchResult:
+    """Ranked candidates (best first) and how many each level saw."""
+
+    workload: Workload
+    topology: Topology
+    n_ranks: int
+    candidates: list[Candidate]
+    counts: dict[str, Any]
+    wall_s: float = 0.0
+    ring_ccr: float | None = None
+    rejected: list[str] = field(default_factory=list)
+
+
+def enumerate_candidates(base: Workload, topo: Topology, n: int, algos: list[str] | None,
+                         filters: dict[str, Any], layout_pinned: bool) -> tuple[list[Candidate], Counter]:
+    """Every (algorithm, layout, knobs) the filters allow, with closed-form timing; skips counted."""
+    skipped: Counter = Counter()
+    cands: list[Candidate] = []
+    matrices: dict[str, AttnMatrix] = {}
+    for name in algos or algorithms.NAMES:
+        if name not in algorithms.NAMES:
+            algorithms.get(name)  # raises: unknown algorithm, with the valid names
+        if name not in algorithms.REGISTRY:
+            skipped["not implemented yet"] += 1
+            continue
+        alg = algorithms.REGISTRY[name]
+        foreign = [k for k in filters if k not in alg.knobs]
+        if foreign:
+            skipped[f"{foreign[0]} does not apply"] += 1
+            continue
+        for layout in [base.layout] if layout_pinned else LAYOUTS:
+            w = base.with_(layout=layout)
+            try:
+                matrix = matrices.get(layout) or matrices.setdefault(layout, AttnMatrix(w, n))
+            except UserError:
+                skipped[f"sequence cannot be split by the {layout} layout"] += 1
+                continue
+            for knobs in _knob_settings(name, filters):
+                try:
+                    cands.append(make_candidate(name, w, topo, n, knobs, matrix))
+                except SkipCandidate as skip:
+                    skipped[skip.reason] += 1
+    return cands, skipped
+
+
+def _knob_settings(name: str, filters: dict[str, Any]) -> list[dict[str, Any]]:
+    settings = [dict(filters)]
+    for knob, values in SEARCHED.get(name, {}).items():
+        if knob not in filters:
+            settings = [s | {knob: v} for s in settings for v in values]
+    return settings
+
+
+def run_search(base: Workload, topo: Topology, n: int, *, algos: list[str] | None = None,
+               filters: dict[str, Any] | None = None, layout_pinned: bool = False,
+               memory_limit: float | None = None, prune_slack: float = PRUNE_SLACK,
+               progress: Callable[[int, int, str], None] | None = None) -> SearchResult:
+    """Enumerate, prune and simulate; returns the candidates best first (simulated, then closed-form)."""
+    t0 = time.perf_counter()
+    cands, skipped = enumerate_candidates(base, topo, n, algos, filters or {}, layout_pinned)
+    ccr_w = base if layout_pinned else base.with_(layout="zigzag")
+    ccr = ring_ccr(ccr_w, topo, n)
+    rejected = []
+    if memory_limit is not None:
+        keep = []
+        for c in cands:
+            peak = max(t.peak_memory_bytes for t in c.timing.values())
+            if peak > memory_limit:
+                skipped["over --memory-limit"] += 1
+                rejected.append(f"{_label(c)}: peak memory {peak / 1e9:.3g} GB > {memory_limit / 1e9:.3g} GB")
+            else:
+                keep.append(c)
+        cands = keep
+    cands.sort(key=lambda c: c.bound_s)
+    best = float("inf")
+    for k, c in enumerate(cands):
+        if c.bound_s > best * (1 - prune_slack) * (1 + 1e-12):
+            c.predicted = closed_form_predicted(c, ccr)
+            continue
+        if progress:
+            progress(k, len(cands), _label(c))
+        simulate_candidate(c, topo, ccr)
+        best = min(best, c.predicted["makespan_s"])
+    sim = sorted((c for c in cands if c.model_level == "simulated"), key=lambda c: c.predicted["makespan_s"])
+    cf = sorted((c for c in cands if c.model_level != "simulated"), key=lambda c: c.bound_s)
+    counts = {"enumerated": len(cands) + skipped["over --memory-limit"], "pruned": len(cf), "simulated": len(sim),
+              "skipped": dict(skipped), "prune_slack": prune_slack, "_pinned": layout_pinned}
+    return SearchResult(base, topo, n, sim + cf, counts, time.perf_counter() - t0, ccr, rejected)
+
+
+def _label(c: Candidate) -> str:
+    knobs = ",".join(f"{k}={v}" for k, v in c.knobs.items() if v is not None)
+    return f"{c.algorithm} {c.workload.layout} {knobs}"
+
+
+def write_best(result: SearchResult, k: int, out_dir: str) -> None:
+    """Verify and write the ``k`` best schedules (``.json``, or ``.json.gz`` past 50k ops)."""
+    from pathlib import Path
+
+    from meshplan.schedule_io import write_schedule
+    from meshplan.verify import verify
+
+    topo = result.topology
+    for rank, c in enumerate(result.candidates[:k], start=1):
+        if c.schedule is None:
+            c.schedule = algorithms.get(c.algorithm).schedule(c.plan, topo)
+        report = verify(c.schedule, topo.memory_bytes)
+        if not report.ok:
+            raise RuntimeError(f"internal error: the {c.algorithm} schedule fails verification: {report.violations[0]}")
+        knobs = "-".join(f"{v}" for v in c.knobs.values() if v is not None and v != "auto")
+        name = f"{rank:02d}-{c.algorithm}-{c.workload.layout}" + (f"-{knobs}" if knobs else "")
+        suffix = ".json.gz" if len(c.schedule.ops) > 50_000 else ".json"
+        c.schedule_path = str(write_schedule(c.schedule, Path(out_dir) / (name + suffix)))
+
+
+def search_json(result: SearchResult, scheduler: str) -> dict[str, Any]:
+    """The contract's ``--json`` body of ``search``."""
+    from meshplan.predict import result_json
+
+    topo = result.topology
+    cands = []
+    for c in result.candidates:
+        body = result_json(c)
+        body.pop("workload")
+        cands.append(body | {"layout": c.workload.layout, "bound_s": c.bound_s,
+                             "scheduler": {"requested": scheduler, "kept": "greedy", "status": "not_run",
+                                           "objective_s": None, "bound_s": None, "gap": None, "solve_s": 0.0},
+                             "schedule_path": c.schedule_path})
+    return {"workload": result.workload.to_dict() | {"layout": result.workload.layout if result.counts.get("_pinned")
+                                                     else "any"},
+            "topology": {"name": topo.name, "hash": topo.content_hash, "devices": topo.n_devices,
+                         "source": topo.source},
+            "n_ranks": result.n_ranks, "wall_s": result.wall_s, "ring_ccr": result.ring_ccr,
+            "counts": {k: v for k, v in result.counts.items() if not k.startswith("_")},
+            "rejected": result.rejected, "candidates": cands}

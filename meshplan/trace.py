@@ -1,0 +1,48 @@
+"""Chrome-trace / Perfetto JSON of a timeline: one process per rank, one thread per stream.
+
+Open the file at https://ui.perfetto.dev or chrome://tracing. Times in microseconds (the format's unit).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from meshplan.schedule import OP_KINDS, PASS_NAMES, Schedule
+
+
+def trace_events(sched: Schedule, start_s: np.ndarray, end_s: np.ndarray, label: str = "predicted") -> list[dict]:
+    """Trace events for every op with a start and an end."""
+    o = sched.ops
+    events = []
+    for r in range(sched.n_ranks):
+        events.append({"ph": "M", "name": "process_name", "pid": r, "args": {"name": f"rank {r} ({label})"}})
+        for sid, name in enumerate(sched.streams.names):
+            events.append({"ph": "M", "name": "thread_name", "pid": r, "tid": sid, "args": {"name": name}})
+    ok = np.flatnonzero(np.isfinite(start_s) & np.isfinite(end_s))
+    for i, r, k, st, ph, peer, size in zip(ok.tolist(), o.rank[ok].tolist(), o.kind[ok].tolist(),
+                                            o.stream[ok].tolist(), o.phase[ok].tolist(), o.peer[ok].tolist(),
+                                            o.size_bytes[ok].tolist()):
+        name = OP_KINDS[k] + (f" {'->' if k == 1 else '<-'} {peer}" if k in (1, 2) else "")
+        events.append({"ph": "X", "name": name, "cat": f"{OP_KINDS[k]},{PASS_NAMES[ph]}", "pid": r, "tid": st,
+                       "ts": start_s[i] * 1e6, "dur": max(end_s[i] - start_s[i], 0.0) * 1e6,
+                       "args": {"op": i, "bytes": size}})
+    return events
+
+
+def write_trace(path: str | Path, events: list[dict]) -> None:
+    """Write ``{"traceEvents": [...]}`` (atomically)."""
+    import os
+    import tempfile
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, fh)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
