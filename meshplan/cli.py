@@ -11,6 +11,7 @@ import sys
 from typing import Annotated, Optional
 
 import typer
+from typer.core import TyperGroup
 
 try:  # typer >= 0.20 vendors click; older typer uses the click package
     from typer._click import exceptions as _cx
@@ -19,7 +20,40 @@ except ImportError:  # pragma: no cover
 
 from meshplan import cli_options as o
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+
+
+class _Group(TyperGroup):
+    """Runs a command; user errors become one line on stderr and exit status 2 (no traceback, no panel)."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        from meshplan.errors import UserError
+        try:
+            rv = super().main(args=args, prog_name=prog_name or "meshplan", complete_var=complete_var,
+                              standalone_mode=False, **extra)
+        except UserError as err:
+            return self._fail(f"error: {err}", 2)
+        except _cx.UsageError as err:
+            if not err.format_message().strip():  # no arguments: the help was printed
+                return self._fail("", 0)
+            path = err.ctx.command_path if err.ctx else "meshplan"
+            return self._fail(f"error: {err.format_message()} (see {path} --help)", 2)
+        except typer.Abort:
+            return self._fail("aborted", 130)
+        except _cx.ClickException as err:
+            return self._fail(f"error: {err.format_message()}", 2)
+        code = rv if isinstance(rv, int) else 0
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
+    @staticmethod
+    def _fail(message: str, code: int):
+        if message:
+            sys.stderr.write(" ".join(message.split()) + "\n")
+        sys.exit(code)
+
+
+app = typer.Typer(cls=_Group, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Plan, simulate and run distributed attention for long-context LLMs.")
 topo_app = typer.Typer(no_args_is_help=True, help="Inspect topologies.")
 app.add_typer(topo_app, name="topo")
@@ -156,25 +190,8 @@ def topo_list() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: run the app; user errors become one line on stderr and exit status 2."""
-    from meshplan.errors import UserError
-    command = typer.main.get_command(app)
-    try:
-        code = command.main(args=argv, prog_name="meshplan", standalone_mode=False)
-    except UserError as err:
-        sys.stderr.write(f"error: {err}\n")
-        sys.exit(2)
-    except _cx.UsageError as err:
-        hint = f" (see meshplan {err.ctx.command_path.split(' ', 1)[-1]} --help)" if err.ctx and " " in err.ctx.command_path else ""
-        sys.stderr.write(f"error: {err.format_message()}{hint}\n")
-        sys.exit(2)
-    except typer.Abort:
-        sys.stderr.write("aborted\n")
-        sys.exit(130)
-    except _cx.ClickException as err:
-        sys.stderr.write(f"error: {err.format_message()}\n")
-        sys.exit(2)
-    sys.exit(code if isinstance(code, int) else 0)
+    """Entry point of the ``meshplan`` console script."""
+    typer.main.get_command(app).main(args=argv, prog_name="meshplan")
 
 
 if __name__ == "__main__":

@@ -160,6 +160,7 @@ class _Engine:
         now = 0.0
         work = [i for i in range(k) if self.remaining[i] == 0]
         self._end_items(self._start_items(work, now), now)
+        self._recompute(now)
         while self.heap:
             now = self.heap[0][0]
             horizon = now + _EPS * max(now, 1e-9)
@@ -355,3 +356,24 @@ def _maxmin(acts: dict[int, list], res_cap: list[float], cap_of) -> dict[int, fl
         for r in [r for r, ws in wsum.items() if ws <= 1e-15]:
             wsum[r] = 0.0
     return rate
+
+
+def max_min_fair(routes: list[list[int]], capacity: list[float], flow_cap: list[float] | None = None) -> list[float]:
+    """Max-min fair rates of flows over links (progressive filling), the rule the simulator applies.
+
+    Args:
+        routes: for each flow, the ids of the links it crosses (a link listed twice counts twice).
+        capacity: bytes/s of each link.
+        flow_cap: optional per-flow cap (bytes/s).
+    Returns:
+        bytes/s of each flow.
+    """
+    acts = {}
+    for f, route in enumerate(routes):
+        weights: dict[int, float] = {}
+        for link in route:
+            weights[link] = weights.get(link, 0.0) + 1.0
+        cap = np.inf if flow_cap is None else flow_cap[f]
+        acts[f] = [0.0, 0.0, 0.0, 0, list(weights.items()), cap, ("flow", f)]
+    rates = _maxmin(acts, list(capacity), lambda a, act: act[5])
+    return [rates[f] for f in range(len(routes))]

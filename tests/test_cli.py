@@ -1,0 +1,151 @@
+"""The CLI contract through typer's CliRunner: commands, JSON keys, one-line errors with exit 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from meshplan.cli import app
+
+runner = CliRunner()
+PRED = ("makespan_s", "compute_s", "exposed_comm_s", "comm_busy_s", "comm_bytes_per_gpu_max",
+        "inter_node_bytes_per_gpu_max", "ring_ccr", "compute_to_comm", "bytes_per_flop", "peak_memory_bytes")
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def one_line_error(result, *needles):
+    assert result.exit_code == 2, (result.exit_code, result.stdout, result.stderr)
+    err = result.stderr.strip()
+    assert err.count("\n") == 0 and err.startswith("error:") and "Traceback" not in err, err
+    assert result.stdout == ""
+    for n in needles:
+        assert n in err, err
+
+
+def test_simulate_json_keys_single_pass():
+    r = run("simulate", "--algo", "ring", "--gpus", 8, "--topo", "h100x8", "--seq-len", "128K", "--pass", "fwd", "--json")
+    assert r.exit_code == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert {"algorithm", "knobs", "workload", "pass", "model_level", "predicted"} <= set(d)
+    assert all(k in d["predicted"] for k in PRED) and d["model_level"] == "simulated"
+
+
+def test_simulate_fwd_bwd_has_parts_and_flat_total():
+    r = run("simulate", "--algo", "pass-q", "--gpus", 4, "--topo", "h100x8", "--seq-len", "64K", "--json")
+    d = json.loads(r.stdout)["predicted"]
+    assert {"fwd", "bwd", "total"} <= set(d)
+    assert d["makespan_s"] == pytest.approx(d["fwd"]["makespan_s"] + d["bwd"]["makespan_s"])
+
+
+def test_simulate_human_table_on_stdout():
+    r = run("simulate", "--algo", "ring", "--gpus", 2, "--topo", "cpu-local", "--seq-len", "4K")
+    assert r.exit_code == 0 and "makespan" in r.stdout and "bytes received" in r.stdout
+
+
+def test_simulate_writes_and_reads_back(tmp_path):
+    out, trace = tmp_path / "r.json", tmp_path / "r.trace.json"
+    r = run("simulate", "--algo", "ring", "--gpus", 4, "--topo", "h100x8", "--seq-len", "16K", "--out", out,
+            "--trace", trace, "--json")
+    assert r.exit_code == 0, r.stderr
+    first = json.loads(r.stdout)["predicted"]["makespan_s"]
+    assert "traceEvents" in json.loads(trace.read_text())
+    assert run("validate", out).exit_code == 0
+    again = run("simulate", out, "--json")
+    assert again.exit_code == 0, again.stderr
+    assert json.loads(again.stdout)["predicted"]["makespan_s"] == pytest.approx(first)
+
+
+def test_search_json_and_written_schedule(tmp_path):
+    r = run("search", "--gpus", 8, "--topo", "h100x8", "--seq-len", "128K", "--pass", "fwd", "--top", 5,
+            "--write", 2, "--out", tmp_path / "s", "--json")
+    assert r.exit_code == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert {"workload", "topology", "wall_s", "counts", "candidates"} <= set(d)
+    assert {"enumerated", "pruned", "simulated", "skipped"} <= set(d["counts"])
+    assert d["counts"]["skipped"]["not implemented yet"] == 9
+    c = d["candidates"]
+    assert c[0]["model_level"] == "simulated" and c[0]["schedule_path"] and c[1]["schedule_path"]
+    assert all({"requested", "kept", "status", "objective_s", "bound_s", "gap", "solve_s"} <= set(x["scheduler"])
+               for x in c)
+    times = [x["predicted"]["makespan_s"] for x in c if x["model_level"] == "simulated"]
+    assert times == sorted(times)
+    assert run("validate", c[0]["schedule_path"]).exit_code == 0
+
+
+def test_search_layout_pin_and_algos_filter(tmp_path):
+    r = run("search", "--gpus", 4, "--topo", "h100x8", "--seq-len", "16K", "--layout", "striped", "--algos", "ring",
+            "--write", 0, "--json")
+    d = json.loads(r.stdout)
+    assert {c["layout"] for c in d["candidates"]} == {"striped"} and {c["algorithm"] for c in d["candidates"]} == {"ring"}
+
+
+def test_validate_exit_codes(tmp_path):
+    bad = tmp_path / "old.json"
+    bad.write_text('{"schema_version": "0"}')
+    assert run("validate", bad).exit_code == 2
+    good = tmp_path / "g.json"
+    run("simulate", "--algo", "ring", "--gpus", 2, "--topo", "h100x8", "--seq-len", "4K", "--out", good)
+    d = json.loads(good.read_text())
+    first_compute = next(op for op in d["ranks"][0]["ops"] if op["kind"] == "compute")
+    d["ranks"][0]["ops"].remove(first_compute)
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps(d))
+    r = run("validate", broken)
+    assert r.exit_code == 1 and "invalid" in r.stdout
+    one_line_error(run("simulate", broken), "invalid schedule")
+
+
+def test_schema_and_topo_show():
+    r = run("schema")
+    assert r.exit_code == 0 and json.loads(r.stdout)["title"] == "ScheduleJSON"
+    r = run("topo", "show", "l20x8", "--json")
+    d = json.loads(r.stdout)
+    assert {row["class"] for row in d["link_classes"]} == {"pcie", "socket"}
+    assert run("topo", "show", "h100x32", "--gpus", 64).exit_code == 0
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["simulate", "--algo", "ring", "--gpus", 12, "--topo", "h100x32", "--seq-len", "96K"], ["--gpus", "divisor of 8"]),
+    (["simulate", "--algo", "no-such-algo", "--gpus", 8, "--topo", "h100x8"], ["--algo", "ring"]),
+    (["simulate", "--algo", "mesh", "--gpus", 8, "--topo", "h100x8"], ["not implemented yet", "issue 3"]),
+    (["simulate", "--algo", "ring", "--gpus", 8, "--topo", "h100x8", "--kv-heads", 5], ["--kv-heads", "1, 2, 4"]),
+    (["simulate", "--algo", "ring", "--gpus", 4, "--topo", "h100x8", "--seq-len", 2999],
+     ["2·N = 8", "--seq-len 3000 --valid-len 2999"]),
+    (["simulate", "--algo", "ring", "--gpus", 4, "--topo", "h100x8", "--model", "gpt5"], ["--model", "llama3-8b"]),
+    (["simulate", "--algo", "ring", "--gpus", 4, "--topo", "h100x8", "--tile", "2x2"], ["--tile", "ring takes"]),
+    (["simulate", "--algo", "ring", "--gpus", 4, "--topo", "h100x8", "--dkv-dtype", "fp8"], ["--dkv-dtype", "fp32"]),
+    (["simulate", "--algo", "ring", "--gpus", 4, "--topo", "h100x8", "--knob", "oops"], ["--knob", "name=value"]),
+    (["simulate", "--algo", "ring", "--gpus", 4, "--topo", "h100x8", "--mask", "diagonal"], ["--mask"]),
+    (["simulate", "--algo", "ring", "--gpus", 4, "--topo", "h100x8", "--seq-len", "lots"], ["--seq-len"]),
+    (["simulate", "--algo", "ring", "--gpus", 4, "--topo", "nowhere"], ["--topo", "h100x32"]),
+    (["simulate", "--algo", "ring", "--gpus", 4], ["--topo"]),
+    (["search", "--topo", "h100x8"], ["--gpus"]),
+    (["search", "--gpus", 8, "--topo", "h100x8", "--memory-limit", "lots"], ["--memory-limit"]),
+    (["simulate", "--algo", "ring", "--gpus", 4, "--topo", "h100x8", "--bogus"], ["--bogus"]),
+])
+def test_bad_input_is_one_line_exit_2(args, needles):
+    one_line_error(run(*args), *needles)
+
+
+def test_bad_yaml_keys_and_bandwidths(tmp_path):
+    text = Path(__file__).parent.joinpath("data", "unit-nvswitch.yaml").read_text()
+    bad_key = tmp_path / "k.yaml"
+    bad_key.write_text(text.replace("nodes: 1", "nodes: 1\nnodess: 2"))
+    one_line_error(run("topo", "show", bad_key), "nodess", "unknown key")
+    zero = tmp_path / "z.yaml"
+    zero.write_text(text.replace("usable_GBps: 24.0e-9", "usable_GBps: 0"))
+    one_line_error(run("simulate", "--algo", "ring", "--gpus", 2, "--topo", zero), "usable_GBps")
+
+
+def test_nothing_written_on_error(tmp_path):
+    out = tmp_path / "never.json"
+    one_line_error(run("simulate", "--algo", "ring", "--gpus", 12, "--topo", "h100x32", "--out", out), "--gpus")
+    assert not out.exists()
+    one_line_error(run("simulate", "--algo", "ring", "--gpus", 2, "--topo", "h100x8", "--seq-len", "4K",
+                       "--out", tmp_path / "x.txt"), "--out")

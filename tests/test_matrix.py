@@ -1,0 +1,112 @@
+"""The attention matrix against closed forms and brute force."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshplan.errors import UserError
+from meshplan.matrix import AttnMatrix, count_pairs
+from meshplan.workload import Mask, Workload
+
+
+def wl(S, layout="zigzag", mask="causal", valid=None, H=1, B=1, D=1):
+    return Workload(batch=B, seq_len=S, n_heads=H, n_kv_heads=1, head_dim=D, mask=Mask.parse(mask), layout=layout,
+                    valid_len=valid)
+
+
+def brute_pairs(w: Workload, m: AttnMatrix) -> np.ndarray:
+    """Permitted pairs per block by enumerating tokens (reference)."""
+    n = m.n
+    out = np.zeros((n, n), dtype=np.int64)
+    for i in range(n):
+        q = m.chunks.positions(i)
+        for j in range(n):
+            k = m.chunks.positions(j)
+            qq, kk = q[:, None], k[None, :]
+            ok = np.ones_like(qq * kk, dtype=bool)
+            if w.mask.kind in ("causal", "window", "docs"):
+                ok &= kk <= qq
+            if w.mask.kind == "window":
+                ok &= qq - kk < w.mask.window
+            if w.mask.kind == "docs":
+                bounds = np.cumsum((0,) + w.mask.doc_lens)
+                doc = lambda t: np.searchsorted(bounds, t, side="right")  # noqa: E731
+                ok &= doc(qq) == doc(kk)
+            ok &= (qq < w.n_valid) & (kk < w.n_valid)
+            out[i, j] = ok.sum()
+    return out
+
+
+@given(qs=st.integers(0, 60), qc=st.integers(0, 12), ks=st.integers(0, 60), kc=st.integers(0, 12),
+       stride=st.integers(1, 7), lo=st.integers(-40, 40), width=st.integers(0, 80))
+@settings(max_examples=300, deadline=None)
+def test_count_pairs_matches_brute_force(qs, qc, ks, kc, stride, lo, width):
+    q = qs + stride * np.arange(qc)
+    k = ks + stride * np.arange(kc)
+    d = q[:, None] - k[None, :]
+    expect = int(((d >= lo) & (d < lo + width)).sum())
+    assert int(count_pairs(qs, qc, ks, kc, stride, lo, lo + width)) == expect
+
+
+@pytest.mark.parametrize("n,p", [(2, 1), (4, 3), (8, 16)])
+def test_zigzag_oracle(n, p):
+    m = AttnMatrix(wl(2 * n * p), n)
+    off = ~np.eye(n, dtype=bool)
+    assert (m.pairs[off] == 2 * p * p).all()          # off-diagonal: exactly half of 4p^2
+    assert (np.diag(m.pairs) == 2 * p * p + p).all()  # diagonal: fraction 1/2 + 1/(4p)
+    S = 2 * n * p
+    assert m.pairs.sum() == S * (S + 1) // 2
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
+@pytest.mark.parametrize("mask", ["full", "causal", "window:5", "window:17", "docs:7,9,8", "docs:24"])
+@pytest.mark.parametrize("valid", [None, 19])
+def test_pairs_match_brute_force(layout, mask, valid):
+    w = wl(24, layout, mask, valid)
+    m = AttnMatrix(w, 3 if layout != "zigzag" else 4)
+    assert np.array_equal(m.pairs, brute_pairs(w, m))
+
+
+def test_striped_closed_form():
+    n, c = 4, 6
+    m = AttnMatrix(wl(n * c, "striped"), n)
+    lower = np.tril(np.ones((n, n), dtype=bool))
+    assert (m.pairs[lower] == c * (c + 1) // 2).all() and (m.pairs[~lower] == c * (c - 1) // 2).all()
+
+
+def test_window_and_docs_counts():
+    # contiguous c = 16, window 10: a diagonal block holds sum(min(i+1, 10)) = 115 pairs, the one below 45
+    m = AttnMatrix(wl(64, "contiguous", "window:10"), 4)
+    assert m.pairs[0, 0] == 115 and m.pairs[1, 0] == 45 and m.pairs[2, 0] == 0
+    # two documents of 8 and 8 tokens on 2 contiguous chunks: causal inside each, nothing across
+    m = AttnMatrix(wl(16, "contiguous", "docs:8,8"), 2)
+    assert m.pairs.tolist() == [[36, 0], [0, 36]]
+
+
+def test_flops_and_kernel_shapes():
+    w = wl(64, "zigzag", H=4, B=2, D=8)
+    m = AttnMatrix(w, 4)
+    assert np.allclose(m.flops("fwd"), 4 * 2 * 4 * 8 * m.pairs)
+    assert np.allclose(m.flops("bwd"), 2.5 * m.flops("fwd"))
+    c = 16
+    assert (m.s_q[2, 1], m.s_kv[2, 1]) == (c, c // 2)   # i > j: both query pieces vs the first KV piece
+    assert (m.s_q[1, 2], m.s_kv[1, 2]) == (c // 2, c)   # i < j: the second query piece vs both KV pieces
+    assert m.block_descriptor(2, 1) == {"q_rows": [[0, 16]], "kv_cols": [[0, 8]], "mask": "full"}
+    assert m.block_descriptor(1, 2) == {"q_rows": [[8, 16]], "kv_cols": [[0, 16]], "mask": "full"}
+    assert m.block_descriptor(1, 1)["mask"] == "causal"
+
+
+def test_padding_never_contributes():
+    m = AttnMatrix(wl(8, "contiguous", "full", valid=7), 2)
+    assert m.pairs.tolist() == [[16, 12], [12, 9]]
+    assert m.block_descriptor(1, 1) == {"q_rows": [[0, 3]], "kv_cols": [[0, 3]], "mask": "full"}
+
+
+def test_layout_granularity_error_suggests_padding():
+    with pytest.raises(UserError) as err:
+        AttnMatrix(wl(2999, "zigzag"), 4)
+    text = str(err.value)
+    assert "2·N = 8" in text and "--seq-len 3000 --valid-len 2999" in text

@@ -1,0 +1,105 @@
+"""Schedule JSON: round trip, the golden schema, schema-version and validation errors."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import DATA
+
+from meshplan.algorithms import get
+from meshplan.errors import UserError
+from meshplan.schedule_io import read_schedule, schema, to_json_dict, write_schedule
+from meshplan.topology import Topology
+from meshplan.verify import verify
+from meshplan.workload import resolve
+
+OP_FIELDS = ("rank", "kind", "stream", "phase", "step", "peer", "tensor", "size_bytes", "dtype", "combine", "h0",
+             "h1", "s_q", "s_kv", "mask", "deps", "dep_ptr", "inputs", "outputs", "q_chunks", "kv_chunks")
+TENSOR_FIELDS = ("rank", "kind", "chunks", "chunk_ptr", "h0", "h1", "dtype", "role", "phase", "size_bytes",
+                 "alloc_op", "free_ptr", "free_after")
+
+
+def build(name, **kw):
+    w = resolve(**({"seq_len": "8K"} | kw))
+    t = Topology.load("h100x8", gpus=4)
+    alg = get(name)
+    return alg.schedule(alg.plan(w, t, 4, alg.normalize({})), t)
+
+
+@pytest.mark.parametrize("name", ["ring", "pass-q"])
+@pytest.mark.parametrize("suffix", [".json", ".json.gz"])
+@pytest.mark.parametrize("kw", [{}, {"mask": "window:700", "layout": "striped", "valid_len": 8000}])
+def test_round_trip(tmp_path, name, suffix, kw):
+    s = build(name, **kw)
+    path = write_schedule(s, tmp_path / f"s{suffix}")
+    back = read_schedule(path)
+    for f in OP_FIELDS:
+        assert np.array_equal(getattr(s.ops, f), getattr(back.ops, f)), f
+    for f in TENSOR_FIELDS:
+        assert np.array_equal(getattr(s.tensors, f), getattr(back.tensors, f)), f
+    np.testing.assert_allclose(back.ops.flops, s.ops.flops, rtol=1e-12)
+    assert back.workload == s.workload and back.knobs == s.knobs and verify(back).ok
+
+
+def test_skeleton_keys():
+    d = to_json_dict(build("ring", passes="fwd"))
+    for k in ("schema_version", "algorithm", "knobs", "workload", "topology", "device_of_rank", "tensors", "ranks"):
+        assert k in d
+    assert d["workload"]["permutation"] == {"name": "zigzag", "seed": 0}
+    op = next(op for op in d["ranks"][1]["ops"] if op["kind"] == "compute")
+    assert {"id", "kind", "stream", "deps", "q_chunks", "kv_chunks", "q_rows", "kv_cols", "mask", "heads",
+            "combine", "inputs", "outputs"} <= set(op)
+    comm = next(op for op in d["ranks"][1]["ops"] if op["kind"] == "send")
+    assert {"peer", "tensor", "size_bytes", "dtype", "step"} <= set(comm)
+
+
+def test_golden_schema():
+    golden = json.loads((DATA / "schedule_schema.json").read_text())
+    assert schema() == golden, ("the Schedule schema changed: bump SCHEMA_VERSION if files are no longer compatible, "
+                                "then regenerate tests/data/schedule_schema.json")
+
+
+def test_other_schema_version_is_refused(tmp_path):
+    p = tmp_path / "old.json"
+    p.write_text('{"schema_version": "0", "ranks": []}')
+    with pytest.raises(UserError, match="schema_version"):
+        read_schedule(p)
+
+
+@pytest.mark.parametrize("edit,field", [
+    (lambda d: d["ranks"][0]["ops"][0].update(kind="teleport"), "kind"),
+    (lambda d: d["ranks"][0]["ops"][0].update(colour="red"), "colour"),
+    (lambda d: d["ranks"][0]["ops"][0].update(stream="nope"), "stream"),
+    (lambda d: d["tensors"][0].update(dtype="fp8"), "dtype"),
+])
+def test_invalid_files_give_one_line(tmp_path, edit, field):
+    d = to_json_dict(build("ring", passes="fwd"))
+    edit(d)
+    p = tmp_path / "bad.json.gz"
+    p.write_bytes(gzip.compress(json.dumps(d).encode()))
+    with pytest.raises(UserError) as err:
+        read_schedule(p)
+    assert field in str(err.value) and "\n" not in str(err.value)
+
+
+def test_garbage_file(tmp_path):
+    p = tmp_path / "x.json"
+    p.write_text("not json")
+    with pytest.raises(UserError, match="cannot read"):
+        read_schedule(p)
+
+
+def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
+    s = build("ring", passes="fwd")
+    import meshplan.schedule_io as io
+
+    def boom(_):
+        raise RuntimeError("disk full")
+    monkeypatch.setattr(io, "to_json_text", boom)
+    with pytest.raises(RuntimeError):
+        write_schedule(s, tmp_path / "s.json")
+    assert list(Path(tmp_path).iterdir()) == []

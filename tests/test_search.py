@@ -1,0 +1,53 @@
+"""Search: every candidate accounted for, pruning loses nothing it promises to keep."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshplan.predict import simulate_candidate
+from meshplan.search import enumerate_candidates, run_search
+from meshplan.topology import Topology
+from meshplan.workload import resolve
+
+
+@pytest.mark.parametrize("topo_name,n", [("h100x16", 16), ("l20x8", 8), ("dgx-h100", 8)])
+@pytest.mark.parametrize("slack", [0.0, 0.01])
+def test_pruned_search_matches_exhaustive(topo_name, n, slack):
+    topo = Topology.load(topo_name, gpus=n)
+    w = resolve(seq_len="32K", heads=8, kv_heads=2, head_dim=64)
+    result = run_search(w, topo, n, prune_slack=slack)
+    every, _ = enumerate_candidates(w, topo, n, None, {}, False)
+    exhaustive = min(simulate_candidate(c, topo, None).predicted["makespan_s"] for c in every)
+    best = result.candidates[0].predicted["makespan_s"]
+    assert exhaustive <= best <= exhaustive / (1 - slack) * (1 + 1e-9)
+    counts = result.counts
+    assert counts["enumerated"] == len(every) == counts["pruned"] + counts["simulated"]
+    for c in result.candidates:
+        if c.model_level == "closed-form":
+            assert c.bound_s > best * (1 - slack)
+
+
+def test_layouts_the_sequence_cannot_use_are_skipped_and_counted():
+    topo = Topology.load("h100x8", gpus=8)
+    w = resolve(seq_len=8 * 101)                     # a multiple of 8 but not of 16: zigzag cannot split it
+    result = run_search(w, topo, 8)
+    assert result.counts["skipped"]["sequence cannot be split by the zigzag layout"] == 2
+    assert {c.workload.layout for c in result.candidates} == {"contiguous", "striped"}
+
+
+def test_memory_limit_rejects_with_reason():
+    topo = Topology.load("h100x32", gpus=64)
+    w = resolve(seq_len="1M")
+    result = run_search(w, topo, 64, memory_limit=2e9)
+    assert result.counts["skipped"].get("over --memory-limit", 0) > 0
+    assert all("pass-q" in r for r in result.rejected)        # pass-Q holds N−1 partial outputs
+    assert result.candidates and all(c.algorithm == "ring" for c in result.candidates)
+
+
+def test_knob_filters_pin_and_exclude():
+    topo = Topology.load("h100x8", gpus=8)
+    w = resolve(seq_len="16K")
+    result = run_search(w, topo, 8, filters={"dkv_dtype": "bf16"})
+    assert {c.algorithm for c in result.candidates} == {"ring"}
+    assert all(c.knobs["dkv_dtype"] == "bf16" for c in result.candidates)
+    assert result.counts["skipped"]["dkv_dtype does not apply"] == 1

@@ -1,0 +1,99 @@
+"""The simulator: max-min sharing, hand-computed makespans, symmetry reduction, lower bounds."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import unit_topology, unit_workload
+
+from meshplan.algorithms import get
+from meshplan.predict import predict
+from meshplan.simulate import max_min_fair, simulate
+from meshplan.topology import Topology
+from meshplan.workload import resolve
+
+
+def test_two_flows_on_one_link_get_half_each():
+    assert max_min_fair([[0], [0]], [10.0]) == pytest.approx([5.0, 5.0])
+
+
+def test_flow_limited_elsewhere_leaves_the_rest():
+    # flow 1 is held to 3 by link 1, so flow 0 gets the other 7 of link 0
+    assert max_min_fair([[0], [0, 1]], [10.0, 3.0]) == pytest.approx([7.0, 3.0])
+    assert max_min_fair([[0], [0]], [10.0], flow_cap=[2.0, np.inf]) == pytest.approx([2.0, 8.0])
+
+
+def test_textbook_three_links():
+    # Bertsekas & Gallager's example: links of capacity 1; flow 0 crosses both, flows 1 and 2 one each
+    assert max_min_fair([[0, 1], [0], [1], [1]], [1.0, 1.0]) == pytest.approx([1 / 3, 2 / 3, 1 / 3, 1 / 3])
+
+
+def _makespans(name, n, topo, passes="fwd", **knobs):
+    w = unit_workload(n, passes)
+    alg = get(name)
+    sched = alg.schedule(alg.plan(w, topo, n, alg.normalize(knobs)), topo)
+    return simulate(sched, topo).pass_makespan
+
+
+# d = 1 s per block; a KV chunk is 16 B, so T = 16 / port_Bps.
+@pytest.mark.parametrize("n,port,expect", [
+    (2, 8.0, 3.0),     # d + max(d, T) with T = 2
+    (4, 32.0, 4.0),    # compute-bound: N·d (T = 0.5)
+    (4, 8.0, 7.0),     # comm-bound: (N−1)·T + d (T = 2)
+])
+def test_ring_forward_hand_computed(n, port, expect):
+    assert _makespans("ring", n, unit_topology(n, port_Bps=port))[0] == pytest.approx(expect, rel=1e-9)
+
+
+def test_overlap_costs_kappa():
+    # T = 1.5, kappa = 0.5: block 0 runs at half speed while the transfer lasts (0.75 done by 1.5 s),
+    # finishes at 1.75; block 1 follows: 2.75 s (2.5 s with kappa = 0)
+    topo = unit_topology(2, port_Bps=16 / 1.5, kappa=0.5)
+    assert _makespans("ring", 2, topo)[0] == pytest.approx(2.75, rel=1e-9)
+    assert _makespans("ring", 2, unit_topology(2, port_Bps=16 / 1.5))[0] == pytest.approx(2.5, rel=1e-9)
+
+
+def test_shared_loopback_and_shared_cores():
+    # both KV transfers share the 16 B/s loopback: 8 B/s each, T = 2 -> d + T = 3
+    topo = unit_topology(2, kind="loopback", port_Bps=16.0, shared_Bps=16.0, cores=2)
+    assert _makespans("ring", 2, topo)[0] == pytest.approx(3.0, rel=1e-9)
+    # two ranks on one core: every block takes 2 s; comm is ~free -> 4 s
+    topo = unit_topology(2, kind="loopback", port_Bps=1e9, shared_Bps=1e9, cores=1)
+    assert _makespans("ring", 2, topo)[0] == pytest.approx(4.0, rel=1e-6)
+
+
+def test_pass_q_all_to_all_contention():
+    # Q (8 B) crosses in 1/3 s; blocks end at 1, 2, 3; the final all-to-all sends 2 partials (24 B) per port
+    # at 12 B/s each: 2 s -> 5 s
+    assert _makespans("pass-q", 3, unit_topology(3, port_Bps=24.0))[0] == pytest.approx(5.0, rel=1e-9)
+
+
+def test_ring_backward_hand_computed():
+    # T_kv = 2, T_dkv = 4 (fp32), bwd block 2.5 s: compute 0-2.5, dKV 2.5-6.5, compute 2.5-5,
+    # accumulate at 6.5, dKV 6.5-10.5
+    assert _makespans("ring", 2, unit_topology(2, port_Bps=8.0), passes="bwd")[1] == pytest.approx(10.5, rel=1e-9)
+
+
+@pytest.mark.parametrize("topo_name,n,seq", [("h100x32", 32, "128K"), ("dgx-h100", 64, "256K"), ("l20x8", 16, "64K")])
+@pytest.mark.parametrize("name", ["ring", "pass-q"])
+def test_symmetric_simulation_equals_full(topo_name, n, seq, name):
+    topo = Topology.load(topo_name, gpus=n)
+    w = resolve(seq_len=seq)
+    alg = get(name)
+    sched = alg.schedule(alg.plan(w, topo, n, alg.normalize({})), topo)
+    fast, full = simulate(sched, topo), simulate(sched, topo, reduce=False)
+    assert fast.reps < n and full.reps == n
+    np.testing.assert_allclose(fast.end, full.end, rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(fast.start, full.start, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("topo_name,n", [("h100x16", 16), ("l20x8", 8), ("dgx-h100", 8), ("cpu-local", 3)])
+@pytest.mark.parametrize("name,hops", [("ring", "n"), ("ring", "n-1"), ("pass-q", "n"), ("pass-q", "n-1")])
+@pytest.mark.parametrize("layout,mask", [("zigzag", "causal"), ("contiguous", "full"), ("striped", "window:2000")])
+def test_closed_form_bound_below_simulation(topo_name, n, name, hops, layout, mask):
+    w = resolve(seq_len=6144 * n // 3 if n == 3 else "64K", layout=layout, mask=mask, heads=8, kv_heads=2, head_dim=64)
+    knob = "dkv_hops" if name == "ring" else "dq_hops"
+    cand = predict(name, w, Topology.load(topo_name, gpus=n), n, {knob: hops})
+    for part, timing in cand.timing.items():
+        sim = cand.predicted[part]["makespan_s"]
+        assert timing.makespan_s <= timing.bound_s <= sim * (1 + 1e-9)

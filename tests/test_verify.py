@@ -1,0 +1,126 @@
+"""The verifier accepts what the algorithms build and rejects broken schedules with a reason."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from meshplan.algorithms import get
+from meshplan.schedule import COMPUTE, RECV, SEND, OpTable, Schedule, _csr
+from meshplan.topology import Topology
+from meshplan.verify import verify
+from meshplan.workload import resolve
+
+
+def build(name="ring", n=4, passes="fwd+bwd", **kw):
+    w = resolve(passes=passes, **({"seq_len": 64 * n} | kw))
+    t = Topology.load("cpu-local", gpus=n)
+    alg = get(name)
+    return alg.schedule(alg.plan(w, t, n, alg.normalize({})), t)
+
+
+@pytest.mark.parametrize("name", ["ring", "pass-q"])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("layout,mask", [("zigzag", "causal"), ("contiguous", "causal"), ("striped", "window:40"),
+                                         ("contiguous", "docs:100,20,8"), ("zigzag", "full")])
+def test_built_schedules_verify(name, n, layout, mask):
+    seq = 128 if mask.startswith("docs") else 64 * n
+    if mask.startswith("docs") and 128 % (2 * n if layout == "zigzag" else n):
+        pytest.skip("sequence not divisible")
+    report = verify(build(name, n, layout=layout, mask=mask, seq_len=seq))
+    assert report.ok, report.violations
+
+
+def drop_ops(s: Schedule, drop: np.ndarray) -> Schedule:
+    """The schedule without some ops (ids renumbered; deps on dropped ops removed)."""
+    keep = np.ones(len(s.ops), dtype=bool)
+    keep[drop] = False
+    new_id = np.cumsum(keep) - 1
+    o = s.ops
+    fields = {}
+    for name in ("rank", "kind", "stream", "phase", "step", "peer", "tensor", "size_bytes", "dtype", "combine",
+                 "h0", "h1", "flops", "s_q", "s_kv", "mask"):
+        fields[name] = getattr(o, name)[keep]
+    for ptr, val in (("dep_ptr", "deps"), ("in_ptr", "inputs"), ("out_ptr", "outputs"), ("qc_ptr", "q_chunks"),
+                     ("kvc_ptr", "kv_chunks")):
+        p, v = getattr(o, ptr), getattr(o, val)
+        owner = np.repeat(np.arange(len(o)), np.diff(p))
+        ok = keep[owner] & (keep[v] if val == "deps" else True)
+        fields[ptr] = _csr(np.bincount(new_id[owner[ok]], minlength=int(keep.sum())))
+        fields[val] = new_id[v[ok]] if val == "deps" else v[ok]
+    t = s.tensors
+    t.alloc_op = np.where(t.alloc_op >= 0, np.where(keep[t.alloc_op], new_id[t.alloc_op], -1), -1)
+    owner = np.repeat(np.arange(len(t.rank)), np.diff(t.free_ptr))
+    ok = keep[t.free_after]
+    t.free_ptr, t.free_after = _csr(np.bincount(owner[ok], minlength=len(t.rank))), new_id[t.free_after[ok]]
+    return Schedule(s.algorithm, s.knobs, s.workload, s.n_ranks, s.n_chunks, s.device_of_rank, s.topology,
+                    s.streams, OpTable(**fields), t)
+
+
+def test_rejects_a_dropped_block():
+    s = build(passes="fwd")
+    comp = np.flatnonzero(s.ops.kind == COMPUTE)
+    report = verify(drop_ops(s, comp[3:4]))
+    assert not report.ok and any("never computed" in v for v in report.violations)
+
+
+def test_rejects_a_duplicated_block():
+    s = build(passes="fwd")
+    o = s.ops
+    a, b = np.flatnonzero((o.kind == COMPUTE) & (o.rank == 1))[:2]
+    o.kv_chunks[o.kvc_ptr[b]] = o.kv_chunks[o.kvc_ptr[a]]        # op b now computes op a's block again
+    report = verify(s)
+    assert not report.ok
+    assert any("computed twice" in v for v in report.violations) and any("never computed" in v for v in report.violations)
+
+
+def test_rejects_an_unmatched_send():
+    s = build(passes="fwd")
+    recv = np.flatnonzero(s.ops.kind == RECV)[0]
+    report = verify(drop_ops(s, [recv]))
+    assert not report.ok and any("no matching partner" in v for v in report.violations)
+
+
+def test_rejects_mismatched_bytes():
+    s = build(passes="fwd")
+    recv = np.flatnonzero(s.ops.kind == RECV)[0]
+    s.ops.size_bytes[recv] += 2
+    assert any("receives" in v for v in verify(s).violations)
+
+
+def test_rejects_a_missing_dependency_as_a_hazard():
+    s = build(passes="fwd")
+    o = s.ops
+    owner = np.repeat(np.arange(len(o)), np.diff(o.dep_ptr))
+    keep = o.kind[owner] != COMPUTE
+    o.deps = o.deps[keep]
+    o.dep_ptr = _csr(np.bincount(owner[keep], minlength=len(o)))
+    report = verify(s)
+    assert not report.ok and any("still writes it" in v for v in report.violations)
+
+
+def test_rejects_a_deadlock():
+    """Two ranks that each send before they receive, unbatched (blocking sends), never finish."""
+    s = build(n=2, passes="fwd")
+    o = s.ops
+    for r in (0, 1):
+        mine = np.flatnonzero((o.rank == r) & ((o.kind == SEND) | (o.kind == RECV)))
+        send, recv = mine[o.kind[mine] == SEND][0], mine[o.kind[mine] == RECV][0]
+        assert send < recv
+        o.step[send], o.step[recv] = 1, 0         # no longer one batch: the send must complete first
+    rep = verify(s)
+    assert not rep.ok and any("deadlock" in v for v in rep.violations)
+
+
+def test_rejects_a_dependency_on_a_later_op():
+    s = build(passes="fwd")
+    o = s.ops
+    k = np.flatnonzero(np.diff(o.dep_ptr) > 0)[0]
+    o.deps[o.dep_ptr[k]] = k + 1
+    assert any("not an earlier op" in v for v in verify(s).violations)
+
+
+def test_memory_limit():
+    s = build(n=8, passes="fwd", seq_len="64K")
+    assert verify(s, memory_bytes=80e9).ok and verify(s).peak_memory_bytes > 1e6
+    assert any("more than the device" in v for v in verify(s, memory_bytes=1e6).violations)
