@@ -27,7 +27,8 @@ def print_simulation(body: dict[str, Any], console: Console, title: str) -> None
     """The predicted metrics of one schedule, a column per pass."""
     pred = body["predicted"]
     parts = [p for p in ("fwd", "bwd", "total") if p in pred] or [body["pass"]]
-    table = Table(title=title, title_justify="left")
+    console.print(title, soft_wrap=True)
+    table = Table()
     table.add_column("predicted")
     for p in parts:
         table.add_column(p, justify="right")
@@ -43,12 +44,12 @@ def _knob_text(knobs: dict[str, Any]) -> str:
 def print_search(body: dict[str, Any], console: Console, top: int) -> None:
     """The ranked candidates of a search."""
     topo, counts = body["topology"], body["counts"]
-    table = Table(title=f"{topo['name']} x {body['n_ranks']} ranks; {_workload_text(body['workload'])}",
-                  title_justify="left")
+    console.print(f"{topo['name']} x {body['n_ranks']} ranks; {_workload_text(body['workload'])}", soft_wrap=True)
+    table = Table()
     for col, just in (("#", "right"), ("algorithm", "left"), ("layout", "left"), ("knobs", "left"),
                       ("level", "left"), ("time", "right"), ("fwd", "right"), ("bwd", "right"),
                       ("exposed comm", "right"), ("bytes/GPU", "right"), ("inter-node/GPU", "right"),
-                      ("comp/comm", "right"), ("peak mem", "right"), ("schedule", "left")):
+                      ("comp/comm", "right"), ("peak mem", "right")):
         table.add_column(col, justify=just)
     for i, c in enumerate(body["candidates"][:top], start=1):
         p = c["predicted"]
@@ -57,13 +58,15 @@ def print_search(body: dict[str, Any], console: Console, top: int) -> None:
                       fmt_seconds(p["makespan_s"]), _fmt(p.get("fwd", {}).get("makespan_s"), fmt_seconds),
                       _fmt(p.get("bwd", {}).get("makespan_s"), fmt_seconds), fmt_seconds(p["exposed_comm_s"]),
                       fmt_bytes(p["comm_bytes_per_gpu_max"]), fmt_bytes(p["inter_node_bytes_per_gpu_max"]),
-                      _fmt(p["compute_to_comm"], lambda x: f"{x:.3g}"), fmt_bytes(p["peak_memory_bytes"]),
-                      c["schedule_path"] or "")
+                      _fmt(p["compute_to_comm"], lambda x: f"{x:.3g}"), fmt_bytes(p["peak_memory_bytes"]))
     console.print(table)
+    for i, c in enumerate(body["candidates"], start=1):
+        if c["schedule_path"]:
+            console.print(f"#{i} written to {c['schedule_path']}", soft_wrap=True)
     skipped = ", ".join(f"{v} {k}" for k, v in counts["skipped"].items()) or "none"
     console.print(f"{counts['enumerated']} enumerated, {counts['simulated']} simulated, {counts['pruned']} left at "
                   f"their closed-form bound (prune slack {counts['prune_slack']:.0%}); skipped: {skipped}; "
-                  f"{body['wall_s']:.2f} s")
+                  f"{body['wall_s']:.2f} s", soft_wrap=True)
 
 
 def _workload_text(w: dict[str, Any]) -> str:

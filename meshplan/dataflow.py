@@ -46,12 +46,16 @@ class Items:
         return len(self.rank)
 
 
-def build_items(sched: Schedule, phase: int, partner: np.ndarray | None = None) -> Items:
-    """Group the ops of one pass into items and derive their precedence (vectorised)."""
+def build_items(sched: Schedule, phase: int, partner: np.ndarray | None = None, n_ranks: int | None = None) -> Items:
+    """Group the ops of one pass into items and derive their precedence (vectorised).
+
+    ``n_ranks``: only ranks below it (their ops are a prefix; deps never cross ranks).
+    """
     o = sched.ops
     if partner is None:
         partner = sched.match_transfers()[0]
-    sel = np.flatnonzero(o.phase == phase)
+    end = len(o) if n_ranks is None else int(sched.rank_ptr[n_ranks])
+    sel = np.flatnonzero(o.phase[:end] == phase)
     order = sel[np.lexsort((sel, o.stream[sel], o.rank[sel]))]
     comm = (o.kind[order] == SEND) | (o.kind[order] == RECV)
     step = o.step[order]
@@ -70,9 +74,10 @@ def build_items(sched: Schedule, phase: int, partner: np.ndarray | None = None) 
     sp_dst = np.flatnonzero(~starts_seq)
     src, dst = [sp_dst - 1], [sp_dst]
     # data dependencies of this pass's ops
-    dep_owner = np.repeat(np.arange(len(o)), np.diff(o.dep_ptr))
-    keep = (o.phase[dep_owner] == phase) & (o.phase[o.deps] == phase)
-    d_src, d_dst = item_of_op[o.deps[keep]], item_of_op[dep_owner[keep]]
+    dep_owner = np.repeat(np.arange(end), np.diff(o.dep_ptr[: end + 1]))
+    deps = o.deps[: o.dep_ptr[end]]
+    keep = (o.phase[dep_owner] == phase) & (o.phase[deps] == phase)
+    d_src, d_dst = item_of_op[deps[keep]], item_of_op[dep_owner[keep]]
     self_dep = np.unique(d_dst[d_src == d_dst])
     ok = d_src != d_dst
     src.append(d_src[ok])

@@ -15,6 +15,7 @@ convention): forward 4·B·H·D·pairs, backward 2.5× forward.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -223,3 +224,9 @@ class AttnMatrix:
             else:
                 out.append([a, b])
         return out
+
+
+@functools.lru_cache(maxsize=16)
+def attn_matrix(workload: Workload, n: int) -> AttnMatrix:
+    """A cached AttnMatrix (workloads are frozen, so equal workloads share one)."""
+    return AttnMatrix(workload, n)

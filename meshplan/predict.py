@@ -15,7 +15,7 @@ from meshplan import algorithms
 from meshplan.algorithms.base import PassTiming
 from meshplan.algorithms.rotate_timing import Rotation, size_of
 from meshplan.errors import UserError
-from meshplan.matrix import AttnMatrix
+from meshplan.matrix import AttnMatrix, attn_matrix
 from meshplan.metrics import KEYS, combine, pass_metrics
 from meshplan.plan import Plan
 from meshplan.schedule import Schedule
@@ -104,10 +104,10 @@ def ring_ccr(workload: Workload, topo: Topology, n_ranks: int) -> float | None:
         return None
     w = workload
     try:
-        matrix = AttnMatrix(w, n_ranks)
+        matrix = attn_matrix(w, n_ranks)
     except UserError:
         w = workload.with_(layout="contiguous")
-        matrix = AttnMatrix(w, n_ranks)
+        matrix = attn_matrix(w, n_ranks)
     ring = algorithms.get("ring")
     plan = ring.plan(w, topo, n_ranks, ring.normalize({}), matrix)
     rot = Rotation(plan, topo, rows=True)

@@ -11,15 +11,14 @@ import contextlib
 import gc
 import gzip
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from meshplan.errors import UserError
-from meshplan.matrix import AttnMatrix
+from meshplan.fileio import write_atomic
+from meshplan.matrix import AttnMatrix, attn_matrix
 from meshplan.schedule import (COMBINES, DTYPES, MASKS, OP_KINDS, PASS_NAMES, ROLES, SCHEMA_VERSION,
                                TENSOR_KIND_NAMES, Schedule, Streams, TensorTable)
 from meshplan.schedule_json import SEMANTICS, ScheduleJSON
@@ -29,7 +28,7 @@ from meshplan.workload import Mask, Workload
 def to_json_text(sched: Schedule) -> str:
     """The Schedule as JSON text (the contract's skeleton), serialised column-wise for speed."""
     w = sched.workload
-    matrix = AttnMatrix(w, sched.n_chunks)
+    matrix = attn_matrix(w, sched.n_chunks)
     head = {
         "schema_version": SCHEMA_VERSION, "semantics": SEMANTICS, "algorithm": sched.algorithm,
         "knobs": sched.knobs, "workload": w.to_dict() | {"permutation": {"name": w.layout, "seed": 0}},
@@ -128,19 +127,10 @@ def _descriptors(sched: Schedule, m: AttnMatrix) -> dict[int, tuple]:
 
 def write_schedule(sched: Schedule, path: str | Path) -> Path:
     """Write atomically; gzip when the name ends in ``.gz``. Returns the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     with _no_gc():
         text = to_json_text(sched).encode()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(gzip.compress(text, compresslevel=1) if path.name.endswith(".gz") else text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    data = gzip.compress(text, compresslevel=1) if str(path).endswith(".gz") else text
+    return write_atomic(path, data)
 
 
 def read_schedule(path: str | Path) -> Schedule:

@@ -67,11 +67,11 @@ def simulate(sched: Schedule, topo: Topology, *, reduce: bool = True) -> SimResu
     start, end = np.full(n, np.nan), np.full(n, np.nan)
     makespan, offset, events, clock = {}, {}, 0, 0.0
     for phase in sched.passes:
-        items = build_items(sched, phase, partner)
+        items = build_items(sched, phase, partner, n_ranks=red.n_reps)
         engine = _Engine(sched, topo, items, red, durations, partner)
         s_item, e_item = engine.run()
         events += engine.events
-        ops = items.ops
+        ops = np.flatnonzero(sched.ops.phase == phase)
         rep_item = items.item_of_op[red.rep_op[ops]]
         start[ops], end[ops] = s_item[rep_item] + clock, e_item[rep_item] + clock
         makespan[phase], offset[phase] = float(np.max(e_item, initial=0.0)), clock
@@ -85,8 +85,7 @@ class _Engine:
     def __init__(self, sched, topo, items, red: Reduction, durations, partner) -> None:
         self.events = 0
         o = sched.ops
-        n_rep_items = int(np.searchsorted(items.rank, red.n_reps)) if red.n_reps < sched.n_ranks else items.n
-        self.n_items = k = n_rep_items
+        self.n_items = k = items.n
         mp = items.member_ptr[: k + 1]
         self.members = items.members[: mp[-1]].tolist()
         self.member_ptr = mp.tolist()

@@ -33,16 +33,6 @@ def trace_events(sched: Schedule, start_s: np.ndarray, end_s: np.ndarray, label:
 
 
 def write_trace(path: str | Path, events: list[dict]) -> None:
-    """Write ``{"traceEvents": [...]}`` (atomically)."""
-    import os
-    import tempfile
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, fh)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write ``{"traceEvents": [...]}`` atomically."""
+    from meshplan.fileio import write_atomic
+    write_atomic(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}).encode())

@@ -24,7 +24,7 @@ import numpy as np
 
 from meshplan.dataflow import build_items, evaluate, peak_memory
 from meshplan.hazards import check_hazards
-from meshplan.matrix import AttnMatrix
+from meshplan.matrix import AttnMatrix, attn_matrix
 from meshplan.schedule import (COMPUTE, DTYPES, KIND, OP_KINDS, RECV, SEND, TENSOR_KIND_NAMES, Schedule,
                                tensor_bytes)
 
@@ -64,7 +64,7 @@ def verify(sched: Schedule, memory_bytes: float | None = None, op_seconds: np.nd
     rep.add("tensor", _tensors(sched))
     partner, _, problems = sched.match_transfers()
     rep.add("transfer", problems)
-    matrix = AttnMatrix(sched.workload, sched.n_chunks)
+    matrix = attn_matrix(sched.workload, sched.n_chunks)
     for phase in sched.passes:
         rep.add("coverage", _coverage(sched, matrix, phase))
     rep.add("pass", _passes(sched))

@@ -18,7 +18,7 @@ import numpy as np
 from meshplan.algorithms.base import DTYPE_KNOB, Algorithm, Knob, PassTiming
 from meshplan.algorithms.rotate import rotate_backward, rotate_forward_merge
 from meshplan.algorithms.rotate_timing import Rotation, backward, forward, size_of
-from meshplan.matrix import AttnMatrix
+from meshplan.matrix import AttnMatrix, attn_matrix
 from meshplan.plan import Plan
 from meshplan.schedule import Schedule, ScheduleBuilder
 from meshplan.topology import Topology
@@ -30,7 +30,7 @@ MAPPINGS = ("auto", "identity")
 def ring_plan(alg: Algorithm, workload: Workload, topo: Topology, n: int, knobs: dict,
               matrix: AttnMatrix | None, rows: bool) -> Plan:
     """Row split (``rows``: rank r computes query chunk r's row) or column split (pass-Q)."""
-    m = matrix if matrix is not None else AttnMatrix(workload, n)
+    m = matrix if matrix is not None else attn_matrix(workload, n)
     idx = np.arange(n)
     owner = np.broadcast_to(idx[:, None] if rows else idx[None, :], (n, n)).copy()
     owner[~m.permitted] = -1

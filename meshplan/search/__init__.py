@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from meshplan import algorithms
 from meshplan.errors import SkipCandidate, UserError
-from meshplan.matrix import AttnMatrix
+from meshplan.matrix import attn_matrix
 from meshplan.predict import Candidate, closed_form_predicted, make_candidate, ring_ccr, simulate_candidate
 from meshplan.topology import Topology
 from meshplan.workload import LAYOUTS, Workload
@@ -45,7 +45,6 @@ def enumerate_candidates(base: Workload, topo: Topology, n: int, algos: list[str
     """Every (algorithm, layout, knobs) the filters allow, with closed-form timing; skips counted."""
     skipped: Counter = Counter()
     cands: list[Candidate] = []
-    matrices: dict[str, AttnMatrix] = {}
     for name in algos or algorithms.NAMES:
         if name not in algorithms.NAMES:
             algorithms.get(name)  # raises: unknown algorithm, with the valid names
@@ -60,7 +59,7 @@ def enumerate_candidates(base: Workload, topo: Topology, n: int, algos: list[str
         for layout in [base.layout] if layout_pinned else LAYOUTS:
             w = base.with_(layout=layout)
             try:
-                matrix = matrices.get(layout) or matrices.setdefault(layout, AttnMatrix(w, n))
+                matrix = attn_matrix(w, n)
             except UserError:
                 skipped[f"sequence cannot be split by the {layout} layout"] += 1
                 continue

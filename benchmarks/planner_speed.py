@@ -1,0 +1,90 @@
+"""Planner speed benchmark (issue 2 targets), run by hand: ``python benchmarks/planner_speed.py``.
+
+Targets: Ring fwd+bwd on 256 GPUs at 1M tokens simulated under 1 s; ``meshplan search --gpus 256 --topo
+h100x32.yaml`` (defaults) under 10 s; ``meshplan --help`` under 0.5 s. Prints a table and writes
+``benchmarks/results/planner_speed.json``. Wall times are medians of repeated runs on this machine.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def wall(cmd: list[str], repeat: int, cwd: str | None = None) -> tuple[float, float]:
+    """(median wall seconds, peak child RSS in MB) of a command."""
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=cwd)
+        times.append(time.perf_counter() - t0)
+    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    return statistics.median(times), rss
+
+
+def in_process(repeat: int) -> dict[str, float]:
+    """Plan + schedule, and simulate, of Ring fwd+bwd on 256 H100s at 1M tokens; symmetric vs full at 64."""
+    from meshplan.algorithms import get
+    from meshplan.simulate import simulate
+    from meshplan.topology import Topology
+    from meshplan.workload import resolve
+
+    ring = get("ring")
+    topo = Topology.load("h100x32", gpus=256)
+    w = resolve()
+    build, sim = [], []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        sched = ring.schedule(ring.plan(w, topo, 256, ring.normalize({})), topo)
+        t1 = time.perf_counter()
+        result = simulate(sched, topo)
+        build.append(t1 - t0)
+        sim.append(time.perf_counter() - t1)
+    topo64 = Topology.load("h100x32", gpus=64)
+    s64 = ring.schedule(ring.plan(resolve(seq_len="256K"), topo64, 64, ring.normalize({})), topo64)
+    t0 = time.perf_counter()
+    fast = simulate(s64, topo64)
+    t1 = time.perf_counter()
+    full = simulate(s64, topo64, reduce=False)
+    t2 = time.perf_counter()
+    return {"ops_256": len(sched.ops), "events_256": result.events, "reps_256": result.reps,
+            "build_256_s": statistics.median(build), "simulate_256_s": statistics.median(sim),
+            "makespan_256_s": sum(result.pass_makespan.values()),
+            "sim64_reduced_s": t1 - t0, "sim64_full_s": t2 - t1,
+            "sim64_max_abs_diff_s": float(abs(fast.end - full.end).max())}
+
+
+def main() -> None:
+    repeat = 3
+    exe = str(Path(sys.executable).with_name("meshplan"))
+    out: dict[str, object] = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor() or platform.machine(),
+                              "python": platform.python_version()}
+    out["help_s"], _ = wall([exe, "--help"], 5)
+    out.update(in_process(repeat))
+    out["cli_simulate_256_s"], _ = wall([exe, "simulate", "--algo", "ring", "--gpus", "256", "--topo", "h100x32",
+                                         "--json"], repeat)
+    with tempfile.TemporaryDirectory() as tmp:
+        out["cli_search_256_s"], out["search_peak_rss_MB"] = wall([exe, "search", "--gpus", "256", "--topo",
+                                                                   "h100x32.yaml"], repeat, cwd=tmp)
+        written = list(Path(tmp, "schedules").iterdir())
+        out["written_schedule_MB"] = round(written[0].stat().st_size / 1e6, 2)
+    targets = {"help_s": 0.5, "simulate_256_s": 1.0, "cli_search_256_s": 10.0}
+    width = max(map(len, out))
+    for k, v in out.items():
+        mark = "" if k not in targets else ("  (target < %g s: %s)" % (targets[k], "met" if v < targets[k] else "MISSED"))
+        print(f"{k:<{width}}  {v:.4g}{mark}" if isinstance(v, float) else f"{k:<{width}}  {v}")
+    (HERE / "results").mkdir(exist_ok=True)
+    (HERE / "results" / "planner_speed.json").write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
