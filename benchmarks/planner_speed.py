@@ -66,8 +66,8 @@ def in_process(repeat: int) -> dict[str, float]:
 def main() -> None:
     repeat = 3
     exe = str(Path(sys.executable).with_name("meshplan"))
-    out: dict[str, object] = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor() or platform.machine(),
-                              "python": platform.python_version()}
+    out: dict[str, object] = {"date": time.strftime("%Y-%m-%d %H:%M"), "python": platform.python_version(),
+                              "machine": platform.processor() or platform.machine()}
     out["help_s"], _ = wall([exe, "--help"], 5)
     out.update(in_process(repeat))
     out["cli_simulate_256_s"], _ = wall([exe, "simulate", "--algo", "ring", "--gpus", "256", "--topo", "h100x32",
@@ -80,7 +80,8 @@ def main() -> None:
     targets = {"help_s": 0.5, "simulate_256_s": 1.0, "cli_search_256_s": 10.0}
     width = max(map(len, out))
     for k, v in out.items():
-        mark = "" if k not in targets else ("  (target < %g s: %s)" % (targets[k], "met" if v < targets[k] else "MISSED"))
+        verdict = "met" if k in targets and v < targets[k] else "MISSED"
+        mark = f"  (target < {targets[k]:g} s: {verdict})" if k in targets else ""
         print(f"{k:<{width}}  {v:.4g}{mark}" if isinstance(v, float) else f"{k:<{width}}  {v}")
     (HERE / "results").mkdir(exist_ok=True)
     (HERE / "results" / "planner_speed.json").write_text(json.dumps(out, indent=1) + "\n")

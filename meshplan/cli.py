@@ -21,7 +21,6 @@ except ImportError:  # pragma: no cover
 from meshplan import cli_options as o
 
 
-
 class _Group(TyperGroup):
     """Runs a command; user errors become one line on stderr and exit status 2 (no traceback, no panel)."""
 
@@ -90,8 +89,10 @@ def search(gpus: o.Gpus = None, topo: o.Topo = None, model: o.Model = None, seq_
            out: Annotated[str, typer.Option("--out", help="directory for written schedules")] = "schedules",
            scheduler: Annotated[str, typer.Option("--scheduler", help="greedy | ilp | auto")] = "greedy",
            ilp_time_limit_s: Annotated[float, typer.Option("--ilp-time-limit-s", help="CP-SAT time limit")] = 10.0,
-           memory_limit: Annotated[Optional[str], typer.Option("--memory-limit", help="bytes per GPU (80GiB, 64GB, ...)")] = None,
-           prune_slack: Annotated[float, typer.Option("--prune-slack", help="prune within this fraction of the best (0: exact)")] = 0.01,
+           memory_limit: Annotated[Optional[str], typer.Option(
+               "--memory-limit", help="bytes per GPU (80GiB, 64GB, ...)")] = None,
+           prune_slack: Annotated[float, typer.Option(
+               "--prune-slack", help="prune within this fraction of the best (0: exact)")] = 0.01,
            as_json: o.Json = False) -> None:
     """Rank every algorithm, layout and knob setting for a workload on a cluster; write the best schedules."""
     from meshplan.errors import UserError

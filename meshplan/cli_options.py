@@ -13,7 +13,8 @@ import typer
 WL = "Workload (defaults: --model llama3-8b --seq-len 1M --batch 1 --dtype bf16 --mask causal --pass fwd+bwd)"
 KN = "Knobs (each algorithm takes the ones that apply)"
 
-Model = Annotated[Optional[str], typer.Option("--model", help="preset: llama3-8b, llama3-70b, charm-h100", rich_help_panel=WL)]
+Model = Annotated[Optional[str], typer.Option("--model", help="preset: llama3-8b, llama3-70b, charm-h100",
+                                              rich_help_panel=WL)]
 SeqLen = Annotated[Optional[str], typer.Option("--seq-len", help="tokens (1M = 1,048,576; 128K)", rich_help_panel=WL)]
 Batch = Annotated[Optional[int], typer.Option("--batch", help="sequences per batch", rich_help_panel=WL)]
 Heads = Annotated[Optional[int], typer.Option("--heads", help="query heads (overrides the preset)", rich_help_panel=WL)]
@@ -24,22 +25,26 @@ MaskOpt = Annotated[Optional[str], typer.Option("--mask", help="full | causal | 
                                                 rich_help_panel=WL)]
 Layout = Annotated[Optional[str], typer.Option("--layout", help="contiguous | zigzag | striped", rich_help_panel=WL)]
 Pass = Annotated[Optional[str], typer.Option("--pass", help="fwd | bwd | fwd+bwd", rich_help_panel=WL)]
-ValidLen = Annotated[Optional[str], typer.Option("--valid-len", help="tokens past this are padding", rich_help_panel=WL)]
+ValidLen = Annotated[Optional[str], typer.Option("--valid-len", help="tokens past this are padding",
+                                                 rich_help_panel=WL)]
 
 Tile = Annotated[Optional[str], typer.Option("--tile", help="Mesh tile AxB", rich_help_panel=KN)]
-Mapping = Annotated[Optional[str], typer.Option("--mapping", help="rank -> GPU placement (default auto)", rich_help_panel=KN)]
-PartialDtype = Annotated[Optional[str], typer.Option("--partial-dtype", help="partial outputs on the wire: bf16 | fp16 | fp32",
-                                                     rich_help_panel=KN)]
+Mapping = Annotated[Optional[str], typer.Option("--mapping", help="rank -> GPU placement (default auto)",
+                                                rich_help_panel=KN)]
+PartialDtype = Annotated[Optional[str], typer.Option("--partial-dtype", rich_help_panel=KN,
+                                                     help="partial outputs on the wire: bf16 | fp16 | fp32")]
 DkvDtype = Annotated[Optional[str], typer.Option("--dkv-dtype", help="partial dK/dV on the wire (default fp32)",
                                                  rich_help_panel=KN)]
 UlyssesDegree = Annotated[Optional[int], typer.Option("--ulysses-degree", help="Ulysses degree U", rich_help_panel=KN)]
-InnerRing = Annotated[Optional[int], typer.Option("--inner-ring", help="LoongTrain inner ring size W", rich_help_panel=KN)]
+InnerRing = Annotated[Optional[int], typer.Option("--inner-ring", help="LoongTrain inner ring size W",
+                                                  rich_help_panel=KN)]
 TeamSize = Annotated[Optional[int], typer.Option("--team-size", help="StarTrail team size C", rich_help_panel=KN)]
 Domains = Annotated[Optional[int], typer.Option("--domains", help="CHARM+ domains M", rich_help_panel=KN)]
 KnobKV = Annotated[Optional[list[str]], typer.Option("--knob", help="NAME=VALUE, repeatable (e.g. dkv_hops=n-1)",
                                                      rich_help_panel=KN)]
 
-Gpus = Annotated[Optional[int], typer.Option("--gpus", help="GPUs (ranks): a multiple or a divisor of the GPUs per node")]
+Gpus = Annotated[Optional[int], typer.Option("--gpus",
+                                             help="GPUs (ranks): a multiple or a divisor of the GPUs per node")]
 Topo = Annotated[Optional[str], typer.Option("--topo", help="topology file or shipped name (h100x32, cpu-local, ...)")]
 Json = Annotated[bool, typer.Option("--json", help="machine-readable JSON on stdout")]
 

@@ -92,5 +92,6 @@ def print_topology(info: dict[str, Any], console: Console) -> None:
     for col in ("from", "to", "hops", "GB/s", "latency us"):
         routes.add_column(col)
     for r in info["routes"]:
-        routes.add_row(str(r["src"]), str(r["dst"]), " -> ".join(r["path"]), f"{r['GBps']:.4g}", f"{r['latency_us']:.3g}")
+        routes.add_row(str(r["src"]), str(r["dst"]), " -> ".join(r["path"]), f"{r['GBps']:.4g}",
+                       f"{r['latency_us']:.3g}")
     console.print(routes)

@@ -78,10 +78,10 @@ def simulate_file(path, topo, trace, as_json, emit) -> None:
         raise UserError(str(path), f"invalid schedule: {report.violations[0]}", "run meshplan validate for the list")
     sim = simulate(sched, topo_obj)
     parts = {("fwd", "bwd")[p]: pass_metrics(sched, topo_obj, sim, p) for p in sched.passes}
-    from meshplan.predict import _clean
+    from meshplan.predict import jsonable
     body = {"algorithm": sched.algorithm, "knobs": sched.knobs, "workload": sched.workload.to_dict(),
             "pass": sched.workload.passes, "model_level": "simulated",
-            "predicted": _clean(combine(parts, ring_ccr(sched.workload, topo_obj, sched.n_ranks))),
+            "predicted": jsonable(combine(parts, ring_ccr(sched.workload, topo_obj, sched.n_ranks))),
             "topology": {"name": topo_obj.name, "devices": topo_obj.n_devices}}
     if trace is not None:
         _write_trace(sched, sim, trace)
@@ -102,9 +102,9 @@ def validate_file(path, topo, as_json: bool) -> int:
     if as_json:
         sys.stdout.write(json.dumps(body, indent=1) + "\n")
     elif report.ok:
+        peak = report.peak_memory_bytes / 1e9
         sys.stdout.write(f"valid: {len(sched.ops)} ops on {sched.n_ranks} ranks; every permitted block once, "
-                         f"transfers matched, no hazard, no deadlock; peak buffers {report.peak_memory_bytes / 1e9:.3g} GB"
-                         " per rank\n")
+                         f"transfers matched, no hazard, no deadlock; peak buffers {peak:.3g} GB per rank\n")
     else:
         sys.stdout.write(f"invalid: {sum(report.counts.values())} violation(s)\n")
         sys.stdout.write("".join(f"  {v}\n" for v in report.violations))

@@ -58,7 +58,3 @@ class CostModel:
         dur[side] = self.merge_time_s(o.size_bytes[side])
         return dur
 
-    def transfer_time_s(self, src_dev: int, dst_dev: int, size_bytes: float) -> float:
-        """Uncontended alpha-beta time of one transfer between devices."""
-        return self.topo.transfer_time_s(src_dev, dst_dev, size_bytes)
-

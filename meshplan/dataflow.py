@@ -15,8 +15,6 @@ import numpy as np
 
 from meshplan.schedule import RECV, SEND, Schedule, _csr
 
-COMPUTE_STREAM_OPS = ("compute", "merge", "accumulate", "alloc", "free")
-
 
 @dataclass
 class Items:

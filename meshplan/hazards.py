@@ -71,7 +71,7 @@ def _accesses(sched: Schedule, phase: int) -> tuple[np.ndarray, np.ndarray, np.n
 
 def check_hazards(sched: Schedule, items: Items) -> list[str]:
     """Violations of the rules above for one pass (``items`` of that pass)."""
-    o, t = sched.ops, sched.tensors
+    o = sched.ops
     clock, stream, pos = vector_clocks(sched, items)
     it = items.item_of_op
 

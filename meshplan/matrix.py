@@ -208,12 +208,13 @@ class AttnMatrix:
         ``mask``: ``full`` (the rectangle is entirely permitted) or the workload's elementwise rule
         (``causal``, ``window``, ``docs``) applied with the tokens' global positions.
         """
-        rows = self._local_ranges(i, self.q_involved[i, j])
-        cols = self._local_ranges(j, self.kv_involved[i, j])
+        rows = self.local_ranges(i, self.q_involved[i, j])
+        cols = self.local_ranges(j, self.kv_involved[i, j])
         mask = self.workload.mask.kind if self.elementwise[i, j] else "full"
         return {"q_rows": rows, "kv_cols": cols, "mask": mask}
 
-    def _local_ranges(self, chunk: int, involved: np.ndarray) -> list[list[int]]:
+    def local_ranges(self, chunk: int, involved: np.ndarray) -> list[list[int]]:
+        """[start, end) chunk-local index ranges of the valid tokens of the ``involved`` segments."""
         out: list[list[int]] = []
         ch = self.chunks
         for k in np.flatnonzero(involved):

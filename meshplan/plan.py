@@ -58,13 +58,3 @@ class Plan:
                 raise UserError(f"plan.{name}", f"homes must be ranks 0..{n - 1}")
         if len(np.unique(self.device_of_rank)) != n:
             raise UserError("plan.device_of_rank", "two ranks share a device")
-
-    def blocks_per_rank(self) -> np.ndarray:
-        """[n_ranks] permitted blocks each rank computes."""
-        own = self.owner[self.matrix.permitted]
-        return np.bincount(own, minlength=self.n_ranks)
-
-    def work_per_rank(self) -> np.ndarray:
-        """[n_ranks] permitted query-key pairs each rank computes (per batch and head)."""
-        m = self.matrix
-        return np.bincount(self.owner[m.permitted], weights=m.pairs[m.permitted], minlength=self.n_ranks)

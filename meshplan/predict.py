@@ -133,16 +133,17 @@ def result_json(cand: Candidate) -> dict[str, Any]:
     """The ``--json`` body of ``simulate`` for a candidate."""
     pred = cand.predicted if cand.predicted else {}
     return {"algorithm": cand.algorithm, "knobs": cand.knobs, "workload": cand.workload.to_dict(),
-            "pass": cand.workload.passes, "model_level": cand.model_level, "predicted": _clean(pred)}
+            "pass": cand.workload.passes, "model_level": cand.model_level, "predicted": jsonable(pred)}
 
 
-def _clean(d: Any) -> Any:
+def jsonable(d: Any) -> Any:
+    """A copy without internal ``_``-keys and numpy scalars, ready for ``json.dumps``."""
     if isinstance(d, dict):
-        return {k: _clean(v) for k, v in d.items() if not k.startswith("_")}
+        return {k: jsonable(v) for k, v in d.items() if not k.startswith("_")}
     if isinstance(d, (np.floating, np.integer)):
         return d.item()
     return d
 
 
 __all__ = ["KEYS", "Candidate", "make_candidate", "simulate_candidate", "closed_form_predicted", "ring_ccr",
-           "predict", "result_json"]
+           "predict", "result_json", "jsonable"]

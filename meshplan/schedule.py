@@ -65,7 +65,7 @@ def tensor_bytes(workload: Workload, kind: str, tokens: int, heads: int, dtype: 
     Sizes per ALGORITHMS.md: Qc = B·c·h·D·β, KVc = 2·B·c·h_kv·D·β, Oc + Lc = B·c·h·D·β_o + 4·B·c·h.
     """
     B, D, beta = workload.batch, workload.head_dim, DTYPE_BYTES[dtype]
-    kv_heads = heads // workload.gqa_group if heads % workload.gqa_group == 0 else heads / workload.gqa_group
+    kv_heads = -(-heads // workload.gqa_group)  # a head range narrower than a GQA group still needs its KV head
     base = B * tokens * D * beta
     ib = DTYPE_BYTES[workload.dtype]
     sizes = {
@@ -293,7 +293,8 @@ class ScheduleBuilder:
         self._n_tensors += len(ranks)
         self._tensor_starts.append(int(ids[0]))
         self._tensors.append(dict(rank=ranks, kind=kind, kind_code=TENSOR_KIND_NAMES.index(kind), chunks=ch,
-                                  h0=h0, h1=h1, dtype=DTYPES.index(dt), role=ROLES.index(role), phase=self.phase, size=size, ids=ids))
+                                  h0=h0, h1=h1, dtype=DTYPES.index(dt), role=ROLES.index(role), phase=self.phase,
+                                  size=size, ids=ids))
         return ids
 
     def alloc_at(self, tensors, ops) -> None:

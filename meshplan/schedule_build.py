@@ -21,7 +21,8 @@ def _scalar(blocks: list[dict], name: str, dtype, default) -> np.ndarray:
     lengths = [len(b["rank"]) for b in blocks]
     if all(np.ndim(v) == 0 for v in values):
         return np.repeat(np.asarray(values, dtype=dtype), lengths)
-    parts = [np.full(k, v, dtype=dtype) if np.ndim(v) == 0 else np.asarray(v, dtype=dtype) for v, k in zip(values, lengths)]
+    parts = [np.full(k, v, dtype=dtype) if np.ndim(v) == 0 else np.asarray(v, dtype=dtype)
+             for v, k in zip(values, lengths)]
     return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
 
 

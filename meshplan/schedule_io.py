@@ -19,8 +19,19 @@ import numpy as np
 from meshplan.errors import UserError
 from meshplan.fileio import write_atomic
 from meshplan.matrix import AttnMatrix, attn_matrix
-from meshplan.schedule import (COMBINES, DTYPES, MASKS, OP_KINDS, PASS_NAMES, ROLES, SCHEMA_VERSION,
-                               TENSOR_KIND_NAMES, Schedule, Streams, TensorTable)
+from meshplan.schedule import (
+    COMBINES,
+    DTYPES,
+    MASKS,
+    OP_KINDS,
+    PASS_NAMES,
+    ROLES,
+    SCHEMA_VERSION,
+    TENSOR_KIND_NAMES,
+    Schedule,
+    Streams,
+    TensorTable,
+)
 from meshplan.schedule_json import SEMANTICS, ScheduleJSON
 from meshplan.workload import Mask, Workload
 
@@ -118,9 +129,9 @@ def _descriptors(sched: Schedule, m: AttnMatrix) -> dict[int, tuple]:
                                             cls.ravel()[qi].tolist(), cls.ravel()[kj].tolist(), masks.tolist()):
         rk, ck = (qp, ci), (kp, cj)
         if rk not in cache:
-            cache[rk] = json.dumps(m._local_ranges(i, m.q_involved[i, j]), separators=(",", ":"))
+            cache[rk] = json.dumps(m.local_ranges(i, m.q_involved[i, j]), separators=(",", ":"))
         if ck not in cache:
-            cache[ck] = json.dumps(m._local_ranges(j, m.kv_involved[i, j]), separators=(",", ":"))
+            cache[ck] = json.dumps(m.local_ranges(j, m.kv_involved[i, j]), separators=(",", ":"))
         out[op] = (cache[rk], cache[ck], MASKS[mk])
     return out
 

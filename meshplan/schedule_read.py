@@ -6,8 +6,19 @@ import numpy as np
 
 from meshplan.errors import UserError
 from meshplan.matrix import AttnMatrix
-from meshplan.schedule import (COMBINES, DTYPES, KIND, MASKS, PASS_NAMES, ROLES, TENSOR_KIND_NAMES, OpTable,
-                               Streams, TensorTable, _csr)
+from meshplan.schedule import (
+    COMBINES,
+    DTYPES,
+    KIND,
+    MASKS,
+    PASS_NAMES,
+    ROLES,
+    TENSOR_KIND_NAMES,
+    OpTable,
+    Streams,
+    TensorTable,
+    _csr,
+)
 from meshplan.schedule_json import ScheduleJSON
 from meshplan.workload import Workload
 
@@ -99,7 +110,8 @@ def tensor_table(doc: ScheduleJSON, id_map: dict[int, int]) -> TensorTable:
     arr = lambda f, dt=np.int64: np.asarray([f(t) for t in ts], dtype=dt)  # noqa: E731
     return TensorTable(
         rank=arr(lambda t: t.rank), kind=arr(lambda t: TENSOR_KIND_NAMES.index(t.kind), np.int8),
-        chunk_ptr=_csr(arr(lambda t: len(t.chunks))), chunks=np.asarray([c for t in ts for c in t.chunks], dtype=np.int64),
+        chunk_ptr=_csr(arr(lambda t: len(t.chunks))),
+        chunks=np.asarray([c for t in ts for c in t.chunks], dtype=np.int64),
         h0=arr(lambda t: t.heads[0], np.int32), h1=arr(lambda t: t.heads[1], np.int32),
         dtype=arr(lambda t: DTYPES.index(t.dtype), np.int8), role=arr(lambda t: ROLES.index(t.role), np.int8),
         phase=arr(lambda t: PASS_NAMES.index(t.pass_), np.int8), size_bytes=arr(lambda t: t.size_bytes),

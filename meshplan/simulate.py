@@ -25,7 +25,7 @@ from meshplan.cost import CostModel
 from meshplan.dataflow import build_items
 from meshplan.schedule import KIND, SEND, Schedule
 from meshplan.symmetry import Reduction, find_reduction, identity, link_orbit_rep
-from meshplan.topology import LINK_CLASSES, Topology
+from meshplan.topology import Topology
 
 _EPS = 1e-12
 
@@ -302,7 +302,8 @@ class _Engine:
             if len(comp) == 1:
                 aid = comp.pop()
                 act = self.acts[aid]
-                self._set_rate(aid, act, min([self._compute_cap(aid, act)] + [self.res_cap[r] / w for r, w in act[4]]), now)
+                rate = min([self._compute_cap(aid, act)] + [self.res_cap[r] / w for r, w in act[4]])
+                self._set_rate(aid, act, rate, now)
             elif comp:
                 rates = _maxmin({a: self.acts[a] for a in comp}, self.res_cap, self._compute_cap)
                 for aid, rate in rates.items():

@@ -46,7 +46,8 @@ class Topology:
             self._build_node(n)
         self.links_per_node = len(self._links) // self.n_nodes
         self._finish_links()
-        self._route_cache: dict[tuple[int, int], np.ndarray] = {}
+        self._route_cache: dict[tuple, np.ndarray] = {}
+        self._stats: dict[str, np.ndarray] | None = None
 
     # ---------------------------------------------------------------- loading
     @classmethod
@@ -196,8 +197,12 @@ class Topology:
         lat = np.where(src == dst, 0.0, lat + overhead)
         return lat, bw
 
-    @functools.cache
     def _stat_tables(self) -> dict[str, np.ndarray]:
+        if self._stats is None:
+            self._stats = self._build_stat_tables()
+        return self._stats
+
+    def _build_stat_tables(self) -> dict[str, np.ndarray]:
         g = min(self.gpus_per_node, self.n_devices)
         stats = lambda r: (self.link_latency_s[r].sum(),  # noqa: E731
                            min(self.link_capacity[r].min(), self.link_flow_cap[r].min()) if len(r) else np.inf)
@@ -232,10 +237,6 @@ class Topology:
                 links = template(k)
                 np.add.at(load, (links[None, :] + (node[rows] * L)[:, None]).ravel(), np.repeat(size[rows], len(links)))
         return load
-
-    def route_latency_s(self, src: int, dst: int) -> float:
-        """Software overhead plus the latency of every hop (seconds)."""
-        return float(self.pair_stats(src, dst)[0])
 
     def route_bandwidth(self, src: int, dst: int) -> float:
         """Uncontended rate of one flow (bytes/s): the bottleneck capacity and per-flow caps on the route."""
@@ -292,12 +293,6 @@ class Topology:
         """sha256 of the spec and the device count (a schedule records it)."""
         blob = json.dumps({"spec": self.spec.model_dump(mode="json"), "devices": self.n_devices}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-    def node_shift_links(self, k: int) -> np.ndarray:
-        """Link permutation for shifting every device by ``k`` nodes (link l -> result[l])."""
-        ids = np.arange(self.n_links)
-        node, local = np.divmod(ids, self.links_per_node)
-        return ((node + k) % self.n_nodes) * self.links_per_node + local
 
     @property
     def node_symmetric(self) -> bool:

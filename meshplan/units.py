@@ -10,11 +10,6 @@ import re
 
 from meshplan.errors import UserError
 
-GB = 1e9
-GiB = 2**30
-TFLOP = 1e12
-US = 1e-6
-
 #: Bytes per element of each supported dtype.
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 

@@ -25,8 +25,7 @@ import numpy as np
 from meshplan.dataflow import build_items, evaluate, peak_memory
 from meshplan.hazards import check_hazards
 from meshplan.matrix import AttnMatrix, attn_matrix
-from meshplan.schedule import (COMPUTE, DTYPES, KIND, OP_KINDS, RECV, SEND, TENSOR_KIND_NAMES, Schedule,
-                               tensor_bytes)
+from meshplan.schedule import COMPUTE, DTYPES, KIND, OP_KINDS, RECV, SEND, TENSOR_KIND_NAMES, Schedule, tensor_bytes
 
 _COMPUTE_KINDS = np.array([KIND[k] for k in ("compute", "merge", "accumulate", "alloc", "free")])
 _MAX_PER_KIND = 5
@@ -189,8 +188,9 @@ def _coverage(s: Schedule, m: AttnMatrix, phase: int) -> list[str]:
     last = np.r_[b[1:] != b[:-1], True] if len(b) else np.zeros(0, dtype=bool)
     prev_h1 = np.r_[0, a1[:-1]]
     gap = np.where(first, a0 != 0, a0 != prev_h1)
-    out += [f"{name}: block ({b[k] // N}, {b[k] % N}) heads {'overlap' if a0[k] < prev_h1[k] and not first[k] else 'gap'}"
-            f" at head {a0[k]} (op {ow[k]}): computed twice or missing" for k in np.flatnonzero(gap)]
+    what = lambda k: "overlap" if a0[k] < prev_h1[k] and not first[k] else "gap"  # noqa: E731
+    out += [f"{name}: block ({b[k] // N}, {b[k] % N}) heads {what(k)} at head {a0[k]} (op {ow[k]}): computed twice "
+            f"or missing" for k in np.flatnonzero(gap)]
     out += [f"{name}: block ({b[k] // N}, {b[k] % N}) covers heads up to {a1[k]} of {H} (op {ow[k]})"
             for k in np.flatnonzero(last & (a1 != H))]
     covered = np.zeros(N * N, dtype=bool)

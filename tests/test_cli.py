@@ -29,7 +29,8 @@ def one_line_error(result, *needles):
 
 
 def test_simulate_json_keys_single_pass():
-    r = run("simulate", "--algo", "ring", "--gpus", 8, "--topo", "h100x8", "--seq-len", "128K", "--pass", "fwd", "--json")
+    r = run("simulate", "--algo", "ring", "--gpus", 8, "--topo", "h100x8", "--seq-len", "128K", "--pass", "fwd",
+            "--json")
     assert r.exit_code == 0, r.stderr
     d = json.loads(r.stdout)
     assert {"algorithm", "knobs", "workload", "pass", "model_level", "predicted"} <= set(d)
@@ -82,7 +83,8 @@ def test_search_layout_pin_and_algos_filter(tmp_path):
     r = run("search", "--gpus", 4, "--topo", "h100x8", "--seq-len", "16K", "--layout", "striped", "--algos", "ring",
             "--write", 0, "--json")
     d = json.loads(r.stdout)
-    assert {c["layout"] for c in d["candidates"]} == {"striped"} and {c["algorithm"] for c in d["candidates"]} == {"ring"}
+    assert {c["layout"] for c in d["candidates"]} == {"striped"}
+    assert {c["algorithm"] for c in d["candidates"]} == {"ring"}
 
 
 def test_validate_exit_codes(tmp_path):

@@ -33,8 +33,7 @@ def brute_pairs(w: Workload, m: AttnMatrix) -> np.ndarray:
                 ok &= qq - kk < w.mask.window
             if w.mask.kind == "docs":
                 bounds = np.cumsum((0,) + w.mask.doc_lens)
-                doc = lambda t: np.searchsorted(bounds, t, side="right")  # noqa: E731
-                ok &= doc(qq) == doc(kk)
+                ok &= np.searchsorted(bounds, qq, side="right") == np.searchsorted(bounds, kk, side="right")
             ok &= (qq < w.n_valid) & (kk < w.n_valid)
             out[i, j] = ok.sum()
     return out

@@ -7,7 +7,7 @@ import pytest
 
 from meshplan.algorithms import get
 from meshplan.matrix import AttnMatrix
-from meshplan.schedule import RECV, COMPUTE
+from meshplan.schedule import COMPUTE, RECV
 from meshplan.topology import Topology
 from meshplan.workload import resolve
 

@@ -71,7 +71,8 @@ def test_rejects_a_duplicated_block():
     o.kv_chunks[o.kvc_ptr[b]] = o.kv_chunks[o.kvc_ptr[a]]        # op b now computes op a's block again
     report = verify(s)
     assert not report.ok
-    assert any("computed twice" in v for v in report.violations) and any("never computed" in v for v in report.violations)
+    assert any("computed twice" in v for v in report.violations)
+    assert any("never computed" in v for v in report.violations)
 
 
 def test_rejects_an_unmatched_send():

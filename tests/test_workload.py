@@ -10,7 +10,8 @@ from meshplan.workload import Mask, resolve
 
 
 def test_suffixes():
-    assert parse_count("1M", "x") == 1_048_576 and parse_count("128K", "x") == 131_072 and parse_count(4096, "x") == 4096
+    assert parse_count("1M", "x") == 1_048_576 and parse_count("128K", "x") == 131_072
+    assert parse_count(4096, "x") == 4096
     assert parse_bytes("80GiB", "x") == 80 * 2**30 and parse_bytes("64GB", "x") == 64_000_000_000
     for bad in ("1.5.2", "-3", "0", "12Q"):
         with pytest.raises(UserError):

@@ -95,7 +95,7 @@ class PassQ(Algorithm):
 
     def timing(self, plan: Plan, topo: Topology) -> dict[str, PassTiming]:
         """Closed form per pass: the uncontended recurrence (a lower bound) and bytes per rank."""
-        w, n, out = plan.workload, plan.n_ranks, {}
+        w, out = plan.workload, {}
         rot = Rotation(plan, topo, rows=False)
         kv, q = size_of(plan, "kv", w.dtype), size_of(plan, "q", w.dtype)
         if "fwd" in w.pass_list:

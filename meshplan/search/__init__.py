@@ -38,6 +38,7 @@ class SearchResult:
     wall_s: float = 0.0
     ring_ccr: float | None = None
     rejected: list[str] = field(default_factory=list)
+    layout_pinned: bool = False
 
 
 def enumerate_candidates(base: Workload, topo: Topology, n: int, algos: list[str] | None,
@@ -112,8 +113,8 @@ def run_search(base: Workload, topo: Topology, n: int, *, algos: list[str] | Non
     sim = sorted((c for c in cands if c.model_level == "simulated"), key=lambda c: c.predicted["makespan_s"])
     cf = sorted((c for c in cands if c.model_level != "simulated"), key=lambda c: c.bound_s)
     counts = {"enumerated": len(cands) + skipped["over --memory-limit"], "pruned": len(cf), "simulated": len(sim),
-              "skipped": dict(skipped), "prune_slack": prune_slack, "_pinned": layout_pinned}
-    return SearchResult(base, topo, n, sim + cf, counts, time.perf_counter() - t0, ccr, rejected)
+              "skipped": dict(skipped), "prune_slack": prune_slack}
+    return SearchResult(base, topo, n, sim + cf, counts, time.perf_counter() - t0, ccr, rejected, layout_pinned)
 
 
 def _label(c: Candidate) -> str:
@@ -154,10 +155,10 @@ def search_json(result: SearchResult, scheduler: str) -> dict[str, Any]:
                              "scheduler": {"requested": scheduler, "kept": "greedy", "status": "not_run",
                                            "objective_s": None, "bound_s": None, "gap": None, "solve_s": 0.0},
                              "schedule_path": c.schedule_path})
-    return {"workload": result.workload.to_dict() | {"layout": result.workload.layout if result.counts.get("_pinned")
-                                                     else "any"},
+    layout = result.workload.layout if result.layout_pinned else "any"
+    return {"workload": result.workload.to_dict() | {"layout": layout},
             "topology": {"name": topo.name, "hash": topo.content_hash, "devices": topo.n_devices,
                          "source": topo.source},
             "n_ranks": result.n_ranks, "wall_s": result.wall_s, "ring_ccr": result.ring_ccr,
-            "counts": {k: v for k, v in result.counts.items() if not k.startswith("_")},
+            "counts": result.counts,
             "rejected": result.rejected, "candidates": cands}
