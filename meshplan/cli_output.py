@@ -78,7 +78,8 @@ def _workload_text(w: dict[str, Any]) -> str:
 def print_topology(info: dict[str, Any], console: Console) -> None:
     """A topology's devices and link classes."""
     console.print(f"[bold]{info['name']}[/bold]: {info['description']}")
-    console.print(f"{info['devices']} devices = {info['nodes']} node(s) x {info['devices_per_node']}; "
+    console.print(f"{info['devices']} devices = {info['nodes']} node(s) x {info['devices_per_node']} "
+                  f"in {info['domains']} domain(s); "
                   f"{info['device']['model']}, {info['device']['peak_bf16_tflops']} TFLOP/s BF16, "
                   f"{info['device']['memory_GB']:.0f} GB; kernel table {info['device']['kernel']}")
     table = Table(title="links by class (per direction)", title_justify="left")

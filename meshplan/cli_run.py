@@ -141,6 +141,7 @@ def topology_info(name: str, gpus: int | None) -> dict[str, Any]:
     memory = t.memory_bytes
     return {"name": t.name, "description": t.spec.description, "source": t.source, "hash": t.content_hash,
             "devices": t.n_devices, "nodes": t.n_nodes, "devices_per_node": t.gpus_per_node,
+            "domains": t.n_domains, "domain_of_device": t.domain_of_device.tolist(),
             "device": {"model": d.model, "peak_bf16_tflops": d.peak_bf16_tflops, "memory_GB": memory / 1e9,
                        "kernel": d.kernel}, "link_classes": classes, "routes": routes,
             "p2p_overhead_us": t.spec.p2p_overhead_us}

@@ -94,12 +94,13 @@ class Topology:
                 self._add_link(v, f"n{n}/pcie{s}.{k}", fab.gpu_link, "pcie")
                 self.domain_of_device[first + i] = n * fab.sockets + s
         else:
+            self.domain_of_device[first:first + len(devs)] = np.arange(len(devs)) * fab.domains // max(len(devs), 1)
             shared = LinkSpec(usable_GBps=fab.shared_GBps)
             self._add_link(f"n{n}/lo-in", f"n{n}/lo-out", shared, "loopback", both=False)
             for v in devs:
                 self._add_link(v, f"n{n}/lo-in", fab.link, "loopback", both=False)
                 self._add_link(f"n{n}/lo-out", v, fab.link, "loopback", both=False)
-        if fab.kind != "pcie":
+        if fab.kind == "nvswitch":
             self.domain_of_device[first:first + len(devs)] = n
         if node.nics is not None and self.n_nodes > 1:
             self._build_nics(n, devs)
@@ -276,6 +277,11 @@ class Topology:
     def hbm_bytes_per_s(self) -> float:
         """Device memory bandwidth, bytes/s."""
         return self.spec.node.device.hbm_GBps * 1e9
+
+    @property
+    def n_domains(self) -> int:
+        """NUMA sockets, nodes, or declared virtual domains the devices fall into."""
+        return int(self.domain_of_device.max(initial=0)) + 1
 
     @property
     def pool_capacity(self) -> float | None:

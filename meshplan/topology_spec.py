@@ -91,6 +91,8 @@ class LoopbackFabric(_Strict):
     kind: Literal["loopback"]
     link: LinkSpec
     shared_GBps: PositiveFloat = Field(description="all loopback traffic of the host together, GB/s")
+    domains: PositiveInt = Field(1, description="virtual NUMA-like domains: ranks split into this many "
+                                                "contiguous groups (for methods that need domains, e.g. CHARM+)")
 
 
 class NicSpec(_Strict):

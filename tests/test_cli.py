@@ -151,3 +151,22 @@ def test_nothing_written_on_error(tmp_path):
     assert not out.exists()
     one_line_error(run("simulate", "--algo", "ring", "--gpus", 2, "--topo", "h100x8", "--seq-len", "4K",
                        "--out", tmp_path / "x.txt"), "--out")
+
+
+def test_simulate_refuses_unmatched_sends(tmp_path):
+    good = tmp_path / "g.json"
+    run("simulate", "--algo", "ring", "--gpus", 2, "--topo", "h100x8", "--seq-len", "4K", "--pass", "fwd", "--out", good)
+    d = json.loads(good.read_text())
+    ops = d["ranks"][1]["ops"]
+    recv = next(op for op in ops if op["kind"] == "recv")
+    ops.remove(recv)
+    for op in ops:
+        op["deps"] = [x for x in op["deps"] if x != recv["id"]]
+    for t in d["tensors"]:
+        t["free_after"] = [x for x in t["free_after"] if x != recv["id"]]
+        if t["alloc_op"] == recv["id"]:
+            t["alloc_op"] = None
+    bad = tmp_path / "unmatched.json"
+    bad.write_text(json.dumps(d))
+    one_line_error(run("simulate", bad), "no matching partner")
+    assert run("validate", bad).exit_code == 1

@@ -109,3 +109,13 @@ def test_bad_yaml_gives_one_line(tmp_path, text, field):
 def test_unknown_topology_lists_shipped():
     with pytest.raises(UserError, match="h100x32"):
         Topology.load("no-such-cluster")
+
+
+def test_domains_from_sockets_nodes_or_declaration(tmp_path):
+    assert Topology.load("l20x8").n_domains == 2
+    assert Topology.load("h100x32").n_domains == 4
+    assert Topology.load("cpu-local", gpus=4).n_domains == 1
+    text = open(Topology.load("cpu-local").source).read().replace("domains: 1 ", "domains: 2 ")
+    p = tmp_path / "cpu2.yaml"
+    p.write_text(text)
+    assert list(Topology.load(str(p), gpus=4).domain_of_device) == [0, 0, 1, 1]
