@@ -4,6 +4,7 @@ All times in seconds, sizes in bytes, rates in bytes/s.
 
 * Attention block: ``t = t_launch + FLOPs / (peak(dtype) · e(s_q, s_kv, pass, mask))`` with ``e`` from
   the device's kernel table (:mod:`meshplan.kernels`); FLOPs = 4·B·h·pairs·D forward, 2.5x backward.
+  An op over several blocks runs as one block-sparse kernel: one launch plus each block's own term.
 * Combining a result into an accumulator (LSE merge or gradient add) is memory bound:
   ``t = t_launch + bytes_touched / (f · HBM bandwidth)`` with f = the table's ``merge_hbm_fraction``
   (0.8, COSTMODEL.md). A compute op with ``combine`` merge/accumulate pays it for each output:
@@ -17,7 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from meshplan.schedule import COMBINES, COMPUTE, KIND, PASS_NAMES, Schedule, csr_sum
+from meshplan.matrix import attn_matrix
+from meshplan.schedule import COMBINES, COMPUTE, KIND, PASS_NAMES, Schedule, csr_sum, expand_blocks
 from meshplan.topology import Topology
 
 
@@ -41,16 +43,33 @@ class CostModel:
         b = np.asarray(bytes_touched, dtype=np.float64)
         return np.where(b > 0, self.kernel.launch_s + b / self.merge_rate, 0.0)
 
+    def _block_sparse(self, sched: Schedule, ops: np.ndarray, pass_: str) -> np.ndarray:
+        """Ops over several blocks run as one block-sparse kernel: one launch plus every block's own time."""
+        m = attn_matrix(sched.workload, sched.n_chunks)
+        o = sched.ops
+        op_of, qi, kj = expand_blocks(o, ops)
+        heads = (o.h1 - o.h0)[op_of] / sched.workload.n_heads
+        flops = m.flops(pass_)[qi, kj] * heads
+        t = self.block_time_s(flops, m.s_q[qi, kj], m.s_kv[qi, kj], m.elementwise[qi, kj], pass_,
+                              sched.workload.dtype) - np.where(flops > 0, self.kernel.launch_s, 0.0)
+        total = np.zeros(len(o))
+        np.add.at(total, op_of, t)
+        return self.kernel.launch_s + total[ops]
+
     def op_durations(self, sched: Schedule) -> np.ndarray:
         """[n_ops] seconds for compute, merge and accumulate ops alone on their device; 0 for the rest."""
         o, t = sched.ops, sched.tensors
         dur = np.zeros(len(o))
         dtype = sched.workload.dtype
+        blocks = np.diff(o.qc_ptr) * np.diff(o.kvc_ptr)
         for phase in (0, 1):
-            sel = np.flatnonzero((o.kind == COMPUTE) & (o.phase == phase))
+            sel = np.flatnonzero((o.kind == COMPUTE) & (o.phase == phase) & (blocks <= 1))
             if len(sel):
                 dur[sel] = self.block_time_s(o.flops[sel], o.s_q[sel], o.s_kv[sel], o.mask[sel] > 0,
                                              PASS_NAMES[phase], dtype)
+            multi = np.flatnonzero((o.kind == COMPUTE) & (o.phase == phase) & (blocks > 1))
+            if len(multi):
+                dur[multi] = self._block_sparse(sched, multi, PASS_NAMES[phase])
         combined = (o.kind == COMPUTE) & (o.combine != COMBINES.index("write"))
         out_bytes = csr_sum(o.out_ptr, t.size_bytes[o.outputs].astype(np.float64))
         dur[combined] += 3 * out_bytes[combined] / self.merge_rate

@@ -201,6 +201,35 @@ class AttnMatrix:
             self._flops[key] = f * BWD_FLOP_FACTOR if pass_ == "bwd" else f
         return self._flops[key]
 
+    def op_shape(self, qc: np.ndarray, kc: np.ndarray, pass_: str, heads: int):
+        """Cost-relevant description of compute ops over q chunks ``qc`` [k, mq] x KV chunks ``kc`` [k, mk].
+
+        Returns (flops [k], s_q [k], s_kv [k], elementwise [k]): the FLOPs of all blocks; the rows and columns
+        of the concatenation that take part; whether that rectangle needs an elementwise mask.
+        """
+        qi, kj = qc[:, :, None], kc[:, None, :]
+        flops = self.flops(pass_, heads)[qi, kj].sum(axis=(1, 2))
+        pairs = self.pairs[qi, kj].sum(axis=(1, 2))
+        rows = (self.q_involved[qi, kj].any(axis=2) * self.valid_count[qc]).sum(axis=(1, 2))
+        cols = (self.kv_involved[qi, kj].any(axis=1) * self.valid_count[kc]).sum(axis=(1, 2))
+        return flops, rows, cols, (pairs > 0) & (pairs != rows * cols)
+
+    def op_descriptor(self, q_chunks: list[int], kv_chunks: list[int]) -> dict:
+        """The compute-op descriptor of a cartesian op: ``q_rows``/``kv_cols`` index the concatenation of the
+        chunks' tokens; ``mask`` is ``full`` when the participating rectangle is entirely permitted."""
+        if len(q_chunks) == 1 and len(kv_chunks) == 1:
+            return self.block_descriptor(q_chunks[0], kv_chunks[0])
+        qi, kj = np.asarray(q_chunks)[:, None], np.asarray(kv_chunks)[None, :]
+        c = self.tokens_per_chunk
+        rows = [[a + t * c, b + t * c] for t, i in enumerate(q_chunks)
+                for a, b in self.local_ranges(i, self.q_involved[i, kv_chunks].any(axis=0))]
+        cols = [[a + t * c, b + t * c] for t, j in enumerate(kv_chunks)
+                for a, b in self.local_ranges(j, self.kv_involved[q_chunks, j].any(axis=0))]
+        pairs = int(self.pairs[qi, kj].sum())
+        size = lambda rs: sum(b - a for a, b in rs)  # noqa: E731
+        full = pairs == size(rows) * size(cols)
+        return {"q_rows": _merge(rows), "kv_cols": _merge(cols), "mask": "full" if full else self.workload.mask.kind}
+
     def block_descriptor(self, i: int, j: int) -> dict:
         """How to compute block (i, j) with no decisions left (the Schedule's compute-op descriptor).
 
@@ -225,6 +254,16 @@ class AttnMatrix:
             else:
                 out.append([a, b])
         return out
+
+
+def _merge(ranges: list[list[int]]) -> list[list[int]]:
+    out: list[list[int]] = []
+    for a, b in ranges:
+        if out and out[-1][1] == a:
+            out[-1][1] = b
+        else:
+            out.append([a, b])
+    return out
 
 
 @functools.lru_cache(maxsize=16)

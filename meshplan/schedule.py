@@ -115,6 +115,18 @@ def csr_sum(ptr: np.ndarray, values: np.ndarray) -> np.ndarray:
     return np.bincount(seg, weights=values, minlength=rows).astype(np.float64)
 
 
+def expand_blocks(o: OpTable, ops: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The (op, query chunk, KV chunk) triples of compute ops ``ops`` (cartesian products expanded)."""
+    nq, nk = np.diff(o.qc_ptr)[ops], np.diff(o.kvc_ptr)[ops]
+    reps = nq * nk
+    op_of = np.repeat(ops, reps)
+    local = np.arange(reps.sum()) - np.repeat(np.cumsum(reps) - reps, reps)
+    nk_rep = np.repeat(nk, reps)
+    qi = o.q_chunks[o.qc_ptr[op_of] + local // nk_rep]
+    kj = o.kv_chunks[o.kvc_ptr[op_of] + local % nk_rep]
+    return op_of, qi, kj
+
+
 @dataclass
 class OpTable:
     """All ops, struct-of-arrays; op id = index. Multi-valued fields are CSR (``*_ptr`` + values)."""
@@ -341,7 +353,11 @@ class ScheduleBuilder:
 
     def compute(self, ranks, q_chunks, kv_chunks, *, inputs, outputs, combine: str, deps=(),
                 stream: str = "compute", heads: tuple[int, int] | None = None) -> np.ndarray:
-        """Attention blocks q_chunks x kv_chunks (cartesian; each [k] or [k, m]) on ``ranks``."""
+        """Attention blocks q_chunks x kv_chunks (cartesian; each [k] or [k, m]) on ``ranks``.
+
+        ``inputs``/``outputs``: lists of tensor-id arrays (one entry per op each). An op over several query
+        chunks has one output accumulator per query chunk (and, backward, per KV chunk), in chunk order.
+        """
         ranks = np.atleast_1d(np.asarray(ranks, dtype=np.int64))
         if len(ranks) == 0:
             return np.zeros(0, dtype=np.int64)
@@ -372,7 +388,8 @@ class ScheduleBuilder:
             flops = m.flops(ph, heads)[i, j]
             mask = np.where(m.elementwise[i, j], MASKS.index(self.w.mask.kind), 0)
             return flops, m.s_q[i, j], m.s_kv[i, j], mask
-        raise NotImplementedError("multi-chunk compute ops arrive with the algorithms that need them")
+        flops, s_q, s_kv, elementwise = m.op_shape(qc, kc, ph, heads)
+        return flops, s_q, s_kv, np.where(elementwise, MASKS.index(self.w.mask.kind), 0)
 
     def _tensor_info(self, tid: int):
         import bisect

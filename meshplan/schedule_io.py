@@ -113,10 +113,15 @@ def _ranks_text(sched: Schedule, matrix: AttnMatrix) -> str:
 def _descriptors(sched: Schedule, m: AttnMatrix) -> dict[int, tuple]:
     """q_rows, kv_cols and mask of every compute op (cached by block pattern and chunk shape)."""
     o = sched.ops
-    comp = np.flatnonzero(o.kind == 0)
-    single = (np.diff(o.qc_ptr)[comp] == 1) & (np.diff(o.kvc_ptr)[comp] == 1)
-    if not single.all():
-        raise NotImplementedError("multi-chunk compute ops arrive with the algorithms that need them")
+    allc = np.flatnonzero(o.kind == 0)
+    single = (np.diff(o.qc_ptr)[allc] == 1) & (np.diff(o.kvc_ptr)[allc] == 1)
+    out = {}
+    for op in allc[~single].tolist():
+        d = m.op_descriptor(o.q_chunks[o.qc_ptr[op]:o.qc_ptr[op + 1]].tolist(),
+                            o.kv_chunks[o.kvc_ptr[op]:o.kvc_ptr[op + 1]].tolist())
+        out[op] = (json.dumps(d["q_rows"], separators=(",", ":")), json.dumps(d["kv_cols"], separators=(",", ":")),
+                   d["mask"])
+    comp = allc[single]
     qi, kj = o.q_chunks[o.qc_ptr[comp]], o.kv_chunks[o.kvc_ptr[comp]]
     shape = np.stack([m.valid_first, m.valid_count], axis=1).reshape(m.n, -1)
     _, cls = np.unique(shape, axis=0, return_inverse=True)
@@ -124,7 +129,6 @@ def _descriptors(sched: Schedule, m: AttnMatrix) -> dict[int, tuple]:
     qpat, kpat = (m.q_involved[qi, kj] * bits).sum(axis=1), (m.kv_involved[qi, kj] * bits).sum(axis=1)
     masks = np.where(m.elementwise[qi, kj] | (o.mask[comp] > 0), o.mask[comp], 0)
     cache: dict[tuple, list] = {}
-    out = {}
     for op, i, j, qp, kp, ci, cj, mk in zip(comp.tolist(), qi.tolist(), kj.tolist(), qpat.tolist(), kpat.tolist(),
                                             cls.ravel()[qi].tolist(), cls.ravel()[kj].tolist(), masks.tolist()):
         rk, ck = (qp, ci), (kp, cj)

@@ -25,7 +25,18 @@ import numpy as np
 from meshplan.dataflow import build_items, evaluate, peak_memory
 from meshplan.hazards import check_hazards
 from meshplan.matrix import AttnMatrix, attn_matrix
-from meshplan.schedule import COMPUTE, DTYPES, KIND, OP_KINDS, RECV, SEND, TENSOR_KIND_NAMES, Schedule, tensor_bytes
+from meshplan.schedule import (
+    COMPUTE,
+    DTYPES,
+    KIND,
+    OP_KINDS,
+    RECV,
+    SEND,
+    TENSOR_KIND_NAMES,
+    Schedule,
+    expand_blocks,
+    tensor_bytes,
+)
 
 _COMPUTE_KINDS = np.array([KIND[k] for k in ("compute", "merge", "accumulate", "alloc", "free")])
 _MAX_PER_KIND = 5
@@ -169,12 +180,7 @@ def _coverage(s: Schedule, m: AttnMatrix, phase: int) -> list[str]:
     """Every permitted block exactly once per head; no block without a permitted pair."""
     o, H, N = s.ops, s.workload.n_heads, s.n_chunks
     ops = np.flatnonzero((o.kind == COMPUTE) & (o.phase == phase))
-    nq, nk = np.diff(o.qc_ptr)[ops], np.diff(o.kvc_ptr)[ops]
-    reps = nq * nk
-    op_of = np.repeat(ops, reps)
-    local = np.arange(reps.sum()) - np.repeat(np.cumsum(reps) - reps, reps)
-    qi = o.q_chunks[o.qc_ptr[op_of] + local // np.repeat(nk, reps)]
-    ki = o.kv_chunks[o.kvc_ptr[op_of] + local % np.repeat(nk, reps)]
+    op_of, qi, ki = expand_blocks(o, ops)
     h0, h1 = o.h0[op_of].astype(np.int64), o.h1[op_of].astype(np.int64)
     out: list[str] = []
     name = ("fwd", "bwd")[phase]
