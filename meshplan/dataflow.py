@@ -44,16 +44,21 @@ class Items:
         return len(self.rank)
 
 
-def build_items(sched: Schedule, phase: int, partner: np.ndarray | None = None, n_ranks: int | None = None) -> Items:
+def build_items(sched: Schedule, phase: int, partner: np.ndarray | None = None,
+                ranks: np.ndarray | None = None) -> Items:
     """Group the ops of one pass into items and derive their precedence (vectorised).
 
-    ``n_ranks``: only ranks below it (their ops are a prefix; deps never cross ranks).
+    ``ranks``: only these ranks' ops (deps never cross ranks, so their items are self-contained).
     """
     o = sched.ops
     if partner is None:
         partner = sched.match_transfers()[0]
-    end = len(o) if n_ranks is None else int(sched.rank_ptr[n_ranks])
-    sel = np.flatnonzero(o.phase[:end] == phase)
+    if ranks is None:
+        sel = np.flatnonzero(o.phase == phase)
+    else:
+        spans = [np.arange(sched.rank_ptr[r], sched.rank_ptr[r + 1]) for r in np.asarray(ranks).tolist()]
+        sel = np.concatenate(spans) if spans else np.zeros(0, dtype=np.int64)
+        sel = sel[o.phase[sel] == phase]
     order = sel[np.lexsort((sel, o.stream[sel], o.rank[sel]))]
     comm = (o.kind[order] == SEND) | (o.kind[order] == RECV)
     step = o.step[order]
@@ -72,9 +77,10 @@ def build_items(sched: Schedule, phase: int, partner: np.ndarray | None = None, 
     sp_dst = np.flatnonzero(~starts_seq)
     src, dst = [sp_dst - 1], [sp_dst]
     # data dependencies of this pass's ops
-    dep_owner = np.repeat(np.arange(end), np.diff(o.dep_ptr[: end + 1]))
-    deps = o.deps[: o.dep_ptr[end]]
-    keep = (o.phase[dep_owner] == phase) & (o.phase[deps] == phase)
+    counts = np.diff(o.dep_ptr)[sel]
+    dep_owner = np.repeat(sel, counts)
+    deps = o.deps[np.repeat(o.dep_ptr[sel] - np.cumsum(counts) + counts, counts) + np.arange(counts.sum())]
+    keep = o.phase[deps] == phase
     d_src, d_dst = item_of_op[deps[keep]], item_of_op[dep_owner[keep]]
     self_dep = np.unique(d_dst[d_src == d_dst])
     ok = d_src != d_dst

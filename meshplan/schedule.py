@@ -198,6 +198,7 @@ class Schedule:
     streams: Streams
     ops: OpTable
     tensors: TensorTable
+    symmetries: list = field(default_factory=list)  # rank permutations the algorithm declares (not in files)
     rank_ptr: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:

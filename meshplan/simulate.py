@@ -67,7 +67,7 @@ def simulate(sched: Schedule, topo: Topology, *, reduce: bool = True) -> SimResu
     start, end = np.full(n, np.nan), np.full(n, np.nan)
     makespan, offset, events, clock = {}, {}, 0, 0.0
     for phase in sched.passes:
-        items = build_items(sched, phase, partner, n_ranks=red.n_reps)
+        items = build_items(sched, phase, partner, ranks=red.reps)
         engine = _Engine(sched, topo, items, red, durations, partner)
         s_item, e_item = engine.run()
         events += engine.events
@@ -134,12 +134,13 @@ class _Engine:
         self.res_cap = topo.link_capacity.tolist()
         base = len(self.res_cap)
         pool = topo.pool_capacity
+        reps = red.reps.tolist()
         if pool is not None:
-            self.compute_res = [base] * red.n_reps
+            self.compute_res = {r: base for r in reps}
             self.res_cap.append(float(pool))
         else:
-            self.compute_res = list(range(base, base + red.n_reps))
-            self.res_cap.extend([1.0] * red.n_reps)
+            self.compute_res = {r: base + k for k, r in enumerate(reps)}
+            self.res_cap.extend([1.0] * len(reps))
         self.res_users: dict[int, dict[int, float]] = {}
 
     # ------------------------------------------------------------------ the loop
@@ -152,7 +153,7 @@ class _Engine:
         self.heap: list = []
         self.seq = 0
         self.acts: dict[int, list] = {}      # id -> [remaining, rate, t_update, version, res, cap, kind, payload]
-        self.rank_comm = [dict() for _ in range(len(self.compute_res))]
+        self.rank_comm = {r: {} for r in self.compute_res}
         self.compute_act: dict[int, int] = {}  # rank -> active compute activity
         self.next_act = 0
         self.dirty: set[int] = set()
