@@ -38,6 +38,14 @@ class CostModel:
         t = self.kernel.launch_s + flops / (self.topo.peak_flops(dtype) * eff)
         return np.where(flops > 0, t, 0.0)
 
+    def matrix_block_times(self, m, pass_: str) -> np.ndarray:
+        """[N, N] kernel time of every block of a matrix alone (all query heads), cached on the matrix."""
+        key = (self.topo.content_hash, pass_)
+        cache = m.__dict__.setdefault("_block_time_cache", {})
+        if key not in cache:
+            cache[key] = self.block_time_s(m.flops(pass_), m.s_q, m.s_kv, m.elementwise, pass_, m.workload.dtype)
+        return cache[key]
+
     def merge_time_s(self, bytes_touched) -> np.ndarray:
         """Memory-bound merge/accumulate time: launch + bytes / (0.8 · HBM bandwidth)."""
         b = np.asarray(bytes_touched, dtype=np.float64)

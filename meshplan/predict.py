@@ -46,6 +46,12 @@ class Candidate:
         return sum(t.bound_s for t in self.timing.values())
 
     @property
+    def estimate_s(self) -> float:
+        """Closed-form guess of the total makespan (orders the search; not a bound)."""
+        return sum(max(t.estimate_s if t.estimate_s is not None else t.makespan_s, t.bound_s)
+                   for t in self.timing.values())
+
+    @property
     def makespan_s(self) -> float:
         """Best known total makespan: simulated, else the bound."""
         return self.predicted["makespan_s"] if self.predicted else self.bound_s
@@ -63,7 +69,7 @@ def make_candidate(name: str, workload: Workload, topo: Topology, n_ranks: int, 
     alg.check(workload, topo, n_ranks, norm)
     plan = alg.plan(workload, topo, n_ranks, norm, matrix)
     plan.check()
-    return Candidate(name, workload, norm, n_ranks, plan=plan, timing=alg.timing(plan, topo))
+    return Candidate(name, workload, plan.knobs, n_ranks, plan=plan, timing=alg.timing(plan, topo))
 
 
 def simulate_candidate(cand: Candidate, topo: Topology, ccr: float | None) -> Candidate:
@@ -132,8 +138,12 @@ def predict(name: str, workload: Workload, topo: Topology, n_ranks: int, knobs: 
 def result_json(cand: Candidate) -> dict[str, Any]:
     """The ``--json`` body of ``simulate`` for a candidate."""
     pred = cand.predicted if cand.predicted else {}
-    return {"algorithm": cand.algorithm, "knobs": cand.knobs, "workload": cand.workload.to_dict(),
+    body = {"algorithm": cand.algorithm, "knobs": cand.knobs, "workload": cand.workload.to_dict(),
             "pass": cand.workload.passes, "model_level": cand.model_level, "predicted": jsonable(pred)}
+    if cand.sim is not None:
+        body["simulation"] = {"ranks_simulated": cand.sim.reps, "exact": cand.sim.exact, "events": cand.sim.events,
+                              "wall_s": cand.sim.wall_s}
+    return body
 
 
 def jsonable(d: Any) -> Any:

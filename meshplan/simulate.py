@@ -24,10 +24,11 @@ import numpy as np
 from meshplan.cost import CostModel
 from meshplan.dataflow import build_items
 from meshplan.schedule import KIND, SEND, Schedule
-from meshplan.symmetry import Reduction, find_reduction, identity, link_orbit_rep
+from meshplan.symmetry import DURATION_TOLERANCE, Reduction, find_reduction, identity, link_orbit_rep
 from meshplan.topology import Topology
 
 _EPS = 1e-12
+NUMPY_MAXMIN_FROM = 16  # components with more activities are solved on arrays
 
 
 @dataclass
@@ -42,13 +43,15 @@ class SimResult:
     events: int
     wall_s: float
     durations: np.ndarray
+    exact: bool = True     # False: approximate symmetry reduction (orbit-max durations), see meshplan.symmetry
 
 
-def simulate(sched: Schedule, topo: Topology, *, reduce: bool = True) -> SimResult:
+def simulate(sched: Schedule, topo: Topology, *, reduce: bool = True, exact: bool = False) -> SimResult:
     """Simulate every pass of ``sched`` on ``topo``.
 
     Args:
-        reduce: use the node-shift symmetry reduction when it holds (exact; see :mod:`meshplan.symmetry`).
+        reduce: simulate one node's ranks when the others are alike (see :mod:`meshplan.symmetry`).
+        exact: refuse approximate reductions (durations equal only within 0.1%).
     Raises:
         UserError: the schedule needs more devices than the topology has.
     """
@@ -62,7 +65,10 @@ def simulate(sched: Schedule, topo: Topology, *, reduce: bool = True) -> SimResu
     t0 = time.perf_counter()
     durations = CostModel(topo).op_durations(sched)
     partner = sched.match_transfers()[0]
-    red = find_reduction(sched, topo, durations, partner) if reduce else identity(sched)
+    red = find_reduction(sched, topo, durations, partner, 0.0 if exact else DURATION_TOLERANCE) \
+        if reduce else identity(sched)
+    if not red.exact:
+        durations = red.durations[red.rep_op]
     n = len(sched.ops)
     start, end = np.full(n, np.nan), np.full(n, np.nan)
     makespan, offset, events, clock = {}, {}, 0, 0.0
@@ -76,7 +82,7 @@ def simulate(sched: Schedule, topo: Topology, *, reduce: bool = True) -> SimResu
         start[ops], end[ops] = s_item[rep_item] + clock, e_item[rep_item] + clock
         makespan[phase], offset[phase] = float(np.max(e_item, initial=0.0)), clock
         clock += makespan[phase]
-    return SimResult(start, end, makespan, offset, red.n_reps, events, time.perf_counter() - t0, durations)
+    return SimResult(start, end, makespan, offset, red.n_reps, events, time.perf_counter() - t0, durations, red.exact)
 
 
 class _Engine:
@@ -324,6 +330,8 @@ def _maxmin(acts: dict[int, list], res_cap: list[float], cap_of) -> dict[int, fl
     if len(acts) == 1:
         (a, act), = acts.items()
         return {a: min([caps[a]] + [res_cap[r] / w for r, w in act[4]])}
+    if len(acts) > NUMPY_MAXMIN_FROM:
+        return _maxmin_numpy(acts, res_cap, caps)
     users: dict[int, list] = {}
     for a, act in acts.items():
         for r, w in act[4]:
@@ -357,6 +365,41 @@ def _maxmin(acts: dict[int, list], res_cap: list[float], cap_of) -> dict[int, fl
         for r in [r for r, ws in wsum.items() if ws <= 1e-15]:
             wsum[r] = 0.0
     return rate
+
+
+def _maxmin_numpy(acts: dict[int, list], res_cap: list[float], caps: dict[int, float]) -> dict[int, float]:
+    """Progressive filling on arrays: each round raises every unfrozen rate to the next bottleneck level."""
+    ids = list(acts)
+    act_idx, res_raw, weight = [], [], []
+    for k, a in enumerate(ids):
+        for r, w in acts[a][4]:
+            act_idx.append(k)
+            res_raw.append(r)
+            weight.append(w)
+    act_idx, weight = np.asarray(act_idx), np.asarray(weight, dtype=np.float64)
+    res_ids, res_idx = np.unique(np.asarray(res_raw), return_inverse=True)
+    cap_r = np.asarray(res_cap, dtype=np.float64)[res_ids]
+    cap_a = np.asarray([caps[a] for a in ids], dtype=np.float64)
+    n_a, n_r = len(ids), len(res_ids)
+    rate = np.zeros(n_a)
+    free = np.ones(n_a, dtype=bool)
+    load = np.zeros(n_r)
+    while free.any():
+        live = free[act_idx]
+        wsum = np.bincount(res_idx[live], weights=weight[live], minlength=n_r)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            level_r = np.where(wsum > 0, (cap_r - load) / wsum, np.inf)
+        level = min(level_r.min(), cap_a[free].min())
+        tol = level * (1 + 1e-12) + 1e-300
+        saturated = level_r <= tol
+        hit = np.zeros(n_a, dtype=bool)
+        hit[act_idx[live & saturated[res_idx]]] = True
+        frozen = free & (hit | (cap_a <= tol))
+        rate[frozen] = level
+        sel = frozen[act_idx]
+        load += np.bincount(res_idx[sel], weights=weight[sel] * level, minlength=n_r)
+        free &= ~frozen
+    return dict(zip(ids, rate.tolist()))
 
 
 def max_min_fair(routes: list[list[int]], capacity: list[float], flow_cap: list[float] | None = None) -> list[float]:

@@ -233,10 +233,19 @@ class Topology:
             parts += [(moving & ~same, ls, ns, lambda k: self._template(k, "net")),
                       (moving & ~same, ld, nd, lambda k: self._template("net", k))]
         for sel, key, node, template in parts:
-            for k in np.unique(key[sel]).tolist():
-                rows = sel & (key == k)
-                links = template(k)
-                np.add.at(load, (links[None, :] + (node[rows] * L)[:, None]).ravel(), np.repeat(size[rows], len(links)))
+            idx = np.flatnonzero(sel)
+            if len(idx) == 0:
+                continue
+            order = idx[np.argsort(key[idx], kind="stable")]
+            keys = key[order]
+            bounds = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1], True])
+            for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+                rows = order[lo:hi]
+                links = template(int(keys[lo]))
+                # bytes per node for this template, then added to that node's copy of each link
+                per_node = np.bincount(node[rows], weights=size[rows], minlength=self.n_nodes)
+                hit = np.flatnonzero(per_node)
+                load[(links[None, :] + (hit * L)[:, None]).ravel()] += np.repeat(per_node[hit], len(links))
         return load
 
     def route_bandwidth(self, src: int, dst: int) -> float:

@@ -31,7 +31,7 @@ def test_layouts_the_sequence_cannot_use_are_skipped_and_counted():
     topo = Topology.load("h100x8", gpus=8)
     w = resolve(seq_len=8 * 101)                     # a multiple of 8 but not of 16: zigzag cannot split it
     result = run_search(w, topo, 8)
-    assert result.counts["skipped"]["sequence cannot be split by the zigzag layout"] == 2
+    assert result.counts["skipped"]["sequence cannot be split by the zigzag layout"] == 3  # ring, pass-q, mesh
     assert {c.workload.layout for c in result.candidates} == {"contiguous", "striped"}
 
 
@@ -40,14 +40,16 @@ def test_memory_limit_rejects_with_reason():
     w = resolve(seq_len="1M")
     result = run_search(w, topo, 64, memory_limit=2e9)
     assert result.counts["skipped"].get("over --memory-limit", 0) > 0
-    assert all("pass-q" in r for r in result.rejected)        # pass-Q holds N−1 partial outputs
-    assert result.candidates and all(c.algorithm == "ring" for c in result.candidates)
+    assert sum("pass-q" in r for r in result.rejected) == 6    # pass-Q holds N−1 partial outputs: every setting
+    assert all(r.split(": peak memory ")[1].split(" GB")[0] for r in result.rejected)
+    assert result.candidates and not any(c.algorithm == "pass-q" for c in result.candidates)
+    assert all(c.predicted["peak_memory_bytes"] <= 2e9 for c in result.candidates if c.model_level == "simulated")
 
 
 def test_knob_filters_pin_and_exclude():
     topo = Topology.load("h100x8", gpus=8)
     w = resolve(seq_len="16K")
     result = run_search(w, topo, 8, filters={"dkv_dtype": "bf16"})
-    assert {c.algorithm for c in result.candidates} == {"ring"}
+    assert {c.algorithm for c in result.candidates} == {"ring", "mesh"}
     assert all(c.knobs["dkv_dtype"] == "bf16" for c in result.candidates)
-    assert result.counts["skipped"]["dkv_dtype does not apply"] == 1
+    assert result.counts["skipped"]["dkv_dtype does not apply"] == 1    # pass-Q has no dK/dV on the wire

@@ -97,3 +97,53 @@ def test_closed_form_bound_below_simulation(topo_name, n, name, hops, layout, ma
     for part, timing in cand.timing.items():
         sim = cand.predicted[part]["makespan_s"]
         assert timing.makespan_s <= timing.bound_s <= sim * (1 + 1e-9)
+
+
+def test_vectorised_max_min_matches_the_reference():
+    rng = np.random.default_rng(7)
+    for _ in range(30):
+        n_links, n_flows = 12, 40
+        routes = [sorted(rng.choice(n_links, size=rng.integers(1, 4), replace=False).tolist()) for _ in range(n_flows)]
+        caps = rng.uniform(1, 10, n_links).tolist()
+        fcap = rng.uniform(0.05, 3, n_flows).tolist()
+        rates = max_min_fair(routes, caps, fcap)            # > 16 flows: the numpy path
+        # a max-min allocation is feasible and every flow is blocked by its cap or a saturated link where it
+        # has a largest rate
+        load = np.zeros(n_links)
+        for f, r in enumerate(routes):
+            load[r] += rates[f]
+        assert (load <= np.asarray(caps) * (1 + 1e-9)).all()
+        for f, r in enumerate(routes):
+            if rates[f] >= fcap[f] * (1 - 1e-9):
+                continue
+            assert any(load[link] >= caps[link] * (1 - 1e-9)
+                       and rates[f] >= max(rates[g] for g, rr in enumerate(routes) if link in rr) * (1 - 1e-9)
+                       for link in r)
+
+
+def test_numpy_and_python_max_min_agree(monkeypatch):
+    import meshplan.simulate as sim
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        routes = [sorted(rng.choice(10, size=rng.integers(1, 4), replace=False).tolist()) for _ in range(30)]
+        caps = rng.uniform(1, 10, 10).tolist()
+        fcap = rng.uniform(0.05, 3, 30).tolist()
+        fast = max_min_fair(routes, caps, fcap)
+        monkeypatch.setattr(sim, "NUMPY_MAXMIN_FROM", 10**9)
+        slow = max_min_fair(routes, caps, fcap)
+        monkeypatch.setattr(sim, "NUMPY_MAXMIN_FROM", 16)
+        np.testing.assert_allclose(fast, slow, rtol=1e-9)
+
+
+@pytest.mark.parametrize("name", ["ring", "mesh"])
+def test_approximate_reduction_for_striped_layouts(name):
+    """Striped blocks differ by c pairs in c²: the reduction uses each orbit's largest duration."""
+    topo = Topology.load("h100x32", gpus=32)
+    w = resolve(seq_len="128K", layout="striped")
+    alg = get(name)
+    sched = alg.schedule(alg.plan(w, topo, 32, alg.normalize({})), topo)
+    approx, full = simulate(sched, topo), simulate(sched, topo, reduce=False)
+    assert not approx.exact and approx.reps == 8
+    assert simulate(sched, topo, exact=True).reps == 32
+    for p in full.pass_makespan:
+        assert approx.pass_makespan[p] == pytest.approx(full.pass_makespan[p], rel=2e-3)

@@ -7,16 +7,16 @@ that brings them (``simulate``) or skipped and counted (``search``).
 from __future__ import annotations
 
 from meshplan.algorithms.base import Algorithm
+from meshplan.algorithms.mesh import Mesh
 from meshplan.algorithms.passq import PassQ
 from meshplan.algorithms.ring import Ring
 from meshplan.errors import UserError
 
 #: Contract order.
 NAMES = ("ring", "pass-q", "ulysses", "usp", "loongtrain", "startrail", "tasp", "merge", "rmplus", "charm", "mesh")
-REGISTRY: dict[str, Algorithm] = {a.name: a for a in (Ring(), PassQ())}
-PLANNED = {"mesh": "issue 3 (Mesh-Attention)", **{n: "issue 5 (baseline library)" for n in
-                                                   ("ulysses", "usp", "loongtrain", "startrail", "tasp", "merge",
-                                                    "rmplus", "charm")}}
+REGISTRY: dict[str, Algorithm] = {a.name: a for a in (Ring(), PassQ(), Mesh())}
+PLANNED = {n: "issue 5 (baseline library)" for n in ("ulysses", "usp", "loongtrain", "startrail", "tasp", "merge",
+                                                     "rmplus", "charm")}
 
 
 def get(name: str) -> Algorithm:

@@ -8,11 +8,12 @@ on the simulated makespan because contention and overlap only slow ops down.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 
+from meshplan.bounds import PassTiming  # noqa: F401  (re-exported for algorithms)
 from meshplan.errors import UserError
 from meshplan.matrix import AttnMatrix
 from meshplan.plan import Plan
@@ -58,26 +59,6 @@ class Knob:
 DTYPE_KNOB = lambda name, default, help_: Knob(name, default, DTYPES, help_)  # noqa: E731
 
 
-@dataclass
-class PassTiming:
-    """Closed-form (L0) timing of one pass.
-
-    ``makespan_s`` is the uncontended recurrence, a lower bound; ``bound_s`` the larger of it and the
-    busiest link's bytes / capacity. ``compute_s`` and ``comm_s`` are per-rank sums on the critical rank.
-    """
-
-    makespan_s: float
-    bound_s: float
-    compute_s: float
-    comm_s: float
-    recv_bytes_max: float
-    inter_node_bytes_max: float
-    flops_total: float
-    recv_bytes_total: float
-    peak_memory_bytes: float
-    extra: dict[str, float] = field(default_factory=dict)
-
-
 class Algorithm:
     """Base class: subclasses set ``name``, ``knobs`` and implement plan/schedule/timing."""
 
@@ -121,5 +102,9 @@ class Algorithm:
         raise NotImplementedError
 
     def timing(self, plan: Plan, topo: Topology) -> dict[str, PassTiming]:
-        """Closed-form timing per pass (``fwd``/``bwd`` as the workload asks)."""
+        """Closed-form timing per pass (``fwd``/``bwd`` as the workload asks); cheap, no schedule needed."""
         raise NotImplementedError
+
+    def refine(self, plan: Plan, topo: Topology) -> dict[str, PassTiming] | None:
+        """A tighter closed form, if the algorithm has one (may build the schedule); None otherwise."""
+        return None

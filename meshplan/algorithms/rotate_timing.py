@@ -42,10 +42,7 @@ class Rotation:
 
     def blocks(self, pass_: str, combine_bytes: float) -> np.ndarray:
         """[n, n] duration of each rank's block at each step (0 where empty), with its combine cost."""
-        m, w = self.plan.matrix, self.plan.workload
-        qi, ki = self.qi, self.ki
-        d = self.cost.block_time_s(m.flops(pass_)[qi, ki], m.s_q[qi, ki], m.s_kv[qi, ki], m.elementwise[qi, ki],
-                                   pass_, w.dtype)
+        d = self.cost.matrix_block_times(self.plan.matrix, pass_)[self.qi, self.ki]
         return np.where(self.ok, d + combine_bytes / self.cost.merge_rate, 0.0)
 
     def hop(self, size: float) -> np.ndarray:

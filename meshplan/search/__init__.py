@@ -24,6 +24,7 @@ from meshplan.workload import LAYOUTS, Workload
 PRUNE_SLACK = 0.01
 #: Knobs search varies by default (numerically neutral); others stay at their defaults unless given.
 SEARCHED = {"ring": {"dkv_hops": ("n", "n-1")}, "pass-q": {"dq_hops": ("n", "n-1")}}
+#: Algorithms whose knob space the algorithm enumerates itself (tiles x mappings).
 
 
 @dataclass
@@ -64,7 +65,8 @@ def enumerate_candidates(base: Workload, topo: Topology, n: int, algos: list[str
             except UserError:
                 skipped[f"sequence cannot be split by the {layout} layout"] += 1
                 continue
-            for knobs in _knob_settings(name, filters):
+            settings = alg.knob_space(w, topo, n, filters) if name == "mesh" else _knob_settings(name, filters)
+            for knobs in settings:
                 try:
                     cands.append(make_candidate(name, w, topo, n, knobs, matrix))
                 except SkipCandidate as skip:
@@ -100,14 +102,19 @@ def run_search(base: Workload, topo: Topology, n: int, *, algos: list[str] | Non
             else:
                 keep.append(c)
         cands = keep
-    cands.sort(key=lambda c: c.bound_s)
+    cands.sort(key=lambda c: (c.estimate_s, c.bound_s))   # likely winners first: pruning bites early
     best = float("inf")
+    beaten = lambda c: c.bound_s > best * (1 - prune_slack) * (1 + 1e-12)  # noqa: E731
     for k, c in enumerate(cands):
-        if c.bound_s > best * (1 - prune_slack) * (1 + 1e-12):
-            c.predicted = closed_form_predicted(c, ccr)
-            continue
         if progress:
             progress(k, len(cands), _label(c))
+        if not beaten(c):
+            tighter = algorithms.get(c.algorithm).refine(c.plan, topo)
+            if tighter is not None:
+                c.timing = tighter
+        if beaten(c):
+            c.predicted = closed_form_predicted(c, ccr)
+            continue
         simulate_candidate(c, topo, ccr)
         best = min(best, c.predicted["makespan_s"])
     sim = sorted((c for c in cands if c.model_level == "simulated"), key=lambda c: c.predicted["makespan_s"])

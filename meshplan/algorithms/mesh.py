@@ -1,0 +1,303 @@
+"""Mesh-Attention (arXiv 2512.20968; seeds 000/001): every rank computes an a × b tile of the block matrix.
+
+Grid, KVR, volumes and node-block mappings: :mod:`meshplan.algorithms.mesh_grid`; the in-tile order:
+:mod:`meshplan.algorithms.mesh_order`; lowering: :mod:`meshplan.algorithms.mesh_build`.
+
+Bytes received per rank:
+    forward   (a−1)·(Qc + Oc + Lc) + (b−1)·KVc             (Oc in ``partial_dtype``)
+    backward  (a−1)·(2·Qc + 8·B·c·H + dQc) + (b−1)·(KVc + dKVc)   (refetch; partial gradients in ``dkv_dtype``)
+Knobs: ``--tile AxB`` (default: the tile whose busiest link class carries the least time), ``--mapping``
+(``auto``: the node-block shape moving the fewest inter-node bytes; ``row-major``; ``block:PxQ``),
+``--partial-dtype``, ``--dkv-dtype`` (partial dQ and dK/dV, fp32 default), ``--knob order=...``
+(auto | greedy | q-first | kv-first | alternate) and ``--knob inflight=K`` (fetches in flight, default 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from meshplan.algorithms.base import DTYPE_KNOB, Algorithm, Knob, PassTiming
+from meshplan.algorithms.mesh_build import _Uses, fetch, groups, send_back
+from meshplan.algorithms.mesh_grid import Grid, block_mapping, block_shapes, factorisations, parse_tile, translations
+from meshplan.algorithms.mesh_order import ORDERS, TileCosts, TilePlan, plan_order, streams_estimate
+from meshplan.algorithms.mesh_timing import cheap_timing, geometry
+from meshplan.algorithms.ring import new_builder, topology_record
+from meshplan.bounds import schedule_timing
+from meshplan.cost import CostModel
+from meshplan.errors import UserError
+from meshplan.matrix import attn_matrix
+from meshplan.plan import Plan
+from meshplan.schedule import Schedule, tensor_bytes
+from meshplan.topology import Topology
+from meshplan.workload import Workload
+
+_BUILT: dict[tuple, Schedule] = {}   # recent builds, shared by plans that differ only in their mapping
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
+
+
+class Mesh(Algorithm):
+    """Mesh-Attention: 2D tiles with KV partition rotation and a greedy in-tile order."""
+
+    name = "mesh"
+    summary = "a x b tiles of the block matrix: a−1 Q and b−1 KV chunks in, a−1 partial outputs back"
+    knobs = {
+        "tile": Knob("tile", "auto", None, "AxB with A·B = N, or auto"),
+        "mapping": Knob("mapping", "auto", None, "auto, row-major or block:PxQ"),
+        "partial_dtype": DTYPE_KNOB("partial_dtype", None, "dtype of partial outputs on the wire"),
+        "dkv_dtype": DTYPE_KNOB("dkv_dtype", "fp32", "dtype of partial dQ and dK/dV on the wire"),
+        "order": Knob("order", "auto", ORDERS, "fetch order in the tile"),
+        "inflight": Knob("inflight", 2, None, "fetches in flight (a positive integer)", parse=_positive_int),
+    }
+
+    # ------------------------------------------------------------------ plan
+    def grid(self, n: int, knobs: dict[str, Any], workload: Workload, topo: Topology) -> Grid:
+        """The tile grid (``auto``: the tile with the least estimated communication time)."""
+        if knobs["tile"] != "auto":
+            return parse_tile(knobs["tile"], n)
+        return min((Grid(a, b) for a, b in factorisations(n)),
+                   key=lambda gr: (_comm_estimate(gr, workload, topo, knobs), abs(gr.a - gr.b)))
+
+    def plan(self, workload, topo, n_ranks, knobs, matrix=None) -> Plan:
+        """Owners from the grid and KVR; devices from the mapping."""
+        m = matrix if matrix is not None else attn_matrix(workload, n_ranks)
+        grid = self.grid(n_ranks, knobs, workload, topo)
+        owner = grid.owner()
+        owner[~m.permitted] = -1
+        dev, shape = _mapping(grid, topo, knobs["mapping"], workload, knobs)
+        idx = np.arange(n_ranks)
+        knobs = knobs | {"tile": f"{grid.a}x{grid.b}", "mapping": shape}
+        return Plan(self.name, knobs, m, n_ranks, owner, idx, idx, dev, extra={"grid": grid})
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self, plan: Plan, topo: Topology) -> Schedule:
+        """Forward and/or backward dataflows (see the module docstring).
+
+        The ops depend on the tile plan, not on the mapping, so plans that differ only in their mapping
+        share one build (a copy with its own ``device_of_rank`` and symmetries).
+        """
+        cached = plan.extra.get("schedule")
+        if cached is not None:
+            return cached
+        tiles = {p: self.tile_plan(plan, topo, p) for p in plan.workload.pass_list}
+        key = (id(plan.matrix), plan.extra["grid"], tuple(sorted((k, str(v)) for k, v in plan.knobs.items()
+                                                                if k != "mapping")),
+               tuple((p, t.order, tuple(t.groups), tuple(t.returns)) for p, t in tiles.items()), topo.name)
+        base = _BUILT.get(key)
+        if base is None:
+            base = _BUILT[key] = self._build(plan, topo, tiles)
+            while len(_BUILT) > 16:
+                _BUILT.pop(next(iter(_BUILT)))
+        sched = dataclasses.replace(base, device_of_rank=plan.device_of_rank, knobs=plan.knobs)
+        grid = plan.extra["grid"]
+        p, q = _block_of(plan.knobs["mapping"], grid, topo)
+        sched.symmetries = translations(grid, p, q) if p else []
+        plan.extra["schedule"] = sched
+        return sched
+
+    def _build(self, plan: Plan, topo: Topology, tiles: dict[str, TilePlan]) -> Schedule:
+        b = new_builder(self, plan, topo)
+        grid, w = plan.extra["grid"], plan.workload
+        b.stream("compute", "compute")
+        b.stream("q", "comm")
+        b.stream("kv", "comm")
+        if "fwd" in w.pass_list:
+            b.phase = 0
+            b.stream("out", "comm")
+            self._forward(b, plan, grid, tiles["fwd"])
+        if "bwd" in w.pass_list:
+            b.phase = 1
+            b.stream("dq", "comm")
+            b.stream("dkv", "comm")
+            self._backward(b, plan, grid, tiles["bwd"])
+        return b.build(topology_record(topo))
+
+    def tile_plan(self, plan: Plan, topo: Topology, pass_: str) -> TilePlan:
+        """The in-tile order for a pass, from the uncontended costs of this workload on this topology."""
+        costs = _tile_costs(plan, topo, pass_)
+        return plan_order(plan.extra["grid"].a, plan.extra["grid"].b, costs, plan.knobs["order"],
+                          own_last=pass_ == "fwd")
+
+    def _forward(self, b, plan: Plan, grid: Grid, tile: TilePlan) -> None:
+        n, w = grid.n, plan.workload
+        g = np.arange(n)
+        own = {"q": b.tensor(g, "q", g, role="input"), "kv": b.tensor(g, "kv", g, role="input")}
+        out = b.tensor(g, "out", g, role="output", dtype="fp32")
+        recv_t, recv_op = fetch(b, grid, tile, own, {"q": "q", "kv": "kv"}, plan.knobs["inflight"])
+        acc = {u: b.tensor(g, "out", grid.row_peer(g, u), dtype="fp32") for u in range(1, grid.a)}
+        q_of = lambda u: [own["q"] if u == 0 else recv_t[("q", u)]]  # noqa: E731
+        kv_of = lambda v: own["kv"] if v == 0 else recv_t[("kv", v)]  # noqa: E731
+        outs = lambda rows, cols: [out if u == 0 else acc[u] for u in rows]  # noqa: E731
+        uses, writers = _Uses(), {}
+        groups(b, plan, grid, tile, q_in=q_of, kv_in=kv_of, outs=outs, recv_of=recv_op, combine="merge", uses=uses,
+               writers=writers)
+        uses.free(b)
+        send_back(b, grid, tile.returns, "row", acc, writers, kind="out", stream="out", step0=len(tile.order),
+                  dtype=plan.knobs["partial_dtype"] or w.dtype, merge_into=out, combine="merge")
+
+    def _backward(self, b, plan: Plan, grid: Grid, tile: TilePlan) -> None:
+        n = grid.n
+        g = np.arange(n)
+        q, kv = b.tensor(g, "q", g, role="input"), b.tensor(g, "kv", g, role="input")
+        out, dout = b.tensor(g, "out", g, role="input"), b.tensor(g, "dout", g, role="input")
+        qside = b.tensor(g, "qside", g, role="input")
+        dq, dkv = b.tensor(g, "dq", g, role="output", dtype="fp32"), b.tensor(g, "dkv", g, role="output", dtype="fp32")
+        recv_t, recv_op = fetch(b, grid, tile, {"q": qside, "kv": kv}, {"q": "qside", "kv": "kv"},
+                                plan.knobs["inflight"])
+        dq_acc = {u: b.tensor(g, "dq", grid.row_peer(g, u), dtype="fp32") for u in range(1, grid.a)}
+        dkv_acc = {v: b.tensor(g, "dkv", grid.col_peer(g, v), dtype="fp32") for v in range(1, grid.b)}
+        q_of = lambda u: [q, out, dout] if u == 0 else [recv_t[("q", u)]]  # noqa: E731
+        kv_of = lambda v: kv if v == 0 else recv_t[("kv", v)]  # noqa: E731
+        outs = lambda rows, cols: ([dq if u == 0 else dq_acc[u] for u in rows]  # noqa: E731
+                                   + [dkv if v == 0 else dkv_acc[v] for v in cols])
+        uses, writers = _Uses(), {}
+        groups(b, plan, grid, tile, q_in=q_of, kv_in=kv_of, outs=outs, recv_of=recv_op, combine="accumulate",
+               uses=uses, writers=writers)
+        uses.free(b)
+        wire = plan.knobs["dkv_dtype"]
+        rows_done, cols_done = _completion(tile, grid)
+        send_back(b, grid, rows_done, "row", dq_acc, writers, kind="dq", stream="dq", step0=len(tile.order),
+                  dtype=wire, merge_into=dq, combine="accumulate")
+        send_back(b, grid, cols_done, "col", dkv_acc, writers, kind="dkv", stream="dkv", step0=len(tile.order),
+                  dtype=wire, merge_into=dkv, combine="accumulate")
+
+    # ------------------------------------------------------------------ timing
+    def timing(self, plan: Plan, topo: Topology) -> dict[str, PassTiming]:
+        """Schedule-free bounds: each rank's blocks and each link's bytes (:mod:`mesh_timing`)."""
+        out = {p: cheap_timing(plan, topo, p) for p in plan.workload.pass_list}
+        for p, t in out.items():
+            costs = _tile_costs(plan, topo, p)
+            tile = self.tile_plan(plan, topo, p)
+            t.estimate_s = max(t.bound_s, streams_estimate(tile, costs, plan.knobs["inflight"]))
+        return out
+
+    def refine(self, plan: Plan, topo: Topology) -> dict[str, PassTiming]:
+        """The uncontended evaluation of the built schedule (tighter; builds the schedule)."""
+        return schedule_timing(self.schedule(plan, topo), topo)
+
+    def knob_space(self, workload, topo, n_ranks, filters) -> list[dict[str, Any]]:
+        """Every tile (or the one given), and for each every node-block mapping (or the one given)."""
+        tiles = [filters["tile"]] if "tile" in filters else [f"{a}x{b}" for a, b in factorisations(n_ranks)]
+        out = []
+        for tile in tiles:
+            grid = parse_tile(tile, n_ranks)
+            maps = [filters["mapping"]] if "mapping" in filters else _mapping_choices(grid, topo)
+            out += [filters | {"tile": tile, "mapping": m} for m in maps]
+        return out
+
+
+def _unit(topo: Topology) -> int:
+    """Devices per node (several nodes), per NUMA domain (one node with domains), else all devices."""
+    if topo.n_nodes > 1:
+        return topo.gpus_per_node
+    if topo.n_domains > 1:
+        return topo.n_devices // topo.n_domains
+    return topo.n_devices
+
+
+def _block_of(mapping: str, grid: Grid, topo: Topology) -> tuple[int, int]:
+    """(p, q) of a block mapping, or (0, 0) when the mapping is not a block mapping."""
+    unit = _unit(topo)
+    if mapping.startswith("block:"):
+        p, q = (int(x) for x in mapping[6:].split("x"))
+        return p, q
+    if mapping == "row-major":
+        if grid.a % unit == 0:
+            return 1, unit
+        if unit % grid.a == 0 and grid.b % (unit // grid.a) == 0:
+            return unit // grid.a, grid.a
+    return 0, 0
+
+
+def _mapping_choices(grid: Grid, topo: Topology) -> list[str]:
+    unit = _unit(topo)
+    if unit >= grid.n:
+        return ["row-major"]
+    shapes = [f"block:{p}x{q}" for p, q in block_shapes(grid, unit)]
+    rm = _block_of("row-major", grid, topo)
+    return [s for s in shapes if (int(s[6:].split("x")[0]), int(s[6:].split("x")[1])) != rm] + ["row-major"]
+
+
+def _mapping(grid: Grid, topo: Topology, mapping: str, workload: Workload, knobs) -> tuple[np.ndarray, str]:
+    unit = _unit(topo)
+    if unit >= grid.n or mapping == "row-major":
+        return np.arange(grid.n), "row-major"
+    shapes = block_shapes(grid, unit)
+    if mapping == "auto":
+        if not shapes:
+            return np.arange(grid.n), "row-major"
+        sizes = _sizes(workload, grid.n, knobs)
+        p, q = min(shapes, key=lambda s: ((grid.a - s[1]) * (sizes["q"] + sizes["o"]) + (grid.b - s[0]) * sizes["kv"],
+                                          -s[1]))
+    elif mapping.startswith("block:"):
+        try:
+            p, q = (int(x) for x in mapping[6:].split("x"))
+        except ValueError:
+            p = q = 0
+        if (p, q) not in shapes:
+            valid = ", ".join(f"block:{a}x{b}" for a, b in shapes) or "none for this tile"
+            raise UserError("--mapping", f"{mapping} does not tile a {grid.a}x{grid.b} grid with {unit} devices "
+                            f"per {'node' if topo.n_nodes > 1 else 'domain'}", f"use row-major, auto or {valid}")
+    else:
+        raise UserError("--mapping", f"unknown mapping {mapping!r}", "use auto, row-major or block:PxQ")
+    return block_mapping(grid, unit, p, q), f"block:{p}x{q}"
+
+
+def _sizes(workload: Workload, n: int, knobs) -> dict[str, float]:
+    c = workload.seq_len // n
+    h = workload.n_heads
+    pd = knobs.get("partial_dtype") or workload.dtype
+    dt = workload.dtype
+    return {"q": tensor_bytes(workload, "q", c, h, dt), "kv": tensor_bytes(workload, "kv", c, h, dt),
+            "o": tensor_bytes(workload, "out", c, h, pd)}
+
+
+def _comm_estimate(grid: Grid, workload: Workload, topo: Topology, knobs) -> float:
+    """Per-rank transfer time if every fetch took the slowest path of its kind (picks ``tile=auto``)."""
+    s = _sizes(workload, grid.n, knobs)
+    dev, _ = _mapping(grid, topo, "auto", workload, knobs)
+    g = np.arange(grid.n)[None, :]
+    lat, bw = topo.pair_stats(dev[grid.row_peer(g, np.arange(1, grid.a)[:, None])], dev[g])
+    t = float(np.max(lat + (s["q"] + s["o"]) / bw, axis=1).sum()) if grid.a > 1 else 0.0
+    lat, bw = topo.pair_stats(dev[grid.col_peer(g, np.arange(1, grid.b)[:, None])], dev[g])
+    return t + (float(np.max(lat + s["kv"] / bw, axis=1).sum()) if grid.b > 1 else 0.0)
+
+
+def _tile_costs(plan: Plan, topo: Topology, pass_: str) -> TileCosts:
+    """Mean uncontended costs over ranks: one fetch of each kind, one return, one block."""
+    w, m = plan.workload, plan.matrix
+    c = m.tokens_per_chunk
+    geo = geometry(plan, topo)
+    row, col = geo[("row", "in")], geo[("col", "in")]
+    q_kind, o_kind = ("q", "out") if pass_ == "fwd" else ("qside", "dq")
+    o_dtype = (plan.knobs["partial_dtype"] or w.dtype) if pass_ == "fwd" else plan.knobs["dkv_dtype"]
+    size_q = tensor_bytes(w, q_kind, c, w.n_heads, w.dtype)
+    size_o = tensor_bytes(w, o_kind, c, w.n_heads, o_dtype)
+    size_kv = tensor_bytes(w, "kv", c, w.n_heads, w.dtype)
+    mean = lambda f, size: float((f["lat"].sum() + size * f["inv_bw"].sum()) / f["count"].sum()) \
+        if f["count"].sum() else 0.0  # noqa: E731
+    blocks = CostModel(topo).matrix_block_times(m, pass_)
+    t_block = float(blocks[m.permitted].mean()) if m.permitted.any() else 0.0
+    return TileCosts(t_q=mean(row, size_q), t_kv=mean(col, size_kv), t_o=mean(row, size_o), t_block=t_block)
+
+
+def _completion(tile: TilePlan, grid: Grid) -> tuple[list[int], list[int]]:
+    """Remote rows and columns in the order their last group runs."""
+    last_row, last_col = {}, {}
+    for i, (rows, cols, _) in enumerate(tile.groups):
+        for u in rows:
+            last_row[u] = i
+        for v in cols:
+            last_col[v] = i
+    rows = sorted((u for u in range(1, grid.a)), key=lambda u: (last_row.get(u, -1), u))
+    cols = sorted((v for v in range(1, grid.b)), key=lambda v: (last_col.get(v, -1), v))
+    return rows, cols
+

@@ -1,0 +1,115 @@
+"""Mesh's closed form without building the schedule (search prunes with it before anything is built).
+
+Lower bounds per pass: every rank must run its blocks (Σ of their kernel terms, launches and combines
+left out), and every link must carry its bytes (fetches and returns of all ranks routed on the topology).
+``makespan_s`` = ``bound_s`` = the larger. Bytes per rank follow :mod:`meshplan.algorithms.mesh_grid`;
+peak memory assumes every received chunk and partial accumulator alive at once (Mesh keeps them for the
+whole tile). The exact uncontended evaluation of the built schedule (:mod:`meshplan.bounds`) refines it.
+
+Link loads are linear in bytes, so the routing work is done once per (grid, mapping) with unit sizes
+(:func:`geometry`) and scaled per pass and dtype.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from meshplan.algorithms.mesh_grid import Grid
+from meshplan.bounds import PassTiming
+from meshplan.cost import CostModel
+from meshplan.plan import Plan
+from meshplan.schedule import tensor_bytes
+from meshplan.topology import Topology
+
+#: transfer families: (peer kind, direction) -> "in" = peer sends to the rank, "out" = the rank sends to peer
+FAMILIES = (("row", "in"), ("row", "out"), ("col", "in"), ("col", "out"))
+
+
+_GEOMETRY: dict[tuple, dict] = {}
+_COMPUTE: dict[tuple, np.ndarray] = {}
+
+
+def _remember(cache: dict, key, value, limit: int = 64):
+    cache[key] = value
+    while len(cache) > limit:
+        cache.pop(next(iter(cache)))
+    return value
+
+
+def geometry(plan: Plan, topo: Topology) -> dict:
+    """Per family: unit link loads, per-rank counts of transfers received and of those crossing nodes, and
+    per-rank Σ latency and Σ 1/bandwidth of the transfers received. Shared by plans with the same grid and
+    mapping (any layout, dtype or pass)."""
+    grid: Grid = plan.extra["grid"]
+    dev, n = plan.device_of_rank, grid.n
+    key = (grid, dev.tobytes(), topo.content_hash)
+    if key in _GEOMETRY:
+        return _GEOMETRY[key]
+    g = np.arange(n)
+    out = {}
+    for side, direction in FAMILIES:
+        k = np.arange(1, grid.a if side == "row" else grid.b)[:, None]
+        peer = (grid.row_peer if side == "row" else grid.col_peer)(g[None, :], k).ravel()
+        me = np.broadcast_to(g[None, :], (len(k), n)).ravel()
+        src, dst = (peer, me) if direction == "in" else (me, peer)
+        lat, bw = topo.pair_stats(dev[src], dev[dst])
+        cross = ~topo.same_node(dev[src], dev[dst])
+        out[(side, direction)] = {
+            "loads": topo.link_loads(dev[src], dev[dst], 1.0),
+            "count": np.bincount(dst, minlength=n).astype(float),
+            "cross": np.bincount(dst, weights=cross.astype(float), minlength=n),
+            "lat": np.bincount(dst, weights=lat, minlength=n),
+            "inv_bw": np.bincount(dst, weights=1.0 / bw, minlength=n),
+        }
+    return _remember(_GEOMETRY, key, out)
+
+
+def rank_compute(plan: Plan, topo: Topology, pass_: str) -> np.ndarray:
+    """[N] Σ kernel terms of each rank's blocks (launches left out): shared by plans of one matrix and grid."""
+    m, grid = plan.matrix, plan.extra["grid"]
+    key = (id(m), grid, topo.content_hash, pass_)
+    if key not in _COMPUTE:
+        cost = CostModel(topo)
+        blocks = np.where(m.permitted, cost.matrix_block_times(m, pass_) - cost.kernel.launch_s, 0.0)
+        owner = plan.owner
+        _remember(_COMPUTE, key, np.bincount(owner[owner >= 0], weights=blocks[owner >= 0], minlength=grid.n))
+    return _COMPUTE[key]
+
+
+def cheap_timing(plan: Plan, topo: Topology, pass_: str) -> PassTiming:
+    """Compute and link bounds of one pass of a Mesh plan."""
+    grid: Grid = plan.extra["grid"]
+    w, m = plan.workload, plan.matrix
+    n, c, h = grid.n, m.tokens_per_chunk, w.n_heads
+    size = lambda kind, dtype=w.dtype: float(tensor_bytes(w, kind, c, h, dtype))  # noqa: E731
+    compute = rank_compute(plan, topo, pass_)
+    if pass_ == "fwd":
+        moved = {("row", "in"): size("q"), ("row", "out"): size("out", plan.knobs["partial_dtype"] or w.dtype),
+                 ("col", "in"): size("kv"), ("col", "out"): 0.0}
+    else:
+        wire = plan.knobs["dkv_dtype"]
+        moved = {("row", "in"): size("qside"), ("row", "out"): size("dq", wire), ("col", "in"): size("kv"),
+                 ("col", "out"): size("dkv", wire)}
+    geo = geometry(plan, topo)
+    loads, recv, cross, comm = 0.0, np.zeros(n), np.zeros(n), np.zeros(n)
+    for fam, nbytes in moved.items():
+        if nbytes:
+            f = geo[fam]
+            loads = loads + nbytes * f["loads"]
+            recv += nbytes * f["count"]
+            cross += nbytes * f["cross"]
+            comm += f["lat"] + nbytes * f["inv_bw"]
+    link = float((np.asarray(loads) / topo.link_capacity).max(initial=0.0)) if np.ndim(loads) else 0.0
+    bound = max(float(compute.max()), link)
+    crit = int(np.argmax(compute))
+    if pass_ == "fwd":
+        own = size("q") + size("kv") + size("out", "fp32")
+    else:
+        own = size("q") + size("kv") + size("out") + size("dout") + size("qside") + size("dq", "fp32") \
+            + size("dkv", "fp32")
+    held = (grid.a - 1) * (moved[("row", "in")] + size("out" if pass_ == "fwd" else "dq", "fp32")) \
+        + (grid.b - 1) * (moved[("col", "in")] + (size("dkv", "fp32") if pass_ == "bwd" else 0.0))
+    return PassTiming(makespan_s=bound, bound_s=bound, compute_s=float(compute[crit]), comm_s=float(comm[crit]),
+                      recv_bytes_max=float(recv.max()), inter_node_bytes_max=float(cross.max()),
+                      flops_total=float(m.flops(pass_).sum()), recv_bytes_total=float(recv.sum()),
+                      peak_memory_bytes=own + held)
