@@ -116,6 +116,13 @@ def _next_write(write: np.ndarray, starts: np.ndarray) -> np.ndarray:
     return np.where(nxt < group_end[g], nxt, -1)
 
 
+def _member(keys: np.ndarray, pool: np.ndarray) -> np.ndarray:
+    """keys[i] in pool (sort-based; np.isin hashes and is slow on millions of int64)."""
+    pool = np.sort(pool)
+    pos = np.minimum(np.searchsorted(pool, keys), max(len(pool) - 1, 0))
+    return (pool[pos] == keys) if len(pool) else np.zeros(len(keys), dtype=bool)
+
+
 def _alloc_free(sched, op, tensor, group_first, before) -> list[str]:
     t, out = sched.tensors, []
     firsts = group_first
@@ -125,12 +132,16 @@ def _alloc_free(sched, op, tensor, group_first, before) -> list[str]:
     out += [f"tensor {tensor[firsts][has][k]} is used by op {op[firsts][has][k]} before op {alloc[has][k]} "
             f"allocates it" for k in np.flatnonzero(~ok)]
     counts = np.diff(t.free_ptr)[tensor]
+    n_ops = len(sched.ops)
+    free_owner = np.repeat(np.arange(len(t.rank)), np.diff(t.free_ptr))
+    listed = _member(tensor * n_ops + op, free_owner * n_ops + t.free_after)   # the access is a free_after op
+    counts = np.where(listed, 0, counts)                                         # ... so it needs no pairing
     rows = np.repeat(np.arange(len(op)), counts)
     f_ops = t.free_after[np.repeat(t.free_ptr[tensor], counts) + np.arange(counts.sum())
                          - np.repeat(np.cumsum(counts) - counts, counts)]
-    covered = np.zeros(len(op), dtype=bool)
+    covered = listed.copy()
     np.logical_or.at(covered, rows, before(op[rows], f_ops, allow_same=True))
-    bad = np.flatnonzero((counts > 0) & ~covered)
+    bad = np.flatnonzero((np.diff(t.free_ptr)[tensor] > 0) & ~covered)
     out += [f"tensor {tensor[k]} may be freed before op {op[k]} has finished with it" for k in bad]
     return out
 

@@ -115,12 +115,7 @@ def _descriptors(sched: Schedule, m: AttnMatrix) -> dict[int, tuple]:
     o = sched.ops
     allc = np.flatnonzero(o.kind == 0)
     single = (np.diff(o.qc_ptr)[allc] == 1) & (np.diff(o.kvc_ptr)[allc] == 1)
-    out = {}
-    for op in allc[~single].tolist():
-        d = m.op_descriptor(o.q_chunks[o.qc_ptr[op]:o.qc_ptr[op + 1]].tolist(),
-                            o.kv_chunks[o.kvc_ptr[op]:o.kvc_ptr[op + 1]].tolist())
-        out[op] = (json.dumps(d["q_rows"], separators=(",", ":")), json.dumps(d["kv_cols"], separators=(",", ":")),
-                   d["mask"])
+    out = _multi_descriptors(sched, m, allc[~single])
     comp = allc[single]
     qi, kj = o.q_chunks[o.qc_ptr[comp]], o.kv_chunks[o.kvc_ptr[comp]]
     shape = np.stack([m.valid_first, m.valid_count], axis=1).reshape(m.n, -1)
@@ -137,6 +132,35 @@ def _descriptors(sched: Schedule, m: AttnMatrix) -> dict[int, tuple]:
         if ck not in cache:
             cache[ck] = json.dumps(m.local_ranges(j, m.kv_involved[i, j]), separators=(",", ":"))
         out[op] = (cache[rk], cache[ck], MASKS[mk])
+    return out
+
+
+def _multi_descriptors(sched: Schedule, m: AttnMatrix, ops: np.ndarray) -> dict[int, tuple]:
+    """Descriptors of ops over several chunks, computed once per distinct (segments, chunk shapes) pattern."""
+    o, out = sched.ops, {}
+    if not len(ops):
+        return out
+    _, cls = np.unique(np.stack([m.valid_first, m.valid_count], axis=1).reshape(m.n, -1), axis=0, return_inverse=True)
+    cls = cls.ravel()
+    nq, nk = np.diff(o.qc_ptr)[ops], np.diff(o.kvc_ptr)[ops]
+    cache: dict[tuple, tuple] = {}
+    for mq, mk in set(zip(nq.tolist(), nk.tolist())):
+        sel = ops[(nq == mq) & (nk == mk)]
+        qi = o.q_chunks[o.qc_ptr[sel][:, None] + np.arange(mq)]
+        kj = o.kv_chunks[o.kvc_ptr[sel][:, None] + np.arange(mk)]
+        blocks = (qi[:, :, None], kj[:, None, :])
+        qinv, kinv = m.q_involved[blocks].any(axis=2), m.kv_involved[blocks].any(axis=1)
+        elem = m.elementwise[blocks].any(axis=(1, 2)) | (m.pairs[blocks] == 0).any(axis=(1, 2))
+        sig = np.concatenate([qinv.reshape(len(sel), -1), kinv.reshape(len(sel), -1), cls[qi], cls[kj],
+                              m.elementwise[blocks].reshape(len(sel), -1), elem[:, None]], axis=1).astype(np.int64)
+        for row, op in zip(sig, sel.tolist()):
+            key = (mq, mk, row.tobytes())
+            if key not in cache:
+                d = m.op_descriptor(o.q_chunks[o.qc_ptr[op]:o.qc_ptr[op + 1]].tolist(),
+                                    o.kv_chunks[o.kvc_ptr[op]:o.kvc_ptr[op + 1]].tolist())
+                cache[key] = (json.dumps(d["q_rows"], separators=(",", ":")),
+                              json.dumps(d["kv_cols"], separators=(",", ":")), d["mask"])
+            out[op] = cache[key]
     return out
 
 

@@ -51,7 +51,7 @@ def simulate(sched: Schedule, topo: Topology, *, reduce: bool = True, exact: boo
 
     Args:
         reduce: simulate one node's ranks when the others are alike (see :mod:`meshplan.symmetry`).
-        exact: refuse approximate reductions (durations equal only within 0.1%).
+        exact: refuse approximate reductions (durations equal only within 1%).
     Raises:
         UserError: the schedule needs more devices than the topology has.
     """

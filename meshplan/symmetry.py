@@ -50,7 +50,7 @@ def identity(sched: Schedule) -> Reduction:
     return Reduction(np.arange(sched.n_ranks), np.arange(len(sched.ops)))
 
 
-DURATION_TOLERANCE = 1e-3
+DURATION_TOLERANCE = 1e-2
 
 
 def find_reduction(sched: Schedule, topo: Topology, durations: np.ndarray, partner: np.ndarray,

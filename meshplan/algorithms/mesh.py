@@ -94,7 +94,7 @@ class Mesh(Algorithm):
         base = _BUILT.get(key)
         if base is None:
             base = _BUILT[key] = self._build(plan, topo, tiles)
-            while len(_BUILT) > 16:
+            while len(_BUILT) > 4:
                 _BUILT.pop(next(iter(_BUILT)))
         sched = dataclasses.replace(base, device_of_rank=plan.device_of_rank, knobs=plan.knobs)
         grid = plan.extra["grid"]
@@ -172,12 +172,17 @@ class Mesh(Algorithm):
     # ------------------------------------------------------------------ timing
     def timing(self, plan: Plan, topo: Topology) -> dict[str, PassTiming]:
         """Schedule-free bounds: each rank's blocks and each link's bytes (:mod:`mesh_timing`)."""
-        out = {p: cheap_timing(plan, topo, p) for p in plan.workload.pass_list}
-        for p, t in out.items():
-            costs = _tile_costs(plan, topo, p)
-            tile = self.tile_plan(plan, topo, p)
+        out = {}
+        for p in plan.workload.pass_list:
+            costs, tile = _tile_costs(plan, topo, p), self.tile_plan(plan, topo, p)
+            out[p] = t = cheap_timing(plan, topo, p, tile)
             t.estimate_s = max(t.bound_s, streams_estimate(tile, costs, plan.knobs["inflight"]))
         return out
+
+    @staticmethod
+    def forget_builds() -> None:
+        """Drop the shared builds (search calls this when it is done)."""
+        _BUILT.clear()
 
     def refine(self, plan: Plan, topo: Topology) -> dict[str, PassTiming]:
         """The uncontended evaluation of the built schedule (tighter; builds the schedule)."""

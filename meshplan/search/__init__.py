@@ -105,6 +105,7 @@ def run_search(base: Workload, topo: Topology, n: int, *, algos: list[str] | Non
     cands.sort(key=lambda c: (c.estimate_s, c.bound_s))   # likely winners first: pruning bites early
     best = float("inf")
     beaten = lambda c: c.bound_s > best * (1 - prune_slack) * (1 + 1e-12)  # noqa: E731
+    leader = None
     for k, c in enumerate(cands):
         if progress:
             progress(k, len(cands), _label(c))
@@ -114,14 +115,28 @@ def run_search(base: Workload, topo: Topology, n: int, *, algos: list[str] | Non
                 c.timing = tighter
         if beaten(c):
             c.predicted = closed_form_predicted(c, ccr)
+            _forget(c)
             continue
         simulate_candidate(c, topo, ccr)
-        best = min(best, c.predicted["makespan_s"])
+        if c.predicted["makespan_s"] < best:
+            if leader is not None:
+                _forget(leader)
+            best, leader = c.predicted["makespan_s"], c
+        else:
+            _forget(c)
+    algorithms.get("mesh").forget_builds()
     sim = sorted((c for c in cands if c.model_level == "simulated"), key=lambda c: c.predicted["makespan_s"])
     cf = sorted((c for c in cands if c.model_level != "simulated"), key=lambda c: c.bound_s)
     counts = {"enumerated": len(cands) + skipped["over --memory-limit"], "pruned": len(cf), "simulated": len(sim),
               "skipped": dict(skipped), "prune_slack": prune_slack}
     return SearchResult(base, topo, n, sim + cf, counts, time.perf_counter() - t0, ccr, rejected, layout_pinned)
+
+
+def _forget(c: Candidate) -> None:
+    """Drop a candidate's schedule and timeline (large at 1024 ranks); its numbers stay. Rebuilt if written."""
+    c.schedule, c.sim = None, None
+    if c.plan is not None:
+        c.plan.extra.pop("schedule", None)
 
 
 def _label(c: Candidate) -> str:
