@@ -11,14 +11,15 @@ import tempfile
 from pathlib import Path
 
 
-def write_atomic(path: str | Path, data: bytes) -> Path:
-    """Write ``data`` to ``path`` atomically (parents created). Returns the path."""
+def write_atomic(path: str | Path, data) -> Path:
+    """Write ``data`` (bytes, or an iterable of bytes) to ``path`` atomically (parents created)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
+            for piece in ([data] if isinstance(data, (bytes, bytearray)) else data):
+                fh.write(piece)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)

@@ -11,6 +11,7 @@ import contextlib
 import gc
 import gzip
 import json
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,11 @@ from meshplan.workload import Mask, Workload
 
 def to_json_text(sched: Schedule) -> str:
     """The Schedule as JSON text (the contract's skeleton), serialised column-wise for speed."""
+    return "".join(json_chunks(sched))
+
+
+def json_chunks(sched: Schedule):
+    """The JSON text in pieces (header, tensors, then rank by rank), so big files stream to disk."""
     w = sched.workload
     matrix = attn_matrix(w, sched.n_chunks)
     head = {
@@ -49,8 +55,11 @@ def to_json_text(sched: Schedule) -> str:
                     for n, k, c in zip(sched.streams.names, sched.streams.kinds, sched.streams.communicator)],
         "chunks": [{"id": i, "segments": [list(s) for s in matrix.chunks.segments(i)]} for i in range(sched.n_chunks)],
     }
-    text = json.dumps(head, separators=(",", ":"))[:-1]
-    return f'{text},"tensors":[{_tensors_text(sched.tensors)}],"ranks":[{_ranks_text(sched, matrix)}]}}'
+    yield json.dumps(head, separators=(",", ":"))[:-1] + ',"tensors":['
+    yield _tensors_text(sched.tensors)
+    yield '],"ranks":['
+    yield from _ranks_text(sched, matrix)
+    yield "]}"
 
 
 def to_json_dict(sched: Schedule) -> dict[str, Any]:
@@ -82,7 +91,7 @@ def _tensors_text(t: TensorTable) -> str:
         for i, (r, k, h0, h1, dt, sz, ro, ph, a) in enumerate(cols))
 
 
-def _ranks_text(sched: Schedule, matrix: AttnMatrix) -> str:
+def _ranks_text(sched: Schedule, matrix: AttnMatrix):
     o = sched.ops
     desc = _descriptors(sched, matrix)
     deps, ins, outs = _rows(o.dep_ptr, o.deps), _rows(o.in_ptr, o.inputs), _rows(o.out_ptr, o.outputs)
@@ -107,7 +116,9 @@ def _ranks_text(sched: Schedule, matrix: AttnMatrix) -> str:
         else:
             ops.append(base + "}")
     ptr = sched.rank_ptr.tolist()
-    return ",".join(f'{{"rank":{r},"ops":[{",".join(ops[ptr[r]:ptr[r + 1]])}]}}' for r in range(sched.n_ranks))
+    for r in range(sched.n_ranks):
+        yield ("," if r else "") + f'{{"rank":{r},"ops":[{",".join(ops[ptr[r]:ptr[r + 1]])}]}}'
+        ops[ptr[r]:ptr[r + 1]] = [None] * (ptr[r + 1] - ptr[r])   # release the rank's text once written
 
 
 def _descriptors(sched: Schedule, m: AttnMatrix) -> dict[int, tuple]:
@@ -165,11 +176,19 @@ def _multi_descriptors(sched: Schedule, m: AttnMatrix, ops: np.ndarray) -> dict[
 
 
 def write_schedule(sched: Schedule, path: str | Path) -> Path:
-    """Write atomically; gzip when the name ends in ``.gz``. Returns the path."""
+    """Write atomically, streaming; gzip when the name ends in ``.gz``. Returns the path."""
+    gz = str(path).endswith(".gz")
+
+    def encoded():
+        pack = zlib.compressobj(1, zlib.DEFLATED, 31) if gz else None   # wbits 31: the gzip container
+        for piece in json_chunks(sched):
+            data = piece.encode()
+            yield pack.compress(data) if pack else data
+        if pack:
+            yield pack.flush()
+
     with _no_gc():
-        text = to_json_text(sched).encode()
-    data = gzip.compress(text, compresslevel=1) if str(path).endswith(".gz") else text
-    return write_atomic(path, data)
+        return write_atomic(path, encoded())
 
 
 def read_schedule(path: str | Path) -> Schedule:

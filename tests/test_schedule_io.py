@@ -98,10 +98,12 @@ def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
     import meshplan.schedule_io as io
 
     def boom(_):
+        yield '{"schema_version":'        # part of the file is written, then the disk fills up
         raise RuntimeError("disk full")
-    monkeypatch.setattr(io, "to_json_text", boom)
-    with pytest.raises(RuntimeError):
-        write_schedule(s, tmp_path / "s.json")
+    monkeypatch.setattr(io, "json_chunks", boom)
+    for name in ("s.json", "s.json.gz"):
+        with pytest.raises(RuntimeError):
+            write_schedule(s, tmp_path / name)
     assert list(Path(tmp_path).iterdir()) == []
 
 
