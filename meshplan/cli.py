@@ -132,7 +132,7 @@ def search(gpus: o.Gpus = None, topo: o.Topo = None, model: o.Model = None, seq_
 def _progress():
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
     return Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=_err_console(),
-                    transient=True)
+                    transient=True, disable=not sys.stderr.isatty())
 
 
 @app.command()

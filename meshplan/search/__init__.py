@@ -93,14 +93,19 @@ def run_search(base: Workload, topo: Topology, n: int, *, algos: list[str] | Non
     ccr = ring_ccr(ccr_w, topo, n)
     rejected = []
     if memory_limit is not None:
-        keep = []
+        keep, smallest = [], None
         for c in cands:
             peak = max(t.peak_memory_bytes for t in c.timing.values())
             if peak > memory_limit:
                 skipped["over --memory-limit"] += 1
                 rejected.append(f"{_label(c)}: peak memory {peak / 1e9:.3g} GB > {memory_limit / 1e9:.3g} GB")
+                smallest = min(smallest or (peak, c), (peak, c), key=lambda x: x[0])
             else:
                 keep.append(c)
+        if cands and not keep:
+            peak, c = smallest
+            raise UserError("--memory-limit", f"no plan fits in {memory_limit / 1e9:.3g} GB per GPU",
+                            f"the smallest needs {peak / 1e9:.3g} GB ({_label(c)}); raise the limit or add GPUs")
         cands = keep
     cands.sort(key=lambda c: (c.estimate_s, c.bound_s))   # likely winners first: pruning bites early
     best = float("inf")

@@ -1,0 +1,169 @@
+"""Mesh-Attention against the oracles of ALGORITHMS.md and issue 3."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from meshplan.algorithms import get
+from meshplan.algorithms.mesh_grid import Grid, factorisations, parse_tile, volumes
+from meshplan.algorithms.mesh_order import TileCosts, brute_force, evaluate, greedy_order, naive_orders, plan_order
+from meshplan.errors import UserError
+from meshplan.predict import make_candidate, simulate_candidate
+from meshplan.schedule import RECV, SEND
+from meshplan.search import run_search
+from meshplan.topology import Topology
+from meshplan.verify import verify
+from meshplan.workload import resolve
+
+MESH = get("mesh")
+
+
+def build(n, tile, topo="cpu-local", **kw):
+    w = resolve(**({"seq_len": 2 * n * 16, "heads": 4, "kv_heads": 4, "head_dim": 16} | kw))
+    t = Topology.load(topo, gpus=n)
+    plan = MESH.plan(w, t, n, MESH.normalize({"tile": tile}))
+    return plan, MESH.schedule(plan, t)
+
+
+@pytest.mark.parametrize("n", [4, 9, 16, 64, 256, 1024])
+def test_square_tile_volume_ratio(n):
+    a = math.isqrt(n)
+    q = 1.0                         # MHA: KVc = 2·Qc; Oc = Qc (equal dtypes), no LSE
+    ratio = volumes(Grid(a, a), q, 2 * q, q, 0.0) / ((n - 1) * 2 * q)
+    assert ratio == pytest.approx(2 / (math.sqrt(n) + 1))
+    if n == 9:
+        assert ratio == pytest.approx(0.5)
+
+
+def test_argmin_of_total_bytes_at_256():
+    """Topology-free argmin with bf16 partials (LSE included): 16x16 MHA, 8x32 at 4:1 GQA, 4x64 at 8:1."""
+    c, h, d = 4096, 32, 128
+    for kv_heads, want in ((32, (16, 16)), (8, (8, 32)), (4, (4, 64))):
+        qc, kvc, oc, lc = c * h * d * 2, 2 * c * kv_heads * d * 2, c * h * d * 2, 4 * c * h
+        best = min(factorisations(256), key=lambda ab: volumes(Grid(*ab), qc, kvc, oc, lc))
+        assert best == want
+
+
+@pytest.mark.parametrize("n", [4, 6, 8, 9, 12, 16, 64])
+def test_kvr_invariants_for_every_factorisation(n):
+    for a, b in factorisations(n):
+        plan, s = build(n, f"{a}x{b}", mask="full", layout="contiguous")
+        o, grid = s.ops, plan.extra["grid"]
+        owner = plan.owner
+        assert all(owner[g, g] == g for g in range(n))                          # own (Q_g, KV_g) block in tile
+        fwd_recv = (o.kind == RECV) & (o.phase == 0)
+        q_in = np.bincount(o.rank[fwd_recv & (o.stream == s.streams.names.index("q"))], minlength=n)
+        kv_in = np.bincount(o.rank[fwd_recv & (o.stream == s.streams.names.index("kv"))], minlength=n)
+        kv_out = np.bincount(o.rank[(o.kind == SEND) & (o.phase == 0) & (o.stream == s.streams.names.index("kv"))],
+                             minlength=n)
+        back = np.bincount(o.rank[(o.kind == SEND) & (o.phase == 0) & (o.stream == s.streams.names.index("out"))],
+                           minlength=n)
+        assert (q_in == a - 1).all() and (kv_in == b - 1).all() and (kv_out == b - 1).all() and (back == a - 1).all()
+        assert verify(s).ok, (a, b)
+        # every fetch step is a permutation: no rank receives twice in one (stream, step)
+        for stream in ("q", "kv"):
+            sid = s.streams.names.index(stream)
+            sel = fwd_recv & (o.stream == sid)
+            pairs = o.step[sel].astype(np.int64) * n + o.rank[sel]
+            assert len(np.unique(pairs)) == sel.sum()
+        assert grid.n == n
+
+
+@pytest.mark.parametrize("n", [4, 8, 16])
+@pytest.mark.parametrize("mask,layout", [("causal", "zigzag"), ("causal", "contiguous"), ("window:20", "striped"),
+                                         ("full", "zigzag")])
+def test_every_block_once_in_every_tile(n, mask, layout):
+    for a, b in factorisations(n):
+        _, s = build(n, f"{a}x{b}", mask=mask, layout=layout, heads=4, kv_heads=2)
+        report = verify(s)
+        assert report.ok, (a, b, report.violations[:2])
+
+
+def test_a_equals_1_moves_rings_bytes():
+    for n in (4, 8):
+        _, mesh = build(n, f"1x{n}", passes="fwd")
+        ring = get("ring")
+        w = resolve(seq_len=2 * n * 16, heads=4, kv_heads=4, head_dim=16, passes="fwd")
+        t = Topology.load("cpu-local", gpus=n)
+        rs = ring.schedule(ring.plan(w, t, n, ring.normalize({})), t)
+        recv = lambda s: np.bincount(s.ops.rank[s.ops.kind == RECV], weights=s.ops.size_bytes[s.ops.kind == RECV],  # noqa: E731
+                                     minlength=n)
+        assert np.array_equal(recv(mesh), recv(rs))
+
+
+def test_worked_example_toy():
+    c = TileCosts(t_q=1, t_kv=2, t_o=1, t_block=1)
+    assert brute_force(4, 4, c).makespan == 17
+    assert evaluate(4, 4, naive_orders(4, 4)["kv-first"], c).makespan == 20
+    assert evaluate(4, 4, ("q", "q", "kv", "q", "kv", "kv"), c).makespan == 17
+    assert evaluate(4, 4, ("q", "q", "kv", "q", "kv", "kv"), c, own_last=False).makespan > 17
+    assert plan_order(4, 4, c).makespan == 17
+
+
+def test_pure_rule_can_lose_and_auto_keeps_the_naive_winner():
+    c = TileCosts(t_q=3, t_kv=1, t_o=3, t_block=1)
+    assert evaluate(2, 4, ("kv", "kv", "kv", "q"), c).makespan == 13
+    assert evaluate(2, 4, greedy_order(2, 4, c), c).makespan > 10
+    best = plan_order(2, 4, c)
+    assert best.makespan == 10 and best.name == "q-first"
+
+
+def test_auto_is_never_worse_than_greedy_or_naive():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        a, b = int(rng.integers(1, 5)), int(rng.integers(1, 5))
+        c = TileCosts(*rng.uniform(0.2, 3, 4))
+        auto = plan_order(a, b, c).makespan
+        assert auto <= evaluate(a, b, greedy_order(a, b, c), c).makespan + 1e-12
+        for order in naive_orders(a, b).values():
+            assert auto <= evaluate(a, b, order, c).makespan + 1e-12
+        assert brute_force(a, b, c).makespan <= auto + 1e-12
+
+
+def test_bad_tiles_and_mappings():
+    with pytest.raises(UserError, match=r"--tile: 3x3 does not factor N = 8.*1x8, 2x4, 4x2, 8x1"):
+        parse_tile("3x3", 8)
+    with pytest.raises(UserError, match="--tile"):
+        parse_tile("big", 8)
+    w = resolve(seq_len="64K")
+    t = Topology.load("h100x16")
+    with pytest.raises(UserError, match="--mapping: block:3x3 does not tile"):
+        MESH.plan(w, t, 16, MESH.normalize({"tile": "4x4", "mapping": "block:3x3"}))
+
+
+def test_node_block_mapping_keeps_the_heavier_group_inside_nodes():
+    """8:1 GQA at N = 256 on 8-GPU nodes: for 8x32, a 1x8 node block keeps every Q row inside a node."""
+    w = resolve(seq_len="1M", heads=64, kv_heads=8, passes="fwd")
+    t = Topology.load("dgx-h100", gpus=256)
+    plan = MESH.plan(w, t, 256, MESH.normalize({"tile": "8x32"}))
+    assert plan.knobs["mapping"] == "block:1x8"
+    cand = make_candidate("mesh", w, t, 256, {"tile": "8x32", "mapping": "block:1x8"})
+    kvc = 2 * 4096 * 8 * 128 * 2
+    assert cand.timing["fwd"].inter_node_bytes_max == pytest.approx(31 * kvc)    # (b − p)·KVc, no Q/O across
+
+
+def test_search_pick_equals_exhaustive_on_dgx_h100():
+    topo = Topology.load("dgx-h100", gpus=32)
+    w = resolve(seq_len="256K", heads=32, kv_heads=32, passes="fwd")
+    result = run_search(w, topo, 32, algos=["mesh"], prune_slack=0.0)
+    best = result.candidates[0].predicted["makespan_s"]
+    every = []
+    for tile in (f"{a}x{b}" for a, b in factorisations(32)):
+        for knobs in MESH.knob_space(w.with_(layout="zigzag"), topo, 32, {"tile": tile}):
+            for layout in ("zigzag", "contiguous", "striped"):
+                c = make_candidate("mesh", w.with_(layout=layout), topo, 32, knobs)
+                every.append(simulate_candidate(c, topo, None).predicted["makespan_s"])
+    assert best == pytest.approx(min(every), rel=1e-12)
+
+
+def test_memory_limit_no_plan_meets():
+    from typer.testing import CliRunner
+
+    from meshplan.cli import app
+    r = CliRunner().invoke(app, ["search", "--gpus", "8", "--topo", "h100x8", "--seq-len", "64K",
+                                 "--memory-limit", "1MB", "--write", "0"])
+    assert r.exit_code == 2 and "--memory-limit" in r.stderr and "smallest" in r.stderr
+    assert r.stderr.count("\n") == 1
