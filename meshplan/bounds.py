@@ -43,6 +43,12 @@ class PassTiming:
     extra: dict[str, float] = field(default_factory=dict)
 
 
+def pool_bound(topo: Topology, compute_per_rank: np.ndarray) -> float:
+    """Ranks sharing a compute pool (CPU ranks on a few cores) need at least Σ compute / pool capacity."""
+    cap = topo.pool_capacity
+    return float(np.sum(compute_per_rank)) / cap if cap else 0.0
+
+
 def transfer_seconds(sched: Schedule, topo: Topology, partner: np.ndarray) -> np.ndarray:
     """[n_ops] uncontended time of the transfer each send/recv takes part in (0 for other ops)."""
     o, dev = sched.ops, sched.device_of_rank
@@ -80,11 +86,14 @@ def schedule_timing(sched: Schedule, topo: Topology) -> dict[str, PassTiming]:
         sends = np.flatnonzero(in_pass & (o.kind == SEND))
         loads = topo.link_loads(dev[o.rank[sends]], dev[o.peer[sends]], o.size_bytes[sends])
         makespan = float(np.nanmax(ev.end)) if len(ev.end) else 0.0
+        busy = in_pass & np.isin(o.kind, _BUSY)
+        pooled = pool_bound(topo, np.bincount(o.rank[busy], weights=dur[busy], minlength=sched.n_ranks))
         if not ev.complete:
             raise RuntimeError("the schedule deadlocks (run meshplan validate)")
         mine = in_pass & (o.rank == crit)
         out[PASS_NAMES[phase]] = PassTiming(
-            makespan_s=makespan, bound_s=max(makespan, float((loads / topo.link_capacity).max(initial=0.0))),
+            makespan_s=makespan,
+            bound_s=max(makespan, pooled, float((loads / topo.link_capacity).max(initial=0.0))),
             compute_s=float(dur[mine & np.isin(o.kind, _BUSY)].sum()), comm_s=float(tr[mine & (o.kind == RECV)].sum()),
             recv_bytes_max=float(by_rank.max()), inter_node_bytes_max=float(cross_rank.max()),
             flops_total=float(o.flops[in_pass & (o.kind == COMPUTE)].sum()), recv_bytes_total=float(by_rank.sum()),

@@ -51,6 +51,7 @@ TENSOR_KINDS = {
     "out": "O and its LSE (O in the tensor's dtype, LSE fp32)",
     "dout": "dO",
     "qside": "Q, dO (input dtype) with LSE and D = rowsum(dO*O) (fp32): the Q side of a backward block",
+    "dside": "dO (input dtype) with LSE and D (fp32): the Q side when Q itself was kept from the forward",
     "dq": "dQ",
     "dkv": "dK and dV",
 }
@@ -73,6 +74,7 @@ def tensor_bytes(workload: Workload, kind: str, tokens: int, heads: int, dtype: 
         "kv": 2 * base * kv_heads, "dkv": 2 * base * kv_heads,
         "out": base * heads + 4 * B * tokens * heads,
         "qside": 2 * B * tokens * D * ib * heads + 8 * B * tokens * heads,
+        "dside": B * tokens * D * ib * heads + 8 * B * tokens * heads,
     }
     return int(sizes[kind])
 

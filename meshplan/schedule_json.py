@@ -44,7 +44,7 @@ class TensorJSON(_Strict):
 
     id: NonNegativeInt
     rank: NonNegativeInt
-    kind: Literal["q", "kv", "out", "dout", "qside", "dq", "dkv"]
+    kind: Literal["q", "kv", "out", "dout", "qside", "dside", "dq", "dkv"]
     chunks: list[NonNegativeInt]
     heads: Range
     dtype: Dtype

@@ -167,3 +167,34 @@ def test_memory_limit_no_plan_meets():
                                  "--memory-limit", "1MB", "--write", "0"])
     assert r.exit_code == 2 and "--memory-limit" in r.stderr and "smallest" in r.stderr
     assert r.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("topo_name,n,seq", [("h100x16", 16, "64K"), ("l20x8", 8, "32K"), ("cpu-local", 4, 1024),
+                                             ("dgx-h100", 32, "128K")])
+@pytest.mark.parametrize("layout,mask", [("zigzag", "causal"), ("contiguous", "causal"), ("striped", "full")])
+@pytest.mark.parametrize("keep", ["refetch", "keep"])
+def test_closed_forms_bound_the_simulation(topo_name, n, seq, layout, mask, keep):
+    topo = Topology.load(topo_name, gpus=n)
+    w = resolve(seq_len=seq, layout=layout, mask=mask, heads=8, kv_heads=2, head_dim=64)
+    for a, b in factorisations(n):
+        cand = make_candidate("mesh", w, topo, n, {"tile": f"{a}x{b}", "bwd_inputs": keep})
+        exact = MESH.refine(cand.plan, topo)
+        simulate_candidate(cand, topo, None)
+        for p, cheap in cand.timing.items():
+            sim = cand.predicted[p]["makespan_s"]
+            assert cheap.bound_s <= exact[p].bound_s * (1 + 1e-9), (a, b, p)
+            assert exact[p].makespan_s <= sim * (1 + 1e-9), (a, b, p)
+
+
+def test_keeping_forward_chunks_trades_bytes_for_memory():
+    topo = Topology.load("h100x16")
+    w = resolve(seq_len="64K")
+    runs = {}
+    for keep in ("refetch", "keep"):
+        cand = make_candidate("mesh", w, topo, 16, {"tile": "4x4", "bwd_inputs": keep})
+        simulate_candidate(cand, topo, None)
+        assert verify(cand.schedule).ok
+        runs[keep] = cand.predicted
+    assert runs["keep"]["bwd"]["comm_bytes_per_gpu_max"] < runs["refetch"]["bwd"]["comm_bytes_per_gpu_max"]
+    assert runs["keep"]["fwd"]["peak_memory_bytes"] > runs["refetch"]["fwd"]["peak_memory_bytes"]
+    assert runs["keep"]["fwd"]["comm_bytes_per_gpu_max"] == runs["refetch"]["fwd"]["comm_bytes_per_gpu_max"]

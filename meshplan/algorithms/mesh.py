@@ -56,6 +56,8 @@ class Mesh(Algorithm):
         "dkv_dtype": DTYPE_KNOB("dkv_dtype", "fp32", "dtype of partial dQ and dK/dV on the wire"),
         "order": Knob("order", "auto", ORDERS, "fetch order in the tile"),
         "inflight": Knob("inflight", 2, None, "fetches in flight (a positive integer)", parse=_positive_int),
+        "bwd_inputs": Knob("bwd_inputs", "refetch", ("refetch", "keep"),
+                           "backward: fetch Q and KV again, or keep the forward's received chunks (memory)"),
     }
 
     # ------------------------------------------------------------------ plan
@@ -139,7 +141,8 @@ class Mesh(Algorithm):
         uses, writers = _Uses(), {}
         groups(b, plan, grid, tile, q_in=q_of, kv_in=kv_of, outs=outs, recv_of=recv_op, combine="merge", uses=uses,
                writers=writers)
-        uses.free(b)
+        if plan.knobs["bwd_inputs"] == "refetch":  # else the backward keeps what the forward received
+            uses.free(b)
         send_back(b, grid, tile.returns, "row", acc, writers, kind="out", stream="out", step0=len(tile.order),
                   dtype=plan.knobs["partial_dtype"] or w.dtype, merge_into=out, combine="merge")
 
@@ -148,13 +151,20 @@ class Mesh(Algorithm):
         g = np.arange(n)
         q, kv = b.tensor(g, "q", g, role="input"), b.tensor(g, "kv", g, role="input")
         out, dout = b.tensor(g, "out", g, role="input"), b.tensor(g, "dout", g, role="input")
-        qside = b.tensor(g, "qside", g, role="input")
+        keep = plan.knobs["bwd_inputs"] == "keep"
+        side = "dside" if keep else "qside"
+        qside = b.tensor(g, side, g, role="input")
         dq, dkv = b.tensor(g, "dq", g, role="output", dtype="fp32"), b.tensor(g, "dkv", g, role="output", dtype="fp32")
-        recv_t, recv_op = fetch(b, grid, tile, {"q": qside, "kv": kv}, {"q": "qside", "kv": "kv"},
-                                plan.knobs["inflight"])
+        kept, kept_q = None, {}
+        if keep:  # the forward's received chunks, still on the rank
+            kept = {("kv", v): b.tensor(g, "kv", grid.col_peer(g, v), role="input") for v in range(1, grid.b)}
+            kept_q = {u: b.tensor(g, "q", grid.row_peer(g, u), role="input") for u in range(1, grid.a)}
+        recv_t, recv_op = fetch(b, grid, tile, {"q": qside, "kv": kv}, {"q": side, "kv": "kv"},
+                                plan.knobs["inflight"], kept)
         dq_acc = {u: b.tensor(g, "dq", grid.row_peer(g, u), dtype="fp32") for u in range(1, grid.a)}
         dkv_acc = {v: b.tensor(g, "dkv", grid.col_peer(g, v), dtype="fp32") for v in range(1, grid.b)}
-        q_of = lambda u: [q, out, dout] if u == 0 else [recv_t[("q", u)]]  # noqa: E731
+        q_of = lambda u: [q, out, dout] if u == 0 else [kept_q[u], recv_t[("q", u)]] if keep \
+            else [recv_t[("q", u)]]  # noqa: E731
         kv_of = lambda v: kv if v == 0 else recv_t[("kv", v)]  # noqa: E731
         outs = lambda rows, cols: ([dq if u == 0 else dq_acc[u] for u in rows]  # noqa: E731
                                    + [dkv if v == 0 else dkv_acc[v] for v in cols])
@@ -282,7 +292,8 @@ def _tile_costs(plan: Plan, topo: Topology, pass_: str) -> TileCosts:
     c = m.tokens_per_chunk
     geo = geometry(plan, topo)
     row, col = geo[("row", "in")], geo[("col", "in")]
-    q_kind, o_kind = ("q", "out") if pass_ == "fwd" else ("qside", "dq")
+    keep = pass_ == "bwd" and plan.knobs["bwd_inputs"] == "keep"
+    q_kind, o_kind = ("q", "out") if pass_ == "fwd" else ("dside" if keep else "qside", "dq")
     o_dtype = (plan.knobs["partial_dtype"] or w.dtype) if pass_ == "fwd" else plan.knobs["dkv_dtype"]
     size_q = tensor_bytes(w, q_kind, c, w.n_heads, w.dtype)
     size_o = tensor_bytes(w, o_kind, c, w.n_heads, o_dtype)
@@ -291,7 +302,8 @@ def _tile_costs(plan: Plan, topo: Topology, pass_: str) -> TileCosts:
         if f["count"].sum() else 0.0  # noqa: E731
     blocks = CostModel(topo).matrix_block_times(m, pass_)
     t_block = float(blocks[m.permitted].mean()) if m.permitted.any() else 0.0
-    return TileCosts(t_q=mean(row, size_q), t_kv=mean(col, size_kv), t_o=mean(row, size_o), t_block=t_block)
+    t_kv = 0.0 if keep else mean(col, size_kv)         # kept KV chunks are there from the start
+    return TileCosts(t_q=mean(row, size_q), t_kv=t_kv, t_o=mean(row, size_o), t_block=t_block)
 
 
 def _completion(tile: TilePlan, grid: Grid) -> tuple[list[int], list[int]]:

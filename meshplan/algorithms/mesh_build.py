@@ -35,13 +35,20 @@ class _Uses:
 
 
 def fetch(b: ScheduleBuilder, grid: Grid, plan: TilePlan, own: dict[str, np.ndarray], kinds: dict[str, str],
-          inflight: int) -> tuple[dict, dict]:
-    """Issue every fetch of ``plan.order``; returns ({(kind, offset): tensors on each rank}, {...: recv ops})."""
+          inflight: int, kept: dict | None = None) -> tuple[dict, dict]:
+    """Issue every fetch of ``plan.order``; returns ({(kind, offset): tensors on each rank}, {...: recv ops}).
+
+    ``kept[(kind, offset)]``: tensors already on the rank (kept from the forward): not fetched, no dep.
+    """
     g = np.arange(grid.n)
     tensors, recvs, count, seq = {}, {}, {"q": 0, "kv": 0}, []
     for i, kind in enumerate(plan.order):
         count[kind] += 1
         k = count[kind]
+        if kept and (kind, k) in kept:
+            tensors[(kind, k)], recvs[(kind, k)] = kept[(kind, k)], np.full(grid.n, -1)
+            seq.append(np.full(grid.n, -1))
+            continue
         peer = grid.row_peer if kind == "q" else grid.col_peer
         dst = peer(g, -k)                      # who receives rank g's own chunk at this step
         landing = b.tensor(g, kinds[kind], peer(g, k))
@@ -83,6 +90,7 @@ def _one_group(b, grid, ranks, rows, cols, q_in, kv_in, outs, recv_of, combine, 
     ins = [t[ranks] for u in rows for t in q_in(u)] + [kv_in(v)[ranks] for v in cols]
     out_t = [t[ranks] for t in outs(rows, cols)]
     deps = [recv_of[("q", u)][ranks] for u in rows if u] + [recv_of[("kv", v)][ranks] for v in cols if v]
+    deps = [d for d in deps if (d >= 0).any()]
     op = b.compute(ranks, np.stack([grid.row_peer(ranks, u) for u in rows], axis=1),
                    np.stack([grid.col_peer(ranks, v) for v in cols], axis=1),
                    inputs=ins, outputs=out_t, combine=combine, deps=deps)

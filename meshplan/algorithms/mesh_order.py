@@ -23,6 +23,8 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class TileCosts:
@@ -106,8 +108,8 @@ def greedy_order(a: int, b: int, costs: TileCosts) -> tuple[str, ...]:
     """The seed's rule: the fetch that unlocks the most blocks per unit of transfer time (ties: Q)."""
     nq, nkv, order = 1, 1, []
     while nq < a or nkv < b:
-        gain_q = nkv / costs.t_q if nq < a else -1.0
-        gain_kv = nq / costs.t_kv if nkv < b else -1.0
+        gain_q = (nkv / costs.t_q if costs.t_q > 0 else np.inf) if nq < a else -1.0
+        gain_kv = (nq / costs.t_kv if costs.t_kv > 0 else np.inf) if nkv < b else -1.0
         if gain_q >= gain_kv:
             order.append("q")
             nq += 1

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from meshplan.algorithms.mesh_grid import Grid
-from meshplan.bounds import PassTiming
+from meshplan.bounds import PassTiming, pool_bound
 from meshplan.cost import CostModel
 from meshplan.plan import Plan
 from meshplan.schedule import tensor_bytes
@@ -129,9 +129,9 @@ def cheap_timing(plan: Plan, topo: Topology, pass_: str, tile=None) -> PassTimin
         moved = {("row", "in"): size("q"), ("row", "out"): size("out", plan.knobs["partial_dtype"] or w.dtype),
                  ("col", "in"): size("kv"), ("col", "out"): 0.0}
     else:
-        wire = plan.knobs["dkv_dtype"]
-        moved = {("row", "in"): size("qside"), ("row", "out"): size("dq", wire), ("col", "in"): size("kv"),
-                 ("col", "out"): size("dkv", wire)}
+        wire, keep = plan.knobs["dkv_dtype"], plan.knobs["bwd_inputs"] == "keep"
+        moved = {("row", "in"): size("dside" if keep else "qside"), ("row", "out"): size("dq", wire),
+                 ("col", "in"): 0.0 if keep else size("kv"), ("col", "out"): size("dkv", wire)}
     geo = geometry(plan, topo)
     loads, recv, cross, comm = 0.0, np.zeros(n), np.zeros(n), np.zeros(n)
     stream = np.zeros(n)
@@ -149,15 +149,18 @@ def cheap_timing(plan: Plan, topo: Topology, pass_: str, tile=None) -> PassTimin
     fill = np.maximum(
         _flow_shop(geo[("row", "in")], moved[("row", "in")], (grid.a - j_rows) * grid.b, cheapest) if grid.a > 1 else 0,
         _flow_shop(geo[("col", "in")], moved[("col", "in")], (grid.b - j_cols) * grid.a, cheapest) if grid.b > 1 else 0)
-    bound = max(float(compute.max()), float(stream.max()), float(np.max(fill)), link)
+    bound = max(float(compute.max()), float(stream.max()), float(np.max(fill)), link, pool_bound(topo, compute))
     crit = int(np.argmax(compute))
     if pass_ == "fwd":
         own = size("q") + size("kv") + size("out", "fp32")
     else:
         own = size("q") + size("kv") + size("out") + size("dout") + size("qside") + size("dq", "fp32") \
             + size("dkv", "fp32")
-    held = (grid.a - 1) * (moved[("row", "in")] + size("out" if pass_ == "fwd" else "dq", "fp32")) \
-        + (grid.b - 1) * (moved[("col", "in")] + (size("dkv", "fp32") if pass_ == "bwd" else 0.0))
+    kept = plan.knobs["bwd_inputs"] == "keep" and pass_ == "bwd"
+    held = (grid.a - 1) * (moved[("row", "in")] + size("out" if pass_ == "fwd" else "dq", "fp32")
+                           + (size("q") if kept else 0.0)) \
+        + (grid.b - 1) * (moved[("col", "in")] + (size("kv") if kept else 0.0)
+                          + (size("dkv", "fp32") if pass_ == "bwd" else 0.0))
     return PassTiming(makespan_s=bound, bound_s=bound, compute_s=float(compute[crit]), comm_s=float(comm[crit]),
                       recv_bytes_max=float(recv.max()), inter_node_bytes_max=float(cross.max()),
                       flops_total=float(m.flops(pass_).sum()), recv_bytes_total=float(recv.sum()),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from meshplan.algorithms.base import PassTiming
+from meshplan.bounds import pool_bound
 from meshplan.cost import CostModel
 from meshplan.plan import Plan
 from meshplan.schedule import tensor_bytes
@@ -70,7 +71,7 @@ class Rotation:
         crit = int(np.argmax(makespan))
         flops = float(self.plan.matrix.flops(pass_).sum())
         return PassTiming(makespan_s=float(makespan[crit]),
-                          bound_s=max(float(makespan[crit]), self.link_bound(loads)),
+                          bound_s=max(float(makespan[crit]), self.link_bound(loads), pool_bound(self.topo, compute)),
                           compute_s=float(compute[crit]), comm_s=float(comm[crit]), recv_bytes_max=float(recv.max()),
                           inter_node_bytes_max=float(cross.max()), flops_total=flops,
                           recv_bytes_total=float(recv.sum()), peak_memory_bytes=float(peak))
