@@ -73,10 +73,24 @@ def make_candidate(name: str, workload: Workload, topo: Topology, n_ranks: int, 
 
 
 def simulate_candidate(cand: Candidate, topo: Topology, ccr: float | None) -> Candidate:
-    """Build the schedule, simulate it and fill ``predicted`` (model level ``simulated``)."""
+    """Build the schedule, simulate it and fill ``predicted`` (model level ``simulated``).
+
+    When the algorithm offers variants (Mesh's fetch orders), each is simulated and the fastest is kept;
+    ``knobs`` then name the one kept (e.g. ``order: "auto:kv-first"``).
+    """
     alg = algorithms.get(cand.algorithm)
-    cand.schedule = alg.schedule(cand.plan, topo)
-    cand.sim = simulate(cand.schedule, topo)
+    best = None
+    variants = alg.variants(cand.plan, topo)
+    for plan in variants:
+        sched = alg.schedule(plan, topo)
+        sim = simulate(sched, topo)
+        total = sum(sim.pass_makespan.values())
+        if best is None or total < best[0]:
+            best = (total, plan, sched, sim)
+    _, plan, cand.schedule, cand.sim = best
+    if plan is not cand.plan:
+        cand.plan = plan
+        cand.knobs = plan.knobs | {"order": f"auto:{plan.knobs['order']}"}
     parts = {("fwd", "bwd")[p]: pass_metrics(cand.schedule, topo, cand.sim, p) for p in cand.schedule.passes}
     cand.predicted, cand.model_level = combine(parts, ccr), "simulated"
     return cand

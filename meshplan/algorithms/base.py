@@ -105,6 +105,10 @@ class Algorithm:
         """Closed-form timing per pass (``fwd``/``bwd`` as the workload asks); cheap, no schedule needed."""
         raise NotImplementedError
 
+    def variants(self, plan: Plan, topo: Topology) -> list[Plan]:
+        """Alternative plans the simulator should judge (the best is kept); default: just this one."""
+        return [plan]
+
     def refine(self, plan: Plan, topo: Topology) -> dict[str, PassTiming] | None:
         """A tighter closed form, if the algorithm has one (may build the schedule); None otherwise."""
         return None
