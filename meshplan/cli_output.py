@@ -37,8 +37,12 @@ def print_simulation(body: dict[str, Any], console: Console, title: str) -> None
     console.print(table)
 
 
-def _knob_text(knobs: dict[str, Any]) -> str:
-    return " ".join(f"{k}={v}" for k, v in knobs.items() if v not in (None, "auto"))
+def _knob_text(knobs: dict[str, Any], algorithm: str | None = None) -> str:
+    """Knobs that differ from the algorithm's defaults (an ``auto`` that resolved shows what it chose)."""
+    from meshplan.algorithms import REGISTRY
+    defaults = {k: kn.default for k, kn in REGISTRY[algorithm].knobs.items()} if algorithm in REGISTRY else {}
+    return " ".join(f"{k}={v}" for k, v in knobs.items()
+                    if v not in (None, "auto") and (k not in defaults or v != defaults[k]))
 
 
 def print_search(body: dict[str, Any], console: Console, top: int) -> None:
@@ -53,10 +57,11 @@ def print_search(body: dict[str, Any], console: Console, top: int) -> None:
         table.add_column(col, justify=just)
     for i, c in enumerate(body["candidates"][:top], start=1):
         p = c["predicted"]
-        level = "sim" if c["model_level"] == "simulated" else "bound"
-        table.add_row(str(i), c["algorithm"], c["layout"], _knob_text(c["knobs"]), level,
-                      fmt_seconds(p["makespan_s"]), _fmt(p.get("fwd", {}).get("makespan_s"), fmt_seconds),
-                      _fmt(p.get("bwd", {}).get("makespan_s"), fmt_seconds), fmt_seconds(p["exposed_comm_s"]),
+        sim = c["model_level"] == "simulated"
+        t = fmt_seconds if sim else (lambda x: "≥" + fmt_seconds(x))  # bounds are lower bounds
+        table.add_row(str(i), c["algorithm"], c["layout"], _knob_text(c["knobs"], c["algorithm"]),
+                      "sim" if sim else "bound", t(p["makespan_s"]), _fmt(p.get("fwd", {}).get("makespan_s"), t),
+                      _fmt(p.get("bwd", {}).get("makespan_s"), t), fmt_seconds(p["exposed_comm_s"]),
                       fmt_bytes(p["comm_bytes_per_gpu_max"]), fmt_bytes(p["inter_node_bytes_per_gpu_max"]),
                       _fmt(p["compute_to_comm"], lambda x: f"{x:.3g}"), fmt_bytes(p["peak_memory_bytes"]))
     console.print(table)

@@ -39,7 +39,8 @@ def simulate_named(algo, gpus, topo, workload, knobs, out, trace, as_json, emit)
 
 
 def _title(algo, knobs, topo, n, w) -> str:
-    kn = " ".join(f"{k}={v}" for k, v in knobs.items() if v not in (None, "auto"))
+    from meshplan.cli_output import _knob_text
+    kn = _knob_text(knobs, algo)
     return f"{algo} ({kn}) on {topo.name} x {n}: {w.describe()}"
 
 

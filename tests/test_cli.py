@@ -155,7 +155,8 @@ def test_nothing_written_on_error(tmp_path):
 
 def test_simulate_refuses_unmatched_sends(tmp_path):
     good = tmp_path / "g.json"
-    run("simulate", "--algo", "ring", "--gpus", 2, "--topo", "h100x8", "--seq-len", "4K", "--pass", "fwd", "--out", good)
+    run("simulate", "--algo", "ring", "--gpus", 2, "--topo", "h100x8", "--seq-len", "4K", "--pass", "fwd",
+        "--out", good)
     d = json.loads(good.read_text())
     ops = d["ranks"][1]["ops"]
     recv = next(op for op in ops if op["kind"] == "recv")

@@ -89,9 +89,13 @@ def test_a_equals_1_moves_rings_bytes():
         w = resolve(seq_len=2 * n * 16, heads=4, kv_heads=4, head_dim=16, passes="fwd")
         t = Topology.load("cpu-local", gpus=n)
         rs = ring.schedule(ring.plan(w, t, n, ring.normalize({})), t)
-        recv = lambda s: np.bincount(s.ops.rank[s.ops.kind == RECV], weights=s.ops.size_bytes[s.ops.kind == RECV],  # noqa: E731
-                                     minlength=n)
-        assert np.array_equal(recv(mesh), recv(rs))
+        assert np.array_equal(_recv_bytes(mesh, n), _recv_bytes(rs, n))
+
+
+def _recv_bytes(s, n):
+    """Bytes each of the n ranks receives in schedule s."""
+    recv = s.ops.kind == RECV
+    return np.bincount(s.ops.rank[recv], weights=s.ops.size_bytes[recv], minlength=n)
 
 
 def test_worked_example_toy():

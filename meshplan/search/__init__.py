@@ -9,6 +9,7 @@ the reason.
 
 from __future__ import annotations
 
+import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -163,7 +164,9 @@ def write_best(result: SearchResult, k: int, out_dir: str) -> None:
         report = verify(c.schedule, topo.memory_bytes)
         if not report.ok:
             raise RuntimeError(f"internal error: the {c.algorithm} schedule fails verification: {report.violations[0]}")
-        knobs = "-".join(f"{v}" for v in c.knobs.values() if v is not None and v != "auto")
+        defaults = {k: kn.default for k, kn in algorithms.get(c.algorithm).knobs.items()}
+        knobs = "-".join(re.sub(r"[^A-Za-z0-9.]", "", str(v).replace("auto:", "")) for k, v in c.knobs.items()
+                         if v is not None and v != "auto" and v != defaults.get(k))
         name = f"{rank:02d}-{c.algorithm}-{c.workload.layout}" + (f"-{knobs}" if knobs else "")
         suffix = ".json.gz" if len(c.schedule.ops) > 50_000 else ".json"
         c.schedule_path = str(write_schedule(c.schedule, Path(out_dir) / (name + suffix)))
