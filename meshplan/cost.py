@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from meshplan.csr import csr_sum
 from meshplan.matrix import attn_matrix
-from meshplan.schedule import COMBINES, COMPUTE, KIND, PASS_NAMES, Schedule, csr_sum, expand_blocks
+from meshplan.schedule import COMBINES, COMPUTE, KIND, PASS_NAMES, Schedule, expand_blocks
 from meshplan.topology import Topology
 
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meshplan.schedule import RECV, SEND, Schedule, _csr
+from meshplan.csr import csr_ptr
+from meshplan.schedule import RECV, SEND, Schedule
 
 
 @dataclass
@@ -68,7 +69,7 @@ def build_items(sched: Schedule, phase: int, partner: np.ndarray | None = None,
     n_items = int(item_in_order[-1]) + 1 if len(order) else 0
     item_of_op = np.full(len(o), -1, dtype=np.int64)
     item_of_op[order] = item_in_order
-    member_ptr = _csr(np.bincount(item_in_order, minlength=n_items))
+    member_ptr = csr_ptr(np.bincount(item_in_order, minlength=n_items))
     first = member_ptr[:-1]
     rank = o.rank[order][first] if n_items else np.zeros(0, dtype=np.int64)
     is_comm = comm[first] if n_items else np.zeros(0, dtype=bool)
@@ -90,9 +91,9 @@ def build_items(sched: Schedule, phase: int, partner: np.ndarray | None = None,
     edge = np.sort(dst * max(n_items, 1) + src)
     edge = edge[np.r_[True, edge[1:] != edge[:-1]]] if len(edge) else edge
     dst, src = np.divmod(edge, max(n_items, 1))
-    pred_ptr = _csr(np.bincount(dst, minlength=n_items))
+    pred_ptr = csr_ptr(np.bincount(dst, minlength=n_items))
     by_src = np.lexsort((dst, src))
-    succ_ptr = _csr(np.bincount(src, minlength=n_items))
+    succ_ptr = csr_ptr(np.bincount(src, minlength=n_items))
     return Items(phase, sel, item_of_op, member_ptr, order, rank, is_comm, pred_ptr, src, succ_ptr,
                  dst[by_src], partner, self_dep)
 

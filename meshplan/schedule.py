@@ -33,6 +33,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from meshplan.csr import csr_ptr
 from meshplan.matrix import AttnMatrix
 from meshplan.units import DTYPE_BYTES
 from meshplan.workload import Workload
@@ -94,27 +95,6 @@ class Streams:
         self.kinds.append(kind)
         self.communicator.append(comm)
         return len(self.names) - 1
-
-
-def _csr(counts: np.ndarray) -> np.ndarray:
-    ptr = np.zeros(len(counts) + 1, dtype=np.int64)
-    np.cumsum(counts, out=ptr[1:])
-    return ptr
-
-
-def csr_take(ptr: np.ndarray, values: np.ndarray, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Reorder the rows of a CSR array: row k of the result is row ``order[k]`` of the input."""
-    counts = np.diff(ptr)[order]
-    new_ptr = _csr(counts)
-    starts = np.repeat(ptr[:-1][order] - new_ptr[:-1], counts)
-    return new_ptr, values[np.arange(new_ptr[-1]) + starts]
-
-
-def csr_sum(ptr: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """Sum of each CSR row (float64)."""
-    rows = len(ptr) - 1
-    seg = np.repeat(np.arange(rows), np.diff(ptr))
-    return np.bincount(seg, weights=values, minlength=rows).astype(np.float64)
 
 
 def expand_blocks(o: OpTable, ops: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -204,7 +184,7 @@ class Schedule:
     rank_ptr: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
-        self.rank_ptr = _csr(np.bincount(self.ops.rank, minlength=self.n_ranks))
+        self.rank_ptr = csr_ptr(np.bincount(self.ops.rank, minlength=self.n_ranks))
 
     @property
     def passes(self) -> list[int]:

@@ -6,7 +6,8 @@ from typing import Any
 
 import numpy as np
 
-from meshplan.schedule import OpTable, Schedule, TensorTable, _csr, csr_take
+from meshplan.csr import csr_ptr, csr_take
+from meshplan.schedule import OpTable, Schedule, TensorTable
 
 _SCALARS = {  # op field -> (dtype, default)
     "step": (np.int32, -1), "peer": (np.int32, -1), "tensor": (np.int64, -1), "size_bytes": (np.int64, 0),
@@ -36,7 +37,7 @@ def _ragged(blocks: list[dict], name: str) -> tuple[np.ndarray, np.ndarray]:
         counts.append(keep.sum(axis=1))
         values.append(arr[keep])
     cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)  # noqa: E731
-    return _csr(cat(counts)), cat(values)
+    return csr_ptr(cat(counts)), cat(values)
 
 
 def assemble(builder, topology: dict[str, Any]) -> Schedule:
@@ -76,7 +77,7 @@ def _tensors(builder, new_id: np.ndarray) -> TensorTable:
         t = np.concatenate([f[0] for f in builder._free]).astype(np.int64)
         o = new_id[np.concatenate([f[1] for f in builder._free]).astype(np.int64)]
         srt = np.lexsort((o, t))
-        free_ptr, free_after = _csr(np.bincount(t, minlength=n)), o[srt]
+        free_ptr, free_after = csr_ptr(np.bincount(t, minlength=n)), o[srt]
     else:
         free_ptr, free_after = np.zeros(n + 1, dtype=np.int64), np.zeros(0, dtype=np.int64)
     return TensorTable(rank=rank, kind=rep("kind_code", np.int8),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from meshplan.csr import csr_ptr
 from meshplan.errors import UserError
 from meshplan.matrix import AttnMatrix
 from meshplan.schedule import (
@@ -17,7 +18,6 @@ from meshplan.schedule import (
     OpTable,
     Streams,
     TensorTable,
-    _csr,
 )
 from meshplan.schedule_json import ScheduleJSON
 from meshplan.workload import Workload
@@ -70,7 +70,7 @@ def op_table(doc: ScheduleJSON, streams: Streams, m: AttnMatrix, w: Workload) ->
     for name in _LISTS:
         rows = [op.deps for op in ops] if has[name] is None else \
             [getattr(op, name) if k in has[name] else () for op, k in zip(ops, kinds)]
-        a[_PTRS[name]] = _csr(np.fromiter(map(len, rows), dtype=np.int64, count=n))
+        a[_PTRS[name]] = csr_ptr(np.fromiter(map(len, rows), dtype=np.int64, count=n))
         flat = [x for row in rows for x in row]
         if name == "deps":
             try:
@@ -110,11 +110,11 @@ def tensor_table(doc: ScheduleJSON, id_map: dict[int, int]) -> TensorTable:
     arr = lambda f, dt=np.int64: np.asarray([f(t) for t in ts], dtype=dt)  # noqa: E731
     return TensorTable(
         rank=arr(lambda t: t.rank), kind=arr(lambda t: TENSOR_KIND_NAMES.index(t.kind), np.int8),
-        chunk_ptr=_csr(arr(lambda t: len(t.chunks))),
+        chunk_ptr=csr_ptr(arr(lambda t: len(t.chunks))),
         chunks=np.asarray([c for t in ts for c in t.chunks], dtype=np.int64),
         h0=arr(lambda t: t.heads[0], np.int32), h1=arr(lambda t: t.heads[1], np.int32),
         dtype=arr(lambda t: DTYPES.index(t.dtype), np.int8), role=arr(lambda t: ROLES.index(t.role), np.int8),
         phase=arr(lambda t: PASS_NAMES.index(t.pass_), np.int8), size_bytes=arr(lambda t: t.size_bytes),
         alloc_op=arr(lambda t: -1 if t.alloc_op is None else id_map[t.alloc_op]),
-        free_ptr=_csr(arr(lambda t: len(t.free_after))),
+        free_ptr=csr_ptr(arr(lambda t: len(t.free_after))),
         free_after=np.asarray([id_map[f] for t in ts for f in t.free_after], dtype=np.int64))

@@ -7,8 +7,9 @@ import pytest
 from conftest import unit_topology, unit_workload
 
 from meshplan.algorithms import get
+from meshplan.maxmin import max_min_fair
 from meshplan.predict import predict
-from meshplan.simulate import max_min_fair, simulate
+from meshplan.simulate import simulate
 from meshplan.topology import Topology
 from meshplan.workload import resolve
 
@@ -122,7 +123,7 @@ def test_vectorised_max_min_matches_the_reference():
 
 
 def test_numpy_and_python_max_min_agree(monkeypatch):
-    import meshplan.simulate as sim
+    import meshplan.maxmin as sim
     rng = np.random.default_rng(3)
     for _ in range(20):
         routes = [sorted(rng.choice(10, size=rng.integers(1, 4), replace=False).tolist()) for _ in range(30)]

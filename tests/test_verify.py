@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from meshplan.algorithms import get
-from meshplan.schedule import COMPUTE, RECV, SEND, OpTable, Schedule, _csr
+from meshplan.csr import csr_ptr
+from meshplan.schedule import COMPUTE, RECV, SEND, OpTable, Schedule
 from meshplan.topology import Topology
 from meshplan.verify import verify
 from meshplan.workload import resolve
@@ -46,13 +47,13 @@ def drop_ops(s: Schedule, drop: np.ndarray) -> Schedule:
         p, v = getattr(o, ptr), getattr(o, val)
         owner = np.repeat(np.arange(len(o)), np.diff(p))
         ok = keep[owner] & (keep[v] if val == "deps" else True)
-        fields[ptr] = _csr(np.bincount(new_id[owner[ok]], minlength=int(keep.sum())))
+        fields[ptr] = csr_ptr(np.bincount(new_id[owner[ok]], minlength=int(keep.sum())))
         fields[val] = new_id[v[ok]] if val == "deps" else v[ok]
     t = s.tensors
     t.alloc_op = np.where(t.alloc_op >= 0, np.where(keep[t.alloc_op], new_id[t.alloc_op], -1), -1)
     owner = np.repeat(np.arange(len(t.rank)), np.diff(t.free_ptr))
     ok = keep[t.free_after]
-    t.free_ptr, t.free_after = _csr(np.bincount(owner[ok], minlength=len(t.rank))), new_id[t.free_after[ok]]
+    t.free_ptr, t.free_after = csr_ptr(np.bincount(owner[ok], minlength=len(t.rank))), new_id[t.free_after[ok]]
     return Schedule(s.algorithm, s.knobs, s.workload, s.n_ranks, s.n_chunks, s.device_of_rank, s.topology,
                     s.streams, OpTable(**fields), t)
 
@@ -95,7 +96,7 @@ def test_rejects_a_missing_dependency_as_a_hazard():
     owner = np.repeat(np.arange(len(o)), np.diff(o.dep_ptr))
     keep = o.kind[owner] != COMPUTE
     o.deps = o.deps[keep]
-    o.dep_ptr = _csr(np.bincount(owner[keep], minlength=len(o)))
+    o.dep_ptr = csr_ptr(np.bincount(owner[keep], minlength=len(o)))
     report = verify(s)
     assert not report.ok and any("still writes it" in v for v in report.violations)
 
