@@ -49,9 +49,8 @@ Topo = Annotated[Optional[str], typer.Option("--topo", help="topology file or sh
 Json = Annotated[bool, typer.Option("--json", help="machine-readable JSON on stdout")]
 
 
-def workload(model, seq_len, batch, heads, kv_heads, head_dim, dtype, mask, layout, passes, valid_len, *,
-             any_layout: bool = False):
-    """A Workload from the flags (explicit > preset > defaults); ``any_layout`` keeps zigzag as a base."""
+def workload(model, seq_len, batch, heads, kv_heads, head_dim, dtype, mask, layout, passes, valid_len):
+    """A Workload from the flags (explicit > preset > defaults)."""
     from meshplan.workload import resolve
 
     return resolve(model=model, seq_len=seq_len, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim,

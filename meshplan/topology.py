@@ -252,13 +252,6 @@ class Topology:
         """Uncontended rate of one flow (bytes/s): the bottleneck capacity and per-flow caps on the route."""
         return float(self.pair_stats(src, dst)[1])
 
-    def transfer_time_s(self, src: int, dst: int, size_bytes: float) -> float:
-        """Uncontended alpha-beta time: alpha_sw + sum of hop latencies + size / bottleneck rate."""
-        if src == dst:
-            return 0.0
-        lat, bw = self.pair_stats(src, dst)
-        return float(lat + size_bytes / bw)
-
     def same_node(self, a, b):
         """Whether devices are in one node (arrays broadcast)."""
         return self.node_of_device[a] == self.node_of_device[b]

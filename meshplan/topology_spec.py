@@ -164,5 +164,4 @@ class TopologySpec(_Strict):
     node: NodeSpec
     network: NetworkSpec = NetworkSpec()
     p2p_overhead_us: NonNegFloat = Field(description="software cost per message (alpha_sw), microseconds")
-    step_overhead_us: NonNegFloat = Field(0.0, description="per batched-P2P launch overhead, microseconds")
     overlap_kappa: OverlapSpec = OverlapSpec()

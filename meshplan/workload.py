@@ -114,13 +114,6 @@ class Workload:
         d["mask"] = self.mask.spec()
         return d
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Workload:
-        """Inverse of :meth:`to_dict`."""
-        d = dict(d)
-        d["mask"] = Mask.parse(d["mask"], "workload.mask")
-        return cls(**d)
-
     def describe(self) -> str:
         """One line for tables and logs."""
         name = self.model or "custom"

@@ -104,8 +104,3 @@ def translations(grid: Grid, p: int, q: int) -> list[np.ndarray]:
 def volumes(grid: Grid, qc: float, kvc: float, oc: float, lc: float) -> float:
     """Forward bytes received per rank: (a−1)·(Qc + Oc + Lc) + (b−1)·KVc."""
     return (grid.a - 1) * (qc + oc + lc) + (grid.b - 1) * kvc
-
-
-def inter_node_bytes(grid: Grid, p: int, q: int, qc: float, kvc: float, oc: float, lc: float) -> float:
-    """Forward inter-node bytes per rank under a p × q node-block mapping."""
-    return (grid.a - q) * (qc + oc + lc) + (grid.b - p) * kvc
