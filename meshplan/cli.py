@@ -159,6 +159,28 @@ def simulate(schedule: Annotated[Optional[str], typer.Argument(help="a schedule 
 
 
 @app.command()
+def run(schedule: Annotated[str, typer.Argument(help="a schedule file (.json or .json.gz)")],
+        nproc: o.Nproc = None, backend: o.Backend = "auto", iters: o.Iters = 5, warmup: o.Warmup = 2,
+        check: o.Check = None, serialize: o.Serialize = False, timeout_s: o.TimeoutS = 120.0,
+        out: Annotated[Optional[str], typer.Option("--out", help="write the Measurement JSON")] = None,
+        trace: Annotated[Optional[str], typer.Option("--trace", help="write a Chrome/Perfetto trace")] = None,
+        dump: o.Dump = None, seed: o.Seed = 0, inputs: o.Inputs = None, as_json: o.Json = False) -> None:
+    """Run a schedule on torch.distributed, check its numerics, measure every op."""
+    from meshplan.cli_exec import run_command
+    raise typer.Exit(run_command(schedule, nproc, backend, iters, warmup, check, serialize, timeout_s, out, trace,
+                                 dump, seed, inputs, as_json))
+
+
+@app.command()
+def compare(schedule: Annotated[str, typer.Argument(help="the schedule that was run")],
+            measurement: Annotated[str, typer.Argument(help="its Measurement JSON (run --out)")],
+            topo: o.Topo = None, as_json: o.Json = False) -> None:
+    """Predicted against measured: per op kind, per step, end to end, peak memory."""
+    from meshplan.cli_exec import compare_command
+    compare_command(schedule, measurement, topo, as_json)
+
+
+@app.command()
 def validate(schedule: Annotated[str, typer.Argument(help="a schedule file")],
              topo: o.Topo = None, as_json: o.Json = False) -> None:
     """The verifier: exit 0 valid, 1 invalid (violations listed), 2 unreadable or another schema version."""

@@ -48,6 +48,18 @@ Gpus = Annotated[Optional[int], typer.Option("--gpus",
 Topo = Annotated[Optional[str], typer.Option("--topo", help="topology file or shipped name (h100x32, cpu-local, ...)")]
 Json = Annotated[bool, typer.Option("--json", help="machine-readable JSON on stdout")]
 
+Nproc = Annotated[Optional[int], typer.Option("--nproc", help="ranks to spawn (default: the schedule's)")]
+Backend = Annotated[str, typer.Option("--backend", help="auto (nccl with CUDA, else gloo) | gloo | nccl")]
+Iters = Annotated[int, typer.Option("--iters", help="timed iterations")]
+Warmup = Annotated[int, typer.Option("--warmup", help="untimed iterations first")]
+Check = Annotated[Optional[bool], typer.Option("--check/--no-check",
+                                               help="numerics against float64 (default: on when cheap)")]
+Serialize = Annotated[bool, typer.Option("--serialize", help="one op at a time per rank: no overlap")]
+TimeoutS = Annotated[float, typer.Option("--timeout-s", help="bound on every wait, seconds")]
+Dump = Annotated[Optional[str], typer.Option("--dump", help="write inputs and gathered results (.npy) to this folder")]
+Seed = Annotated[int, typer.Option("--seed", help="seed of the random inputs")]
+Inputs = Annotated[Optional[str], typer.Option("--inputs", help=".npz with q, k, v (and dout) in (B, S, H, D)")]
+
 
 def workload(model, seq_len, batch, heads, kv_heads, head_dim, dtype, mask, layout, passes, valid_len):
     """A Workload from the flags (explicit > preset > defaults)."""

@@ -197,6 +197,17 @@ def read_schedule(path: str | Path) -> Schedule:
     Raises:
         UserError: unreadable file, another schema version, or a file that does not validate.
     """
+    doc, _ = read_document(path)
+    with _no_gc():
+        return from_json(doc)
+
+
+def read_document(path: str | Path) -> tuple[ScheduleJSON, bytes]:
+    """The validated pydantic document of a schedule file and its (decompressed) bytes.
+
+    Raises:
+        UserError: unreadable file, another schema version, or a file that does not validate.
+    """
     path = Path(path)
     try:
         raw = path.read_bytes()
@@ -217,8 +228,7 @@ def read_schedule(path: str | Path) -> Schedule:
         first = err.errors(include_url=False)[0]
         loc = ".".join(str(p) for p in first["loc"])
         raise UserError(f"{path.name}: {loc}", first["msg"], "fix the file or regenerate it") from None
-    with _no_gc():
-        return from_json(doc)
+    return doc, raw
 
 
 def _schema_version(raw: bytes):

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
+import numpy as np
+
 from meshplan.errors import UserError
 from meshplan.units import DTYPE_BYTES, fmt_count, parse_count
 
@@ -55,6 +57,19 @@ class Mask:
         if kind == "window":
             return cls("window", window=parse_count(arg, field))
         return cls("docs", doc_lens=tuple(parse_count(x, field) for x in arg.split(",")))
+
+    def permits(self, q_pos: np.ndarray, k_pos: np.ndarray) -> np.ndarray:
+        """[len(q_pos), len(k_pos)] bool: whether each query position attends to each key position."""
+        q, k = np.asarray(q_pos)[:, None], np.asarray(k_pos)[None, :]
+        if self.kind == "full":
+            return np.ones((q.shape[0], k.shape[1]), dtype=bool)
+        ok = k <= q
+        if self.kind == "window":
+            ok &= q - k < self.window
+        if self.kind == "docs":
+            bounds = np.cumsum((0,) + tuple(self.doc_lens))
+            ok &= np.searchsorted(bounds, q, side="right") == np.searchsorted(bounds, k, side="right")
+        return ok
 
     def spec(self) -> str:
         """The CLI spelling of this mask (round-trips through :meth:`parse`)."""

@@ -1,0 +1,142 @@
+"""``meshplan run`` and ``meshplan compare``: what they do and print (torch is imported only by ``run``)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from meshplan.errors import UserError
+from meshplan.units import fmt_bytes, fmt_seconds
+
+
+def run_command(schedule: str, nproc, backend, iters, warmup, check, serialize, timeout_s, out, trace, dump_dir,
+                seed, inputs, as_json: bool) -> int:
+    """Run, write the files, print; returns the exit status (0 ok, 1 numerics failed or a rank failed)."""
+    from meshplan.executor.launch import RunFailed, run
+    from meshplan.executor.worker import RunConfig
+    from meshplan.fileio import write_atomic
+    from meshplan.measurement import MeasurementJSON
+
+    for flag, name in ((out, "--out"), (trace, "--trace")):
+        if flag is not None and not flag.endswith(".json"):
+            raise UserError(name, f"{flag!r} is not a .json name", "name the file *.json")
+    if iters < 1 or warmup < 0 or timeout_s <= 0:
+        raise UserError("--iters/--warmup/--timeout-s", "need iters ≥ 1, warmup ≥ 0, timeout > 0", "fix the value")
+    cfg = RunConfig(backend=backend, iters=iters, warmup=warmup, check=check, serialize=serialize,
+                    timeout_s=timeout_s, dump_dir=dump_dir, seed=seed, inputs_path=inputs)
+    try:
+        body = run(schedule, nproc, cfg)
+    except RunFailed as err:
+        sys.stderr.write(f"error: run failed: {err}\n")
+        return 1
+    if body is None:            # a torchrun rank other than 0
+        return 0
+    meas = MeasurementJSON.model_validate(body)
+    cmp = _compare_quietly(schedule, meas)
+    if out is not None:
+        write_atomic(out, meas.model_dump_json(indent=1).encode())
+    if trace is not None:
+        _write_measured_trace(schedule, meas, trace)
+    if as_json:
+        sys.stdout.write(json.dumps({"measurement": meas.model_dump(), "comparison": cmp}, indent=1) + "\n")
+    else:
+        print_run(meas, cmp, Console(width=200 if not sys.stdout.isatty() else None))
+    return 1 if meas.numerics.passed is False else 0
+
+
+def _compare_quietly(schedule: str, meas) -> dict[str, Any] | None:
+    """The comparison with the prediction, or None when the schedule's topology is not shipped here."""
+    from meshplan.compare import compare
+    from meshplan.schedule_io import from_json, read_document
+    doc, _ = read_document(schedule)
+    try:
+        return compare(from_json(doc), [op.id for r in doc.ranks for op in r.ops], meas)
+    except UserError as err:
+        sys.stderr.write(f"warning: no prediction to compare with: {err}\n")
+        return None
+
+
+def _write_measured_trace(schedule: str, meas, path: str) -> None:
+    import numpy as np
+
+    from meshplan.schedule_io import from_json, read_document
+    from meshplan.trace import trace_events, write_trace
+    doc, _ = read_document(schedule)
+    sched = from_json(doc)
+    index = {op.id: i for i, op in enumerate(op for r in doc.ranks for op in r.ops)}
+    start, end = np.full(len(index), np.nan), np.full(len(index), np.nan)
+    shift = {"fwd": 0.0, "bwd": meas.passes["fwd"].makespan_s if "fwd" in meas.passes else 0.0}
+    phase = {op.id: op.pass_ for r in doc.ranks for op in r.ops}
+    for r in meas.ranks:
+        for op in r.ops:
+            start[index[op.id]] = op.start_s + shift[phase[op.id]]
+            end[index[op.id]] = op.end_s + shift[phase[op.id]]
+    write_trace(path, trace_events(sched, start, end, label="measured"))
+
+
+def print_run(meas, cmp: dict[str, Any] | None, console: Console) -> None:
+    """Numerics per tensor, then measured against predicted per pass."""
+    n, s = meas.numerics, meas.settings
+    verdict = "not checked" if not n.checked else ("passed" if n.passed else "FAILED")
+    console.print(f"{meas.algorithm}: {len(meas.ranks)} ranks ({meas.env.get('backend')}), {s['iters']} timed "
+                  f"iterations after {s['warmup']} warm-up{', serialized' if s['serialize'] else ''}; "
+                  f"numerics {verdict}", soft_wrap=True)
+    if n.checked:
+        t = Table("tensor", "max |error|", "bound", "1-process error", "floor", "ok")
+        for name, e in n.tensors.items():
+            t.add_row(name, f"{e.max_abs_err:.3g}", f"{e.bound:.3g}", f"{e.single_process_err:.3g}", f"{e.floor:.3g}",
+                      "yes" if e.passed else "NO")
+        console.print(t)
+    t = Table("pass", "measured (median)", "min – max", "predicted", "error")
+    e2e = (cmp or {}).get("end_to_end", {})
+    for name, p in list(meas.passes.items()) + [("total", None)]:
+        m = p.makespan_s if p else meas.makespan_s
+        spread = p.spread if p else meas.makespan_spread
+        row = e2e.get(name, {})
+        t.add_row(name, fmt_seconds(m), f"{fmt_seconds(spread.min_s)} – {fmt_seconds(spread.max_s)}",
+                  fmt_seconds(row["predicted_s"]) if row else "-", _pct(row.get("error_pct")))
+    console.print(t)
+    mem = f"peak memory per rank: {fmt_bytes(meas.peak_memory_bytes)} measured ({meas.peak_memory_kind})"
+    if cmp:
+        mem += f", {fmt_bytes(cmp['peak_memory']['predicted_bytes'])} predicted"
+        if cmp["note"]:
+            mem += f"\nnote: {cmp['note']}"
+    console.print(mem, soft_wrap=True)
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{x:+.1f}%"
+
+
+def compare_command(schedule: str, measurement: str, topo: str | None, as_json: bool) -> None:
+    """``meshplan compare``."""
+    from meshplan.compare import compare_files
+    body = compare_files(schedule, measurement, topo)
+    if as_json:
+        sys.stdout.write(json.dumps(body, indent=1) + "\n")
+        return
+    console = Console(width=200 if not sys.stdout.isatty() else None)
+    console.print(f"{schedule} on {body['topology']} against {measurement} ({body['backend']})", soft_wrap=True)
+    if body["note"]:
+        console.print(f"note: {body['note']}", soft_wrap=True)
+    t = Table("end to end", "predicted", "measured", "error")
+    for name, r in body["end_to_end"].items():
+        t.add_row(name, fmt_seconds(r["predicted_s"]), fmt_seconds(r["measured_s"]), _pct(r["error_pct"]))
+    console.print(t)
+    t = Table("pass", "op kind", "ops", "predicted (sum)", "measured (sum)", "error")
+    for r in body["per_kind"]:
+        t.add_row(r["pass"], r["kind"], str(r["ops"]), fmt_seconds(r["predicted_s"]), fmt_seconds(r["measured_s"]),
+                  _pct(r["error_pct"]))
+    console.print(t)
+    t = Table("pass", "step", "predicted end", "measured end", "error")
+    for r in body["per_step"]:
+        t.add_row(r["pass"], str(r["step"]), fmt_seconds(r["predicted_s"]), fmt_seconds(r["measured_s"]),
+                  _pct(r["error_pct"]))
+    console.print(t)
+    m = body["peak_memory"]
+    console.print(f"peak memory per rank: predicted {fmt_bytes(m['predicted_bytes'])}, measured "
+                  f"{fmt_bytes(m['measured_bytes'])} ({m['measured_kind']}), error {_pct(m['error_pct'])}")

@@ -1,0 +1,129 @@
+"""Predicted against measured: per op kind, per P2P step, end to end, and peak memory (``meshplan compare``).
+
+The prediction is the event simulation of the schedule on the topology it was planned for (or ``--topo``);
+the measurement a :mod:`meshplan.measurement` file of the same schedule (checked by its sha256). Errors are
+``(predicted − measured) / measured`` in percent. Op kinds compare summed durations over all ranks (a
+transfer: posted to completed); steps compare the time the last transfer of each batched-P2P step ends;
+end to end compares each pass's makespan. A CPU (gloo) run is comparable with ``cpu-local`` predictions
+only, a GPU (nccl) run with GPU topologies only; otherwise the table is printed with that warning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from meshplan.errors import UserError
+from meshplan.measurement import MeasurementJSON
+from meshplan.schedule import OP_KINDS, PASS_NAMES
+
+KIND_GROUPS = {"compute": "compute", "send": "transfer", "recv": "transfer", "merge": "merge",
+               "accumulate": "accumulate", "collective": "collective"}
+
+
+def read_measurement(path: str | Path) -> MeasurementJSON:
+    """Read and validate a Measurement JSON. Raises UserError naming the first bad field."""
+    from pydantic import ValidationError
+    try:
+        return MeasurementJSON.model_validate_json(Path(path).read_bytes())
+    except OSError as err:
+        raise UserError(str(path), f"cannot read the measurement ({type(err).__name__})",
+                        "give the file `meshplan run --out` wrote") from None
+    except ValidationError as err:
+        first = err.errors(include_url=False)[0]
+        loc = ".".join(str(p) for p in first["loc"])
+        raise UserError(f"{Path(path).name}: {loc}", first["msg"], "give the file `meshplan run --out` wrote") from None
+
+
+def compare_files(schedule_path: str, measurement_path: str, topo: str | None = None) -> dict[str, Any]:
+    """Compare a schedule's prediction with a measurement of it (see the module docstring)."""
+    from meshplan.schedule_io import _no_gc, from_json, read_document
+
+    doc, raw = read_document(schedule_path)
+    meas = read_measurement(measurement_path)
+    if meas.schedule != hashlib.sha256(raw).hexdigest():
+        raise UserError(Path(measurement_path).name, "was measured on another schedule (sha256 differs)",
+                        f"run `meshplan run {schedule_path} --out ...` and compare that file")
+    with _no_gc():
+        sched = from_json(doc)
+    ids = [op.id for r in doc.ranks for op in r.ops]
+    return compare(sched, ids, meas, topo)
+
+
+def compare(sched, ids: list[int], meas: MeasurementJSON, topo: str | None = None) -> dict[str, Any]:
+    """The comparison body; ``ids[i]`` is the file's id of in-memory op i."""
+    from meshplan.metrics import pass_metrics
+    from meshplan.simulate import simulate
+    from meshplan.topology import Topology
+
+    topo_obj = Topology.load(topo or sched.topology["name"], sched.topology.get("devices"))
+    sim = simulate(sched, topo_obj)
+    offset = np.array([sim.pass_offset.get(int(p), 0.0) for p in sched.ops.phase])
+    p_start, p_end = sim.start - offset, sim.end - offset
+    index = {op_id: i for i, op_id in enumerate(ids)}
+    m_start, m_end = np.full(len(ids), np.nan), np.full(len(ids), np.nan)
+    for r in meas.ranks:
+        for op in r.ops:
+            if op.id in index:
+                m_start[index[op.id]], m_end[index[op.id]] = op.start_s, op.end_s
+    peak_pred = max(pass_metrics(sched, topo_obj, sim, p)["peak_memory_bytes"] for p in sched.passes)
+    gpu_run = meas.env.get("backend") == "nccl"
+    comparable = gpu_run == (topo_obj.name != "cpu-local")
+    return {
+        "schedule": meas.schedule, "topology": topo_obj.name, "backend": meas.env.get("backend"),
+        "comparable": comparable,
+        "note": "" if comparable else (f"planned for {topo_obj.name} but run with {meas.env.get('backend')}: "
+                                       "errors say nothing about the model"),
+        "end_to_end": _end_to_end(sched, sim, meas),
+        "per_kind": _per_kind(sched, p_start, p_end, m_start, m_end),
+        "per_step": _per_step(sched, p_end, m_end),
+        "peak_memory": _row({"predicted_bytes": float(peak_pred), "measured_bytes": float(meas.peak_memory_bytes)},
+                            "predicted_bytes", "measured_bytes") | {"measured_kind": meas.peak_memory_kind},
+    }
+
+
+def _err_pct(pred: float, meas: float) -> float | None:
+    return None if not meas or not np.isfinite(meas) else 100.0 * (pred - meas) / meas
+
+
+def _row(d: dict, pred_key: str = "predicted_s", meas_key: str = "measured_s") -> dict:
+    return d | {"error_pct": _err_pct(d[pred_key], d[meas_key])}
+
+
+def _end_to_end(sched, sim, meas: MeasurementJSON) -> dict:
+    rows = {}
+    for p in sched.passes:
+        name = PASS_NAMES[p]
+        if name in meas.passes:
+            rows[name] = _row({"predicted_s": sim.pass_makespan[p], "measured_s": meas.passes[name].makespan_s})
+    rows["total"] = _row({"predicted_s": float(sum(sim.pass_makespan.values())), "measured_s": meas.makespan_s})
+    return rows
+
+
+def _per_kind(sched, p_start, p_end, m_start, m_end) -> list[dict]:
+    o, rows = sched.ops, []
+    groups = np.array([KIND_GROUPS.get(k, k) for k in OP_KINDS])[o.kind]
+    for p in sched.passes:
+        for g in ("compute", "transfer", "merge", "accumulate"):
+            sel = (o.phase == p) & (groups == g) & np.isfinite(m_end)
+            if g == "transfer":
+                sel &= o.kind == OP_KINDS.index("recv")   # a transfer once (its recv: posted to landed)
+            if sel.any():
+                rows.append(_row({"pass": PASS_NAMES[p], "kind": g, "ops": int(sel.sum()),
+                                  "predicted_s": float((p_end - p_start)[sel].sum()),
+                                  "measured_s": float((m_end - m_start)[sel].sum())}))
+    return rows
+
+
+def _per_step(sched, p_end, m_end) -> list[dict]:
+    o, rows = sched.ops, []
+    comm = np.isin(o.kind, [OP_KINDS.index("send"), OP_KINDS.index("recv")]) & (o.step >= 0) & np.isfinite(m_end)
+    for p in sched.passes:
+        for s in np.unique(o.step[comm & (o.phase == p)]):
+            sel = comm & (o.phase == p) & (o.step == s)
+            rows.append(_row({"pass": PASS_NAMES[p], "step": int(s), "predicted_s": float(p_end[sel].max()),
+                              "measured_s": float(m_end[sel].max())}))
+    return rows

@@ -1,0 +1,132 @@
+"""``meshplan run``: check everything, then join a torchrun job or spawn the ranks, and collect rank 0's result.
+
+All refusals happen before any process starts or communicates: an unreadable or invalid schedule,
+another schema version, a world size or device map that cannot run it, a backend the host lacks, a
+``--serialize`` order that would deadlock. Spawned ranks rendezvous on loopback (127.0.0.1, a free port;
+gloo bound to the loopback interface unless ``GLOO_SOCKET_IFNAME`` says otherwise); under torchrun the
+job's own rendezvous (``env://``) is used.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from meshplan.errors import UserError
+from meshplan.executor.program import Program, check_world, load_program, sequential_ok
+from meshplan.executor.worker import RunConfig, rank_main
+
+
+class RunFailed(RuntimeError):
+    """A rank failed while running; ``str()`` is the first rank's one-line reason."""
+
+
+def resolve_backend(backend: str) -> str:
+    """``auto`` → nccl with CUDA, else gloo. Raises UserError for nccl without CUDA."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if backend == "auto":
+        return "nccl" if cuda else "gloo"
+    if backend == "nccl" and not cuda:
+        raise UserError("--backend", "nccl needs CUDA GPUs and this host has none", "use --backend gloo (CPU ranks)")
+    if backend not in ("gloo", "nccl"):
+        raise UserError("--backend", f"unknown backend {backend!r}", "use auto, gloo or nccl")
+    return backend
+
+
+def prepare(path: str, nproc: int | None, cfg: RunConfig) -> tuple[Program, RunConfig, int]:
+    """Load and check the schedule and the job; returns (program, config with the backend resolved, world)."""
+    import torch
+
+    prog = load_program(path)
+    cfg = replace(cfg, backend=resolve_backend(cfg.backend), schedule_path=str(path))
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun else (nproc or prog.n_ranks)
+    cuda = cfg.backend == "nccl"
+    local = [int(os.environ.get("LOCAL_RANK", 0))] if under_torchrun else list(prog.doc.device_of_rank)
+    check_world(prog, world, torch.cuda.device_count() if cuda else None, local if cuda else [])
+    if cfg.serialize:
+        stuck = [p for p in prog.passes if not sequential_ok(prog, p)]
+        if stuck:
+            raise UserError("--serialize", f"running the {stuck[0]} pass one op at a time in program order would "
+                            "deadlock (a recv is posted before the send it waits for)", "run without --serialize")
+    if cfg.check is None:       # on when the float64 reference is cheap (≲ 2·10¹⁰ FLOP: seconds on a CPU)
+        w = prog.workload
+        flops = 4.0 * w.batch * w.n_heads * w.head_dim * float(w.seq_len) ** 2 * (3.5 if "bwd" in w.pass_list else 1)
+        cfg = replace(cfg, check=flops <= 2e10)
+    if cfg.inputs_path and not Path(cfg.inputs_path).is_file():
+        raise UserError("--inputs", f"{cfg.inputs_path} does not exist", "give an .npz with q, k, v (and dout)")
+    return prog, cfg, world
+
+
+def run(path: str, nproc: int | None, cfg: RunConfig) -> dict | None:
+    """Run a schedule; returns rank 0's measurement dict (None on other torchrun ranks).
+
+    Raises:
+        UserError: refused before running (see the module docstring).
+        RunFailed: a rank failed (timeout, broken transfer); the message names rank, op and peer.
+    """
+    prog, cfg, world = prepare(path, nproc, cfg)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return rank_main(int(os.environ["RANK"]), world, prog, replace(cfg, init_method="env://"))
+    return _spawn(prog, cfg, world)
+
+
+def _spawn(prog: Program, cfg: RunConfig, world: int) -> dict:
+    import pickle
+
+    import torch.multiprocessing as mp
+
+    cfg = replace(cfg, init_method=f"tcp://127.0.0.1:{_free_port()}")
+    with tempfile.TemporaryDirectory(prefix="meshplan-run-") as tmp:
+        ctx = mp.start_processes(_entry, args=(world, prog, cfg, tmp), nprocs=world, join=False, start_method="spawn")
+        try:
+            while not ctx.join(timeout=0.5):
+                pass
+        except Exception:  # noqa: BLE001 - a rank failed; its own one-line reason is in its error file
+            raise RunFailed(_first_error(Path(tmp)) or "a rank exited without a reason (see stderr)") from None
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.terminate()
+        return pickle.loads((Path(tmp) / "result.pkl").read_bytes())
+
+
+def _entry(rank: int, world: int, prog: Program, cfg: RunConfig, tmp: str) -> None:
+    """A spawned rank: run, hand rank 0's result to the parent, or leave a one-line reason and exit 1."""
+    import pickle
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
+    try:
+        result = rank_main(rank, world, prog, cfg)
+        if rank == 0:
+            Path(tmp, "result.pkl").write_bytes(pickle.dumps(result))
+    except BaseException as err:  # noqa: BLE001 - reported to the parent as one line
+        line = " ".join(str(err).split()) or type(err).__name__
+        Path(tmp, f"error-{rank}.txt").write_text(f"{time.time_ns()} {line}")
+        os._exit(1)  # do not wait for gloo threads or peers that will never answer
+
+
+def _first_error(tmp: Path) -> str | None:
+    """The earliest rank failure that is not a consequence of another's ("stopped: ...")."""
+    found = []
+    for f in tmp.glob("error-*.txt"):
+        stamp, _, line = f.read_text().partition(" ")
+        found.append((line.startswith("stopped:"), int(stamp), line))
+    return min(found)[2] if found else None
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _loopback_interface() -> str:
+    names = [name for _, name in socket.if_nameindex()]
+    return next((n for n in names if n.startswith("lo")), "lo")

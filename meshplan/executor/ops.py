@@ -1,0 +1,168 @@
+"""Compute, merge and accumulate ops, read exactly as the schedule writes them.
+
+A compute op's query tokens are the concatenation, in input order, of what its Q-side input tensors hold
+(``q``: Q; ``out``: O and LSE; ``dout``: dO; ``qside``: Q, dO, LSE, D; ``dside``: dO, LSE, D); its keys
+are the concatenation of its ``kv`` inputs. ``q_rows``/``kv_cols`` select token ranges of those
+concatenations, the op's chunk ids give the tokens' global positions for the mask piece, and ``heads``
+the query heads. Results go to the outputs in the same token order (forward: ``out`` tensors, merged or
+written; backward: ``dq`` over the query tokens, ``dkv`` over the keys, accumulated in fp32 or written).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+
+from meshplan.executor.kernels import block_backward, block_forward, merge_into, row_delta
+from meshplan.executor.program import FP32_PARTS, KV_PARTS, PARTS, Program
+from meshplan.executor.store import Store
+
+Q_SIDE = ("q", "out", "dout", "qside", "dside")
+
+
+class OpRunner:
+    """Runs one rank's compute-type ops on its :class:`Store`."""
+
+    def __init__(self, prog: Program, store: Store, scale: float) -> None:
+        self.prog, self.store, self.scale = prog, store, scale
+        self.group = prog.workload.gqa_group
+
+    # ------------------------------------------------------------------ views
+    def _part(self, tid: int, part: str, h0: int, h1: int) -> torch.Tensor:
+        """Part of tensor ``tid`` for query heads [h0, h1) (KV parts: their KV heads), as stored."""
+        t = self.prog.tensors[tid]
+        x = self.store.get(tid)[part]
+        if part in KV_PARTS:
+            a, b = h0 // self.group - t.heads[0] // self.group, -(-h1 // self.group) - t.heads[0] // self.group
+        else:
+            a, b = h0 - t.heads[0], h1 - t.heads[0]
+        if a < 0 or b > (x.shape[1] if part in FP32_PARTS else x.shape[2]):
+            raise ValueError(f"heads [{h0}, {h1}) are not in tensor {tid}'s heads {t.heads}")
+        return x[:, a:b] if part in FP32_PARTS else x[:, :, a:b]
+
+    def _gather(self, tids: list[int], part: str, h0: int, h1: int) -> torch.Tensor | None:
+        """The concatenation over tokens of ``part`` from the tensors (in order) that hold it."""
+        pieces = [self._part(t, part, h0, h1) for t in tids if part in PARTS[self.prog.tensors[t].kind]]
+        if not pieces:
+            return None
+        return torch.cat(pieces, dim=2 if part in FP32_PARTS else 1)
+
+    # ------------------------------------------------------------------ compute
+    def compute(self, op) -> None:
+        """One compute op (forward when its pass is fwd, else backward)."""
+        p, (h0, h1) = self.prog, op.heads
+        q_in = [t for t in op.inputs if p.tensors[t].kind in Q_SIDE]
+        kv_in = [t for t in op.inputs if p.tensors[t].kind == "kv"]
+        q_pos = np.concatenate([p.positions[c] for c in op.q_chunks])
+        k_pos = np.concatenate([p.positions[c] for c in op.kv_chunks])
+        rows, cols = _select(op.q_rows, len(q_pos)), _select(op.kv_cols, len(k_pos))
+        mask = p.mask_of(op)
+        allowed = None if mask is None else torch.from_numpy(mask.permits(q_pos[rows], k_pos[cols]))
+        dev = self.store.device
+        r_idx, c_idx = torch.from_numpy(rows).to(dev), torch.from_numpy(cols).to(dev)
+        kv_map = torch.tensor([h // self.group - h0 // self.group for h in range(h0, h1)], device=dev)
+
+        def tokens(x: torch.Tensor, idx: torch.Tensor, n: int) -> torch.Tensor:   # [B, T, h, D] -> [B, h, t, D]
+            if x.shape[1] != n:
+                raise ValueError(f"op {op.id}: inputs hold {x.shape[1]} tokens, its chunks have {n}")
+            return x.index_select(1, idx).transpose(1, 2).contiguous()
+
+        k = tokens(self._gather(kv_in, "k", h0, h1), c_idx, len(k_pos)).index_select(1, kv_map)
+        v = tokens(self._gather(kv_in, "v", h0, h1), c_idx, len(k_pos)).index_select(1, kv_map)
+        if allowed is not None:
+            allowed = allowed.to(dev)
+        if op.pass_ == "fwd":
+            q = tokens(self._gather(q_in, "q", h0, h1), r_idx, len(q_pos))
+            o, lse = block_forward(q, k, v, self.scale, allowed)
+            self._emit(op, "out", {"o": o, "lse": lse}, rows, h0, h1)
+            return
+        q = tokens(self._gather(q_in, "q", h0, h1), r_idx, len(q_pos))
+        do = self._gather(q_in, "do", h0, h1)
+        lse = self._gather(q_in, "lse", h0, h1).index_select(2, r_idx)
+        delta = self._delta(q_in, do, h0, h1).index_select(2, r_idx)
+        dq, dk, dv = block_backward(q, k, v, tokens(do, r_idx, len(q_pos)), lse, delta, self.scale, allowed)
+        self._emit(op, "dq", {"dq": dq}, rows, h0, h1)
+        dk_kv = _reduce_heads(dk, kv_map, -(-h1 // self.group) - h0 // self.group)
+        dv_kv = _reduce_heads(dv, kv_map, -(-h1 // self.group) - h0 // self.group)
+        self._emit(op, "dkv", {"dk": dk_kv, "dv": dv_kv}, cols, h0, h1)
+
+    def _delta(self, q_in: list[int], do: torch.Tensor, h0: int, h1: int) -> torch.Tensor:
+        """D [B, h, T] per Q-side group: carried by qside/dside, else rowsum(dO ∘ O) from an ``out`` input."""
+        pieces, at = [], 0
+        for t in q_in:
+            kind = self.prog.tensors[t].kind
+            if kind not in ("out", "qside", "dside"):
+                continue
+            if kind == "out":
+                o = self._part(t, "o", h0, h1)
+                pieces.append(row_delta(o.transpose(1, 2), do[:, at:at + o.shape[1]].transpose(1, 2)))
+            else:
+                pieces.append(self._part(t, "delta", h0, h1).float())
+            at += pieces[-1].shape[2]
+        return torch.cat(pieces, dim=2)
+
+    def _emit(self, op, kind: str, result: dict[str, torch.Tensor], sel: np.ndarray, h0: int, h1: int) -> None:
+        """Combine a result ([B, h, t, D] / [B, h, t]) into the op's outputs of ``kind``, which hold, in order,
+        the op's query tokens (out, dq) or key tokens (dkv); ``sel`` are the result's token indices."""
+        at = 0
+        for tid in (t for t in op.outputs if self.prog.tensors[t].kind == kind):
+            n = self.prog.layout(tid).tokens
+            keep = (sel >= at) & (sel < at + n)
+            if keep.any():
+                local = torch.from_numpy(sel[keep] - at).to(self.store.device)
+                pick = torch.from_numpy(np.flatnonzero(keep)).to(self.store.device)
+                views = {part: self._part(tid, part, h0, h1) for part in result}
+                _combine(op.combine, views, {p: r.index_select(2, pick) for p, r in result.items()}, local)
+            at += n
+
+    # ------------------------------------------------------------------ merge / accumulate
+    def fold(self, op) -> None:
+        """A merge (LSE merge of (O, LSE)) or accumulate (fp32 add) of ``inputs[0]`` into ``outputs[0]``."""
+        src, dst = op.inputs[0], op.outputs[0]
+        h0, h1 = self.prog.tensors[src].heads
+        kind = self.prog.tensors[dst].kind
+        if op.kind == "merge":
+            o = self._part(dst, "o", h0, h1)
+            merge_into(o.transpose(1, 2), self._part(dst, "lse", h0, h1),
+                       self._part(src, "o", h0, h1).transpose(1, 2), self._part(src, "lse", h0, h1))
+            return
+        for part in PARTS[kind]:
+            self._part(dst, part, h0, h1).add_(self._part(src, part, h0, h1).float())
+
+
+def _select(ranges: list, n: int) -> np.ndarray:
+    """Token indices of [start, end) ranges (an empty list: all n tokens)."""
+    if not ranges:
+        return np.arange(n)
+    return np.concatenate([np.arange(a, b) for a, b in ranges]) if ranges else np.arange(n)
+
+
+def _reduce_heads(x: torch.Tensor, kv_map: torch.Tensor, n_kv: int) -> torch.Tensor:
+    """[B, h, T, D] per query head -> [B, n_kv, T, D]: each KV head's query heads summed."""
+    out = torch.zeros(x.shape[0], n_kv, *x.shape[2:], dtype=x.dtype, device=x.device)
+    return out.index_add_(1, kv_map, x)
+
+
+def _combine(how: str, views: dict[str, torch.Tensor], result: dict[str, torch.Tensor], rows: torch.Tensor) -> None:
+    """Write/merge/accumulate ``result`` (kernel layout) into the stored ``views`` at token ``rows``."""
+    if how == "merge":
+        o_view, lse_view = views["o"], views["lse"]
+        o_acc = o_view.index_select(1, rows).transpose(1, 2).float()
+        lse_acc = lse_view.index_select(2, rows).float()
+        merge_into(o_acc, lse_acc, result["o"], result["lse"])
+        o_view.index_copy_(1, rows, o_acc.transpose(1, 2).to(o_view.dtype))
+        lse_view.index_copy_(2, rows, lse_acc)
+        return
+    for part, r in result.items():
+        view = views[part]
+        r = r if part in FP32_PARTS else r.transpose(1, 2)
+        axis = 2 if part in FP32_PARTS else 1
+        if how == "accumulate":
+            view.index_add_(axis, rows, r.to(view.dtype))
+        else:
+            view.index_copy_(axis, rows, r.to(view.dtype))
+
+
+StepFn = Callable[[object], None]

@@ -1,0 +1,151 @@
+"""One rank running one pass of a schedule, obeying the semantics of :mod:`meshplan.schedule`.
+
+Each stream runs in its own thread, its units (a P2P batch, or one op) in program order; a unit starts
+when the previous unit of its stream and every dep of its members have ended (``threading.Event`` per
+op). A batch posts all its isend/irecv on the stream's own process group (one communicator per comm
+stream, so FIFO matching never spans streams) and ends when all have completed. Compute-type ops run
+on their stream's thread (on CUDA, each stream on its own CUDA stream). With ``serialize`` one thread
+runs every unit in program order, one at a time, so communication never overlaps computation.
+
+Times: ``perf_counter_ns`` from the pass start on CPU; on CUDA each op's end is synchronised before its
+dependants start and timed the same way. A transfer starts when it is posted and ends when its
+completion is observed. Every wait is bounded by ``timeout_s``; a timeout names the rank, op and peer.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import nullcontext
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from meshplan.executor.ops import OpRunner
+from meshplan.executor.program import Program
+from meshplan.executor.store import Store, pack, unpack
+
+
+class RunError(RuntimeError):
+    """A rank failed while running (a timeout or a broken transfer); the message names rank, op and peer."""
+
+
+class PassRunner:
+    """Runs one pass on one rank. ``init_tensor(tid)`` creates a tensor alive at the pass start."""
+
+    def __init__(self, prog: Program, rank: int, pass_: str, store: Store, groups: dict[int, object],
+                 init_tensor, timeout_s: float, serialize: bool) -> None:
+        self.prog, self.rank, self.pass_, self.store = prog, rank, pass_, store
+        self.groups, self.init_tensor, self.timeout_s, self.serialize = groups, init_tensor, timeout_s, serialize
+        self.ops = OpRunner(prog, store, 1.0 / prog.workload.head_dim ** 0.5)
+        self.units = prog.units(rank, pass_)
+        self.start_tensors, self.alloc, self.frees = prog.lifetimes(rank, pass_)
+        self.remaining = {t: len(prog.tensors[t].free_after) for ts in self.frees.values() for t in ts}
+        self.done = {op.id: threading.Event() for us in self.units.values() for u in us for op in u}
+        self.times: dict[int, tuple[int, int]] = {}
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._comm = {s.name: s.communicator for s in prog.doc.streams}
+        self._cuda_streams = {}
+        if store.device.type == "cuda":
+            self._cuda_streams = {name: torch.cuda.Stream(device=store.device) for name in self.units}
+
+    def run(self) -> dict[int, tuple[int, int]]:
+        """Run the pass; returns op id -> (start_ns, end_ns) from the pass start. Raises RunError."""
+        for tid in self.start_tensors:
+            self.init_tensor(tid)
+        self.t0 = time.perf_counter_ns()
+        if self.serialize:
+            order = self.prog.ordered_units(self.rank, self.pass_)
+            threads = [threading.Thread(target=self._worker, args=("*", order), daemon=True)]
+        else:
+            threads = [threading.Thread(target=self._worker, args=(name, us), daemon=True)
+                       for name, us in self.units.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            while t.is_alive():
+                t.join(0.05)
+                if self.error is not None:
+                    raise self.error
+        if self.error is not None:
+            raise self.error
+        return self.times
+
+    def _worker(self, stream: str, units: list[list]) -> None:
+        try:
+            for unit in units:
+                self._wait_deps(unit)
+                name = unit[0].stream
+                ctx = torch.cuda.stream(self._cuda_streams[name]) if self._cuda_streams else nullcontext()
+                with ctx:
+                    start = time.perf_counter_ns()
+                    for op in unit:
+                        for tid in self.alloc.get(op.id, ()):
+                            self.store.alloc(tid, self.prog.layout(tid), self.prog.tensors[tid].dtype)
+                    self._execute(unit)
+                    if self._cuda_streams:
+                        torch.cuda.current_stream().synchronize()
+                    end = time.perf_counter_ns()
+                for op in unit:
+                    self.times[op.id] = (start - self.t0, end - self.t0)
+                    self._ended(op.id)
+        except BaseException as err:  # noqa: BLE001 - reported by run() in the main thread
+            with self._lock:
+                if self.error is None:
+                    self.error = err if isinstance(err, RunError) else RunError(
+                        f"rank {self.rank}, stream {stream}: {type(err).__name__}: {err}")
+
+    def _wait_deps(self, unit: list) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        for op in unit:
+            for d in op.deps:
+                while not self.done[d].wait(0.05):
+                    if self.error is not None:
+                        raise RunError("stopped: another stream failed")
+                    if time.monotonic() > deadline:
+                        raise RunError(f"rank {self.rank}: op {op.id} ({op.kind}) waited {self.timeout_s:g} s "
+                                       f"for op {d}; raise --timeout-s or check the schedule")
+
+    def _execute(self, unit: list) -> None:
+        op = unit[0]
+        if op.kind in ("send", "recv"):
+            self._transfer(unit)
+        elif op.kind == "compute":
+            self.ops.compute(op)
+        elif op.kind in ("merge", "accumulate"):
+            self.ops.fold(op)
+        elif op.kind == "collective":
+            raise RunError(f"op {op.id}: collective ops arrive with the baseline library (issue 5)")
+
+    def _transfer(self, batch: list) -> None:
+        """Post every member of the batch, then wait for all (each wait bounded by the timeout)."""
+        group = self.groups[self._comm[batch[0].stream]]
+        posted = []
+        for op in batch:
+            kind = self.prog.tensors[op.tensor].kind
+            if op.kind == "send":
+                buf = pack(self.store.get(op.tensor), kind, op.dtype)
+                posted.append((op, dist.isend(buf, dst=op.peer, group=group), None))
+            else:
+                buf = torch.empty(op.size_bytes, dtype=torch.uint8, device=self.store.device)
+                posted.append((op, dist.irecv(buf, src=op.peer, group=group), buf))
+        for op, work, buf in posted:
+            try:
+                work.wait(timeout=timedelta(seconds=self.timeout_s))
+            except RuntimeError as err:
+                raise RunError(f"rank {self.rank}: {op.kind} op {op.id} with peer {op.peer} did not complete "
+                               f"in {self.timeout_s:g} s ({str(err).splitlines()[0][:120]})") from None
+            if buf is not None:
+                unpack(buf, self.store.get(op.tensor), self.prog.tensors[op.tensor].kind, op.dtype)
+
+    def _ended(self, op_id: int) -> None:
+        for tid in self.frees.get(op_id, ()):
+            with self._lock:
+                self.remaining[tid] -= 1
+                last = self.remaining[tid] == 0
+            if last:
+                self.store.free(tid)
+        self.done[op_id].set()
+

@@ -1,0 +1,196 @@
+"""One process of a run: join the job, run warm-up and timed iterations of every pass, gather on rank 0.
+
+Rank 0 returns the measurement as a dict (the launcher writes the file); every rank returns None on
+success. Errors raise :class:`~meshplan.executor.runner.RunError` with one line naming rank, op and peer.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from meshplan.executor.data import Inputs, attention_rows, load_inputs, make_inputs
+from meshplan.executor.kernels import TORCH_DTYPE, row_delta
+from meshplan.executor.numerics import assemble, dump, judge, local_results
+from meshplan.executor.program import Program
+from meshplan.executor.runner import PassRunner
+from meshplan.executor.store import Store
+from meshplan.measurement import Numerics
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """What ``meshplan run`` was asked for (see the CLI for meanings and defaults)."""
+
+    backend: str = "gloo"
+    iters: int = 5
+    warmup: int = 2
+    check: bool | None = None      # None: decided by the launcher from the reference's cost
+    serialize: bool = False
+    timeout_s: float = 120.0
+    dump_dir: str | None = None
+    seed: int = 0
+    inputs_path: str | None = None
+    init_method: str = "env://"
+    schedule_path: str = ""
+
+
+def rank_main(rank: int, world: int, prog: Program, cfg: RunConfig) -> dict | None:
+    """Run the schedule as ``rank`` of ``world``; rank 0 returns the measurement dict."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    device = torch.device("cpu")
+    if cfg.backend == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", prog.doc.device_of_rank[rank]))
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+    timeout = timedelta(seconds=cfg.timeout_s)
+    dist.init_process_group(cfg.backend, init_method=cfg.init_method, rank=rank, world_size=world, timeout=timeout)
+    try:
+        comms = sorted({s.communicator for s in prog.doc.streams if s.kind == "comm"})
+        groups = {c: dist.new_group(list(range(world)), backend=cfg.backend, timeout=timeout) for c in comms}
+        inputs = (load_inputs(cfg.inputs_path, prog.workload) if cfg.inputs_path
+                  else make_inputs(prog.workload, cfg.seed)).to(device)
+        return _iterate(rank, world, prog, cfg, groups, inputs, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def _iterate(rank, world, prog: Program, cfg: RunConfig, groups, inputs: Inputs, device) -> dict | None:
+    t_start = time.perf_counter()
+    per_iter: list[dict[int, tuple[int, int]]] = []
+    pass_ms: list[dict[str, float]] = []
+    peak = 0
+    stores: dict[str, Store] = {}
+    for it in range(cfg.warmup + cfg.iters):
+        stores, times, spans = {}, {}, {}
+        for p in prog.passes:
+            stores[p] = Store(device)
+            fill = _Filler(prog, rank, stores, inputs)
+            dist.barrier()
+            got = PassRunner(prog, rank, p, stores[p], groups, fill, cfg.timeout_s, cfg.serialize).run()
+            times.update(got)
+            spans[p] = max((e for _, e in got.values()), default=0)
+            peak = max(peak, stores[p].peak_bytes)
+        dist.barrier()
+        if it >= cfg.warmup:
+            per_iter.append(times)
+            pass_ms.append(spans)
+    ends = torch.tensor([[s[p] for p in prog.passes] for s in pass_ms], dtype=torch.float64, device=device)
+    dist.all_reduce(ends, op=dist.ReduceOp.MAX)       # a pass's makespan: its latest op end over all ranks
+    ends = ends.cpu()
+    if device.type == "cuda":
+        peak = max(peak, torch.cuda.max_memory_allocated(device))
+    mine = {"rank": rank, "ops": _medians(per_iter), "peak_memory_bytes": int(peak)}
+    pieces = local_results(prog, rank, stores, TORCH_DTYPE[prog.workload.dtype]) if cfg.check or cfg.dump_dir else []
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object((mine, pieces), gathered, dst=0)
+    if rank != 0:
+        return None
+    return _measurement(prog, cfg, inputs, gathered, ends.numpy() / 1e9, device, time.perf_counter() - t_start)
+
+
+class _Filler:
+    """Creates the tensors alive at a pass start: inputs from the data, the rest at the identity."""
+
+    def __init__(self, prog: Program, rank: int, stores: dict[str, Store], inputs: Inputs) -> None:
+        self.prog, self.rank, self.stores, self.inputs = prog, rank, stores, inputs
+
+    def __call__(self, tid: int) -> None:
+        t, prog = self.prog.tensors[tid], self.prog
+        store = self.stores[t.pass_]
+        layout = prog.layout(tid)
+        parts = store.alloc(tid, layout, t.dtype)
+        if t.role != "input":
+            return
+        pos = torch.from_numpy(np.concatenate([prog.positions[c] for c in t.chunks])).to(store.device)
+        h0, h1 = t.heads
+        k0, k1 = layout.kv_heads
+        src = self.inputs
+        values = {"q": lambda: src.q[:, pos, h0:h1], "do": lambda: src.dout[:, pos, h0:h1],
+                  "k": lambda: src.k[:, pos, k0:k1], "v": lambda: src.v[:, pos, k0:k1]}
+        need_fwd = any(x in parts for x in ("o", "lse", "delta"))
+        o, lse = self._forward(t, pos.cpu().numpy(), h0, h1) if need_fwd else (None, None)
+        for part, x in parts.items():
+            if part in values:
+                x.copy_(values[part]())
+            elif part == "o":
+                x.copy_(o)
+            elif part == "lse":
+                x.copy_(lse)
+            elif part == "delta":
+                x.copy_(row_delta(o.transpose(1, 2), values["do"]().transpose(1, 2)))
+
+    def _forward(self, t, pos: np.ndarray, h0: int, h1: int):
+        """Final (O in the input dtype, LSE) of these rows: this iteration's forward output on this rank when it
+        holds them, else one process's forward of the rows (e.g. a backward-only schedule)."""
+        fwd = self.stores.get("fwd")
+        dt = TORCH_DTYPE[self.prog.workload.dtype]
+        if fwd is not None:
+            for u in self.prog.doc.tensors:
+                if (u.rank == self.rank and u.pass_ == "fwd" and u.role == "output" and u.kind == "out"
+                        and u.chunks == t.chunks and u.heads[0] <= h0 and h1 <= u.heads[1] and u.id in fwd.data):
+                    parts, a = fwd.data[u.id], h0 - u.heads[0]
+                    return parts["o"][:, :, a:a + h1 - h0].to(dt), parts["lse"][:, a:a + h1 - h0]
+        return attention_rows(self.inputs, self.prog.workload, pos, h0, h1)
+
+
+def _medians(per_iter: list[dict[int, tuple[int, int]]]) -> list[dict]:
+    ids = sorted(per_iter[0]) if per_iter else []
+    out = []
+    for i in ids:
+        s = np.median([it[i][0] for it in per_iter]) / 1e9
+        e = np.median([it[i][1] for it in per_iter]) / 1e9
+        out.append({"id": i, "start_s": float(s), "end_s": float(max(e, s))})
+    return out
+
+
+def _spread(x: np.ndarray) -> dict:
+    return {"min_s": float(x.min()), "p25_s": float(np.percentile(x, 25)), "p75_s": float(np.percentile(x, 75)),
+            "max_s": float(x.max())}
+
+
+def _measurement(prog: Program, cfg: RunConfig, inputs: Inputs, gathered, ends_s: np.ndarray, device,
+                 wall_s: float) -> dict:
+    ranks = [g[0] for g in gathered]
+    pieces = [p for g in gathered for p in g[1]]
+    numerics = Numerics(checked=False, passed=None)
+    if pieces:
+        results = assemble(prog, pieces)
+        cpu_inputs = inputs.to(torch.device("cpu"))
+        if cfg.check:
+            numerics = judge(prog, cpu_inputs, results)
+        if cfg.dump_dir:
+            dump(cfg.dump_dir, prog, cpu_inputs, results)
+    total = ends_s.sum(axis=1)
+    passes = {p: {"makespan_s": float(np.median(ends_s[:, i])), "spread": _spread(ends_s[:, i])}
+              for i, p in enumerate(prog.passes)}
+    return {
+        "schedule": prog.sha256, "schedule_path": cfg.schedule_path, "algorithm": prog.doc.algorithm,
+        "env": _env(cfg, device, len(ranks)), "settings": {
+            "iters": cfg.iters, "warmup": cfg.warmup, "serialize": cfg.serialize, "timeout_s": cfg.timeout_s,
+            "check": cfg.check, "seed": cfg.seed, "inputs": cfg.inputs_path},
+        "numerics": numerics.model_dump(), "ranks": ranks, "passes": passes,
+        "makespan_s": float(np.median(total)), "makespan_spread": _spread(total),
+        "peak_memory_bytes": max(r["peak_memory_bytes"] for r in ranks),
+        "peak_memory_kind": "cuda-allocator" if device.type == "cuda" else "live-tensors", "wall_s": wall_s,
+    }
+
+
+def _env(cfg: RunConfig, device, world: int) -> dict:
+    try:
+        import flash_attn  # noqa: F401
+        has_flash = True
+    except ImportError:
+        has_flash = False
+    return {"torch": torch.__version__, "python": platform.python_version(), "backend": cfg.backend,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+            "host": socket.gethostname(), "cpu_count": os.cpu_count(), "world_size": world,
+            "threads_per_rank": torch.get_num_threads(), "flash_attn": has_flash}

@@ -1,0 +1,91 @@
+"""The Measurement JSON (``meshplan run --out``): what the executor measured, with the same op ids as the schedule.
+
+Times are seconds from the start of each op's pass on its rank (passes start after a barrier); per op the
+median over the timed iterations. A transfer starts when it is posted and ends when its completion is
+observed. ``makespan_s`` is the median over iterations of the summed pass makespans (each the latest op
+end over all ranks).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt
+
+MEASUREMENT_VERSION = "1.0"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Spread(_Strict):
+    """Spread of a time over the timed iterations (seconds)."""
+
+    min_s: NonNegativeFloat
+    p25_s: NonNegativeFloat
+    p75_s: NonNegativeFloat
+    max_s: NonNegativeFloat
+
+
+class PassTime(_Strict):
+    """One pass: median makespan over iterations and its spread."""
+
+    makespan_s: NonNegativeFloat
+    spread: Spread
+
+
+class OpTime(_Strict):
+    """One op's median start and end (s from its pass start on its rank)."""
+
+    id: NonNegativeInt
+    start_s: NonNegativeFloat
+    end_s: NonNegativeFloat
+
+
+class RankTimes(_Strict):
+    """A rank's ops."""
+
+    rank: NonNegativeInt
+    ops: list[OpTime]
+    peak_memory_bytes: NonNegativeInt
+
+
+class TensorError(_Strict):
+    """Errors of one gathered tensor against the float64 reference (∞-norm over valid tokens)."""
+
+    max_abs_err: float
+    mean_abs_err: float
+    single_process_err: float = Field(description="∞-norm error of one process in the same dtype")
+    floor: float = Field(description="ε·max|reference|, ε = 2^-8 bf16, 2^-11 fp16, 2^-20 fp32")
+    bound: float = Field(description="max(floor, 3 × single_process_err)")
+    passed: bool
+
+
+class Numerics(_Strict):
+    """The numerics check (BUGCASES.md criterion); ``passed`` is None when the check did not run."""
+
+    checked: bool
+    passed: bool | None
+    reference: str = ""
+    tensors: dict[str, TensorError] = Field(default_factory=dict)
+
+
+class MeasurementJSON(_Strict):
+    """A run of a schedule."""
+
+    measurement_version: Literal["1.0"] = MEASUREMENT_VERSION
+    schedule: str = Field(description="sha256 of the schedule file (decompressed)")
+    schedule_path: str
+    algorithm: str
+    env: dict[str, object]
+    settings: dict[str, object]
+    numerics: Numerics
+    ranks: list[RankTimes]
+    passes: dict[str, PassTime]
+    makespan_s: NonNegativeFloat
+    makespan_spread: Spread
+    peak_memory_bytes: NonNegativeInt = Field(description="max over ranks (see peak_memory_kind)")
+    peak_memory_kind: Literal["live-tensors", "cuda-allocator"] = Field(
+        description="live-tensors: bytes of the schedule's live tensors (CPU); cuda-allocator: max_memory_allocated")
+    wall_s: NonNegativeFloat
