@@ -73,18 +73,30 @@ def run(path: str, nproc: int | None, cfg: RunConfig) -> dict | None:
     """
     prog, cfg, world = prepare(path, nproc, cfg)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return rank_main(int(os.environ["RANK"]), world, prog, replace(cfg, init_method="env://"))
-    return _spawn(prog, cfg, world)
+        return rank_main(int(os.environ["RANK"]), world, [(prog, replace(cfg, init_method="env://"))])[0]
+    return spawn(world, [(prog, cfg)])[0]
 
 
-def _spawn(prog: Program, cfg: RunConfig, world: int) -> dict:
+def run_batch(jobs: list[tuple[str, RunConfig]]) -> list[dict]:
+    """Run several (schedule file, config) of one rank count in one spawned world (the tests' way to keep CI
+    short); the first job's backend and timeout hold for the world."""
+    jobs = [prepare(path, None, cfg)[:2] for path, cfg in jobs]
+    worlds = {prog.n_ranks for prog, _ in jobs}
+    if len(worlds) != 1:
+        raise UserError("schedules", f"need one rank count, got {sorted(worlds)}", "batch them by rank count")
+    return spawn(worlds.pop(), jobs)
+
+
+def spawn(world: int, jobs: list[tuple[Program, RunConfig]]) -> list[dict]:
+    """Spawn ``world`` ranks on this host (loopback rendezvous) to run the jobs; rank 0's results."""
     import pickle
 
     import torch.multiprocessing as mp
 
-    cfg = replace(cfg, init_method=f"tcp://127.0.0.1:{_free_port()}")
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    jobs = [(prog, replace(cfg, init_method=init)) for prog, cfg in jobs]
     with tempfile.TemporaryDirectory(prefix="meshplan-run-") as tmp:
-        ctx = mp.start_processes(_entry, args=(world, prog, cfg, tmp), nprocs=world, join=False, start_method="spawn")
+        ctx = mp.start_processes(_entry, args=(world, jobs, tmp), nprocs=world, join=False, start_method="spawn")
         try:
             while not ctx.join(timeout=0.5):
                 pass
@@ -97,15 +109,15 @@ def _spawn(prog: Program, cfg: RunConfig, world: int) -> dict:
         return pickle.loads((Path(tmp) / "result.pkl").read_bytes())
 
 
-def _entry(rank: int, world: int, prog: Program, cfg: RunConfig, tmp: str) -> None:
-    """A spawned rank: run, hand rank 0's result to the parent, or leave a one-line reason and exit 1."""
+def _entry(rank: int, world: int, jobs: list, tmp: str) -> None:
+    """A spawned rank: run, hand rank 0's results to the parent, or leave a one-line reason and exit 1."""
     import pickle
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
     try:
-        result = rank_main(rank, world, prog, cfg)
+        results = rank_main(rank, world, jobs)
         if rank == 0:
-            Path(tmp, "result.pkl").write_bytes(pickle.dumps(result))
+            Path(tmp, "result.pkl").write_bytes(pickle.dumps(results))
     except BaseException as err:  # noqa: BLE001 - reported to the parent as one line
         line = " ".join(str(err).split()) or type(err).__name__
         Path(tmp, f"error-{rank}.txt").write_text(f"{time.time_ns()} {line}")
@@ -113,12 +125,14 @@ def _entry(rank: int, world: int, prog: Program, cfg: RunConfig, tmp: str) -> No
 
 
 def _first_error(tmp: Path) -> str | None:
-    """The earliest rank failure that is not a consequence of another's ("stopped: ...")."""
+    """The root cause among the ranks' failures: the executor's own reasons ("rank R: op ... peer ...") before
+    a backend's (a peer's closed connection is a consequence), consequences ("stopped: ...") last, then the
+    earliest."""
     found = []
     for f in tmp.glob("error-*.txt"):
         stamp, _, line = f.read_text().partition(" ")
-        found.append((line.startswith("stopped:"), int(stamp), line))
-    return min(found)[2] if found else None
+        found.append((line.startswith("stopped:"), not line.startswith("rank "), int(stamp), line))
+    return min(found)[3] if found else None
 
 
 def _free_port() -> int:

@@ -10,10 +10,12 @@ runs every unit in program order, one at a time, so communication never overlaps
 Times: ``perf_counter_ns`` from the pass start on CPU; on CUDA each op's end is synchronised before its
 dependants start and timed the same way. A transfer starts when it is posted and ends when its
 completion is observed. Every wait is bounded by ``timeout_s``; a timeout names the rank, op and peer.
+``MESHPLAN_EXEC_DROP_OP=<op id>`` never posts that send or recv (fault injection, for the tests).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from contextlib import nullcontext
@@ -47,6 +49,7 @@ class PassRunner:
         self.error: BaseException | None = None
         self._lock = threading.Lock()
         self._comm = {s.name: s.communicator for s in prog.doc.streams}
+        self._drop = int(os.environ.get("MESHPLAN_EXEC_DROP_OP", -1))   # fault injection for tests: never post it
         self._cuda_streams = {}
         if store.device.type == "cuda":
             self._cuda_streams = {name: torch.cuda.Stream(device=store.device) for name in self.units}
@@ -124,6 +127,8 @@ class PassRunner:
         group = self.groups[self._comm[batch[0].stream]]
         posted = []
         for op in batch:
+            if op.id == self._drop:
+                continue
             kind = self.prog.tensors[op.tensor].kind
             if op.kind == "send":
                 buf = pack(self.store.get(op.tensor), kind, op.dtype)
@@ -133,10 +138,12 @@ class PassRunner:
                 posted.append((op, dist.irecv(buf, src=op.peer, group=group), buf))
         for op, work, buf in posted:
             try:
-                work.wait(timeout=timedelta(seconds=self.timeout_s))
+                work.wait(timeout=timedelta(milliseconds=max(1.0, self.timeout_s * 1e3)))
             except RuntimeError as err:
-                raise RunError(f"rank {self.rank}: {op.kind} op {op.id} with peer {op.peer} did not complete "
-                               f"in {self.timeout_s:g} s ({str(err).splitlines()[0][:120]})") from None
+                why = "" if "timed out" in str(err).lower() else f" ({str(err).splitlines()[0][:100]})"
+                raise RunError(f"rank {self.rank}: {op.kind} op {op.id} with peer {op.peer} did not complete in "
+                               f"{self.timeout_s:g} s{why}; check that rank {op.peer} posts its match, or raise "
+                               "--timeout-s") from None
             if buf is not None:
                 unpack(buf, self.store.get(op.tensor), self.prog.tensors[op.tensor].kind, op.dtype)
 

@@ -43,22 +43,29 @@ class RunConfig:
     schedule_path: str = ""
 
 
-def rank_main(rank: int, world: int, prog: Program, cfg: RunConfig) -> dict | None:
-    """Run the schedule as ``rank`` of ``world``; rank 0 returns the measurement dict."""
+def rank_main(rank: int, world: int, jobs: list[tuple[Program, RunConfig]]) -> list[dict | None]:
+    """Run each (schedule, config) in turn as ``rank`` of ``world`` in one process group (the first job's
+    backend, rendezvous and timeout); rank 0 returns the measurement dicts, the others Nones."""
+    cfg0 = jobs[0][1]
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     device = torch.device("cpu")
-    if cfg.backend == "nccl":
-        local = int(os.environ.get("LOCAL_RANK", prog.doc.device_of_rank[rank]))
+    if cfg0.backend == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", jobs[0][0].doc.device_of_rank[rank]))
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
-    timeout = timedelta(seconds=cfg.timeout_s)
-    dist.init_process_group(cfg.backend, init_method=cfg.init_method, rank=rank, world_size=world, timeout=timeout)
+    timeout = timedelta(seconds=max(cfg0.timeout_s, 60.0))      # rendezvous; each op wait has cfg.timeout_s
+    dist.init_process_group(cfg0.backend, init_method=cfg0.init_method, rank=rank, world_size=world, timeout=timeout)
     try:
-        comms = sorted({s.communicator for s in prog.doc.streams if s.kind == "comm"})
-        groups = {c: dist.new_group(list(range(world)), backend=cfg.backend, timeout=timeout) for c in comms}
-        inputs = (load_inputs(cfg.inputs_path, prog.workload) if cfg.inputs_path
-                  else make_inputs(prog.workload, cfg.seed)).to(device)
-        return _iterate(rank, world, prog, cfg, groups, inputs, device)
+        n_comms = max(len({s.communicator for s in p.doc.streams if s.kind == "comm"}) for p, _ in jobs)
+        pool = [dist.new_group(list(range(world)), backend=cfg0.backend, timeout=timeout) for _ in range(n_comms)]
+        results = []
+        for prog, cfg in jobs:
+            comms = sorted({s.communicator for s in prog.doc.streams if s.kind == "comm"})
+            groups = dict(zip(comms, pool))       # one process group per communicator of this schedule
+            inputs = (load_inputs(cfg.inputs_path, prog.workload) if cfg.inputs_path
+                      else make_inputs(prog.workload, cfg.seed)).to(device)
+            results.append(_iterate(rank, world, prog, cfg, groups, inputs, device))
+        return results
     finally:
         dist.destroy_process_group()
 

@@ -1,0 +1,133 @@
+"""``meshplan run`` and ``meshplan compare`` from the command line: refusals before any communication (exit
+2, one line, no output file), a failing rank (exit 1, one line naming rank and op), and a full run whose
+files have the contract's keys."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from test_cli import one_line_error, run
+
+pytest.importorskip("torch")
+
+from exec_cases import Case  # noqa: E402
+
+from meshplan.executor.program import Program, load_program, sequential_ok  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ring2(tmp_path_factory):
+    return Case("ring2", "ring", 2, workload={"seq_len": 256, "heads": 2, "kv_heads": 2, "head_dim": 16}).write(
+        tmp_path_factory.mktemp("cli"))
+
+
+def _edited(src, tmp_path, edit):
+    doc = json.loads(src.read_text())
+    edit(doc)
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def _drop_compute(doc):
+    ops = doc["ranks"][0]["ops"]
+    i = next(i for i, op in enumerate(ops) if op["kind"] == "compute")
+    gone = ops.pop(i)["id"]
+    for op in (op for r in doc["ranks"] for op in r["ops"]):
+        op["deps"] = [d for d in op["deps"] if d != gone]
+    for t in doc["tensors"]:
+        t["free_after"] = [o for o in t["free_after"] if o != gone]
+
+
+def test_a_dropped_compute_op_is_refused_by_validate_and_run(ring2, tmp_path):
+    bad = _edited(ring2, tmp_path, _drop_compute)
+    assert run("validate", bad).exit_code == 1
+    out = tmp_path / "m.json"
+    t0 = time.perf_counter()
+    one_line_error(run("run", bad, "--out", out), "never computed")
+    assert time.perf_counter() - t0 < 10 and not out.exists()
+
+
+@pytest.mark.parametrize("edit,needles", [
+    (lambda d: d.update(schema_version="0.9"), ["schema_version", "regenerate"]),
+    (lambda d: d.update(device_of_rank=[0, 7]), ["device_of_rank"]),
+    (lambda d: d["tensors"][0].update(size_bytes=d["tensors"][0]["size_bytes"] + 2), ["bytes", "workload needs"]),
+])
+def test_bad_files_are_refused_before_running(ring2, tmp_path, edit, needles):
+    out = tmp_path / "m.json"
+    one_line_error(run("run", _edited(ring2, tmp_path, edit), "--out", out), *needles)
+    assert not out.exists()
+
+
+def test_world_size_and_backend_are_checked_first(ring2):
+    one_line_error(run("run", ring2, "--nproc", 3), "--nproc", "2 ranks")
+    import torch
+    if not torch.cuda.is_available():
+        one_line_error(run("run", ring2, "--backend", "nccl"), "--backend", "gloo")
+    one_line_error(run("run", ring2, "--out", "m.txt"), "--out")
+
+
+def test_a_lost_message_times_out_naming_rank_op_and_peer(ring2, tmp_path):
+    """Rank 0's first send is never posted (fault injection): rank 1's recv times out; the job stops."""
+    doc = json.loads(ring2.read_text())
+    send = next(op["id"] for op in doc["ranks"][0]["ops"] if op["kind"] == "send")
+    recv = next(op["id"] for op in doc["ranks"][1]["ops"] if op["kind"] == "recv" and op["peer"] == 0)
+    out = tmp_path / "m.json"
+    t0 = time.perf_counter()
+    env = os.environ | {"MESHPLAN_EXEC_DROP_OP": str(send)}
+    r = subprocess.run([sys.executable, "-m", "meshplan", "run", str(ring2), "--timeout-s", "3", "--out", str(out)],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 1, r.stderr
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: run failed: rank 1: recv op {recv} with peer 0 did not complete in 3 s"), line
+    assert time.perf_counter() - t0 < 60 and not out.exists()
+
+
+def test_run_then_compare_writes_the_contracts_files(ring2, tmp_path):
+    """What a new user runs: measurement, trace and dump files; compare against the prediction."""
+    m, tr, dump = tmp_path / "m.json", tmp_path / "t.json", tmp_path / "dump"
+    r = subprocess.run([sys.executable, "-m", "meshplan", "run", str(ring2), "--nproc", "2", "--iters", "2",
+                        "--out", str(m), "--trace", str(tr), "--dump", str(dump)], capture_output=True, text=True,
+                       timeout=240)
+    assert r.returncode == 0, r.stderr
+    assert "numerics passed" in r.stdout
+    meas = json.loads(m.read_text())
+    assert {"schedule", "env", "numerics", "ranks", "makespan_s", "peak_memory_bytes"} <= set(meas)
+    assert meas["numerics"]["passed"] is True and meas["env"]["backend"] == "gloo"
+    assert all({"id", "start_s", "end_s"} <= set(op) for op in meas["ranks"][0]["ops"])
+    for name in ("q", "k", "v", "dout", "out", "lse", "dq", "dk", "dv"):
+        assert (dump / f"{name}.npy").exists()
+    assert np.load(dump / "q.npy").shape == (1, 256, 2, 16) and np.load(dump / "lse.npy").shape == (1, 2, 256)
+    assert json.loads((dump / "meta.json").read_text())["softmax_scale"] == pytest.approx(0.25)
+    assert any(e.get("ph") == "X" for e in json.loads(tr.read_text())["traceEvents"])
+    c = run("compare", ring2, m, "--json")
+    assert c.exit_code == 0, c.stderr
+    body = json.loads(c.stdout)
+    assert body["comparable"] and body["end_to_end"]["total"]["measured_s"] == pytest.approx(meas["makespan_s"])
+    assert {r["kind"] for r in body["per_kind"]} >= {"compute", "transfer"}
+    assert body["peak_memory"]["predicted_bytes"] == pytest.approx(body["peak_memory"]["measured_bytes"], rel=0.05)
+
+
+def test_compare_refuses_a_measurement_of_another_schedule(ring2, tmp_path):
+    m = tmp_path / "m.json"
+    m.write_text(json.dumps({"schedule": "0" * 64}))
+    one_line_error(run("compare", ring2, m), "m.json")
+
+
+def test_sequential_order_check_finds_a_deadlock(ring2):
+    prog = load_program(ring2)
+    assert all(sequential_ok(prog, p) for p in prog.passes)
+    for r in prog.doc.ranks:            # each rank: its first recv alone, then its send: both wait forever
+        ops = [op for op in r.ops if op.pass_ == "fwd"]
+        send = next(op for op in ops if op.kind == "send")
+        recv = next(op for op in ops if op.kind == "recv")
+        send.step, recv.step = 101, 100
+        r.ops.remove(recv)
+        r.ops.insert(r.ops.index(send), recv)
+    assert not sequential_ok(Program(prog.doc, prog.workload, prog.sha256, prog.positions), "fwd")
