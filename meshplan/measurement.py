@@ -48,7 +48,9 @@ class RankTimes(_Strict):
 
     rank: NonNegativeInt
     ops: list[OpTime]
-    peak_memory_bytes: NonNegativeInt
+    peak_memory_bytes: NonNegativeInt = Field(description="live tensor bytes (CPU) or the CUDA allocator's peak")
+    peak_rss_bytes: NonNegativeInt = Field(0, description="the process's peak resident set (interpreter and torch "
+                                                          "included)")
 
 
 class TensorError(_Strict):

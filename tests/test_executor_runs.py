@@ -25,7 +25,7 @@ WORLD2 = [
     Case("c8-ring-full-bf16", "ring", 2, workload={"seq_len": 1024, "heads": 8, "kv_heads": 8, "head_dim": 64,
                                                      "mask": "full"}),
     Case("c3-ring-fp16", "ring", 2, workload={"seq_len": 1024, "head_dim": 64, "dtype": "fp16",
-                                                "layout": "contiguous"}),
+                                                "layout": "contiguous"}, run={"dump_dir": "c3"}),
     Case("c2-w2", "ring", 2, workload={"seq_len": 1024, "heads": 8, "kv_heads": 2, "head_dim": 64}),
     Case("passq-zz-full-fp32-gqa-fwd", "pass-q", 2, workload=GQA | {"mask": "full", "dtype": "fp32", "passes": "fwd"}),
     Case("passq-contig-causal-bf16-bwd", "pass-q", 2, workload={"layout": "contiguous", "passes": "bwd"}),
@@ -57,8 +57,18 @@ WORLD8 = [
 
 
 @pytest.fixture(scope="module")
+def world1(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("w1")
+    case = Case("c2-w1", "ring", 1, workload={"seq_len": 512, "heads": 8, "kv_heads": 2, "head_dim": 64})
+    return run_cases([case], folder), folder
+
+
+@pytest.fixture(scope="module")
 def world2(tmp_path_factory):
     folder = tmp_path_factory.mktemp("w2")
+    for c in WORLD2:
+        if "dump_dir" in c.run:
+            c.run = c.run | {"dump_dir": str(folder / c.run["dump_dir"])}
     cases = WORLD2 + [
         Case("c1-lse-gap", "ring", 2, workload={"seq_len": 4096, "heads": 1, "kv_heads": 1, "head_dim": 128,
                                                   "passes": "fwd"},
@@ -119,8 +129,9 @@ def test_edited_arithmetic_fails_numerics(world2, name):
 
 
 @pytest.mark.timeout(600)
-def test_c2_backward_error_does_not_grow_with_ranks(world2, world4):
-    for res in (world2[0]["c2-w2"], world4[0]["c2-w4"]):
+def test_c2_backward_error_does_not_grow_with_ranks(world1, world2, world4):
+    """BUGCASES C2: bf16 causal zigzag, S = 512·W, Hq = 8, Hkv = 2, D = 64, W ∈ {1, 2, 4}."""
+    for res in (world1[0]["c2-w1"], world2[0]["c2-w2"], world4[0]["c2-w4"]):
         for name in ("dq", "dk", "dv"):
             t = res["numerics"]["tensors"][name]
             assert t["max_abs_err"] <= t["bound"]
@@ -160,3 +171,32 @@ def test_measurement_has_every_op_and_live_memory(world2):
     assert all(0 <= op["start_s"] <= op["end_s"] for r in res["ranks"] for op in r["ops"])
     assert res["makespan_s"] == pytest.approx(sum(p["makespan_s"] for p in res["passes"].values()), rel=0.5)
     assert res["peak_memory_bytes"] > 0 and res["peak_memory_kind"] == "live-tensors"
+
+
+@pytest.mark.timeout(600)
+def test_c3_gradients_come_back_in_fp16(world2):
+    """BUGCASES C3: fp16 inputs give fp16 gradients (not rounded through bf16) that meet the criterion."""
+    folder = world2[1]
+    for name in ("dq", "dk", "dv", "out"):
+        x = np.load(folder / "c3" / f"{name}.npy")
+        assert np.array_equal(x, x.astype(np.float16).astype(np.float32))
+        bf16_exact = (x.astype(np.float32).view(np.uint32) & 0xFFFF) == 0     # what a bf16 round trip leaves
+        assert not bf16_exact.all()
+
+
+FULL = [Case(f"{a}-{lay}-{p}-{m}-hkv{h}-{d}", algo, 4, knobs=kn,
+             workload={"seq_len": 256, "heads": 4, "kv_heads": h, "head_dim": 32, "layout": lay, "passes": p,
+                       "mask": m, "dtype": d})
+        for a, algo, kn, lay in (("ring", "ring", {}, "contiguous"), ("ring", "ring", {}, "zigzag"),
+                                 ("passq", "pass-q", {}, "zigzag"), ("mesh", "mesh", {"tile": "2x2"}, "zigzag"))
+        for p in ("fwd", "bwd", "fwd+bwd") for m in ("full", "causal") for h in (4, 1)
+        for d in ("bf16", "fp16", "fp32")]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_full_product_on_four_ranks(tmp_path):
+    """Every algorithm × pass × mask × heads × dtype (144 runs; ``pytest -m slow``)."""
+    results = run_cases(FULL, tmp_path)
+    failed = [name for name, r in results.items() if not r["numerics"]["passed"]]
+    assert not failed, failed

@@ -4,10 +4,10 @@ Shapes: q, o, do [B, H, Sq, D]; k, v [B, Hkv, Skv, D] (GQA: Hkv = H / g, expande
 before the kernel, so KV never travels replicated); lse, delta [B, H, Sq] fp32; ``allowed`` [Sq, Skv]
 bool (None: every pair).
 
-Forward (``block_forward``): flash-attn on CUDA for unmasked blocks when it is installed; else torch's
-own flash-attention op that returns the log-sum-exp (``_scaled_dot_product_flash_attention_for_cpu`` on
-CPU, the efficient-attention op with ``compute_log_sumexp`` on CUDA). Rows without a permitted key get
-O = 0 and LSE = −inf (kernels disagree there: the CPU op returns LSE = 0, others +inf).
+Forward (``block_forward``): on CUDA, flash-attn for unmasked half-precision blocks when it is installed,
+else torch's flash-attention op, and torch's memory-efficient op (additive bias, ``compute_log_sumexp``) for
+masked blocks; on CPU torch's ``_scaled_dot_product_flash_attention_for_cpu``. All return the log-sum-exp.
+Rows without a permitted key get O = 0 and LSE = −inf (kernels disagree there: the CPU op returns LSE = 0, others +inf).
 
 Backward (``block_backward``): the FlashAttention-2 recurrence (Dao 2023, Algorithm 2) in fp32 with the
 *final* LSE and D = rowsum(dO ∘ O): P = exp(S − LSE), dV = Pᵀ dO, dS = P ∘ (dO Vᵀ − D), dQ = scale·dS K,
@@ -61,15 +61,17 @@ def _bias(allowed: torch.Tensor, dtype) -> torch.Tensor:
 
 
 def _cuda_forward(q, k, v, scale, allowed):
-    if allowed is None:
+    """Unmasked half-precision blocks: flash-attn, else torch's flash op; masked or fp32 blocks: torch's
+    memory-efficient op with an additive bias (the flash kernels take no arbitrary mask). All return the LSE."""
+    if allowed is None and q.dtype != torch.float32:
         try:
             from flash_attn.flash_attn_interface import flash_attn_func
         except ImportError:
-            flash_attn_func = None
-        if flash_attn_func is not None and q.dtype != torch.float32:
-            o, lse, _ = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale,
-                                        return_attn_probs=True)
-            return o.transpose(1, 2), lse
+            out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)
+            return out[0], out[1]
+        o, lse, _ = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale,
+                                    return_attn_probs=True)
+        return o.transpose(1, 2), lse
     bias = None if allowed is None else _bias(allowed, q.dtype).expand(q.shape[0], q.shape[1], -1, -1)
     out = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, scale=scale)
     return out[0], out[1][..., : q.shape[2]]

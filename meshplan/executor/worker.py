@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import platform
+import resource
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -95,7 +97,8 @@ def _iterate(rank, world, prog: Program, cfg: RunConfig, groups, inputs: Inputs,
     ends = ends.cpu()
     if device.type == "cuda":
         peak = max(peak, torch.cuda.max_memory_allocated(device))
-    mine = {"rank": rank, "ops": _medians(per_iter), "peak_memory_bytes": int(peak)}
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    mine = {"rank": rank, "ops": _medians(per_iter), "peak_memory_bytes": int(peak), "peak_rss_bytes": int(rss)}
     pieces = local_results(prog, rank, stores, TORCH_DTYPE[prog.workload.dtype]) if cfg.check or cfg.dump_dir else []
     gathered = [None] * world if rank == 0 else None
     dist.gather_object((mine, pieces), gathered, dst=0)
