@@ -140,3 +140,5 @@ def compare_command(schedule: str, measurement: str, topo: str | None, as_json: 
     m = body["peak_memory"]
     console.print(f"peak memory per rank: predicted {fmt_bytes(m['predicted_bytes'])}, measured "
                   f"{fmt_bytes(m['measured_bytes'])} ({m['measured_kind']}), error {_pct(m['error_pct'])}")
+    over = ", ".join(f"{p} {o['overhead_pct']:.1f}%" for p, o in body["executor_overhead"].items())
+    console.print(f"executor overhead (makespan − critical path of measured ops): {over}")
