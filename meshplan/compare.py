@@ -40,14 +40,14 @@ def read_measurement(path: str | Path) -> MeasurementJSON:
 
 def compare_files(schedule_path: str, measurement_path: str, topo: str | None = None) -> dict[str, Any]:
     """Compare a schedule's prediction with a measurement of it (see the module docstring)."""
-    from meshplan.schedule_io import _no_gc, from_json, read_document
+    from meshplan.schedule_io import from_json, no_gc, read_document
 
     doc, raw = read_document(schedule_path)
     meas = read_measurement(measurement_path)
     if meas.schedule != hashlib.sha256(raw).hexdigest():
         raise UserError(Path(measurement_path).name, "was measured on another schedule (sha256 differs)",
                         f"run `meshplan run {schedule_path} --out ...` and compare that file")
-    with _no_gc():
+    with no_gc():
         sched = from_json(doc)
     ids = [op.id for r in doc.ranks for op in r.ops]
     return compare(sched, ids, meas, topo)

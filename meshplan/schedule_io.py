@@ -187,7 +187,7 @@ def write_schedule(sched: Schedule, path: str | Path) -> Path:
         if pack:
             yield pack.flush()
 
-    with _no_gc():
+    with no_gc():
         return write_atomic(path, encoded())
 
 
@@ -198,7 +198,7 @@ def read_schedule(path: str | Path) -> Schedule:
         UserError: unreadable file, another schema version, or a file that does not validate.
     """
     doc, _ = read_document(path)
-    with _no_gc():
+    with no_gc():
         return from_json(doc)
 
 
@@ -222,7 +222,7 @@ def read_document(path: str | Path) -> tuple[ScheduleJSON, bytes]:
                         "regenerate the schedule with this version (meshplan simulate --out / search --write)")
     from pydantic import ValidationError
     try:
-        with _no_gc():
+        with no_gc():
             doc = ScheduleJSON.model_validate_json(raw)
     except ValidationError as err:
         first = err.errors(include_url=False)[0]
@@ -242,7 +242,7 @@ def _schema_version(raw: bytes):
 
 
 @contextlib.contextmanager
-def _no_gc():
+def no_gc():
     """Millions of small objects trigger the cyclic GC again and again; none of them form cycles."""
     was = gc.isenabled()
     gc.disable()

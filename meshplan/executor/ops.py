@@ -10,8 +10,6 @@ written; backward: ``dq`` over the query tokens, ``dkv`` over the keys, accumula
 
 from __future__ import annotations
 
-from typing import Callable
-
 import numpy as np
 import torch
 
@@ -136,7 +134,7 @@ def _select(ranges: list, n: int) -> np.ndarray:
     """Token indices of [start, end) ranges (an empty list: all n tokens)."""
     if not ranges:
         return np.arange(n)
-    return np.concatenate([np.arange(a, b) for a, b in ranges]) if ranges else np.arange(n)
+    return np.concatenate([np.arange(a, b) for a, b in ranges])
 
 
 def _reduce_heads(x: torch.Tensor, kv_map: torch.Tensor, n_kv: int) -> torch.Tensor:
@@ -164,5 +162,3 @@ def _combine(how: str, views: dict[str, torch.Tensor], result: dict[str, torch.T
         else:
             view.index_copy_(axis, rows, r.to(view.dtype))
 
-
-StepFn = Callable[[object], None]

@@ -149,11 +149,11 @@ def load_program(path: str | Path) -> Program:
         UserError: unreadable, another schema version, fails the verifier, or a transfer whose bytes do not
             match its tensor (all before any process starts).
     """
-    from meshplan.schedule_io import _no_gc, from_json, read_document
+    from meshplan.schedule_io import from_json, no_gc, read_document
     from meshplan.verify import verify
 
     doc, raw = read_document(path)
-    with _no_gc():
+    with no_gc():
         sched = from_json(doc)
     report = verify(sched)
     if not report.ok:

@@ -54,10 +54,17 @@ class PassRunner:
         if store.device.type == "cuda":
             self._cuda_streams = {name: torch.cuda.Stream(device=store.device) for name in self.units}
 
-    def run(self) -> dict[int, tuple[int, int]]:
-        """Run the pass; returns op id -> (start_ns, end_ns) from the pass start. Raises RunError."""
+    def prepare(self) -> None:
+        """Create the tensors alive at the pass start (inputs filled), before the barrier that starts the pass."""
         for tid in self.start_tensors:
             self.init_tensor(tid)
+
+    def run(self) -> dict[int, tuple[int, int]]:
+        """Run the pass (after :meth:`prepare`); returns op id -> (start_ns, end_ns) from the pass start.
+
+        Raises:
+            RunError: a timeout or a failed op, naming rank, op and peer.
+        """
         self.t0 = time.perf_counter_ns()
         if self.serialize:
             order = self.prog.ordered_units(self.rank, self.pass_)

@@ -82,9 +82,11 @@ def _iterate(rank, world, prog: Program, cfg: RunConfig, groups, inputs: Inputs,
         stores, times, spans = {}, {}, {}
         for p in prog.passes:
             stores[p] = Store(device)
-            fill = _Filler(prog, rank, stores, inputs)
-            dist.barrier()
-            got = PassRunner(prog, rank, p, stores[p], groups, fill, cfg.timeout_s, cfg.serialize).run()
+            runner = PassRunner(prog, rank, p, stores[p], groups, _Filler(prog, rank, stores, inputs), cfg.timeout_s,
+                                cfg.serialize)
+            runner.prepare()
+            dist.barrier()                              # every rank starts the pass together
+            got = runner.run()
             times.update(got)
             spans[p] = max((e for _, e in got.values()), default=0)
             peak = max(peak, stores[p].peak_bytes)
