@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from meshplan.errors import UserError
-from meshplan.executor.kernels import TORCH_DTYPE, block_backward, block_forward, row_delta
+from meshplan.executor.kernels import TORCH_DTYPE, block_backward_from_out, block_forward
 from meshplan.workload import Mask, Workload
 
 
@@ -95,7 +95,7 @@ def single_process(inp: Inputs, w: Workload, backward: bool) -> dict[str, torch.
     o, lse = block_forward(q, k, v, softmax_scale(w), ok)
     res = {"out": o.transpose(1, 2), "lse": lse}
     if backward:
-        dq, dk, dv = block_backward(q, k, v, do, lse, row_delta(o, do), softmax_scale(w), ok)
+        dq, dk, dv = block_backward_from_out(q, k, v, o, do, lse, softmax_scale(w), ok)
         dt = q.dtype
         res |= {"dq": dq.to(dt).transpose(1, 2), "dk": dk.to(dt).transpose(1, 2), "dv": dv.to(dt).transpose(1, 2)}
     return res

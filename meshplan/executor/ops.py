@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from meshplan.executor.kernels import block_backward, block_forward, merge_into, row_delta
+from meshplan.executor.kernels import block_backward, block_backward_from_out, block_forward, merge_into, row_delta
 from meshplan.executor.program import FP32_PARTS, KV_PARTS, PARTS, Program
 from meshplan.executor.store import Store
 
@@ -79,8 +79,13 @@ class OpRunner:
         q = tokens(self._gather(q_in, "q", h0, h1), r_idx, len(q_pos))
         do = self._gather(q_in, "do", h0, h1)
         lse = self._gather(q_in, "lse", h0, h1).index_select(2, r_idx)
-        delta = self._delta(q_in, do, h0, h1).index_select(2, r_idx)
-        dq, dk, dv = block_backward(q, k, v, tokens(do, r_idx, len(q_pos)), lse, delta, self.scale, allowed)
+        o = self._gather(q_in, "o", h0, h1)
+        if o is not None and o.shape[1] == len(q_pos):      # O for every row: the flash backward can run
+            dq, dk, dv = block_backward_from_out(q, k, v, tokens(o, r_idx, len(q_pos)), tokens(do, r_idx, len(q_pos)),
+                                                 lse, self.scale, allowed)
+        else:
+            delta = self._delta(q_in, do, h0, h1).index_select(2, r_idx)
+            dq, dk, dv = block_backward(q, k, v, tokens(do, r_idx, len(q_pos)), lse, delta, self.scale, allowed)
         self._emit(op, "dq", {"dq": dq}, rows, h0, h1)
         dk_kv = _reduce_heads(dk, kv_map, -(-h1 // self.group) - h0 // self.group)
         dv_kv = _reduce_heads(dv, kv_map, -(-h1 // self.group) - h0 // self.group)

@@ -44,7 +44,8 @@ class PassRunner:
         self.units = prog.units(rank, pass_)
         self.start_tensors, self.alloc, self.frees = prog.lifetimes(rank, pass_)
         self.remaining = {t: len(prog.tensors[t].free_after) for ts in self.frees.values() for t in ts}
-        self.done = {op.id: threading.Event() for us in self.units.values() for u in us for op in u}
+        self.by_id = {op.id: op for us in self.units.values() for u in us for op in u}
+        self.done = {i: threading.Event() for i in self.by_id}
         self.times: dict[int, tuple[int, int]] = {}
         self.error: BaseException | None = None
         self._lock = threading.Lock()
@@ -115,8 +116,23 @@ class PassRunner:
                     if self.error is not None:
                         raise RunError("stopped: another stream failed")
                     if time.monotonic() > deadline:
-                        raise RunError(f"rank {self.rank}: op {op.id} ({op.kind}) waited {self.timeout_s:g} s "
-                                       f"for op {d}; raise --timeout-s or check the schedule")
+                        raise self._stalled(op, d)
+
+    def _stalled(self, op, dep: int) -> RunError:
+        """The error for ``op`` waiting too long on ``dep``: names the op that holds the chain up (the
+        transfer and its peer when it is one), not just the waiter, whichever thread's clock ran out first."""
+        while (pending := [x for x in self.by_id[dep].deps if not self.done[x].is_set()]):
+            dep = pending[0]
+        held = self.by_id[dep]
+        if held.kind in ("send", "recv"):
+            return self._transfer_error(held, f" (op {op.id} waits on it)")
+        return RunError(f"rank {self.rank}: op {op.id} ({op.kind}) waited {self.timeout_s:g} s for op {held.id} "
+                        f"({held.kind}); raise --timeout-s or check the schedule")
+
+    def _transfer_error(self, op, why: str) -> RunError:
+        return RunError(f"rank {self.rank}: {op.kind} op {op.id} with peer {op.peer} did not complete in "
+                        f"{self.timeout_s:g} s{why}; check that rank {op.peer} posts its match, or raise "
+                        "--timeout-s")
 
     def _execute(self, unit: list) -> None:
         op = unit[0]
@@ -148,9 +164,7 @@ class PassRunner:
                 work.wait(timeout=timedelta(milliseconds=max(1.0, self.timeout_s * 1e3)))
             except RuntimeError as err:
                 why = "" if "timed out" in str(err).lower() else f" ({str(err).splitlines()[0][:100]})"
-                raise RunError(f"rank {self.rank}: {op.kind} op {op.id} with peer {op.peer} did not complete in "
-                               f"{self.timeout_s:g} s{why}; check that rank {op.peer} posts its match, or raise "
-                               "--timeout-s") from None
+                raise self._transfer_error(op, why) from None
             if buf is not None:
                 unpack(buf, self.store.get(op.tensor), self.prog.tensors[op.tensor].kind, op.dtype)
 
