@@ -9,7 +9,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from meshplan.executor.kernels import block_backward, block_forward, merge_into, row_delta  # noqa: E402
+from meshplan.executor.kernels import (  # noqa: E402
+    block_backward,
+    block_backward_from_out,
+    block_forward,
+    merge_into,
+    row_delta,
+)
 from meshplan.executor.program import Layout  # noqa: E402
 from meshplan.executor.store import Store, pack, unpack  # noqa: E402
 
@@ -45,6 +51,37 @@ def test_block_kernels_match_float64(dtype):
     assert torch.allclose(o.double(), o_ref, atol=TOL[dtype] * 2)
     dq, dk, dv = block_backward(q, k, v, do, lse_ref.float(), row_delta(o_ref, do), scale, allowed)
     for got, ref in ((dq, dq_ref), (dk, dk_ref), (dv, dv_ref)):
+        assert torch.allclose(got.double(), ref, atol=TOL[dtype] * 4 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_flash_backward_from_the_final_out_matches_float64(dtype):
+    """A block holding the first half of the row's keys: the final O and LSE come from the whole row (float64), the
+    block's partial gradients must equal the float64 ones restricted to its keys; GQA 4→2, a dead row."""
+    g = torch.Generator().manual_seed(3)
+    q, do = (torch.randn(1, 4, 16, 16, generator=g).to(dtype) for _ in range(2))
+    k, v = (torch.randn(1, 2, 32, 16, generator=g).to(dtype) for _ in range(2))
+    allowed = torch.rand(16, 32, generator=g) < 0.7
+    allowed[5] = False
+    scale = 0.25
+    kx, vx = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    o_ref, lse_ref, dq_ref, dk_ref, dv_ref = _reference(q, kx, vx, do, scale, allowed)
+    dq, dk, dv = block_backward_from_out(q, k[:, :, :16], v[:, :, :16], o_ref.to(dtype), do, lse_ref.float(),
+                                         scale, allowed[:, :16])
+    p = torch.exp((q.double() @ kx[:, :, :16].double().transpose(-1, -2) * scale).masked_fill(~allowed[:, :16],
+                  float("-inf")) - lse_ref.nan_to_num(neginf=0.0)[..., None])
+    dv_blk = (p.transpose(-1, -2) @ do.double()).unflatten(1, (2, 2)).sum(2)
+    dp = do.double() @ vx[:, :, :16].double().transpose(-1, -2)
+    ds = p * (dp - (do.double() * o_ref).sum(-1, keepdim=True))
+    dq_blk = ds @ kx[:, :, :16].double() * scale
+    dk_blk = (ds.transpose(-1, -2) @ q.double() * scale).unflatten(1, (2, 2)).sum(2)
+    assert dk.shape == (1, 2, 16, 16)
+    for got, ref in ((dq, dq_blk), (dk, dk_blk), (dv, dv_blk)):
+        assert torch.isfinite(got).all()
+        assert torch.allclose(got.double(), ref, atol=TOL[dtype] * 4 * ref.abs().max().item())
+    assert (dq[:, :, 5] == 0).all()                        # the dead row contributes nothing
+    d_full = block_backward_from_out(q, k, v, o_ref.to(dtype), do, lse_ref.float(), scale, allowed)
+    for got, ref in zip(d_full, (dq_ref, dk_ref.unflatten(1, (2, 2)).sum(2), dv_ref.unflatten(1, (2, 2)).sum(2))):
         assert torch.allclose(got.double(), ref, atol=TOL[dtype] * 4 * ref.abs().max().item())
 
 
