@@ -275,21 +275,22 @@ class ScheduleBuilder:
 
     def tensor(self, ranks, kind: str, chunks, *, dtype: str | None = None, role: str = "buffer",
                heads: tuple[int, int] | None = None) -> np.ndarray:
-        """New tensors, one per element of ``ranks``; ``chunks`` is [k] or [k, m] chunk ids. Returns ids."""
+        """New tensors, one per element of ``ranks``; ``chunks`` is [k] or [k, m] chunk ids; ``heads`` the query
+        heads [h0, h1) (scalars, or one pair per rank of equal width; default all). Returns ids."""
         ranks = np.atleast_1d(np.asarray(ranks, dtype=np.int64))
         if len(ranks) == 0:
             return np.zeros(0, dtype=np.int64)
         ch = np.asarray(chunks, dtype=np.int64).reshape(len(ranks), -1)
-        h0, h1 = heads if heads is not None else (0, self.w.n_heads)
+        h0, h1, width = self._heads(heads, len(ranks))
         dt = dtype or self.w.dtype
         c = self.m.tokens_per_chunk
-        size = tensor_bytes(self.w, kind, c * ch.shape[1], h1 - h0, dt)
+        size = tensor_bytes(self.w, kind, c * ch.shape[1], width, dt)
         ids = np.arange(self._n_tensors, self._n_tensors + len(ranks))
         self._n_tensors += len(ranks)
         self._tensor_starts.append(int(ids[0]))
         self._tensors.append(dict(rank=ranks, kind=kind, kind_code=TENSOR_KIND_NAMES.index(kind), chunks=ch,
-                                  h0=h0, h1=h1, dtype=DTYPES.index(dt), role=ROLES.index(role), phase=self.phase,
-                                  size=size, ids=ids))
+                                  h0=h0, h1=h1, width=width, dtype=DTYPES.index(dt), role=ROLES.index(role),
+                                  phase=self.phase, size=size, ids=ids))
         return ids
 
     def alloc_at(self, tensors, ops) -> None:
@@ -325,9 +326,9 @@ class ScheduleBuilder:
         src_tensor, dst_tensor = np.atleast_1d(src_tensor), np.atleast_1d(dst_tensor)
         if len(src) == 0:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-        kind, h0, h1, nchunks, t_dtype = self._tensor_info(src_tensor[0])
+        kind, width, nchunks, t_dtype = self._tensor_info(src_tensor[0])
         dt = dtype or DTYPES[t_dtype]
-        size = tensor_bytes(self.w, kind, self.m.tokens_per_chunk * nchunks, h1 - h0, dt)
+        size = tensor_bytes(self.w, kind, self.m.tokens_per_chunk * nchunks, width, dt)
         common = dict(step=step, size_bytes=size, dtype=DTYPES.index(dt))
         s = self._add(src, "send", stream, send_deps, peer=dst, tensor=src_tensor, **common)
         r = self._add(dst, "recv", stream, recv_deps, peer=src, tensor=dst_tensor, **common)
@@ -346,8 +347,8 @@ class ScheduleBuilder:
             return np.zeros(0, dtype=np.int64)
         qc = np.asarray(q_chunks, dtype=np.int64).reshape(len(ranks), -1)
         kc = np.asarray(kv_chunks, dtype=np.int64).reshape(len(ranks), -1)
-        h0, h1 = heads if heads is not None else (0, self.w.n_heads)
-        flops, s_q, s_kv, mask = self._describe(qc, kc, h1 - h0)
+        h0, h1, width = self._heads(heads, len(ranks))
+        flops, s_q, s_kv, mask = self._describe(qc, kc, width)
         return self._add(ranks, "compute", stream, deps, combine=COMBINES.index(combine), h0=h0, h1=h1,
                          flops=flops, s_q=s_q, s_kv=s_kv, mask=mask, q_chunks=qc, kv_chunks=kc,
                          inputs=np.stack([np.broadcast_to(x, len(ranks)) for x in inputs], axis=1),
@@ -358,10 +359,10 @@ class ScheduleBuilder:
         src, dst = np.atleast_1d(src), np.atleast_1d(dst)
         if len(dst) == 0:
             return np.zeros(0, dtype=np.int64)
-        kind_t, h0, h1, nchunks, t_dtype = self._tensor_info(dst[0])
+        kind_t, width, nchunks, src_dtype = self._tensor_info(src[0])   # the src's heads are the ones touched
         tokens = self.m.tokens_per_chunk * nchunks
-        touched = 2 * tensor_bytes(self.w, kind_t, tokens, h1 - h0, "fp32") + \
-            tensor_bytes(self.w, kind_t, tokens, h1 - h0, DTYPES[self._tensor_info(src[0])[4]])
+        touched = 2 * tensor_bytes(self.w, kind_t, tokens, width, "fp32") + \
+            tensor_bytes(self.w, kind_t, tokens, width, DTYPES[src_dtype])
         return self._add(ranks, kind, stream, deps, size_bytes=touched, inputs=src[:, None], outputs=dst[:, None])
 
     def _describe(self, qc: np.ndarray, kc: np.ndarray, heads: int):
@@ -377,7 +378,17 @@ class ScheduleBuilder:
     def _tensor_info(self, tid: int):
         import bisect
         block = self._tensors[bisect.bisect_right(self._tensor_starts, int(tid)) - 1]
-        return block["kind"], block["h0"], block["h1"], block["chunks"].shape[1], block["dtype"]
+        return block["kind"], block["width"], block["chunks"].shape[1], block["dtype"]
+
+    def _heads(self, heads, k: int):
+        """(h0, h1, width) of a call's ``heads``: scalars or [k] arrays of one width."""
+        if heads is None:
+            return 0, self.w.n_heads, self.w.n_heads
+        h0, h1 = (np.broadcast_to(np.asarray(x, dtype=np.int64), (k,)) for x in heads)
+        widths = np.unique(h1 - h0)
+        if len(widths) != 1 or widths[0] <= 0 or h0.min() < 0 or h1.max() > self.w.n_heads:
+            raise ValueError(f"head ranges must be non-empty, inside 0..{self.w.n_heads} and of one width")
+        return (int(h0[0]), int(h1[0]), int(widths[0])) if np.ndim(heads[0]) == 0 else (h0, h1, int(widths[0]))
 
     # ------------------------------------------------------------------ build
     def build(self, topology: dict[str, Any] | None = None) -> Schedule:

@@ -73,10 +73,10 @@ class PassQ(Algorithm):
 
         def io(ok, s, j, cur):
             if s == 0:
-                return [cur[ok], kv[ok]], [out[ok]], "merge", None
+                return [cur[0][ok], kv[ok]], [out[ok]], "merge", None
             t = b.tensor(r[ok], "out", j[ok], dtype=pdt)
             parts.append((s, r[ok], j[ok], t))
-            return [cur[ok], kv[ok]], [t], "write", t
+            return [cur[0][ok], kv[ok]], [t], "write", t
 
         comp = rotate_forward_merge(b, plan, q, "q", lambda rr, j: (j, rr), io)
         if n == 1 or not parts:

@@ -75,7 +75,7 @@ class Ring(Algorithm):
             q = b.tensor(r, "q", r, role="input")
             kv = b.tensor(r, "kv", r, role="input")
             out = b.tensor(r, "out", r, role="output", dtype="fp32")
-            io = lambda ok, s, j, cur: ([q[ok], cur[ok]], [out[ok]], "merge", None)  # noqa: E731
+            io = lambda ok, s, j, cur: ([q[ok], cur[0][ok]], [out[ok]], "merge", None)  # noqa: E731
             rotate_forward_merge(b, plan, kv, "kv", lambda rr, j: (rr, j), io)
         if "bwd" in w.pass_list:
             b.stream("dkv", "comm")
