@@ -14,7 +14,7 @@ import numpy as np
 from meshplan import algorithms
 from meshplan.algorithms.base import PassTiming
 from meshplan.algorithms.rotate_timing import Rotation, size_of
-from meshplan.errors import UserError
+from meshplan.errors import SkipCandidate, UserError
 from meshplan.matrix import AttnMatrix, attn_matrix
 from meshplan.metrics import KEYS, combine, pass_metrics
 from meshplan.plan import Plan
@@ -144,8 +144,17 @@ def ring_ccr(workload: Workload, topo: Topology, n_ranks: int) -> float | None:
 
 
 def predict(name: str, workload: Workload, topo: Topology, n_ranks: int, knobs: dict[str, Any]) -> Candidate:
-    """Plan, schedule and simulate one algorithm (what ``meshplan simulate --algo`` does)."""
-    cand = make_candidate(name, workload, topo, n_ranks, knobs)
+    """Plan, schedule and simulate one algorithm (what ``meshplan simulate --algo`` does).
+
+    Raises:
+        UserError: bad knobs, or the method cannot run this workload on ``n_ranks`` ranks (search skips such
+            combinations; asked for by name, it is an error).
+    """
+    try:
+        cand = make_candidate(name, workload, topo, n_ranks, knobs)
+    except SkipCandidate as skip:
+        raise UserError("--algo", f"{name} cannot run this on {n_ranks} ranks: {skip.detail or skip.reason}",
+                        "see meshplan search for the methods that can") from None
     return simulate_candidate(cand, topo, ring_ccr(workload, topo, n_ranks))
 
 

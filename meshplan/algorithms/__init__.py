@@ -10,13 +10,13 @@ from meshplan.algorithms.base import Algorithm
 from meshplan.algorithms.mesh import Mesh
 from meshplan.algorithms.passq import PassQ
 from meshplan.algorithms.ring import Ring
+from meshplan.algorithms.ulysses import USP, Ulysses
 from meshplan.errors import UserError
 
 #: Contract order.
 NAMES = ("ring", "pass-q", "ulysses", "usp", "loongtrain", "startrail", "tasp", "merge", "rmplus", "charm", "mesh")
-REGISTRY: dict[str, Algorithm] = {a.name: a for a in (Ring(), PassQ(), Mesh())}
-PLANNED = {n: "issue 5 (baseline library)" for n in ("ulysses", "usp", "loongtrain", "startrail", "tasp", "merge",
-                                                     "rmplus", "charm")}
+REGISTRY: dict[str, Algorithm] = {a.name: a for a in (Ring(), PassQ(), Ulysses(), USP(), Mesh())}
+PLANNED = {n: "issue 5 (baseline library)" for n in ("loongtrain", "startrail", "tasp", "merge", "rmplus", "charm")}
 
 
 def get(name: str) -> Algorithm:

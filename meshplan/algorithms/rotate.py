@@ -67,7 +67,7 @@ def _recv_on(recv_ids: np.ndarray, ring: RingSpec) -> np.ndarray:
 
 
 def pass_travel(b: ScheduleBuilder, cur: np.ndarray, kind: str, s: int, ring: RingSpec, stream: str,
-                last_comp: np.ndarray):
+                last_comp: np.ndarray, send_deps=()):
     """Forward the travelling tensors ([n, k]: k single-chunk tensors per rank, one batch) to the next rank;
     returns (send ids, recv ids on each rank, new tensors), each [n, k].
 
@@ -80,7 +80,8 @@ def pass_travel(b: ScheduleBuilder, cur: np.ndarray, kind: str, s: int, ring: Ri
     snd, rcv, nxt = [], [], []
     for t in range(cur.shape[1]):
         new = b.tensor(r, kind, grp[:, t], heads=ring.h())
-        st, rt = b.transfer(r, ring.nxt, cur[:, t], new[ring.nxt], stream=stream, step=s, recv_deps=[gate])
+        st, rt = b.transfer(r, ring.nxt, cur[:, t], new[ring.nxt], stream=stream, step=s, recv_deps=[gate],
+                            send_deps=list(send_deps))
         snd.append(st)
         rcv.append(_recv_on(rt, ring))
         nxt.append(new)
@@ -101,24 +102,27 @@ def _free_travelled(b: ScheduleBuilder, cur: np.ndarray, ok: np.ndarray, comp: n
 
 def rotate_forward_merge(b: ScheduleBuilder, plan: Plan, travel: np.ndarray, kind: str,
                          block: BlockFn, make_io, ring: RingSpec | None = None,
-                         stream: str | None = None) -> list[np.ndarray]:
+                         stream: str | None = None, first_deps: np.ndarray | None = None) -> list[np.ndarray]:
     """Forward pass: rotate ``travel`` tensors ([n] or [n, k]); every rank computes its block of each step.
 
     ``make_io(ok, s, j, cur)`` returns (inputs, outputs, combine, fresh) for the ranks ``ok`` of step s
     (j: the travelling group's ring position; cur: the k travelling tensor arrays); ``fresh`` (or None)
     are tensors the compute op creates (allocated when it starts). Returns, per step, the compute op of
-    every rank (−1 where its block is empty).
+    every rank (−1 where its block is empty). ``first_deps`` ([n]): what the first compute and the first
+    forwarding send wait for (the all-to-all that delivered the travelling tensors, for hybrid methods).
     """
     n, m = plan.n_ranks, plan.matrix
     ring = ring or RingSpec.simple(n)
     r = np.arange(n)
     cur = travel.reshape(n, -1)
-    prev_recv, steps, last_comp = np.full(cur.shape, -1), [], np.full(n, -1)
+    first = np.full(n, -1) if first_deps is None else first_deps
+    prev_recv, steps, last_comp = np.repeat(first[:, None], cur.shape[1], 1), [], np.full(n, -1)
     for s in range(ring.size):
         j = (ring.pos - s) % ring.size
         snd = rcv = nxt = None
         if s < ring.size - 1:
-            snd, rcv, nxt = pass_travel(b, cur, kind, s, ring, stream=stream or kind, last_comp=last_comp)
+            snd, rcv, nxt = pass_travel(b, cur, kind, s, ring, stream=stream or kind, last_comp=last_comp,
+                                        send_deps=[first] if s == 0 else ())
         qi, ki = block(r, j)
         ok = ring.permitted(m, qi, ki)
         inputs, outputs, combine, fresh = make_io(ok, s, j, [cur[:, t] for t in range(cur.shape[1])])
@@ -141,7 +145,7 @@ def rotate_backward(b: ScheduleBuilder, plan: Plan, *, travel: np.ndarray, trave
                     grad_kind: str, grad_dtype: str, hops: str, block: BlockFn,
                     static_inputs: list[np.ndarray], local_grad: list[np.ndarray] | np.ndarray,
                     travel_first: bool, stream: str | None = None, ring: RingSpec | None = None,
-                    grad_stream: str | None = None, grad_role: str = "output") -> None:
+                    grad_stream: str | None = None, grad_role: str = "output", first_deps: np.ndarray | None = None):
     """Backward pass of a rotation; gradients of the travelling chunks ride along (see module doc).
 
     ``travel`` is [n] or [n, k] (k single-chunk tensors per rank); ``static_inputs`` are the rank's own
@@ -149,6 +153,9 @@ def rotate_backward(b: ScheduleBuilder, plan: Plan, *, travel: np.ndarray, trave
     (``travel_first``) or them followed by the travelling ones. Outputs: ``local_grad`` (one array, or
     several: accumulated in place, fp32) and the travelling chunks' fresh partial gradients, whose sums end
     at the chunks' home with role ``grad_role``.
+
+    Returns (home, ready, last_comp): the final gradient tensors at each rank's home group ([n, k]), the ops
+    after which each is complete ([n, k]) and each rank's last compute op ([n]).
     """
     n, m = plan.n_ranks, plan.matrix
     ring = ring or RingSpec.simple(n)
@@ -156,14 +163,15 @@ def rotate_backward(b: ScheduleBuilder, plan: Plan, *, travel: np.ndarray, trave
     r, R = np.arange(n), ring.size
     cur = travel.reshape(n, -1)
     k = cur.shape[1]
-    prev_recv, last_comp = np.full((n, k), -1), np.full(n, -1)
-    state = (np.full((n, k), -1), np.full((n, k), -1), np.full((n, k), -1))    # accumulator in, its recv, own
+    first = np.full(n, -1) if first_deps is None else first_deps
+    prev_recv, last_comp = np.repeat(first[:, None], k, 1), np.full(n, -1)
+    state = (np.full((n, k), -1), np.full((n, k), -1), np.full((n, k), -1), None)  # acc in, its recv, own, ready
     for s in range(R):
         j = (ring.pos - s) % R
         snd = rcv = nxt = None
         if s < R - 1:
             snd, rcv, nxt = pass_travel(b, cur, travel_kind, s, ring, stream=stream or travel_kind,
-                                        last_comp=last_comp)
+                                        last_comp=last_comp, send_deps=[first] if s == 0 else ())
         qi, ki = block(r, j)
         ok = ring.permitted(m, qi, ki)
         part = np.full((n, k), -1)
@@ -185,24 +193,26 @@ def rotate_backward(b: ScheduleBuilder, plan: Plan, *, travel: np.ndarray, trave
         if s > 0:
             _free_travelled(b, cur, ok, comp[ok], snd)
         if R == 1:
-            return
+            return part, np.repeat(comp[:, None], k, 1), last_comp
         state = _grad_step(b, s, ring, hops, ok, part, comp, state, grad_kind, grad_dtype,
                            grad_stream or grad_kind, grad_role)
         if nxt is not None:
             cur, prev_recv = nxt, rcv
+    g_in, g_recv, own, ready = state
+    return (g_in, g_recv, last_comp) if hops == "n" else (own, ready, last_comp)
 
 
 def _grad_step(b, s, ring: RingSpec, hops, ok, part, comp, state, grad_kind, grad_dtype, stream, role):
     """Add the received gradient accumulators into this step's partials and pass them on ([n, k] each)."""
-    g_in, g_recv, own = state
+    g_in, g_recv, own, ready = state
     n, k = part.shape
     r = np.arange(n)
     if hops == "n-1" and s == 0:
-        return g_in, g_recv, part  # the owner keeps its own block's partial
+        return g_in, g_recv, part, ready  # the owner keeps its own block's partial
     acc_sel = ok & (g_in[:, 0] >= 0)
     last = s == ring.size - 1
     grp = ring.groups[(ring.pos - s - 1) % ring.size]
-    new_in, new_recv = np.full((n, k), -1), np.full((n, k), -1)
+    new_in, new_recv, ready = np.full((n, k), -1), np.full((n, k), -1), np.full((n, k), -1)
     for t in range(k):
         acc = np.full(n, -1)
         acc[acc_sel] = b.combine_op(r[acc_sel], "accumulate", src=g_in[acc_sel, t], dst=part[acc_sel, t],
@@ -219,6 +229,6 @@ def _grad_step(b, s, ring: RingSpec, hops, ok, part, comp, state, grad_kind, gra
         b.alloc_at(part[idle, t], gs[idle])
         new_in[:, t], new_recv[:, t] = g_next, _recv_on(gr, ring)
         if last and hops == "n-1":  # the owner adds the N−1-hop sum into the partial it kept
-            fin = b.combine_op(r, "accumulate", src=g_next, dst=own[:, t], deps=[new_recv[:, t]])
-            b.free_after(g_next, fin)
-    return new_in, new_recv, own
+            ready[:, t] = b.combine_op(r, "accumulate", src=g_next, dst=own[:, t], deps=[new_recv[:, t]])
+            b.free_after(g_next, ready[:, t])
+    return new_in, new_recv, own, ready

@@ -66,7 +66,8 @@ def enumerate_candidates(base: Workload, topo: Topology, n: int, algos: list[str
             except UserError:
                 skipped[f"sequence cannot be split by the {layout} layout"] += 1
                 continue
-            settings = alg.knob_space(w, topo, n, filters) if name == "mesh" else _knob_settings(name, filters)
+            own_space = type(alg).knob_space is not algorithms.Algorithm.knob_space
+            settings = alg.knob_space(w, topo, n, filters) if own_space else _knob_settings(name, filters)
             for knobs in settings:
                 try:
                     cands.append(make_candidate(name, w, topo, n, knobs, matrix))
