@@ -69,8 +69,10 @@ def test_search_json_and_written_schedule(tmp_path):
     d = json.loads(r.stdout)
     assert {"workload", "topology", "wall_s", "counts", "candidates"} <= set(d)
     assert {"enumerated", "pruned", "simulated", "skipped"} <= set(d["counts"])
-    assert d["counts"]["skipped"]["not implemented yet"] == 8
+    from meshplan.algorithms import PLANNED
+    assert d["counts"]["skipped"]["not implemented yet"] == len(PLANNED)
     c = d["candidates"]
+    assert {"ring", "pass-q", "ulysses", "usp", "mesh"} <= {x["algorithm"] for x in c}
     assert c[0]["model_level"] == "simulated" and c[0]["schedule_path"] and c[1]["schedule_path"]
     assert all({"requested", "kept", "status", "objective_s", "bound_s", "gap", "solve_s"} <= set(x["scheduler"])
                for x in c)

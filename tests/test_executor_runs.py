@@ -32,6 +32,9 @@ WORLD2 = [
     Case("ring-zz-causal-fp32-gqa-bwd", "ring", 2, workload=GQA | {"dtype": "fp32", "passes": "bwd"}),
     Case("ring-hops-n-1-bf16-wire", "ring", 2, knobs={"dkv_hops": "n-1", "dkv_dtype": "bf16"}),
     Case("serialized", "ring", 2, run={"serialize": True}),
+    Case("ulysses-zz-causal-bf16-mha", "ulysses", 2),
+    Case("c6-ulysses-padded", "ulysses", 2, workload={"seq_len": 1024, "valid_len": 1023, "heads": 8, "kv_heads": 8,
+                                                       "head_dim": 64, "layout": "contiguous", "passes": "fwd"}),
     Case("bad-mask", "ring", 2, edit=relabel_causal_diagonal_as_full),
     Case("bad-kv", "ring", 2, workload={"mask": "full"}, edit=point_at_another_kv_chunk),
 ]
@@ -46,6 +49,11 @@ WORLD4 = [
     Case("c2-w4", "ring", 4, workload={"seq_len": 2048, "heads": 8, "kv_heads": 2, "head_dim": 64}),
     Case("c4-padded", "ring", 4, workload={"seq_len": 3000, "valid_len": 2999, "heads": 2, "kv_heads": 2,
                                              "head_dim": 64}),
+    Case("ulysses-contig-full-fp16-gqa-repl", "ulysses", 4, workload=GQA | {"layout": "contiguous", "mask": "full",
+                                                                            "dtype": "fp16"}),
+    Case("usp2x2-zz-causal-bf16-gqa", "usp", 4, knobs={"ulysses_degree": "2"}, workload=GQA),
+    Case("usp2x2-ringfirst-full-fp32-bwd", "usp", 4, knobs={"ulysses_degree": "2", "rank_order": "ring-first"},
+         workload={"mask": "full", "dtype": "fp32", "passes": "bwd"}),
 ] + [Case(f"c7-hkv{k}-{m}", "ring", 4, workload={"seq_len": 256, "heads": 4, "kv_heads": k, "head_dim": 64,
                                                   "mask": m}) for k in (1, 2) for m in ("causal", "full")]
 WORLD8 = [
@@ -53,6 +61,13 @@ WORLD8 = [
     Case("mesh2x4-contig-full-fp32-fwd", "mesh", 8, knobs={"tile": "2x4"},
          workload={"layout": "contiguous", "mask": "full", "dtype": "fp32", "passes": "fwd"}),
     Case("ring8-zz-causal-fp16", "ring", 8, workload={"dtype": "fp16"}),
+    Case("ulysses8-contig-causal-bf16-repl", "ulysses", 8, workload={"heads": 8, "kv_heads": 2,
+                                                                     "layout": "contiguous"}),
+    Case("usp4x2-zz-causal-fp32-fwd", "usp", 8, knobs={"ulysses_degree": "4"},
+         workload={"heads": 8, "kv_heads": 8, "dtype": "fp32", "passes": "fwd"}),
+    Case("usp2x4-ringfirst-contig-causal-bf16-hops", "usp", 8,
+         knobs={"ulysses_degree": "2", "rank_order": "ring-first", "dkv_hops": "n-1", "dkv_dtype": "bf16"},
+         workload={"layout": "contiguous", "kv_heads": 2}),
 ]
 
 

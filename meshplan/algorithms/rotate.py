@@ -228,7 +228,8 @@ def _grad_step(b, s, ring: RingSpec, hops, ok, part, comp, state, grad_kind, gra
         idle = (part[:, t] >= 0) & ~ok  # a zero partial sent by a rank whose block is empty: allocated at its send
         b.alloc_at(part[idle, t], gs[idle])
         new_in[:, t], new_recv[:, t] = g_next, _recv_on(gr, ring)
-        if last and hops == "n-1":  # the owner adds the N−1-hop sum into the partial it kept
-            ready[:, t] = b.combine_op(r, "accumulate", src=g_next, dst=own[:, t], deps=[new_recv[:, t]])
-            b.free_after(g_next, ready[:, t])
+    for t in range(k if last and hops == "n-1" else 0):  # the owner adds the N−1-hop sum into the partial it
+        # kept — after every column's transfer is posted (they form one batch)
+        ready[:, t] = b.combine_op(r, "accumulate", src=new_in[:, t], dst=own[:, t], deps=[new_recv[:, t]])
+        b.free_after(new_in[:, t], ready[:, t])
     return new_in, new_recv, own, ready

@@ -96,8 +96,9 @@ class USP(Algorithm):
             return
         why = head_degree_problem(workload, u) if n_ranks % u == 0 else f"{u} does not divide {n_ranks} ranks"
         if why:
-            valid = ", ".join(map(str, valid_degrees(workload, n_ranks))) or "none"
-            raise UserError("--ulysses-degree", why, f"use one of {valid}")
+            valid = valid_degrees(workload, n_ranks)
+            raise UserError("--ulysses-degree", why, f"use one of {', '.join(map(str, valid))}" if valid else
+                            f"no degree fits {n_ranks} ranks and these heads: use ring or mesh")
 
     def knob_space(self, workload, topo, n_ranks, filters) -> list[dict]:
         """Every valid degree 2 ≤ u < N (unless pinned) × both rank orders (unless pinned)."""
