@@ -7,6 +7,7 @@ that brings them (``simulate``) or skipped and counted (``search``).
 from __future__ import annotations
 
 from meshplan.algorithms.base import Algorithm
+from meshplan.algorithms.charm import Charm, Merge, RMPlus
 from meshplan.algorithms.mesh import Mesh
 from meshplan.algorithms.passq import PassQ
 from meshplan.algorithms.ring import Ring
@@ -15,8 +16,9 @@ from meshplan.errors import UserError
 
 #: Contract order.
 NAMES = ("ring", "pass-q", "ulysses", "usp", "loongtrain", "startrail", "tasp", "merge", "rmplus", "charm", "mesh")
-REGISTRY: dict[str, Algorithm] = {a.name: a for a in (Ring(), PassQ(), Ulysses(), USP(), Mesh())}
-PLANNED = {n: "issue 5 (baseline library)" for n in ("loongtrain", "startrail", "tasp", "merge", "rmplus", "charm")}
+REGISTRY: dict[str, Algorithm] = {a.name: a for a in (Ring(), PassQ(), Ulysses(), USP(), Merge(), RMPlus(),
+                                                        Charm(), Mesh())}
+PLANNED = {n: "issue 5 (baseline library)" for n in ("loongtrain", "startrail", "tasp")}
 
 
 def get(name: str) -> Algorithm:
