@@ -65,6 +65,8 @@ class Topology:
     def _add_link(self, u: str, v: str, link: LinkSpec, cls_: str, both: bool = True,
                   flow_cap: float = np.inf, cap: float | None = None) -> None:
         capacity = link.bytes_per_s if cap is None else cap
+        if link.per_flow_GBps is not None:
+            flow_cap = min(flow_cap, link.per_flow_GBps * 1e9)
         for a, b in ((u, v), (v, u)) if both else ((u, v),):
             self.graph.add_edge(a, b, id=len(self._links))
             self._links.append((a, b))

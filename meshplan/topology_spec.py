@@ -29,6 +29,9 @@ class LinkSpec(_Strict):
     nominal_GBps: PositiveFloat | None = Field(None, description="datasheet bandwidth per direction, GB/s")
     efficiency: Annotated[float, Field(gt=0, le=1)] | None = Field(None, description="usable / nominal")
     latency_us: NonNegFloat = Field(0.0, description="per-hop latency, microseconds")
+    per_flow_GBps: PositiveFloat | None = Field(None, description="the most one flow reaches on this link, GB/s "
+                                                "(a measured pair-wise P2P rate below the link's aggregate); "
+                                                "default: the link's capacity")
 
     @model_validator(mode="after")
     def _one_form(self) -> LinkSpec:

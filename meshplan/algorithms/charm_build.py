@@ -105,30 +105,44 @@ class Lowering:
         return Slot(land, src, acc, ready, owner=src, last=np.full(self.n, -1))
 
     def _pipeline(self, slots: list[Slot], k: int) -> list:
+        """One pipeline: own-KV blocks, then per level the fetches, the Q-peers' blocks (returned at once) and
+        the own slots against the level's fetched KV — each group one kernel (CHARM+ runs 2c × c kernels)."""
         x = self.x
-        for s in slots:
-            self._compute(x, s, s.q, self.kv, s.chunk, x, s.acc, deps=[s.ready])
+        for s in slots:            # the own Q first (its inputs are present), the foreign one as it lands
+            op = self._op(np.ones(self.n, bool), [s.q], [s.chunk], [self.kv], [x], [s.acc],
+                          None if self.fwd else [self.dkv], self.combine, [s.ready])
+            self._mark([s], op)
         returns = []
         for offs in self.levels:
-            fetched = []
+            landed = {}
             for j in offs:
-                kv_sel, q_sel = self.role[self.l, j] == KV, self.role[self.l, j] == Q
-                if k == 0 and kv_sel.any():
-                    self._fetch_kv(j, kv_sel)
-                if q_sel.any():
-                    returns += self._q_peer(j, q_sel, slots, step=k * self.p + j)
-                if kv_sel.any():
-                    fetched.append((j, kv_sel))
-            for j, sel in fetched:
-                t, rcv = self.kv_from[j]
-                kv_chunk = self.partner(j)
-                for s in slots:
-                    out = s.acc if self.fwd else self._dkv_part(j, sel)
-                    op = self._compute(x[sel], s, s.q[sel], t[sel], s.chunk[sel], kv_chunk[sel], s.acc[sel],
-                                       deps=[rcv[sel], s.ready[sel]], kv_out=out[sel] if not self.fwd else None)
-                    last = self.kv_last.setdefault(j, np.full(self.n, -1))
-                    last[x[sel][op >= 0]] = op[op >= 0]
+                role = self.role[self.l, j]
+                if k == 0 and (role == KV).any():
+                    self._fetch_kv(j, role == KV)
+                if (role == Q).any():
+                    landed[j] = self._swap_q(j, role == Q, slots, step=k * self.p + j)
+            q_offs, kv_offs = self._offsets(offs, Q), self._offsets(offs, KV)
+            if q_offs.shape[1]:
+                returns += self._q_peer_op(q_offs, landed, slots, step=k * self.p + offs[0])
+            if kv_offs.shape[1]:
+                self._kv_peer_op(kv_offs, slots)
         return returns
+
+    def _offsets(self, offs: list[int], role: int) -> np.ndarray:
+        """[n, h]: each rank's offsets of this level with ``role`` (equally many on every rank), ascending."""
+        sel = self.role[self.l][:, offs] == role
+        h = int(sel[0].sum())
+        assert (sel.sum(axis=1) == h).all(), "partner roles must split every level equally"
+        order = np.argsort(~sel, axis=1, kind="stable")[:, :h]
+        return np.asarray(offs)[order]
+
+    def _pick(self, offsets: np.ndarray, of) -> np.ndarray:
+        """[n]: ``of(j)[x]`` with j = offsets[x] (per rank)."""
+        out = np.full(self.n, -1)
+        for j in np.unique(offsets):
+            m = offsets == j
+            out[m] = of(int(j))[m]
+        return out
 
     def _fetch_kv(self, j: int, sel: np.ndarray) -> None:
         b, x = self.b, self.x
@@ -141,61 +155,94 @@ class Lowering:
         on[self.partner(j)[sel]] = rcv
         self.kv_from[j] = (t, on)
 
-    def _q_peer(self, j: int, sel: np.ndarray, slots: list[Slot], step: int) -> list:
-        """Swap the slots with the Q-peer at offset j, compute its Q against own KV, send the partials back."""
+    def _swap_q(self, j: int, sel: np.ndarray, slots: list[Slot], step: int) -> list:
+        """Swap every slot's Q with the Q-peer at offset j (one batch); per slot (landed tensor, recv op)."""
         b, x = self.b, self.x
         peer = self.partner(j)
         got = []
-        for s in slots:                   # one batch: every slot's Q each way
+        for s in slots:
             land = np.full(self.n, -1)
             land[sel] = b.tensor(x[sel], self.qkind, s.chunk[peer[sel]])
             _, rcv = b.transfer(x[sel], peer[sel], s.q[x[sel]], land[peer[sel]], stream="q", step=step,
                                 send_deps=[s.ready[sel]])
             on = np.full(self.n, -1)
             on[peer[sel]] = rcv
-            got.append((s, land, on))
+            got.append((land, on))
+        return got
+
+    def _q_peer_op(self, q_offs: np.ndarray, landed: dict, slots: list[Slot], step: int) -> list:
+        """The Q-peers' slots against own KV in one op; each partial returns to its owner on ``out``."""
+        b, x = self.b, self.x
+        cols = [(a, si) for a in range(q_offs.shape[1]) for si in range(len(slots))]
+        peer = {a: self.d * self.p + (self.l ^ q_offs[:, a]) for a in range(q_offs.shape[1])}
+        q_t = [self._pick(q_offs[:, a], lambda j, si=si: landed[j][si][0]) for a, si in cols]
+        recv = [self._pick(q_offs[:, a], lambda j, si=si: landed[j][si][1]) for a, si in cols]
+        q_c = [slots[si].chunk[peer[a]] for a, si in cols]
+        live = [self.permitted[c, x] for c in q_c]                     # rows with a permitted pair
+        ok = np.any(live, axis=0)
+        parts = []
+        for c in q_c:
+            t = np.full(self.n, -1)
+            t[ok] = b.tensor(x[ok], self.acc_kind, c[ok], dtype="fp32")
+            parts.append(t)
+        op = self._op(ok, q_t, q_c, [self.kv], [x], parts, None if self.fwd else [self.dkv],
+                      "write" if self.fwd else "accumulate", recv)
         returns = []
-        for s, land, on in got:
-            qc = s.chunk[peer]                        # the peer's slot chunk, computed here against own KV
-            ok = sel & self.permitted[qc, x]
-            part = np.full(self.n, -1)
-            part[ok] = b.tensor(x[ok], self.acc_kind, qc[ok], dtype="fp32")
-            op = self._compute(x[ok], None, land[ok], self.kv[ok], qc[ok], x[ok], part[ok], deps=[on[ok]],
-                               kv_out=None if self.fwd else self.dkv[ok], fresh=True)
-            b.free_after(land[sel & ~ok], on[sel & ~ok])          # a Q whose block the mask empties
-            b.free_after(land[ok], op)
-            if ok.any():
-                b.alloc_at(part[ok], op)
-                snd, rcv = b.transfer(x[ok], peer[ok], part[ok], land_back := b.tensor(
-                    peer[ok], self.acc_kind, qc[ok], dtype=self.part_dtype), stream="out", step=step,
-                    dtype=self.part_dtype, send_deps=[op])
-                b.free_after(part[ok], snd)
-                returns.append((peer[ok], land_back, rcv, s))
+        for (a, si), t, c, lv, q, rc in zip(cols, parts, q_c, live, q_t, recv):
+            b.free_after(q[ok], op[ok])
+            b.free_after(q[~ok], rc[~ok])                                # a Q whose blocks the mask empties
+            b.alloc_at(t[ok], op[ok])
+            send = ok & lv
+            b.free_after(t[ok & ~lv], op[ok & ~lv])
+            if send.any():
+                dst = peer[a][send]
+                land = b.tensor(dst, self.acc_kind, c[send], dtype=self.part_dtype)
+                snd, rcv = b.transfer(x[send], dst, t[send], land, stream="out", step=step, dtype=self.part_dtype,
+                                      send_deps=[op[send]])
+                b.free_after(t[send], snd)
+                returns.append((dst, land, rcv, slots[si]))
         return returns
 
-    def _compute(self, ranks, slot, q, kv, qc, kc, acc, deps, kv_out=None, fresh=False) -> np.ndarray:
-        """One block per rank (skipping those the mask empties); forward merges into ``acc``; backward
-        accumulates dQ into ``acc`` and dK/dV into ``kv_out`` (default: the rank's own dK/dV)."""
-        ranks = np.asarray(ranks)
-        ok = self.permitted[np.asarray(qc), np.asarray(kc)]
-        out = np.full(len(ranks), -1)
-        if not ok.any():
-            return out
-        if self.fwd:
-            ins, outs = [q[ok], kv[ok]], [acc[ok]]
-            combine = "write" if fresh else "merge"
-        else:
-            ins, outs = [q[ok], kv[ok]], [acc[ok], (self.dkv[ranks] if kv_out is None else kv_out)[ok]]
-            combine = "accumulate"
-        out[ok] = self.b.compute(ranks[ok], np.asarray(qc)[ok], np.asarray(kc)[ok], inputs=ins, outputs=outs,
-                                 combine=combine, deps=[np.asarray(d)[ok] for d in deps])
-        if slot is not None:
-            slot.last[ranks[ok]] = out[ok]
-        return out
+    def _kv_peer_op(self, kv_offs: np.ndarray, slots: list[Slot]) -> None:
+        """The own slots against this level's fetched KV chunks in one op."""
+        h = kv_offs.shape[1]
+        kv_t = [self._pick(kv_offs[:, a], lambda j: self.kv_from[j][0]) for a in range(h)]
+        recv = [self._pick(kv_offs[:, a], lambda j: self.kv_from[j][1]) for a in range(h)]
+        kv_c = [self.d * self.p + (self.l ^ kv_offs[:, a]) for a in range(h)]
+        kv_out = None
+        if not self.fwd:
+            for j in np.unique(kv_offs):
+                self._dkv_part(int(j))
+            kv_out = [self._pick(kv_offs[:, a], lambda j: self.dkv_part[j]) for a in range(h)]
+        op = self._op(np.ones(self.n, bool), [s.q for s in slots], [s.chunk for s in slots], kv_t, kv_c,
+                      [s.acc for s in slots], kv_out, self.combine, recv + [s.ready for s in slots])
+        self._mark(slots, op)
+        for a in range(h):
+            for j in np.unique(kv_offs[:, a]):
+                m = (kv_offs[:, a] == j) & (op >= 0)
+                self.kv_last.setdefault(int(j), np.full(self.n, -1))[m] = op[m]
 
-    def _dkv_part(self, j: int, sel: np.ndarray) -> np.ndarray:
+    def _op(self, mask, q_t, q_c, kv_t, kv_c, q_out, kv_out, combine: str, deps) -> np.ndarray:
+        """One compute op per rank over the cartesian product of its Q chunks and KV chunks ([n] arrays per
+        column); ranks outside ``mask`` or whose rectangle holds no permitted pair skip it. Forward: the
+        outputs are one accumulator per Q chunk; backward: dQ per Q chunk then dK/dV per KV chunk."""
+        qc, kc = np.stack(q_c, 1), np.stack(kv_c, 1)
+        ok = mask & self.permitted[qc[:, :, None], kc[:, None, :]].any(axis=(1, 2))
+        op = np.full(self.n, -1)
+        if ok.any():
+            outs = [o[ok] for o in q_out] + [o[ok] for o in (kv_out or [])]
+            op[ok] = self.b.compute(self.x[ok], qc[ok], kc[ok], inputs=[t[ok] for t in q_t] + [t[ok] for t in kv_t],
+                                    outputs=outs, combine=combine, deps=[np.asarray(d)[ok] for d in deps])
+        return op
+
+    def _mark(self, slots: list[Slot], op: np.ndarray) -> None:
+        for s in slots:
+            s.last[op >= 0] = op[op >= 0]
+
+    def _dkv_part(self, j: int) -> np.ndarray:
         """The partial dK/dV of the KV fetched at offset j (accumulated over slots and pipelines)."""
         if j not in self.dkv_part:
+            sel = self.kv_from[j][0] >= 0
             t = np.full(self.n, -1)
             t[sel] = self.b.tensor(self.x[sel], "dkv", self.partner(j)[sel], dtype="fp32")
             self.dkv_part[j] = t
