@@ -8,8 +8,8 @@ domain. Whether same-level transfers run concurrently (NVSwitch) or contend (PCI
 
 Bytes received per rank (forward; KVc, Qc, Oc + Lc per ALGORITHMS.md, Oc in ``partial_dtype``), p ranks
 per domain, m domains, P_Q = number of Q-peers = p/2 − 1 for RM+ (0 for merge), P_KV = p − 1 − P_Q:
-    P_KV·KVc  +  s·P_Q·(Qc + Oc + Lc)  +  (m − 1)·(Qc + Oc + Lc)
-with s Q slots per Q message (s = 1 for merge/rmplus; ``charm``: 2 in the first pipeline, 1 after).
+    P_KV·KVc  +  m·P_Q·(Qc + Oc + Lc)  +  (m − 1)·(Qc + Oc + Lc)
+(m Q slots pass through the Q-peers: the own one and m − 1 foreign ones; m = 1 for merge and rmplus).
 Backward: KV and Q-side (Q, dO, LSE, D) in place of Q, partial dQ (``dq_dtype``) in place of O, plus
 P_KV·dKVc for the fetched KV's partial dK/dV (``dkv_dtype``).
 """
