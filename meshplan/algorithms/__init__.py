@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from meshplan.algorithms.base import Algorithm
 from meshplan.algorithms.charm import Charm, Merge, RMPlus
+from meshplan.algorithms.loongtrain import LoongTrain
 from meshplan.algorithms.mesh import Mesh
 from meshplan.algorithms.passq import PassQ
 from meshplan.algorithms.ring import Ring
@@ -16,9 +17,9 @@ from meshplan.errors import UserError
 
 #: Contract order.
 NAMES = ("ring", "pass-q", "ulysses", "usp", "loongtrain", "startrail", "tasp", "merge", "rmplus", "charm", "mesh")
-REGISTRY: dict[str, Algorithm] = {a.name: a for a in (Ring(), PassQ(), Ulysses(), USP(), Merge(), RMPlus(),
-                                                        Charm(), Mesh())}
-PLANNED = {n: "issue 5 (baseline library)" for n in ("loongtrain", "startrail", "tasp")}
+REGISTRY: dict[str, Algorithm] = {a.name: a for a in (Ring(), PassQ(), Ulysses(), USP(), LoongTrain(), Merge(),
+                                                        RMPlus(), Charm(), Mesh())}
+PLANNED = {n: "issue 5 (baseline library)" for n in ("startrail", "tasp")}
 
 
 def get(name: str) -> Algorithm:

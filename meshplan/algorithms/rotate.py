@@ -27,7 +27,8 @@ BlockFn = Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
 @dataclass(frozen=True)
 class RingSpec:
     """Disjoint rings over all ranks: rank r sends to ``nxt[r]`` and sits at ring position ``pos[r]`` of its
-    ring of ``size`` ranks; ``groups[x]`` are the chunks held at position x ([size, k]); ``heads`` each rank's
+    ring of ``size`` ranks; ``groups[x]`` are the chunks held at position x ([size, k]; or [rings, size, k]
+    with ``ring_of[r]`` naming each rank's ring when rings hold different chunks); ``heads`` each rank's
     query-head range ([n] arrays h0, h1) or None for all heads."""
 
     nxt: np.ndarray
@@ -35,6 +36,11 @@ class RingSpec:
     size: int
     groups: np.ndarray
     heads: tuple[np.ndarray, np.ndarray] | None = None
+    ring_of: np.ndarray | None = None
+
+    def group(self, ranks: np.ndarray, x: np.ndarray) -> np.ndarray:
+        """[len(ranks), k]: the chunks at position x of each rank's ring."""
+        return self.groups[x] if self.ring_of is None else self.groups[self.ring_of[ranks], x]
 
     @staticmethod
     def simple(n: int) -> RingSpec:
@@ -67,7 +73,7 @@ def _recv_on(recv_ids: np.ndarray, ring: RingSpec) -> np.ndarray:
 
 
 def pass_travel(b: ScheduleBuilder, cur: np.ndarray, kind: str, s: int, ring: RingSpec, stream: str,
-                last_comp: np.ndarray, send_deps=()):
+                last_comp: np.ndarray, send_deps=(), step0: int = 0):
     """Forward the travelling tensors ([n, k]: k single-chunk tensors per rank, one batch) to the next rank;
     returns (send ids, recv ids on each rank, new tensors), each [n, k].
 
@@ -75,12 +81,12 @@ def pass_travel(b: ScheduleBuilder, cur: np.ndarray, kind: str, s: int, ring: Ri
     two travelling groups are alive besides the rank's own.
     """
     r = np.arange(len(ring.nxt))
-    grp = ring.groups[(ring.pos - s - 1) % ring.size]
+    grp = ring.group(r, (ring.pos - s - 1) % ring.size)
     gate = last_comp[ring.nxt]
     snd, rcv, nxt = [], [], []
     for t in range(cur.shape[1]):
         new = b.tensor(r, kind, grp[:, t], heads=ring.h())
-        st, rt = b.transfer(r, ring.nxt, cur[:, t], new[ring.nxt], stream=stream, step=s, recv_deps=[gate],
+        st, rt = b.transfer(r, ring.nxt, cur[:, t], new[ring.nxt], stream=stream, step=step0 + s, recv_deps=[gate],
                             send_deps=list(send_deps))
         snd.append(st)
         rcv.append(_recv_on(rt, ring))
@@ -102,7 +108,8 @@ def _free_travelled(b: ScheduleBuilder, cur: np.ndarray, ok: np.ndarray, comp: n
 
 def rotate_forward_merge(b: ScheduleBuilder, plan: Plan, travel: np.ndarray, kind: str,
                          block: BlockFn, make_io, ring: RingSpec | None = None,
-                         stream: str | None = None, first_deps: np.ndarray | None = None) -> list[np.ndarray]:
+                         stream: str | None = None, first_deps: np.ndarray | None = None,
+                         step0: int = 0) -> list[np.ndarray]:
     """Forward pass: rotate ``travel`` tensors ([n] or [n, k]); every rank computes its block of each step.
 
     ``make_io(ok, s, j, cur)`` returns (inputs, outputs, combine, fresh) for the ranks ``ok`` of step s
@@ -110,6 +117,7 @@ def rotate_forward_merge(b: ScheduleBuilder, plan: Plan, travel: np.ndarray, kin
     are tensors the compute op creates (allocated when it starts). Returns, per step, the compute op of
     every rank (−1 where its block is empty). ``first_deps`` ([n]): what the first compute and the first
     forwarding send wait for (the all-to-all that delivered the travelling tensors, for hybrid methods).
+    ``step0`` offsets the batch ids (rotations that follow each other on one stream need distinct ones).
     """
     n, m = plan.n_ranks, plan.matrix
     ring = ring or RingSpec.simple(n)
@@ -122,7 +130,7 @@ def rotate_forward_merge(b: ScheduleBuilder, plan: Plan, travel: np.ndarray, kin
         snd = rcv = nxt = None
         if s < ring.size - 1:
             snd, rcv, nxt = pass_travel(b, cur, kind, s, ring, stream=stream or kind, last_comp=last_comp,
-                                        send_deps=[first] if s == 0 else ())
+                                        send_deps=[first] if s == 0 else (), step0=step0)
         qi, ki = block(r, j)
         ok = ring.permitted(m, qi, ki)
         inputs, outputs, combine, fresh = make_io(ok, s, j, [cur[:, t] for t in range(cur.shape[1])])
@@ -145,7 +153,8 @@ def rotate_backward(b: ScheduleBuilder, plan: Plan, *, travel: np.ndarray, trave
                     grad_kind: str, grad_dtype: str, hops: str, block: BlockFn,
                     static_inputs: list[np.ndarray], local_grad: list[np.ndarray] | np.ndarray,
                     travel_first: bool, stream: str | None = None, ring: RingSpec | None = None,
-                    grad_stream: str | None = None, grad_role: str = "output", first_deps: np.ndarray | None = None):
+                    grad_stream: str | None = None, grad_role: str = "output", first_deps: np.ndarray | None = None,
+                    step0: int = 0):
     """Backward pass of a rotation; gradients of the travelling chunks ride along (see module doc).
 
     ``travel`` is [n] or [n, k] (k single-chunk tensors per rank); ``static_inputs`` are the rank's own
@@ -171,14 +180,14 @@ def rotate_backward(b: ScheduleBuilder, plan: Plan, *, travel: np.ndarray, trave
         snd = rcv = nxt = None
         if s < R - 1:
             snd, rcv, nxt = pass_travel(b, cur, travel_kind, s, ring, stream=stream or travel_kind,
-                                        last_comp=last_comp, send_deps=[first] if s == 0 else ())
+                                        last_comp=last_comp, send_deps=[first] if s == 0 else (), step0=step0)
         qi, ki = block(r, j)
         ok = ring.permitted(m, qi, ki)
         part = np.full((n, k), -1)
         fresh = ok | ((hops == "n-1") & (s == 1)) | ((hops == "n") & (s == 0))
         keep_own = R == 1 or (hops == "n-1" and s == 0)
         for t in range(k):
-            part[fresh, t] = b.tensor(r[fresh], grad_kind, ring.groups[j[fresh], t], dtype="fp32",
+            part[fresh, t] = b.tensor(r[fresh], grad_kind, ring.group(r[fresh], j[fresh])[:, t], dtype="fp32",
                                       role=grad_role if keep_own else "buffer", heads=ring.h(fresh))
         ins = _columns(cur, ok) + [x[ok] for x in static_inputs]
         if not travel_first:
@@ -195,14 +204,14 @@ def rotate_backward(b: ScheduleBuilder, plan: Plan, *, travel: np.ndarray, trave
         if R == 1:
             return part, np.repeat(comp[:, None], k, 1), last_comp
         state = _grad_step(b, s, ring, hops, ok, part, comp, state, grad_kind, grad_dtype,
-                           grad_stream or grad_kind, grad_role)
+                           grad_stream or grad_kind, grad_role, step0)
         if nxt is not None:
             cur, prev_recv = nxt, rcv
     g_in, g_recv, own, ready = state
     return (g_in, g_recv, last_comp) if hops == "n" else (own, ready, last_comp)
 
 
-def _grad_step(b, s, ring: RingSpec, hops, ok, part, comp, state, grad_kind, grad_dtype, stream, role):
+def _grad_step(b, s, ring: RingSpec, hops, ok, part, comp, state, grad_kind, grad_dtype, stream, role, step0):
     """Add the received gradient accumulators into this step's partials and pass them on ([n, k] each)."""
     g_in, g_recv, own, ready = state
     n, k = part.shape
@@ -211,7 +220,7 @@ def _grad_step(b, s, ring: RingSpec, hops, ok, part, comp, state, grad_kind, gra
         return g_in, g_recv, part, ready  # the owner keeps its own block's partial
     acc_sel = ok & (g_in[:, 0] >= 0)
     last = s == ring.size - 1
-    grp = ring.groups[(ring.pos - s - 1) % ring.size]
+    grp = ring.group(r, (ring.pos - s - 1) % ring.size)
     new_in, new_recv, ready = np.full((n, k), -1), np.full((n, k), -1), np.full((n, k), -1)
     for t in range(k):
         acc = np.full(n, -1)
@@ -221,7 +230,7 @@ def _grad_step(b, s, ring: RingSpec, hops, ok, part, comp, state, grad_kind, gra
         dep = np.where(acc >= 0, acc, np.where(ok, comp, -1))
         g_next = b.tensor(r, grad_kind, grp[:, t], dtype=grad_dtype,
                           role=role if last and hops == "n" else "buffer", heads=ring.h())
-        gs, gr = b.transfer(r, ring.nxt, send_t, g_next[ring.nxt], stream=stream, step=s,
+        gs, gr = b.transfer(r, ring.nxt, send_t, g_next[ring.nxt], stream=stream, step=step0 + s,
                             dtype=grad_dtype, send_deps=[dep])
         b.free_after(send_t, gs)
         b.free_after(g_in[acc_sel, t], acc[acc_sel])

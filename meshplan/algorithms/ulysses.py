@@ -146,28 +146,23 @@ class USP(Algorithm):
         return lambda rr, j: (grid.groups[grid.g_of[rr]], grid.groups[j])
 
     def _forward(self, b: ScheduleBuilder, plan: Plan, grid: Grid, ring: RingSpec) -> None:
-        n, w = plan.n_ranks, plan.workload
+        w = plan.workload
         held, got = scatter_heads(b, grid, {"q": split_inputs(b, grid, "q", role="input"),
                                             "kv": split_inputs(b, grid, "kv", role="input")}, stream="a2a", step=0)
         acc = _group_tensors(b, grid, "out", dtype="fp32", own_role="output")
-        io = lambda ok, s, j, cur: ([held["q"][ok, t] for t in range(grid.u)] + [c[ok] for c in cur],  # noqa: E731
-                                    [acc[ok, t] for t in range(grid.u)], "merge", None)
-        steps = rotate_forward_merge(b, plan, held["kv"], "kv", self._block(grid), io, ring=ring, first_deps=got)
-        last = _last(steps, n)   # the received Q, K, V pieces stay: training saves them for the backward
+        last = self._ring_forward(b, plan, grid, ring, held, acc, got)
+        # the received Q, K, V pieces stay: training saves them for the backward
         gather_heads(b, grid, "out", acc, stream="a2a", step=1, dtype=w.dtype, role="output", deps=[last])
 
     def _backward(self, b: ScheduleBuilder, plan: Plan, grid: Grid, ring: RingSpec) -> None:
-        n, w, k = plan.n_ranks, plan.workload, plan.knobs
+        n, w = plan.n_ranks, plan.workload
         r, u = np.arange(n), grid.u
         saved = {kind: _group_tensors(b, grid, kind, own_role="input", role="input") for kind in ("q", "kv", "out")}
         held, got = scatter_heads(b, grid, {"dout": split_inputs(b, grid, "dout", role="input")}, stream="a2a", step=0)
         dq = _group_tensors(b, grid, "dq", dtype="fp32", own_role="output")
         static = [saved["q"][:, t] for t in range(u)] + [saved["out"][:, t] for t in range(u)] + \
             [held["dout"][:, t] for t in range(u)]
-        home, ready, last = rotate_backward(
-            b, plan, travel=saved["kv"], travel_kind="kv", grad_kind="dkv", grad_dtype=k.get("dkv_dtype", "fp32"),
-            hops=k.get("dkv_hops", "n"), block=self._block(grid), static_inputs=static,
-            local_grad=[dq[:, t] for t in range(u)], travel_first=False, ring=ring, grad_role="buffer", first_deps=got)
+        home, ready, last = self._ring_backward(b, plan, grid, ring, saved["kv"], static, dq, got)
         _free_received(b, grid, held.values(), last)
         gather_heads(b, grid, "dq", dq, stream="a2a", step=1, dtype=w.dtype, role="output", deps=[last])
         dkv = b.tensor(r, "dkv", r, dtype="fp32", role="output")
@@ -181,6 +176,22 @@ class USP(Algorithm):
             piece = landed[r, col]
             add = b.combine_op(r, "accumulate", src=piece, dst=dkv, deps=[got_back])
             b.free_after(piece, add)
+
+    def _ring_forward(self, b, plan, grid: Grid, ring: RingSpec, held: dict, acc: np.ndarray, got) -> np.ndarray:
+        """The ring over Ulysses groups (KV rotates, outputs LSE-merged); returns each rank's last compute."""
+        io = lambda ok, s, j, cur: ([held["q"][ok, t] for t in range(grid.u)] + [c[ok] for c in cur],  # noqa: E731
+                                    [acc[ok, t] for t in range(grid.u)], "merge", None)
+        steps = rotate_forward_merge(b, plan, held["kv"], "kv", self._block(grid), io, ring=ring, first_deps=got)
+        return _last(steps, plan.n_ranks)
+
+    def _ring_backward(self, b, plan, grid: Grid, ring: RingSpec, kv: np.ndarray, static: list, dq: np.ndarray, got):
+        """The ring backward (dK/dV ride with KV); returns (home dK/dV [n, u], ready ops, last compute)."""
+        k = plan.knobs
+        return rotate_backward(
+            b, plan, travel=kv, travel_kind="kv", grad_kind="dkv", grad_dtype=k.get("dkv_dtype", "fp32"),
+            hops=k.get("dkv_hops", "n"), block=self._block(grid), static_inputs=static,
+            local_grad=[dq[:, t] for t in range(grid.u)], travel_first=False, ring=ring, grad_role="buffer",
+            first_deps=got)
 
     # ------------------------------------------------------------------ timing
     def timing(self, plan: Plan, topo: Topology) -> dict[str, PassTiming]:
