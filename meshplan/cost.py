@@ -4,7 +4,10 @@ All times in seconds, sizes in bytes, rates in bytes/s.
 
 * Attention block: ``t = t_launch + FLOPs / (peak(dtype) · e(s_q, s_kv, pass, mask))`` with ``e`` from
   the device's kernel table (:mod:`meshplan.kernels`); FLOPs = 4·B·h·pairs·D forward, 2.5x backward.
-  An op over several blocks runs as one block-sparse kernel: one launch plus each block's own term.
+  An op over several blocks runs as one kernel of the op's shape (the rows and columns of its chunks that
+  take part: Ulysses runs the whole sequence, USP u·c × u·c, CHARM+ 2c × c, TASP c × c from N − 1
+  sub-chunks), with the elementwise factor when that rectangle is not fully permitted (COSTMODEL.md:
+  ``e`` is keyed by the kernel's shape, not by FLOPs).
 * Combining a result into an accumulator (LSE merge or gradient add) is memory bound:
   ``t = t_launch + bytes_touched / (f · HBM bandwidth)`` with f = the table's ``merge_hbm_fraction``
   (0.8, COSTMODEL.md). A compute op with ``combine`` merge/accumulate pays it for each output:
@@ -19,8 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from meshplan.csr import csr_sum
-from meshplan.matrix import attn_matrix
-from meshplan.schedule import COMBINES, COMPUTE, KIND, PASS_NAMES, Schedule, expand_blocks
+from meshplan.schedule import COMBINES, COMPUTE, KIND, PASS_NAMES, Schedule
 from meshplan.topology import Topology
 
 
@@ -39,12 +41,18 @@ class CostModel:
         t = self.kernel.launch_s + flops / (self.topo.peak_flops(dtype) * eff)
         return np.where(flops > 0, t, 0.0)
 
-    def matrix_block_times(self, m, pass_: str) -> np.ndarray:
-        """[N, N] kernel time of every block of a matrix alone (all query heads), cached on the matrix."""
-        key = (self.topo.content_hash, pass_)
+    def matrix_block_times(self, m, pass_: str, kernel_chunks: tuple[int, int] = (1, 1)) -> np.ndarray:
+        """[N, N] kernel time of every block of a matrix (all query heads), cached on the matrix.
+
+        ``kernel_chunks`` (a, b): the block runs inside a kernel of up to a × b chunks, so its efficiency is
+        taken at that shape — the largest it can have, which keeps closed forms lower bounds."""
+        key = (self.topo.content_hash, pass_, kernel_chunks)
         cache = m.__dict__.setdefault("_block_time_cache", {})
         if key not in cache:
-            cache[key] = self.block_time_s(m.flops(pass_), m.s_q, m.s_kv, m.elementwise, pass_, m.workload.dtype)
+            a, b = kernel_chunks
+            c = m.tokens_per_chunk
+            s_q, s_kv = (m.s_q, m.s_kv) if (a, b) == (1, 1) else (a * c, b * c)
+            cache[key] = self.block_time_s(m.flops(pass_), s_q, s_kv, m.elementwise, pass_, m.workload.dtype)
         return cache[key]
 
     def merge_time_s(self, bytes_touched) -> np.ndarray:
@@ -52,33 +60,16 @@ class CostModel:
         b = np.asarray(bytes_touched, dtype=np.float64)
         return np.where(b > 0, self.kernel.launch_s + b / self.merge_rate, 0.0)
 
-    def _block_sparse(self, sched: Schedule, ops: np.ndarray, pass_: str) -> np.ndarray:
-        """Ops over several blocks run as one block-sparse kernel: one launch plus every block's own time."""
-        m = attn_matrix(sched.workload, sched.n_chunks)
-        o = sched.ops
-        op_of, qi, kj = expand_blocks(o, ops)
-        heads = (o.h1 - o.h0)[op_of] / sched.workload.n_heads
-        flops = m.flops(pass_)[qi, kj] * heads
-        t = self.block_time_s(flops, m.s_q[qi, kj], m.s_kv[qi, kj], m.elementwise[qi, kj], pass_,
-                              sched.workload.dtype) - np.where(flops > 0, self.kernel.launch_s, 0.0)
-        total = np.zeros(len(o))
-        np.add.at(total, op_of, t)
-        return self.kernel.launch_s + total[ops]
-
     def op_durations(self, sched: Schedule) -> np.ndarray:
         """[n_ops] seconds for compute, merge and accumulate ops alone on their device; 0 for the rest."""
         o, t = sched.ops, sched.tensors
         dur = np.zeros(len(o))
         dtype = sched.workload.dtype
-        blocks = np.diff(o.qc_ptr) * np.diff(o.kvc_ptr)
         for phase in (0, 1):
-            sel = np.flatnonzero((o.kind == COMPUTE) & (o.phase == phase) & (blocks <= 1))
+            sel = np.flatnonzero((o.kind == COMPUTE) & (o.phase == phase))
             if len(sel):
                 dur[sel] = self.block_time_s(o.flops[sel], o.s_q[sel], o.s_kv[sel], o.mask[sel] > 0,
                                              PASS_NAMES[phase], dtype)
-            multi = np.flatnonzero((o.kind == COMPUTE) & (o.phase == phase) & (blocks > 1))
-            if len(multi):
-                dur[multi] = self._block_sparse(sched, multi, PASS_NAMES[phase])
         combined = (o.kind == COMPUTE) & (o.combine != COMBINES.index("write"))
         out_bytes = csr_sum(o.out_ptr, t.size_bytes[o.outputs].astype(np.float64))
         dur[combined] += 3 * out_bytes[combined] / self.merge_rate

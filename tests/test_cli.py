@@ -117,7 +117,7 @@ def test_schema_and_topo_show():
 @pytest.mark.parametrize("args,needles", [
     (["simulate", "--algo", "ring", "--gpus", 12, "--topo", "h100x32", "--seq-len", "96K"], ["--gpus", "divisor of 8"]),
     (["simulate", "--algo", "no-such-algo", "--gpus", 8, "--topo", "h100x8"], ["--algo", "ring"]),
-    (["simulate", "--algo", "tasp", "--gpus", 8, "--topo", "h100x8"], ["not implemented yet", "issue 5"]),
+    (["simulate", "--algo", "startrail", "--gpus", 8, "--topo", "h100x8"], ["not implemented yet", "issue 5"]),
     (["simulate", "--algo", "charm", "--gpus", 8, "--topo", "h100x8"], ["--algo", "NUMA domains", "--domains"]),
     (["simulate", "--algo", "ring", "--gpus", 8, "--topo", "h100x8", "--kv-heads", 5], ["--kv-heads", "1, 2, 4"]),
     (["simulate", "--algo", "ring", "--gpus", 4, "--topo", "h100x8", "--seq-len", 2999],

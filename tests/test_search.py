@@ -53,4 +53,4 @@ def test_knob_filters_pin_and_exclude():
     result = run_search(w, topo, 8, filters={"dkv_dtype": "bf16"})
     assert {c.algorithm for c in result.candidates} == {"ring", "usp", "loongtrain", "merge", "rmplus", "mesh"}
     assert all(c.knobs["dkv_dtype"] == "bf16" for c in result.candidates)
-    assert result.counts["skipped"]["dkv_dtype does not apply"] == 2    # pass-Q, Ulysses: no dK/dV on a ring
+    assert result.counts["skipped"]["dkv_dtype does not apply"] == 3    # pass-Q, Ulysses, TASP: no dK/dV wire

@@ -335,7 +335,8 @@ def _tile_costs(plan: Plan, topo: Topology, pass_: str) -> TileCosts:
     size_kv = tensor_bytes(w, "kv", c, w.n_heads, w.dtype)
     mean = lambda f, size: float((f["lat"].sum() + size * f["inv_bw"].sum()) / f["count"].sum()) \
         if f["count"].sum() else 0.0  # noqa: E731
-    blocks = CostModel(topo).matrix_block_times(m, pass_)
+    grid = plan.extra["grid"]
+    blocks = CostModel(topo).matrix_block_times(m, pass_, (grid.a, grid.b))
     t_block = float(blocks[m.permitted].mean()) if m.permitted.any() else 0.0
     t_kv = 0.0 if keep else mean(col, size_kv)         # kept KV chunks are there from the start
     return TileCosts(t_q=mean(row, size_q), t_kv=t_kv, t_o=mean(row, size_o), t_block=t_block)

@@ -77,7 +77,8 @@ def rank_compute(plan: Plan, topo: Topology, pass_: str) -> tuple[np.ndarray, np
     key = (id(m), grid, topo.content_hash, pass_)
     if key not in _COMPUTE:
         cost = CostModel(topo)
-        blocks = np.where(m.permitted, cost.matrix_block_times(m, pass_) - cost.kernel.launch_s, 0.0)
+        blocks = np.where(m.permitted, cost.matrix_block_times(m, pass_, (grid.a, grid.b)) - cost.kernel.launch_s,
+                          0.0)
         owner = plan.owner
         sel = owner >= 0
         cheapest = np.full(grid.n, np.inf)
