@@ -69,10 +69,10 @@ def test_search_json_and_written_schedule(tmp_path):
     d = json.loads(r.stdout)
     assert {"workload", "topology", "wall_s", "counts", "candidates"} <= set(d)
     assert {"enumerated", "pruned", "simulated", "skipped"} <= set(d["counts"])
-    from meshplan.algorithms import PLANNED
-    assert d["counts"]["skipped"]["not implemented yet"] == len(PLANNED)
+    assert "not implemented yet" not in d["counts"]["skipped"]
     c = d["candidates"]
-    assert {"ring", "pass-q", "ulysses", "usp", "mesh"} <= {x["algorithm"] for x in c}
+    from meshplan.algorithms import NAMES
+    assert set(NAMES) - {"charm", "tasp"} <= {x["algorithm"] for x in c}   # one node; 128K is not 56·k
     assert c[0]["model_level"] == "simulated" and c[0]["schedule_path"] and c[1]["schedule_path"]
     assert all({"requested", "kept", "status", "objective_s", "bound_s", "gap", "solve_s"} <= set(x["scheduler"])
                for x in c)
@@ -117,7 +117,7 @@ def test_schema_and_topo_show():
 @pytest.mark.parametrize("args,needles", [
     (["simulate", "--algo", "ring", "--gpus", 12, "--topo", "h100x32", "--seq-len", "96K"], ["--gpus", "divisor of 8"]),
     (["simulate", "--algo", "no-such-algo", "--gpus", 8, "--topo", "h100x8"], ["--algo", "ring"]),
-    (["simulate", "--algo", "startrail", "--gpus", 8, "--topo", "h100x8"], ["not implemented yet", "issue 5"]),
+    (["simulate", "--algo", "startrail", "--gpus", 8, "--topo", "h100x8", "--team-size", 3], ["--team-size", "8"]),
     (["simulate", "--algo", "charm", "--gpus", 8, "--topo", "h100x8"], ["--algo", "NUMA domains", "--domains"]),
     (["simulate", "--algo", "ring", "--gpus", 8, "--topo", "h100x8", "--kv-heads", 5], ["--kv-heads", "1, 2, 4"]),
     (["simulate", "--algo", "ring", "--gpus", 4, "--topo", "h100x8", "--seq-len", 2999],

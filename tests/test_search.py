@@ -51,6 +51,7 @@ def test_knob_filters_pin_and_exclude():
     topo = Topology.load("h100x8", gpus=8)
     w = resolve(seq_len="16K")
     result = run_search(w, topo, 8, filters={"dkv_dtype": "bf16"})
-    assert {c.algorithm for c in result.candidates} == {"ring", "usp", "loongtrain", "merge", "rmplus", "mesh"}
+    assert {c.algorithm for c in result.candidates} == {"ring", "usp", "loongtrain", "startrail", "merge", "rmplus",
+                                                            "mesh"}
     assert all(c.knobs["dkv_dtype"] == "bf16" for c in result.candidates)
     assert result.counts["skipped"]["dkv_dtype does not apply"] == 3    # pass-Q, Ulysses, TASP: no dK/dV wire

@@ -12,15 +12,16 @@ from meshplan.algorithms.loongtrain import LoongTrain
 from meshplan.algorithms.mesh import Mesh
 from meshplan.algorithms.passq import PassQ
 from meshplan.algorithms.ring import Ring
+from meshplan.algorithms.startrail import StarTrail
 from meshplan.algorithms.tasp import TASP
 from meshplan.algorithms.ulysses import USP, Ulysses
 from meshplan.errors import UserError
 
 #: Contract order.
 NAMES = ("ring", "pass-q", "ulysses", "usp", "loongtrain", "startrail", "tasp", "merge", "rmplus", "charm", "mesh")
-REGISTRY: dict[str, Algorithm] = {a.name: a for a in (Ring(), PassQ(), Ulysses(), USP(), LoongTrain(), TASP(),
-                                                        Merge(), RMPlus(), Charm(), Mesh())}
-PLANNED = {n: "issue 5 (baseline library)" for n in ("startrail",)}
+REGISTRY: dict[str, Algorithm] = {a.name: a for a in (Ring(), PassQ(), Ulysses(), USP(), LoongTrain(), StarTrail(),
+                                                        TASP(), Merge(), RMPlus(), Charm(), Mesh())}
+PLANNED: dict[str, str] = {}
 
 
 def get(name: str) -> Algorithm:

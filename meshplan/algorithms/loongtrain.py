@@ -22,7 +22,7 @@ from meshplan.algorithms.base import Knob
 from meshplan.algorithms.headsplit import Grid
 from meshplan.algorithms.rotate import RingSpec, rotate_backward, rotate_forward_merge
 from meshplan.algorithms.ulysses import USP, _degree, _last
-from meshplan.errors import SkipCandidate, UserError
+from meshplan.errors import UserError
 
 
 class LoongTrain(USP):
@@ -67,10 +67,7 @@ class LoongTrain(USP):
 
     def knob_space(self, workload, topo, n_ranks, filters) -> list[dict]:
         """The given knobs, else u = 1 and the node-sized inner ring (both overridable)."""
-        base = self.normalize(filters)
-        if n_ranks < 2:
-            raise SkipCandidate("needs two or more ranks", "a double ring needs N ≥ 2")
-        return [base]
+        return [dict(filters)]
 
     def plan(self, workload, topo, n_ranks, knobs, matrix=None):
         """USP's plan, with the inner ring size recorded."""

@@ -94,6 +94,15 @@ def pass_travel(b: ScheduleBuilder, cur: np.ndarray, kind: str, s: int, ring: Ri
     return np.stack(snd, 1), np.stack(rcv, 1), np.stack(nxt, 1)
 
 
+def _firsts(first_deps, n: int) -> list[np.ndarray]:
+    """``first_deps`` as a list of [n] op-id arrays (one array of −1 when None)."""
+    if first_deps is None:
+        return [np.full(n, -1)]
+    if isinstance(first_deps, np.ndarray) and first_deps.ndim == 1:
+        return [first_deps]
+    return [np.asarray(d) for d in first_deps]
+
+
 def _columns(x: np.ndarray, sel) -> list[np.ndarray]:
     return [x[sel, t] for t in range(x.shape[1])]
 
@@ -115,7 +124,8 @@ def rotate_forward_merge(b: ScheduleBuilder, plan: Plan, travel: np.ndarray, kin
     ``make_io(ok, s, j, cur)`` returns (inputs, outputs, combine, fresh) for the ranks ``ok`` of step s
     (j: the travelling group's ring position; cur: the k travelling tensor arrays); ``fresh`` (or None)
     are tensors the compute op creates (allocated when it starts). Returns, per step, the compute op of
-    every rank (−1 where its block is empty). ``first_deps`` ([n]): what the first compute and the first
+    every rank (−1 where its block is empty). ``first_deps`` ([n], or a list of them): what the first compute
+    and the first
     forwarding send wait for (the all-to-all that delivered the travelling tensors, for hybrid methods).
     ``step0`` offsets the batch ids (rotations that follow each other on one stream need distinct ones).
     """
@@ -123,14 +133,14 @@ def rotate_forward_merge(b: ScheduleBuilder, plan: Plan, travel: np.ndarray, kin
     ring = ring or RingSpec.simple(n)
     r = np.arange(n)
     cur = travel.reshape(n, -1)
-    first = np.full(n, -1) if first_deps is None else first_deps
-    prev_recv, steps, last_comp = np.repeat(first[:, None], cur.shape[1], 1), [], np.full(n, -1)
+    firsts = _firsts(first_deps, n)
+    prev_recv, steps, last_comp = np.stack(firsts, 1), [], np.full(n, -1)
     for s in range(ring.size):
         j = (ring.pos - s) % ring.size
         snd = rcv = nxt = None
         if s < ring.size - 1:
             snd, rcv, nxt = pass_travel(b, cur, kind, s, ring, stream=stream or kind, last_comp=last_comp,
-                                        send_deps=[first] if s == 0 else (), step0=step0)
+                                        send_deps=firsts if s == 0 else (), step0=step0)
         qi, ki = block(r, j)
         ok = ring.permitted(m, qi, ki)
         inputs, outputs, combine, fresh = make_io(ok, s, j, [cur[:, t] for t in range(cur.shape[1])])
@@ -172,15 +182,15 @@ def rotate_backward(b: ScheduleBuilder, plan: Plan, *, travel: np.ndarray, trave
     r, R = np.arange(n), ring.size
     cur = travel.reshape(n, -1)
     k = cur.shape[1]
-    first = np.full(n, -1) if first_deps is None else first_deps
-    prev_recv, last_comp = np.repeat(first[:, None], k, 1), np.full(n, -1)
+    firsts = _firsts(first_deps, n)
+    prev_recv, last_comp = np.stack(firsts, 1), np.full(n, -1)
     state = (np.full((n, k), -1), np.full((n, k), -1), np.full((n, k), -1), None)  # acc in, its recv, own, ready
     for s in range(R):
         j = (ring.pos - s) % R
         snd = rcv = nxt = None
         if s < R - 1:
             snd, rcv, nxt = pass_travel(b, cur, travel_kind, s, ring, stream=stream or travel_kind,
-                                        last_comp=last_comp, send_deps=[first] if s == 0 else (), step0=step0)
+                                        last_comp=last_comp, send_deps=firsts if s == 0 else (), step0=step0)
         qi, ki = block(r, j)
         ok = ring.permitted(m, qi, ki)
         part = np.full((n, k), -1)

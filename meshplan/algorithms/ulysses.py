@@ -102,11 +102,10 @@ class USP(Algorithm):
 
     def knob_space(self, workload, topo, n_ranks, filters) -> list[dict]:
         """Every valid degree 2 ≤ u < N (unless pinned) × both rank orders (unless pinned)."""
-        base = self.normalize(filters)
-        degrees = [base["ulysses_degree"]] if "ulysses_degree" in filters else \
+        degrees = [filters["ulysses_degree"]] if "ulysses_degree" in filters else \
             [u for u in valid_degrees(workload, n_ranks) if u < n_ranks] or ["auto"]
-        orders = [base["rank_order"]] if "rank_order" in filters else list(RANK_ORDERS)
-        return [base | {"ulysses_degree": u, "rank_order": o} for u in degrees for o in orders]
+        orders = [filters["rank_order"]] if "rank_order" in filters else list(RANK_ORDERS)
+        return [dict(filters) | {"ulysses_degree": u, "rank_order": o} for u in degrees for o in orders]
 
     # ------------------------------------------------------------------ plan
     def plan(self, workload, topo, n_ranks, knobs, matrix=None) -> Plan:
@@ -222,7 +221,7 @@ class Ulysses(USP):
 
     def knob_space(self, workload, topo, n_ranks, filters) -> list[dict]:
         """One setting (the rank order does not matter with a single group)."""
-        return [self.normalize(filters)]
+        return [dict(filters)]
 
     def plan(self, workload, topo, n_ranks, knobs, matrix=None) -> Plan:
         """USP's plan with u = N (the ``ulysses_degree`` it records is N)."""
