@@ -59,11 +59,12 @@ def print_search(body: dict[str, Any], console: Console, top: int) -> None:
         p = c["predicted"]
         sim = c["model_level"] == "simulated"
         t = fmt_seconds if sim else (lambda x: "≥" + fmt_seconds(x))  # bounds are lower bounds
+        part = lambda name, p=p: (p.get(name) or {}).get("makespan_s")  # noqa: E731  (bwd: null: forward-only)
         table.add_row(str(i), c["algorithm"], c["layout"], _knob_text(c["knobs"], c["algorithm"]),
-                      "sim" if sim else "bound", t(p["makespan_s"]), _fmt(p.get("fwd", {}).get("makespan_s"), t),
-                      _fmt(p.get("bwd", {}).get("makespan_s"), t), fmt_seconds(p["exposed_comm_s"]),
-                      fmt_bytes(p["comm_bytes_per_gpu_max"]), fmt_bytes(p["inter_node_bytes_per_gpu_max"]),
-                      _fmt(p["compute_to_comm"], lambda x: f"{x:.3g}"), fmt_bytes(p["peak_memory_bytes"]))
+                      "sim" if sim else "bound", _fmt(p["makespan_s"], t), _fmt(part("fwd"), t), _fmt(part("bwd"), t),
+                      _fmt(p["exposed_comm_s"], fmt_seconds), _fmt(p["comm_bytes_per_gpu_max"], fmt_bytes),
+                      _fmt(p["inter_node_bytes_per_gpu_max"], fmt_bytes),
+                      _fmt(p["compute_to_comm"], lambda x: f"{x:.3g}"), _fmt(p["peak_memory_bytes"], fmt_bytes))
     console.print(table)
     for i, c in enumerate(body["candidates"], start=1):
         if c["schedule_path"]:

@@ -39,6 +39,7 @@ class Candidate:
     predicted: dict[str, Any] = field(default_factory=dict)
     model_level: str = "closed-form"
     schedule_path: str | None = None
+    forward_only: bool = False     # a forward-only method in a fwd+bwd search: ranked on its forward alone
 
     @property
     def bound_s(self) -> float:

@@ -55,3 +55,15 @@ def test_knob_filters_pin_and_exclude():
                                                             "mesh"}
     assert all(c.knobs["dkv_dtype"] == "bf16" for c in result.candidates)
     assert result.counts["skipped"]["dkv_dtype does not apply"] == 3    # pass-Q, Ulysses, TASP: no dK/dV wire
+
+
+def test_forward_only_methods_are_listed_last_with_bwd_null_under_fwd_and_bwd():
+    """ARCHITECTURE.md: TASP ranks normally under --pass fwd; under fwd+bwd it follows the others, bwd null."""
+    topo = Topology.load("h100x8", gpus=8)
+    both = run_search(resolve(seq_len=8 * 7 * 2 * 16, passes="fwd+bwd"), topo, 8, layout_pinned=True)
+    tasp = [i for i, c in enumerate(both.candidates) if c.algorithm == "tasp"]
+    assert tasp and tasp == list(range(len(both.candidates) - len(tasp), len(both.candidates)))
+    assert all(both.candidates[i].predicted["bwd"] is None and both.candidates[i].predicted["fwd"]["makespan_s"] > 0
+               for i in tasp)
+    fwd = run_search(resolve(seq_len=8 * 7 * 2 * 16, passes="fwd"), topo, 8, layout_pinned=True)
+    assert any(c.algorithm == "tasp" and c.predicted["makespan_s"] > 0 for c in fwd.candidates)

@@ -68,11 +68,16 @@ def enumerate_candidates(base: Workload, topo: Topology, n: int, algos: list[str
                 continue
             own_space = type(alg).knob_space is not algorithms.Algorithm.knob_space
             settings = alg.knob_space(w, topo, n, filters) if own_space else _knob_settings(name, filters)
+            fwd_only = alg.forward_only and "bwd" in w.pass_list
+            wc = w.with_(passes="fwd") if fwd_only else w
             for knobs in settings:
                 try:
-                    cands.append(make_candidate(name, w, topo, n, knobs, matrix))
+                    c = make_candidate(name, wc, topo, n, knobs, None if fwd_only else matrix)
                 except SkipCandidate as skip:
                     skipped[skip.reason] += 1
+                    continue
+                c.forward_only = fwd_only
+                cands.append(c)
     return cands, skipped
 
 
@@ -109,6 +114,8 @@ def run_search(base: Workload, topo: Topology, n: int, *, algos: list[str] | Non
             raise UserError("--memory-limit", f"no plan fits in {memory_limit / 1e9:.3g} GB per GPU",
                             f"the smallest needs {peak / 1e9:.3g} GB ({_label(c)}); raise the limit or add GPUs")
         cands = keep
+    fwd_only = [c for c in cands if c.forward_only]       # listed after the others with bwd: null
+    cands = [c for c in cands if not c.forward_only]
     cands.sort(key=lambda c: (c.estimate_s, c.bound_s))   # likely winners first: pruning bites early
     best = float("inf")
     beaten = lambda c: c.bound_s > best * (1 - prune_slack) * (1 + 1e-12)  # noqa: E731
@@ -134,9 +141,15 @@ def run_search(base: Workload, topo: Topology, n: int, *, algos: list[str] | Non
     algorithms.get("mesh").forget_builds()
     sim = sorted((c for c in cands if c.model_level == "simulated"), key=lambda c: c.predicted["makespan_s"])
     cf = sorted((c for c in cands if c.model_level != "simulated"), key=lambda c: c.bound_s)
-    counts = {"enumerated": len(cands) + skipped["over --memory-limit"], "pruned": len(cf), "simulated": len(sim),
-              "skipped": dict(skipped), "prune_slack": prune_slack}
-    return SearchResult(base, topo, n, sim + cf, counts, time.perf_counter() - t0, ccr, rejected, layout_pinned)
+    for c in fwd_only:
+        simulate_candidate(c, topo, ccr)
+        c.predicted = {k: None for k in c.predicted} | {"fwd": c.predicted, "bwd": None, "total": None}
+        _forget(c)
+    fwd_only.sort(key=lambda c: c.predicted["fwd"]["makespan_s"])
+    counts = {"enumerated": len(cands) + len(fwd_only) + skipped["over --memory-limit"], "pruned": len(cf),
+              "simulated": len(sim) + len(fwd_only), "skipped": dict(skipped), "prune_slack": prune_slack}
+    return SearchResult(base, topo, n, sim + cf + fwd_only, counts, time.perf_counter() - t0, ccr, rejected,
+                        layout_pinned)
 
 
 def _forget(c: Candidate) -> None:
