@@ -118,6 +118,13 @@ def test_schema_and_topo_show():
     (["simulate", "--algo", "ring", "--gpus", 12, "--topo", "h100x32", "--seq-len", "96K"], ["--gpus", "divisor of 8"]),
     (["simulate", "--algo", "no-such-algo", "--gpus", 8, "--topo", "h100x8"], ["--algo", "ring"]),
     (["simulate", "--algo", "startrail", "--gpus", 8, "--topo", "h100x8", "--team-size", 3], ["--team-size", "8"]),
+    (["simulate", "--algo", "ulysses", "--gpus", 2, "--topo", "cpu-local", "--seq-len", 1023, "--heads", 8,
+      "--kv-heads", 8, "--head-dim", 64, "--layout", "contiguous"], ["--seq-len", "--valid-len 1023"]),   # C6
+    (["simulate", "--algo", "usp", "--ulysses-degree", 2, "--gpus", 4, "--topo", "cpu-local", "--heads", 6,
+      "--kv-heads", 3, "--seq-len", "4K"], ["--ulysses-degree", "3 KV heads"]),                        # C7
+    (["simulate", "--algo", "tasp", "--gpus", 8, "--topo", "h100x8", "--seq-len", 1000, "--pass", "fwd"],
+     ["--algo", "multiple of 112"]),
+    (["simulate", "--algo", "charm", "--gpus", 12, "--topo", "cpu-local", "--domains", 2], ["--domains"]),
     (["simulate", "--algo", "charm", "--gpus", 8, "--topo", "h100x8"], ["--algo", "NUMA domains", "--domains"]),
     (["simulate", "--algo", "ring", "--gpus", 8, "--topo", "h100x8", "--kv-heads", 5], ["--kv-heads", "1, 2, 4"]),
     (["simulate", "--algo", "ring", "--gpus", 4, "--topo", "h100x8", "--seq-len", 2999],
