@@ -36,6 +36,7 @@ WORLD2 = [
     Case("c6-ulysses-padded", "ulysses", 2, workload={"seq_len": 1024, "valid_len": 1023, "heads": 8, "kv_heads": 8,
                                                        "head_dim": 64, "layout": "contiguous", "passes": "fwd"}),
     Case("merge2-zz-causal-bf16", "merge", 2),
+    Case("rmplus2-full-fp16", "rmplus", 2, workload={"mask": "full", "dtype": "fp16"}),
     Case("charm2-full-fp32-gqa-bwd", "charm", 2, knobs={"domains": "2"},
          workload=GQA | {"mask": "full", "dtype": "fp32", "passes": "bwd"}),
     Case("loongtrain-w1-fp16", "loongtrain", 2, knobs={"inner_ring": "1"}, workload={"dtype": "fp16"}),

@@ -39,8 +39,9 @@ def test_inner_rings_stay_inside_nodes_and_one_outer_hop_per_window_step():
     assert np.bincount(o.rank[outer], minlength=16).tolist() == [1] * 16     # n_win − 1 = 1 outer step
 
 
-@pytest.mark.parametrize("knobs,n", [({"inner_ring": "2"}, 4), ({"inner_ring": "2", "ulysses_degree": "2"}, 8),
-                                     ({"inner_ring": "1", "ulysses_degree": "4"}, 16)])
+@pytest.mark.parametrize("knobs,n", [({"inner_ring": "1"}, 2), ({"inner_ring": "2"}, 4),
+                                     ({"inner_ring": "2", "ulysses_degree": "2"}, 8), ({"inner_ring": "4"}, 8),
+                                     ({"inner_ring": "1", "ulysses_degree": "4"}, 16), ({}, 16)])
 @pytest.mark.parametrize("mask,layout", [("causal", "zigzag"), ("causal", "contiguous"), ("full", "striped")])
 def test_every_permitted_block_once_per_head(knobs, n, mask, layout):
     s, _ = build("loongtrain", n, topo="h100x16", heads=16, kv_heads=4, mask=mask, layout=layout, knobs=knobs)
