@@ -6,8 +6,9 @@ All times in seconds, sizes in bytes, rates in bytes/s.
   the device's kernel table (:mod:`meshplan.kernels`); FLOPs = 4·B·h·pairs·D forward, 2.5x backward.
   An op over several blocks runs as one kernel of the op's shape (the rows and columns of its chunks that
   take part: Ulysses runs the whole sequence, USP u·c × u·c, CHARM+ 2c × c, TASP c × c from N − 1
-  sub-chunks), with the elementwise factor when that rectangle is not fully permitted (COSTMODEL.md:
-  ``e`` is keyed by the kernel's shape, not by FLOPs).
+  sub-chunks): one launch, every block's FLOPs at the efficiency of its shape grown by √(a·b) for an op
+  over a × b chunks, the elementwise factor on the blocks that need a mask (COSTMODEL.md: ``e`` is keyed
+  by the kernel's shape, not by FLOPs).
 * Combining a result into an accumulator (LSE merge or gradient add) is memory bound:
   ``t = t_launch + bytes_touched / (f · HBM bandwidth)`` with f = the table's ``merge_hbm_fraction``
   (0.8, COSTMODEL.md). A compute op with ``combine`` merge/accumulate pays it for each output:
@@ -22,7 +23,8 @@ from __future__ import annotations
 import numpy as np
 
 from meshplan.csr import csr_sum
-from meshplan.schedule import COMBINES, COMPUTE, KIND, PASS_NAMES, Schedule
+from meshplan.matrix import attn_matrix
+from meshplan.schedule import COMBINES, COMPUTE, KIND, PASS_NAMES, Schedule, expand_blocks
 from meshplan.topology import Topology
 
 
@@ -44,14 +46,14 @@ class CostModel:
     def matrix_block_times(self, m, pass_: str, kernel_chunks: tuple[int, int] = (1, 1)) -> np.ndarray:
         """[N, N] kernel time of every block of a matrix (all query heads), cached on the matrix.
 
-        ``kernel_chunks`` (a, b): the block runs inside a kernel of up to a × b chunks, so its efficiency is
-        taken at that shape — the largest it can have, which keeps closed forms lower bounds."""
+        ``kernel_chunks`` (a, b): the block runs inside an op of up to a × b chunks, so its efficiency is
+        taken at its shape grown by √(a·b) (as :meth:`op_durations` does) — the largest it can have, which
+        keeps closed forms lower bounds."""
         key = (self.topo.content_hash, pass_, kernel_chunks)
         cache = m.__dict__.setdefault("_block_time_cache", {})
         if key not in cache:
-            a, b = kernel_chunks
-            c = m.tokens_per_chunk
-            s_q, s_kv = (m.s_q, m.s_kv) if (a, b) == (1, 1) else (a * c, b * c)
+            grow = np.sqrt(kernel_chunks[0] * kernel_chunks[1])
+            s_q, s_kv = m.s_q * grow, m.s_kv * grow
             cache[key] = self.block_time_s(m.flops(pass_), s_q, s_kv, m.elementwise, pass_, m.workload.dtype)
         return cache[key]
 
@@ -60,16 +62,36 @@ class CostModel:
         b = np.asarray(bytes_touched, dtype=np.float64)
         return np.where(b > 0, self.kernel.launch_s + b / self.merge_rate, 0.0)
 
+    def _one_kernel(self, sched: Schedule, ops: np.ndarray, pass_: str) -> np.ndarray:
+        """Ops over several blocks: one launch; each block's FLOPs at the efficiency of the kernel the op runs
+        — the block's shape grown by √(a·b) for an op over a × b chunks (exact for square ops: Ulysses, USP,
+        TASP; the same area for CHARM+'s 2c × c; symmetric in (s_q, s_kv), which the symmetry reduction
+        needs) — with the elementwise factor only on the blocks that need a mask."""
+        m = attn_matrix(sched.workload, sched.n_chunks)
+        o = sched.ops
+        op_of, qi, kj = expand_blocks(o, ops)
+        heads = (o.h1 - o.h0)[op_of] / sched.workload.n_heads
+        grow = np.sqrt(np.diff(o.qc_ptr) * np.diff(o.kvc_ptr))[op_of]
+        eff = self.kernel.efficiency(m.s_q[qi, kj] * grow, m.s_kv[qi, kj] * grow, pass_, m.elementwise[qi, kj])
+        t = m.flops(pass_)[qi, kj] * heads / (self.topo.peak_flops(sched.workload.dtype) * eff)
+        total = np.zeros(len(o))
+        np.add.at(total, op_of, t)
+        return self.kernel.launch_s + total[ops]
+
     def op_durations(self, sched: Schedule) -> np.ndarray:
         """[n_ops] seconds for compute, merge and accumulate ops alone on their device; 0 for the rest."""
         o, t = sched.ops, sched.tensors
         dur = np.zeros(len(o))
         dtype = sched.workload.dtype
+        blocks = np.diff(o.qc_ptr) * np.diff(o.kvc_ptr)
         for phase in (0, 1):
-            sel = np.flatnonzero((o.kind == COMPUTE) & (o.phase == phase))
+            sel = np.flatnonzero((o.kind == COMPUTE) & (o.phase == phase) & (blocks <= 1))
             if len(sel):
                 dur[sel] = self.block_time_s(o.flops[sel], o.s_q[sel], o.s_kv[sel], o.mask[sel] > 0,
                                              PASS_NAMES[phase], dtype)
+            multi = np.flatnonzero((o.kind == COMPUTE) & (o.phase == phase) & (blocks > 1))
+            if len(multi):
+                dur[multi] = self._one_kernel(sched, multi, PASS_NAMES[phase])
         combined = (o.kind == COMPUTE) & (o.combine != COMBINES.index("write"))
         out_bytes = csr_sum(o.out_ptr, t.size_bytes[o.outputs].astype(np.float64))
         dur[combined] += 3 * out_bytes[combined] / self.merge_rate

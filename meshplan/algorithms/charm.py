@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from meshplan.algorithms.base import DTYPE_KNOB, Algorithm, Knob, PassTiming
+from meshplan.algorithms.base import DTYPE_KNOB, BuiltTiming, Knob
 from meshplan.algorithms.charm_build import Lowering
 from meshplan.algorithms.charm_lists import domain_size, power_of_two
 from meshplan.algorithms.ring import new_builder, topology_record
-from meshplan.bounds import schedule_timing
 from meshplan.errors import SkipCandidate, UserError
 from meshplan.matrix import attn_matrix
 from meshplan.plan import Plan
@@ -48,7 +47,7 @@ COMMON = {
 }
 
 
-class Merge(Algorithm):
+class Merge(BuiltTiming):
     """CHARM+'s merge communication: log2 N levels of KV swaps, dependencies only between levels."""
 
     name = "merge"
@@ -81,7 +80,7 @@ class Merge(Algorithm):
             k["domains"] = n_ranks // p
         return Plan(self.name, k, m, n_ranks, owner, idx, idx, dev, extra=extra)
 
-    def schedule(self, plan: Plan, topo: Topology) -> Schedule:
+    def build(self, plan: Plan, topo: Topology) -> Schedule:
         """Each pass lowered by :class:`~meshplan.algorithms.charm_build.Lowering`."""
         b = new_builder(self, plan, topo)
         for phase, name in enumerate(("fwd", "bwd")):
@@ -90,9 +89,6 @@ class Merge(Algorithm):
                 Lowering(b, plan, plan.extra["domain_size"], self.mechanism, name).run()
         return b.build(topology_record(topo))
 
-    def timing(self, plan: Plan, topo: Topology) -> dict[str, PassTiming]:
-        """The built schedule's closed form (uncontended evaluation, busiest link)."""
-        return schedule_timing(self.schedule(plan, topo), topo)
 
 
 class RMPlus(Merge):

@@ -70,15 +70,16 @@ def geometry(plan: Plan, topo: Topology) -> dict:
     return _remember(_GEOMETRY, key, out)
 
 
-def rank_compute(plan: Plan, topo: Topology, pass_: str) -> tuple[np.ndarray, np.ndarray]:
+def rank_compute(plan: Plan, topo: Topology, pass_: str, kernel_chunks: tuple[int, int] | None = None):
     """([N] Σ kernel terms of each rank's blocks, [N] its cheapest block's term), launches left out; shared
-    by plans of one matrix and grid."""
+    by plans of one matrix and grid. ``kernel_chunks``: the largest op (q chunks, KV chunks) the tile plan
+    runs (default: the whole tile), whose kernel efficiency bounds every block's."""
     m, grid = plan.matrix, plan.extra["grid"]
-    key = (id(m), grid, topo.content_hash, pass_)
+    kc = kernel_chunks or (grid.a, grid.b)
+    key = (id(m), grid, topo.content_hash, pass_, kc)
     if key not in _COMPUTE:
         cost = CostModel(topo)
-        blocks = np.where(m.permitted, cost.matrix_block_times(m, pass_, (grid.a, grid.b)) - cost.kernel.launch_s,
-                          0.0)
+        blocks = np.where(m.permitted, cost.matrix_block_times(m, pass_, kc) - cost.kernel.launch_s, 0.0)
         owner = plan.owner
         sel = owner >= 0
         cheapest = np.full(grid.n, np.inf)
@@ -124,7 +125,8 @@ def cheap_timing(plan: Plan, topo: Topology, pass_: str, tile=None) -> PassTimin
     w, m = plan.workload, plan.matrix
     n, c, h = grid.n, m.tokens_per_chunk, w.n_heads
     size = lambda kind, dtype=w.dtype: float(tensor_bytes(w, kind, c, h, dtype))  # noqa: E731
-    compute, cheapest = rank_compute(plan, topo, pass_)
+    largest = max(tile.groups, key=lambda g: len(g[0]) * len(g[1])) if tile is not None and tile.groups else None
+    compute, cheapest = rank_compute(plan, topo, pass_, (len(largest[0]), len(largest[1])) if largest else None)
     compute = compute + overhead(plan, topo, pass_, tile)
     if pass_ == "fwd":
         moved = {("row", "in"): size("q"), ("row", "out"): size("out", plan.knobs["partial_dtype"] or w.dtype),

@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from meshplan.algorithms.base import DTYPE_KNOB, Algorithm, Knob, PassTiming
+from meshplan.algorithms.base import DTYPE_KNOB, BuiltTiming, Knob
 from meshplan.algorithms.ring import new_builder, topology_record
 from meshplan.algorithms.rotate import RingSpec, rotate_backward, rotate_forward_merge
 from meshplan.algorithms.ulysses import _degree, _last
-from meshplan.bounds import schedule_timing
 from meshplan.errors import SkipCandidate, UserError
 from meshplan.matrix import attn_matrix
 from meshplan.plan import Plan
@@ -31,7 +30,7 @@ from meshplan.schedule import Schedule, ScheduleBuilder
 from meshplan.topology import Topology
 
 
-class StarTrail(Algorithm):
+class StarTrail(BuiltTiming):
     """Team all-gathers × sub-rings of N/C² ranks × team reduce-scatter."""
 
     name = "startrail"
@@ -55,10 +54,10 @@ class StarTrail(Algorithm):
                                 f"C = {C} on {n_ranks} ranks does not")
 
     def knob_space(self, workload, topo, n_ranks, filters) -> list[dict]:
-        """Every C ≥ 2 with C² | N (unless pinned)."""
+        """Every C ≥ 2 with C² | N and C within a node (unless pinned)."""
         if "team_size" in filters:
             return [dict(filters)]
-        sizes = [c for c in range(2, n_ranks + 1) if n_ranks % (c * c) == 0] or [2]
+        sizes = [c for c in range(2, min(n_ranks, topo.gpus_per_node) + 1) if n_ranks % (c * c) == 0] or [2]
         return [dict(filters) | {"team_size": c} for c in sizes]
 
     def plan(self, workload, topo, n_ranks, knobs, matrix=None) -> Plan:
@@ -75,7 +74,7 @@ class StarTrail(Algorithm):
                     self.device_map(topo, n_ranks, knobs), extra={"C": C, "M": M})
 
     # ------------------------------------------------------------------ lowering
-    def schedule(self, plan: Plan, topo: Topology) -> Schedule:
+    def build(self, plan: Plan, topo: Topology) -> Schedule:
         """Team all-gather, initial fetch, sub-rings, team reduce-scatter; per pass."""
         b = new_builder(self, plan, topo)
         b.stream("compute", "compute")
@@ -213,6 +212,3 @@ class StarTrail(Algorithm):
             fold = b.combine_op(dst, "accumulate", src=land, dst=dkv[dst], deps=[rcv])
             b.free_after(land, fold)
 
-    def timing(self, plan: Plan, topo: Topology) -> dict[str, PassTiming]:
-        """The built schedule's closed form (uncontended evaluation, busiest link)."""
-        return schedule_timing(self.schedule(plan, topo), topo)

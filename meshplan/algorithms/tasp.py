@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from meshplan.algorithms.base import Algorithm, Knob, PassTiming
+from meshplan.algorithms.base import BuiltTiming, Knob
 from meshplan.algorithms.ring import MAPPINGS, new_builder, topology_record
 from meshplan.algorithms.tasp_cycles import IMPOSSIBLE, shipped
-from meshplan.bounds import schedule_timing
 from meshplan.errors import SkipCandidate, UserError
 from meshplan.matrix import attn_matrix
 from meshplan.plan import Plan
@@ -28,7 +27,7 @@ from meshplan.schedule import Schedule
 from meshplan.topology import Topology
 
 
-class TASP(Algorithm):
+class TASP(BuiltTiming):
     """Ring-Attention's KV all-gather decomposed into N − 1 concurrent Hamiltonian rings (forward only)."""
 
     name = "tasp"
@@ -66,7 +65,7 @@ class TASP(Algorithm):
         owner[~m.permitted] = -1
         return Plan(self.name, knobs, m, n_ranks, owner, home, home, self.device_map(topo, n_ranks, knobs))
 
-    def schedule(self, plan: Plan, topo: Topology) -> Schedule:
+    def build(self, plan: Plan, topo: Topology) -> Schedule:
         """N steps; at each, f sub-chunks move on f rings at once (one batch) while the rank computes."""
         b = new_builder(self, plan, topo)
         n = plan.n_ranks
@@ -113,7 +112,4 @@ class TASP(Algorithm):
                 owner = np.stack([owner[k][pred[k]] for k in range(f)])
         return b.build(topology_record(topo))
 
-    def timing(self, plan: Plan, topo: Topology) -> dict[str, PassTiming]:
-        """The built schedule's closed form (uncontended evaluation, busiest link)."""
-        return schedule_timing(self.schedule(plan, topo), topo)
 

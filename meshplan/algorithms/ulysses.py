@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from meshplan.algorithms.base import DTYPE_KNOB, Algorithm, Knob, PassTiming
+from meshplan.algorithms.base import DTYPE_KNOB, Algorithm, BuiltTiming, Knob
 from meshplan.algorithms.headsplit import (
     RANK_ORDERS,
     Grid,
@@ -41,7 +41,6 @@ from meshplan.algorithms.headsplit import (
 )
 from meshplan.algorithms.ring import new_builder, topology_record
 from meshplan.algorithms.rotate import RingSpec, rotate_backward, rotate_forward_merge
-from meshplan.bounds import schedule_timing
 from meshplan.errors import SkipCandidate, UserError
 from meshplan.matrix import attn_matrix
 from meshplan.plan import Plan
@@ -58,7 +57,7 @@ def _degree(raw: str) -> str | int:
     return value
 
 
-class USP(Algorithm):
+class USP(BuiltTiming):
     """USP: Ulysses of degree u inside groups × a ring of N/u groups."""
 
     name = "usp"
@@ -101,10 +100,11 @@ class USP(Algorithm):
                             f"no degree fits {n_ranks} ranks and these heads: use ring or mesh")
 
     def knob_space(self, workload, topo, n_ranks, filters) -> list[dict]:
-        """Every valid degree 2 ≤ u < N (unless pinned) × both rank orders (unless pinned)."""
+        """Every valid degree 2 ≤ u < N that fits in a node, Ulysses groups inside nodes (USP's default), unless
+        pinned (``--ulysses-degree``, ``--knob rank_order=ring-first``)."""
         degrees = [filters["ulysses_degree"]] if "ulysses_degree" in filters else \
-            [u for u in valid_degrees(workload, n_ranks) if u < n_ranks] or ["auto"]
-        orders = [filters["rank_order"]] if "rank_order" in filters else list(RANK_ORDERS)
+            [u for u in valid_degrees(workload, n_ranks) if u < n_ranks and u <= topo.gpus_per_node] or ["auto"]
+        orders = [filters["rank_order"]] if "rank_order" in filters else ["ulysses-first"]
         return [dict(filters) | {"ulysses_degree": u, "rank_order": o} for u in degrees for o in orders]
 
     # ------------------------------------------------------------------ plan
@@ -121,7 +121,7 @@ class USP(Algorithm):
                     self.device_map(topo, n_ranks, knobs), extra={"grid": grid})
 
     # ------------------------------------------------------------------ schedule
-    def schedule(self, plan: Plan, topo: Topology) -> Schedule:
+    def build(self, plan: Plan, topo: Topology) -> Schedule:
         """Scatter all-to-all, the ring over groups (none when u = N), gather all-to-all; per pass."""
         b = new_builder(self, plan, topo)
         grid: Grid = plan.extra["grid"]
@@ -193,9 +193,6 @@ class USP(Algorithm):
             first_deps=got)
 
     # ------------------------------------------------------------------ timing
-    def timing(self, plan: Plan, topo: Topology) -> dict[str, PassTiming]:
-        """The built schedule's closed form (uncontended evaluation, busiest link)."""
-        return schedule_timing(self.schedule(plan, topo), topo)
 
 
 class Ulysses(USP):

@@ -55,6 +55,10 @@ def enumerate_candidates(base: Workload, topo: Topology, n: int, algos: list[str
             skipped["not implemented yet"] += 1
             continue
         alg = algorithms.REGISTRY[name]
+        limit = getattr(alg, "search_max_ranks", None)
+        if limit is not None and n > limit and not (algos and name in algos):
+            skipped[f"not enumerated above {limit} ranks (name it in --algos)"] += 1
+            continue
         foreign = [k for k in filters if k not in alg.knobs]
         if foreign:
             skipped[f"{foreign[0]} does not apply"] += 1
