@@ -23,6 +23,8 @@ from meshplan.topology import Topology
 from meshplan.workload import LAYOUTS, Workload
 
 PRUNE_SLACK = 0.01
+#: Above this many ranks, methods whose closed form builds the schedule are searched in zigzag only.
+BUILT_LAYOUTS_RANKS = 64
 #: Knobs search varies by default (numerically neutral); others stay at their defaults unless given.
 SEARCHED = {"ring": {"dkv_hops": ("n", "n-1")}, "pass-q": {"dq_hops": ("n", "n-1")}}
 #: Algorithms whose knob space the algorithm enumerates itself (tiles x mappings).
@@ -63,7 +65,11 @@ def enumerate_candidates(base: Workload, topo: Topology, n: int, algos: list[str
         if foreign:
             skipped[f"{foreign[0]} does not apply"] += 1
             continue
-        for layout in [base.layout] if layout_pinned else LAYOUTS:
+        layouts = [base.layout] if layout_pinned else list(LAYOUTS)
+        if limit is not None and n > BUILT_LAYOUTS_RANKS and not layout_pinned:   # their bounds build schedules:
+            skipped["only zigzag searched above 64 ranks"] += len(layouts) - 1       # the balanced layout only
+            layouts = ["zigzag"]
+        for layout in layouts:
             w = base.with_(layout=layout)
             try:
                 matrix = attn_matrix(w, n)
