@@ -27,6 +27,16 @@ KNOB_FLAGS = {"tile": "--tile", "mapping": "--mapping", "partial_dtype": "--part
               "team_size": "--team-size", "domains": "--domains"}
 
 
+def positive_int_or_auto(raw: str) -> str | int:
+    """Parse a knob that is ``auto`` or a positive integer (ValueError otherwise)."""
+    if raw == "auto":
+        return raw
+    value = int(raw)
+    if value < 1:
+        raise ValueError(raw)
+    return value
+
+
 def knob_flag(name: str) -> str:
     """The CLI spelling of a knob."""
     return KNOB_FLAGS.get(name, f"--knob {name}")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from meshplan.algorithms.base import DTYPE_KNOB, BuiltTiming, Knob
+from meshplan.algorithms.base import DTYPE_KNOB, BuiltTiming, Knob, positive_int_or_auto
 from meshplan.algorithms.charm_build import Lowering
 from meshplan.algorithms.charm_lists import domain_size, power_of_two
 from meshplan.algorithms.ring import new_builder, topology_record
@@ -27,16 +27,6 @@ from meshplan.matrix import attn_matrix
 from meshplan.plan import Plan
 from meshplan.schedule import Schedule
 from meshplan.topology import Topology
-
-
-def _domains(raw: str) -> str | int:
-    if raw == "auto":
-        return raw
-    value = int(raw)
-    if value < 1:
-        raise ValueError(raw)
-    return value
-
 
 COMMON = {
     "partial_dtype": DTYPE_KNOB("partial_dtype", None, "dtype of partial outputs on the wire (default: input)"),
@@ -107,7 +97,7 @@ class Charm(Merge):
     mechanism = "rmplus"
     summary = "CHARM+: RM+ inside NUMA/node domains, cross-domain query parallelism (KV stays in its domain)"
     knobs = dict(COMMON) | {"domains": Knob("domains", "auto", None, "number of domains (auto: nodes, else NUMA "
-                                             "sockets)", parse=_domains)}
+                                             "sockets)", parse=positive_int_or_auto)}
 
     def domain(self, workload, topo, n, knobs, device_of_rank) -> int:
         """Ranks per domain, from ``--domains`` or the topology."""

@@ -57,6 +57,7 @@ def partner_lists(p: int, mechanism: str, rank: int) -> list[dict[str, list[int]
 
 
 def power_of_two(n: int) -> bool:
+    """n is 1, 2, 4, 8, …"""
     return n >= 1 and n & (n - 1) == 0
 
 

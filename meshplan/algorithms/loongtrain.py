@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from meshplan.algorithms.base import Knob
+from meshplan.algorithms.base import Knob, positive_int_or_auto
 from meshplan.algorithms.headsplit import Grid
 from meshplan.algorithms.rotate import RingSpec, rotate_backward, rotate_forward_merge
-from meshplan.algorithms.ulysses import USP, _degree, _last
+from meshplan.algorithms.ulysses import USP, _last
 from meshplan.errors import UserError
 
 
@@ -32,9 +32,9 @@ class LoongTrain(USP):
     summary = "LoongTrain: head-parallel all-to-all × double ring (inner ring in a node, outer across windows)"
     knobs = {
         "ulysses_degree": Knob("ulysses_degree", 1, None, "head-parallel degree u (1: pure double ring)",
-                               parse=_degree),
+                               parse=positive_int_or_auto),
         "inner_ring": Knob("inner_ring", "auto", None, "inner ring size w in Ulysses groups (auto: a node's)",
-                           parse=_degree),
+                           parse=positive_int_or_auto),
         "rank_order": USP.knobs["rank_order"],
         "dkv_dtype": USP.knobs["dkv_dtype"],
     }
@@ -119,25 +119,37 @@ class LoongTrain(USP):
         travel, deps, last = held["kv"], got, np.full(grid.n, -1)
         io = lambda ok, s, j, cur: ([held["q"][ok, t] for t in range(grid.u)] + [c[ok] for c in cur],  # noqa: E731
                                     [acc[ok, t] for t in range(grid.u)], "merge", None)
-        n_win = grid.R // plan.extra["inner_ring"]
-        for o in range(n_win):
-            inner, block, outer_next, _, _ = self._rings(plan, grid, o)
-            nxt = None
-            if o < n_win - 1:
-                nxt, on, sends = self._outer(b, grid, travel, outer_next, o, deps,
-                                             groups=self._next_groups(plan, grid, o))
+        for o, inner, block, _ in self._outer_steps(plan, grid):
+            nxt = self._send_on(b, plan, grid, o, travel, deps)
             steps = rotate_forward_merge(b, plan, travel, "kv", block, io, ring=inner, first_deps=deps,
                                          step0=o * inner.size)
             last_o = _last(steps, grid.n)
             last = np.where(last_o >= 0, last_o, last)
-            if o > 0:                                   # a received outer group dies after its uses
-                for t in range(travel.shape[1]):
-                    b.free_after(travel[:, t], last_o)
-                    if nxt is not None:
-                        b.free_after(travel[:, t], sends[:, t])
-            if nxt is not None:
-                travel, deps = nxt, on[:, 0]
+            travel, deps = self._retire(b, o, travel, deps, last_o, nxt)
         return last
+
+    def _outer_steps(self, plan, grid: Grid):
+        """(o, inner RingSpec, block function, home of the held group) for each outer step."""
+        for o in range(grid.R // plan.extra["inner_ring"]):
+            inner, block, _, home, _ = self._rings(plan, grid, o)
+            yield o, inner, block, home
+
+    def _send_on(self, b, plan, grid: Grid, o: int, travel, deps):
+        """Post the outer transfer of step o (none at the last step): (new tensors, recvs, sends) or None."""
+        if o == grid.R // plan.extra["inner_ring"] - 1:
+            return None
+        outer_next = self._rings(plan, grid, o)[2]
+        return self._outer(b, grid, travel, outer_next, o, deps, groups=self._next_groups(plan, grid, o))
+
+    @staticmethod
+    def _retire(b, o: int, travel, deps, last_o, nxt):
+        """A received outer group dies after its uses and its forwarding; returns the next (travel, deps)."""
+        if o > 0:
+            for t in range(travel.shape[1]):
+                b.free_after(travel[:, t], last_o)
+                if nxt is not None:
+                    b.free_after(travel[:, t], nxt[2][:, t])
+        return (nxt[0], nxt[1][:, 0]) if nxt is not None else (travel, deps)
 
     def _ring_backward(self, b, plan, grid, ring, kv, static, dq, got):
         for name in ("outer", "outer-dkv"):
@@ -146,14 +158,9 @@ class LoongTrain(USP):
         r, u = np.arange(grid.n), grid.u
         dt = plan.knobs.get("dkv_dtype", "fp32")
         travel, deps, last = kv, got, np.full(grid.n, -1)
-        n_win = grid.R // plan.extra["inner_ring"]
         result = ready = None
-        for o in range(n_win):
-            inner, block, outer_next, home_rank, _ = self._rings(plan, grid, o)
-            nxt = None
-            if o < n_win - 1:
-                nxt, on, sends = self._outer(b, grid, travel, outer_next, o, deps,
-                                             groups=self._next_groups(plan, grid, o))
+        for o, inner, block, home_rank in self._outer_steps(plan, grid):
+            nxt = self._send_on(b, plan, grid, o, travel, deps)
             home, rdy, last_o = rotate_backward(
                 b, plan, travel=travel, travel_kind="kv", grad_kind="dkv", grad_dtype=dt, hops="n", block=block,
                 static_inputs=static, local_grad=[dq[:, t] for t in range(u)], travel_first=False, ring=inner,
@@ -175,10 +182,5 @@ class LoongTrain(USP):
                                        deps=[rcv, ready[home_rank, t]])
                     b.free_after(land, add)
                     ready[home_rank, t] = add
-                for t in range(travel.shape[1]):
-                    b.free_after(travel[:, t], last_o)
-                    if nxt is not None:
-                        b.free_after(travel[:, t], sends[:, t])
-            if nxt is not None:
-                travel, deps = nxt, on[:, 0]
+            travel, deps = self._retire(b, o, travel, deps, last_o, nxt)
         return result, ready, last

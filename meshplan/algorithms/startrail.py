@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from meshplan.algorithms.base import DTYPE_KNOB, BuiltTiming, Knob
+from meshplan.algorithms.base import DTYPE_KNOB, BuiltTiming, Knob, positive_int_or_auto
 from meshplan.algorithms.ring import new_builder, topology_record
 from meshplan.algorithms.rotate import RingSpec, rotate_backward, rotate_forward_merge
-from meshplan.algorithms.ulysses import _degree, _last
+from meshplan.algorithms.ulysses import _last
 from meshplan.errors import SkipCandidate, UserError
 from meshplan.matrix import attn_matrix
 from meshplan.plan import Plan
@@ -36,7 +36,7 @@ class StarTrail(BuiltTiming):
     name = "startrail"
     summary = "StarTrail: teams of C gather Q/KV, sub-rings of N/C² move KV, partial outputs reduced in the team"
     knobs = {
-        "team_size": Knob("team_size", 2, None, "team size C (C² must divide N)", parse=_degree),
+        "team_size": Knob("team_size", 2, None, "team size C (C² must divide N)", parse=positive_int_or_auto),
         "partial_dtype": DTYPE_KNOB("partial_dtype", None, "dtype of partial outputs on the wire"),
         "dq_dtype": DTYPE_KNOB("dq_dtype", "fp32", "dtype of partial dQ on the wire"),
         "dkv_dtype": DTYPE_KNOB("dkv_dtype", "fp32", "dtype of partial dK/dV on the wire"),

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from meshplan.algorithms.base import DTYPE_KNOB, Algorithm, BuiltTiming, Knob
+from meshplan.algorithms.base import DTYPE_KNOB, Algorithm, BuiltTiming, Knob, positive_int_or_auto
 from meshplan.algorithms.headsplit import (
     RANK_ORDERS,
     Grid,
@@ -48,15 +48,6 @@ from meshplan.schedule import Schedule, ScheduleBuilder
 from meshplan.topology import Topology
 
 
-def _degree(raw: str) -> str | int:
-    if raw == "auto":
-        return raw
-    value = int(raw)
-    if value < 1:
-        raise ValueError(raw)
-    return value
-
-
 class USP(BuiltTiming):
     """USP: Ulysses of degree u inside groups × a ring of N/u groups."""
 
@@ -64,7 +55,7 @@ class USP(BuiltTiming):
     summary = "Ulysses all-to-all of degree u × Ring-Attention over N/u groups (USP)"
     knobs = {
         "ulysses_degree": Knob("ulysses_degree", "auto", None, "Ulysses degree u (auto: the largest valid u that "
-                               "fits in a node, below N)", parse=_degree),
+                               "fits in a node, below N)", parse=positive_int_or_auto),
         "rank_order": Knob("rank_order", "ulysses-first", RANK_ORDERS,
                            "ulysses-first: a Ulysses group on consecutive ranks (inside a node); ring-first"),
         "dkv_dtype": DTYPE_KNOB("dkv_dtype", "fp32", "dtype of partial dK/dV on the ring"),

@@ -151,15 +151,20 @@ def run_search(base: Workload, topo: Topology, n: int, *, algos: list[str] | Non
     algorithms.get("mesh").forget_builds()
     sim = sorted((c for c in cands if c.model_level == "simulated"), key=lambda c: c.predicted["makespan_s"])
     cf = sorted((c for c in cands if c.model_level != "simulated"), key=lambda c: c.bound_s)
-    for c in fwd_only:
-        simulate_candidate(c, topo, ccr)
-        c.predicted = {k: None for k in c.predicted} | {"fwd": c.predicted, "bwd": None, "total": None}
-        _forget(c)
-    fwd_only.sort(key=lambda c: c.predicted["fwd"]["makespan_s"])
+    _rank_forward_only(fwd_only, topo, ccr)
     counts = {"enumerated": len(cands) + len(fwd_only) + skipped["over --memory-limit"], "pruned": len(cf),
               "simulated": len(sim) + len(fwd_only), "skipped": dict(skipped), "prune_slack": prune_slack}
     return SearchResult(base, topo, n, sim + cf + fwd_only, counts, time.perf_counter() - t0, ccr, rejected,
                         layout_pinned)
+
+
+def _rank_forward_only(cands: list[Candidate], topo: Topology, ccr: float | None) -> None:
+    """Simulate forward-only candidates of a fwd+bwd search on their forward; ``bwd`` and totals null."""
+    for c in cands:
+        simulate_candidate(c, topo, ccr)
+        c.predicted = {k: None for k in c.predicted} | {"fwd": c.predicted, "bwd": None, "total": None}
+        _forget(c)
+    cands.sort(key=lambda c: c.predicted["fwd"]["makespan_s"])
 
 
 def _forget(c: Candidate) -> None:
