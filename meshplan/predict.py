@@ -97,13 +97,19 @@ def simulate_candidate(cand: Candidate, topo: Topology, ccr: float | None) -> Ca
     return cand
 
 
+def _noise_free(x: float, scale: float) -> float:
+    """max(x, 0), with float round-off (below 1e-9 of ``scale``) reported as 0."""
+    return x if x > 1e-9 * max(scale, 1e-30) else 0.0
+
+
 def closed_form_predicted(cand: Candidate, ccr: float | None) -> dict[str, Any]:
     """``predicted`` from the closed form: makespan = the lower bound (model level ``closed-form``)."""
     parts = {}
     for name, t in cand.timing.items():
         comm = t.comm_s
         parts[name] = {
-            "makespan_s": t.bound_s, "compute_s": t.compute_s, "exposed_comm_s": max(t.bound_s - t.compute_s, 0.0),
+            "makespan_s": t.bound_s, "compute_s": t.compute_s,
+            "exposed_comm_s": _noise_free(t.bound_s - t.compute_s, t.bound_s),
             "comm_busy_s": comm, "comm_bytes_per_gpu_max": t.recv_bytes_max,
             "inter_node_bytes_per_gpu_max": t.inter_node_bytes_max,
             "compute_to_comm": t.compute_s / comm if comm else None,

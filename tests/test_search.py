@@ -67,3 +67,11 @@ def test_forward_only_methods_are_listed_last_with_bwd_null_under_fwd_and_bwd():
                for i in tasp)
     fwd = run_search(resolve(seq_len=8 * 7 * 2 * 16, passes="fwd"), topo, 8, layout_pinned=True)
     assert any(c.algorithm == "tasp" and c.predicted["makespan_s"] > 0 for c in fwd.candidates)
+
+
+def test_closed_form_exposed_communication_has_no_round_off_residue():
+    """A bound equal to the compute time up to float round-off reports 0 exposed communication, not 1e-12 s."""
+    from meshplan.predict import _noise_free
+
+    assert _noise_free(0.1 + 0.2 - 0.3, 0.3) == 0.0 and _noise_free(-1e-3, 1.0) == 0.0
+    assert _noise_free(2e-6, 1.0) == 2e-6
