@@ -15,6 +15,7 @@ size: USP's default), ``ring-first`` strides it by R (the ring inside the node).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -54,7 +55,7 @@ def check_degree(w: Workload, n: int, u: int) -> None:
 @dataclass(frozen=True)
 class Grid:
     """R Ulysses groups of u ranks. ``rank_of[g, p]``; ``g_of``, ``p_of`` per rank; ``groups`` = the chunks of
-    each group ([R, u]: chunk = the rank that holds it at the start)."""
+    each group ([R, u]: chunk = the rank that holds it at the start). The arrays are computed once."""
 
     n: int
     u: int
@@ -65,18 +66,18 @@ class Grid:
     def R(self) -> int:  # noqa: N802 - the papers' name
         return self.n // self.u
 
-    @property
+    @cached_property
     def rank_of(self) -> np.ndarray:
         g, p = np.meshgrid(np.arange(self.R), np.arange(self.u), indexing="ij")
         return g * self.u + p if self.order == "ulysses-first" else p * self.R + g
 
-    @property
+    @cached_property
     def g_of(self) -> np.ndarray:
         out = np.empty(self.n, dtype=np.int64)
         out[self.rank_of] = np.arange(self.R)[:, None]
         return out
 
-    @property
+    @cached_property
     def p_of(self) -> np.ndarray:
         out = np.empty(self.n, dtype=np.int64)
         out[self.rank_of] = np.arange(self.u)[None, :]

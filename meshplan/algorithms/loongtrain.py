@@ -78,40 +78,37 @@ class LoongTrain(USP):
         return p
 
     # ------------------------------------------------------------------ the double ring
-    def _rings(self, plan, grid: Grid, o: int):
-        """Outer step o: the inner RingSpec, the block function, and the outer send target of each rank."""
+    def _outer_steps(self, plan, grid: Grid):
+        """Per outer step o: (o, inner RingSpec, block function, home of the group held at step o, the next
+        window's rank each rank sends to, the group each rank receives for step o + 1 — None at the last)."""
         W = plan.extra["inner_ring"]
         n_win = grid.R // W
         a, pos = grid.g_of // W, grid.g_of % W
         inner_next = grid.rank_of[a * W + (pos + 1) % W, grid.p_of]
-        windows = np.arange(n_win)
-        groups = grid.groups[(((windows[:, None] - o) % n_win) * W + np.arange(W)[None, :])]    # [n_win, W, u]
-        ring = RingSpec(inner_next, pos, W, groups, grid.rank_heads(), ring_of=a)
-        block = lambda rr, j: (grid.groups[grid.g_of[rr]], groups[a[rr], j])  # noqa: E731
         outer_next = grid.rank_of[((a + 1) % n_win) * W + pos, grid.p_of]
-        home = grid.rank_of[((a - o) % n_win) * W + pos, grid.p_of]      # owner of the outer group held at step o
-        return ring, block, outer_next, home, n_win
+        for o in range(n_win):
+            groups = grid.groups[((np.arange(n_win)[:, None] - o) % n_win) * W + np.arange(W)[None, :]]
+            ring = RingSpec(inner_next, pos, W, groups, grid.rank_heads(), ring_of=a)
+            block = lambda rr, j, groups=groups: (grid.groups[grid.g_of[rr]], groups[a[rr], j])  # noqa: E731
+            home = grid.rank_of[((a - o) % n_win) * W + pos, grid.p_of]
+            incoming = grid.groups[((a - o - 1) % n_win) * W + pos] if o < n_win - 1 else None
+            yield o, ring, block, home, outer_next, incoming
 
-    def _outer(self, b, grid: Grid, travel: np.ndarray, outer_next: np.ndarray, o: int, deps, kind="kv",
-               stream="outer", dtype=None, groups=None):
-        """Send each rank's travelling group to the next window; returns (new tensors on each rank, recvs)."""
+    @staticmethod
+    def _send_on(b, grid: Grid, o: int, travel: np.ndarray, deps, outer_next: np.ndarray, incoming):
+        """Post step o's outer transfer (each travelling group to the next window, one batch), overlapped with
+        the inner ring; returns (new tensors, recvs on each rank, sends) or None at the last step."""
+        if incoming is None:
+            return None
         r = np.arange(grid.n)
-        new, on = np.full(travel.shape, -1), np.full(travel.shape, -1)
-        sends = np.full(travel.shape, -1)
+        new, on, sends = (np.full(travel.shape, -1) for _ in range(3))
         for t in range(travel.shape[1]):
-            land = b.tensor(r, kind, groups[:, t], heads=grid.rank_heads(), dtype=dtype)
-            snd, rcv = b.transfer(r, outer_next, travel[:, t], land[outer_next], stream=stream, step=o, dtype=dtype,
-                                  send_deps=[deps[:, t] if np.ndim(deps) == 2 else deps])
+            land = b.tensor(r, "kv", incoming[:, t], heads=grid.rank_heads())
+            snd, rcv = b.transfer(r, outer_next, travel[:, t], land[outer_next], stream="outer", step=o,
+                                  send_deps=[deps])
             new[:, t], sends[:, t] = land, snd
             on[outer_next, t] = rcv
         return new, on, sends
-
-    def _next_groups(self, plan, grid: Grid, o: int) -> np.ndarray:
-        """[n, u]: the group each rank receives from the previous window for outer step o + 1."""
-        W = plan.extra["inner_ring"]
-        n_win = grid.R // W
-        a, pos = grid.g_of // W, grid.g_of % W
-        return grid.groups[((a - o - 1) % n_win) * W + pos]
 
     def _ring_forward(self, b, plan, grid, ring, held, acc, got) -> np.ndarray:
         if "outer" not in b.streams.names:
@@ -119,27 +116,14 @@ class LoongTrain(USP):
         travel, deps, last = held["kv"], got, np.full(grid.n, -1)
         io = lambda ok, s, j, cur: ([held["q"][ok, t] for t in range(grid.u)] + [c[ok] for c in cur],  # noqa: E731
                                     [acc[ok, t] for t in range(grid.u)], "merge", None)
-        for o, inner, block, _ in self._outer_steps(plan, grid):
-            nxt = self._send_on(b, plan, grid, o, travel, deps)
+        for o, inner, block, _, outer_next, incoming in self._outer_steps(plan, grid):
+            nxt = self._send_on(b, grid, o, travel, deps, outer_next, incoming)
             steps = rotate_forward_merge(b, plan, travel, "kv", block, io, ring=inner, first_deps=deps,
                                          step0=o * inner.size)
             last_o = _last(steps, grid.n)
             last = np.where(last_o >= 0, last_o, last)
             travel, deps = self._retire(b, o, travel, deps, last_o, nxt)
         return last
-
-    def _outer_steps(self, plan, grid: Grid):
-        """(o, inner RingSpec, block function, home of the held group) for each outer step."""
-        for o in range(grid.R // plan.extra["inner_ring"]):
-            inner, block, _, home, _ = self._rings(plan, grid, o)
-            yield o, inner, block, home
-
-    def _send_on(self, b, plan, grid: Grid, o: int, travel, deps):
-        """Post the outer transfer of step o (none at the last step): (new tensors, recvs, sends) or None."""
-        if o == grid.R // plan.extra["inner_ring"] - 1:
-            return None
-        outer_next = self._rings(plan, grid, o)[2]
-        return self._outer(b, grid, travel, outer_next, o, deps, groups=self._next_groups(plan, grid, o))
 
     @staticmethod
     def _retire(b, o: int, travel, deps, last_o, nxt):
@@ -159,8 +143,8 @@ class LoongTrain(USP):
         dt = plan.knobs.get("dkv_dtype", "fp32")
         travel, deps, last = kv, got, np.full(grid.n, -1)
         result = ready = None
-        for o, inner, block, home_rank in self._outer_steps(plan, grid):
-            nxt = self._send_on(b, plan, grid, o, travel, deps)
+        for o, inner, block, home_rank, outer_next, incoming in self._outer_steps(plan, grid):
+            nxt = self._send_on(b, grid, o, travel, deps, outer_next, incoming)
             home, rdy, last_o = rotate_backward(
                 b, plan, travel=travel, travel_kind="kv", grad_kind="dkv", grad_dtype=dt, hops="n", block=block,
                 static_inputs=static, local_grad=[dq[:, t] for t in range(u)], travel_first=False, ring=inner,

@@ -65,9 +65,9 @@ class StarTrail(BuiltTiming):
         C = int(knobs["team_size"])
         m = matrix if matrix is not None else attn_matrix(workload, n_ranks)
         M = n_ranks // C
-        q_team, kv_team = np.arange(n_ranks) // C, np.arange(n_ranks) // C
-        t = (kv_team[None, :] - q_team[:, None]) % C                     # which member handles the KV team
-        owner = q_team[:, None] * C + t
+        team = np.arange(n_ranks) // C
+        t = (team[None, :] - team[:, None]) % C                          # which member handles the KV team
+        owner = team[:, None] * C + t
         owner[~m.permitted] = -1
         idx = np.arange(n_ranks)
         return Plan(self.name, knobs | {"team_size": C}, m, n_ranks, owner, idx, idx,
