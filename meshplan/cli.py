@@ -56,6 +56,9 @@ app = typer.Typer(cls=_Group, add_completion=False, no_args_is_help=True, pretty
                   help="Plan, simulate and run distributed attention for long-context LLMs.")
 topo_app = typer.Typer(no_args_is_help=True, help="Inspect topologies.")
 app.add_typer(topo_app, name="topo")
+from meshplan.cli_plot import plot_app  # noqa: E402  (typer only; matplotlib loads inside the commands)
+
+app.add_typer(plot_app, name="plot")
 
 
 def _err_console():
@@ -210,6 +213,16 @@ def topo_list() -> None:
     """List the shipped topologies."""
     from meshplan.topology import shipped_topologies
     sys.stdout.write("\n".join(shipped_topologies()) + "\n")
+
+
+@app.command()
+def reproduce(table: Annotated[str, typer.Argument(help="charm-h100 or charm-ablation")],
+              data: Annotated[Optional[str], typer.Option("--data", help="a CSV with the same columns")] = None,
+              fit: Annotated[bool, typer.Option("--fit", help="fit the parameters afresh (else: the shipped ones)")]
+              = False, as_json: o.Json = False) -> None:
+    """Predict a published table (CHARM+ paper) and print predicted, measured and the error per row."""
+    from meshplan.cli_reproduce import reproduce_command
+    reproduce_command(table, data, fit, as_json, _emit)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,122 @@
+"""Predict the CHARM+ paper's published tables and report the error (``meshplan reproduce``).
+
+``charm-h100``: every row of ``charm_plus_h100_2x8.csv`` (16 H100, 2 nodes) predicted with the shipped
+``h100x16`` topology — whose fitted parameters come from :mod:`meshplan.reproduce_fit` — or, with
+``fit=True``, with parameters fitted afresh from the table. Rows of the declared subset are marked and
+excluded from MAPE and max. ``charm-ablation``: the direction and size of RM+/Ring and CHARM+/Ring in
+``charm_plus_ablation_fwd.csv`` (B and H are not stated in the paper: the charm-h100 shape with B = 16).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from meshplan.errors import UserError
+from meshplan.published import AblationRow, H100Row, load_rows
+from meshplan.reproduce_fit import DECLARED, FittedParams, calibrated_topology, fit_declared, fit_micro, is_declared
+from meshplan.topology import Topology
+from meshplan.workload import resolve
+
+METHODS = ("ring", "charm", "tasp")
+ABLATION_BATCH = 16
+ABLATION_TOPOLOGY = {("l20", 4): "l20x8", ("l20", 8): "l20x8", ("h20", 4): "h20x16", ("h20", 8): "h20x16",
+                     ("h20", 16): "h20x16"}
+
+
+def _workload(row, passes: str, batch: int | None = None):
+    return resolve(model="charm-h100", batch=batch or row.B, seq_len=row.S, mask="full", layout="contiguous",
+                   passes=passes)
+
+
+def predict_rows(rows: list[H100Row], topo: Topology) -> list[tuple[H100Row, str, float]]:
+    """``[(row, method, predicted makespan_s)]`` for every measured (row, method)."""
+    from meshplan.predict import predict
+
+    out = []
+    for row in rows:
+        w = _workload(row, row.pass_name)
+        for m in METHODS:
+            if row.measured_ms(m) is not None:
+                out.append((row, m, predict(m, w, topo, row.gpus, {}).predicted["makespan_s"]))
+    return out
+
+
+def reproduce_h100(data: str | None = None, fit: bool = False, progress=None) -> dict[str, Any]:
+    """Predicted vs published for every row; MAPE and max per method over the rows not declared.
+
+    Raises:
+        UserError: a data file with missing columns or bad values; rows not on 16 GPUs.
+    """
+    rows: list[H100Row] = load_rows("charm-h100", data)
+    gpus = {r.gpus for r in rows}
+    if gpus != {16}:
+        raise UserError("--data", f"rows on {sorted(gpus)} GPUs", "this table is for 16 GPUs (h100x16)")
+    fitted, grid = None, None
+    if fit:
+        from meshplan.reproduce_fit import scratch_dir
+
+        with scratch_dir() as tmp:
+            peak = Topology.load("h100x16", gpus=16).peak_flops("bf16")
+            micro = fit_micro(rows, peak)
+
+            def evaluate(p: FittedParams, sub):
+                return predict_rows(sub, calibrated_topology("h100x16", p, 16, tmp))
+
+            fitted, grid = fit_declared(rows, micro, evaluate)
+            results = predict_rows(rows, calibrated_topology("h100x16", fitted, 16, tmp))
+    else:
+        results = predict_rows(rows, Topology.load("h100x16", gpus=16))
+    return _report(results, fitted, grid)
+
+
+def _report(results, fitted: FittedParams | None, grid) -> dict[str, Any]:
+    table, errs = [], {m: [] for m in METHODS}
+    for row, m, pred_s in results:
+        meas = row.measured_ms(m)
+        err = pred_s * 1e3 / meas - 1
+        declared = is_declared(row)
+        if not declared:
+            errs[m].append(err)
+        table.append({"row": row.label, "pass": row.pass_name, "B": row.B, "S": row.S, "method": m,
+                      "predicted_ms": pred_s * 1e3, "measured_ms": meas, "error_pct": 100 * err,
+                      "declared": declared, "ring_ccr_published": row.T_comp_ring_ms / row.T_comm_ring_ms})
+    summary = {m: {"rows": len(e), "mape_pct": 100 * float(np.mean(np.abs(e))),
+                   "max_abs_error_pct": 100 * float(np.max(np.abs(e))),
+                   "mean_error_pct": 100 * float(np.mean(e))} for m, e in errs.items() if e}
+    body: dict[str, Any] = {"table": "charm-h100", "topology": "h100x16", "declared_rows":
+                            [f"{p} B={b} S={s}" for p, b, s in DECLARED], "summary": summary, "rows": table}
+    if fitted is not None:
+        body["fitted"] = fitted.__dict__ | {"kernel_bwd_factor": fitted.e_bwd / fitted.e_fwd}
+        body["declared_grid"] = grid
+    return body
+
+
+def reproduce_ablation(data: str | None = None) -> dict[str, Any]:
+    """Predicted RM+/Ring and CHARM+/Ring ratios of the ablation table beside the published ones."""
+    from meshplan.predict import predict
+
+    rows: list[AblationRow] = load_rows("charm-ablation", data)
+    out = []
+    for row in rows:
+        kind = row.topology.split()[0].lower()
+        name = ABLATION_TOPOLOGY.get((kind, row.gpus))
+        if name is None:
+            raise UserError("--data", f"no shipped topology for {row.topology!r} on {row.gpus} GPUs",
+                            "use rows on l20 (4, 8) or h20 (4, 8, 16)")
+        topo = Topology.load(name, gpus=row.gpus)
+        w = _workload(row, "fwd", ABLATION_BATCH)
+        pred = {m: predict(m, w, topo, row.gpus, {}).predicted["makespan_s"] * 1e3
+                for m in ("ring", "rmplus", "charm") if m == "ring" or getattr(row, f"{m}_ms") is not None}
+        item = {"topology": row.topology, "gpus": row.gpus, "S": row.S, "predicted_ms": pred,
+                "measured_ms": {m: getattr(row, f"{m}_ms") for m in pred}}
+        for m in ("rmplus", "charm"):
+            if m in pred:
+                p_ratio, m_ratio = pred[m] / pred["ring"], getattr(row, f"{m}_ms") / row.ring_ms
+                item[f"{m}_over_ring"] = {"predicted": p_ratio, "measured": m_ratio,
+                                          "same_direction": (p_ratio < 1) == (m_ratio < 1)}
+        out.append(item)
+    agree = [v["same_direction"] for it in out for k, v in it.items() if k.endswith("_over_ring")]
+    return {"table": "charm-ablation", "batch_assumed": ABLATION_BATCH, "rows": out,
+            "directions_right": int(sum(agree)), "directions_total": len(agree)}
