@@ -33,7 +33,7 @@ WORKLOADS = {"A: llama3-8b, S=120960, fwd+bwd, causal": dict(seq_len=120_960, pa
 
 def main() -> None:
     t0 = time.perf_counter()
-    out = {"topologies": TOPOLOGIES, "tables": {}}
+    out = {"date": time.strftime("%Y-%m-%d %H:%M"), "topologies": TOPOLOGIES, "tables": {}}
     for title, spec in WORKLOADS.items():
         rows = table(resolve(**spec))
         print(f"\n**{title}**\n")

@@ -4,7 +4,8 @@
 per-step columns, declared parameters on the declared rows; :mod:`meshplan.reproduce_fit`), writes the
 fitted kernel table to ``meshplan/topologies/kernels/fa2-hopper-fit.yaml``, prints the values that
 ``h100x16.yaml`` and ``h100x32.yaml`` carry (copied there by hand, with their comments; a test checks that
-they agree with a fresh fit), and saves the report in ``benchmarks/results/reproduce_charm_h100.json``.
+they agree with a fresh fit), and saves the reports in ``benchmarks/results/reproduce_charm_h100.json`` and
+``reproduce_charm_ablation.json``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from meshplan.fileio import write_atomic  # noqa: E402
-from meshplan.reproduce import reproduce_h100  # noqa: E402
+from meshplan.reproduce import reproduce_ablation, reproduce_h100  # noqa: E402
 from meshplan.reproduce_fit import FittedParams, kernel_table_body, topology_values  # noqa: E402
 
 
@@ -36,7 +37,9 @@ def main() -> None:
     out = HERE.parent / "meshplan" / "topologies" / "kernels" / "fa2-hopper-fit.yaml"
     write_atomic(out, (head + yaml.safe_dump(kernel, sort_keys=False, width=120, default_flow_style=None)).encode())
     print(json.dumps(topology_values(fitted), indent=1))
-    body["wall_s"] = time.perf_counter() - t0
+    body["date"], body["wall_s"] = time.strftime("%Y-%m-%d %H:%M"), time.perf_counter() - t0
+    ablation = reproduce_ablation() | {"date": body["date"]}
+    write_atomic(HERE / "results" / "reproduce_charm_ablation.json", json.dumps(ablation, indent=1).encode())
     write_atomic(HERE / "results" / "reproduce_charm_h100.json", json.dumps(body, indent=1, default=float).encode())
     print(json.dumps(body["summary"], indent=1), f"\n{body['wall_s']:.1f} s", file=sys.stderr)
 

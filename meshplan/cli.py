@@ -177,10 +177,12 @@ def run(schedule: Annotated[str, typer.Argument(help="a schedule file (.json or 
 @app.command()
 def compare(schedule: Annotated[str, typer.Argument(help="the schedule that was run")],
             measurement: Annotated[str, typer.Argument(help="its Measurement JSON (run --out)")],
-            topo: o.Topo = None, as_json: o.Json = False) -> None:
+            topo: o.Topo = None,
+            trace: Annotated[Optional[str], typer.Option("--trace", help="write both timelines as one Chrome trace")]
+            = None, as_json: o.Json = False) -> None:
     """Predicted against measured: per op kind, per step, end to end, peak memory."""
     from meshplan.cli_exec import compare_command
-    compare_command(schedule, measurement, topo, as_json)
+    compare_command(schedule, measurement, topo, as_json, trace)
 
 
 @app.command()
@@ -223,6 +225,17 @@ def reproduce(table: Annotated[str, typer.Argument(help="charm-h100 or charm-abl
     """Predict a published table (CHARM+ paper) and print predicted, measured and the error per row."""
     from meshplan.cli_reproduce import reproduce_command
     reproduce_command(table, data, fit, as_json, _emit)
+
+
+@app.command()
+def calibrate(topo: Annotated[str, typer.Option("--topo", help="the topology to calibrate")] = "cpu-local",
+              backend: o.Backend = "auto",
+              quick: Annotated[bool, typer.Option("--quick", help="a small sweep: a few seconds")] = False,
+              out: Annotated[str, typer.Option("--out", help="the calibration YAML to write")] = ...,
+              as_json: o.Json = False) -> None:
+    """Measure this host's kernels, transfers, overlap and core sharing; write a calibration file."""
+    from meshplan.cli_calibrate import calibrate_command
+    raise typer.Exit(calibrate_command(topo, backend, quick, out, as_json))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -61,21 +61,23 @@ def _compare_quietly(schedule: str, meas) -> dict[str, Any] | None:
 
 
 def _write_measured_trace(schedule: str, meas, path: str) -> None:
-    import numpy as np
-
+    from meshplan.plot_data import measured_times
     from meshplan.schedule_io import from_json, read_document
     from meshplan.trace import trace_events, write_trace
     doc, _ = read_document(schedule)
     sched = from_json(doc)
-    index = {op.id: i for i, op in enumerate(op for r in doc.ranks for op in r.ops)}
-    start, end = np.full(len(index), np.nan), np.full(len(index), np.nan)
-    shift = {"fwd": 0.0, "bwd": meas.passes["fwd"].makespan_s if "fwd" in meas.passes else 0.0}
-    phase = {op.id: op.pass_ for r in doc.ranks for op in r.ops}
-    for r in meas.ranks:
-        for op in r.ops:
-            start[index[op.id]] = op.start_s + shift[phase[op.id]]
-            end[index[op.id]] = op.end_s + shift[phase[op.id]]
+    start, end = measured_times(sched, [op.id for r in doc.ranks for op in r.ops], meas, schedule)
     write_trace(path, trace_events(sched, start, end, label="measured"))
+
+
+def write_comparison_trace(schedule: str, measurement: str, topo: str | None, path: str) -> None:
+    """One Chrome trace with the predicted timeline (processes 0..N−1) above the measured one (N..2N−1)."""
+    from meshplan.plot_data import both_timelines
+    from meshplan.trace import trace_events, write_trace
+    sched, _, sim, measured, _ = both_timelines(schedule, measurement, topo)
+    events = trace_events(sched, sim.start, sim.end, label="predicted") + trace_events(
+        sched, *measured, label="measured", pid_offset=sched.n_ranks)
+    write_trace(path, events)
 
 
 def print_run(meas, cmp: dict[str, Any] | None, console: Console) -> None:
@@ -112,10 +114,12 @@ def _pct(x) -> str:
     return "-" if x is None else f"{x:+.1f}%"
 
 
-def compare_command(schedule: str, measurement: str, topo: str | None, as_json: bool) -> None:
-    """``meshplan compare``."""
+def compare_command(schedule: str, measurement: str, topo: str | None, as_json: bool, trace: str | None = None) -> None:
+    """``meshplan compare`` (with ``--trace``: both timelines in one Chrome trace)."""
     from meshplan.compare import compare_files
     body = compare_files(schedule, measurement, topo)
+    if trace is not None:
+        write_comparison_trace(schedule, measurement, topo, trace)
     if as_json:
         sys.stdout.write(json.dumps(body, indent=1) + "\n")
         return

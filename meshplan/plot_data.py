@@ -66,9 +66,8 @@ def parse_ranks(text: str | None, n_ranks: int) -> tuple[list[int], bool]:
     return sorted(ranks), len(ranks) < n_ranks
 
 
-def timeline_data(schedule_path: str, measurement_path: str | None = None, topo: str | None = None,
-                  ranks: str | None = None) -> TimelineData:
-    """The predicted (and measured) timelines of a schedule file, limited to ``ranks``.
+def both_timelines(schedule_path: str, measurement_path: str | None = None, topo: str | None = None):
+    """``(schedule, topology, simulation, measured (start_s, end_s) or None, measurement or None)`` of a file.
 
     Raises:
         UserError: unreadable files, a measurement of another schedule, or op ids the schedule lacks.
@@ -81,17 +80,29 @@ def timeline_data(schedule_path: str, measurement_path: str | None = None, topo:
     meas = _matching_measurement(measurement_path, raw, schedule_path) if measurement_path else None
     with no_gc():
         sched = from_json(doc)
-    ids = [op.id for r in doc.ranks for op in r.ops]
     topo_obj = Topology.load(topo or sched.topology["name"], sched.topology.get("devices"))
     sim = simulate(sched, topo_obj)
+    measured = None
+    if meas is not None:
+        measured = measured_times(sched, [op.id for r in doc.ranks for op in r.ops], meas, measurement_path)
+    return sched, topo_obj, sim, measured, meas
+
+
+def timeline_data(schedule_path: str, measurement_path: str | None = None, topo: str | None = None,
+                  ranks: str | None = None) -> TimelineData:
+    """The predicted (and measured) timelines of a schedule file, limited to ``ranks``.
+
+    Raises:
+        UserError: unreadable files, a measurement of another schedule, or op ids the schedule lacks.
+    """
+    sched, topo_obj, sim, measured, meas = both_timelines(schedule_path, measurement_path, topo)
     chosen, truncated = parse_ranks(ranks, sched.n_ranks)
     rows, row_of = _rows(sched, chosen)
     later = [sim.pass_offset[p] for p in sched.passes[1:]]
     panels = [_panel("predicted", sched, row_of, sim.start, sim.end, float(sum(sim.pass_makespan.values())), later)]
     if meas is not None:
-        start, end = measured_times(sched, ids, meas, measurement_path)
         shift = [meas.passes["fwd"].makespan_s] if len(sched.passes) > 1 and "fwd" in meas.passes else []
-        panels.append(_panel("measured", sched, row_of, start, end, meas.makespan_s, shift))
+        panels.append(_panel("measured", sched, row_of, *measured, meas.makespan_s, shift))
     shown = f"ranks {_ranges(chosen)} of {sched.n_ranks}" if truncated else f"{sched.n_ranks} ranks"
     title = f"{sched.algorithm} on {topo_obj.name}, {shown}\n{sched.workload.describe()}"
     return TimelineData(rows, panels, title)

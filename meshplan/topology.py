@@ -22,6 +22,7 @@ from pathlib import Path
 import networkx as nx
 import numpy as np
 
+from meshplan.calibration import calibrated
 from meshplan.errors import UserError
 from meshplan.kernels import KernelTable, load_kernel_table
 from meshplan.topology_spec import LinkSpec, TopologySpec
@@ -34,6 +35,8 @@ class Topology:
     """A cluster with a fixed device count. Device ids 0..n_devices−1 are in locality order."""
 
     def __init__(self, spec: TopologySpec, gpus: int | None = None, source: str = "") -> None:
+        self.file_spec = spec                     # as written; ``spec`` has the calibration's values applied
+        spec, self.calibration = calibrated(spec, source)
         self.spec, self.source, self.name = spec, source, spec.name
         self.gpus_per_node, self.n_nodes, self.n_devices = _place(spec, gpus)
         self.graph = nx.DiGraph()
@@ -260,7 +263,9 @@ class Topology:
 
     @functools.cached_property
     def kernel(self) -> KernelTable:
-        """The device's attention efficiency table."""
+        """The device's attention efficiency table (the calibration's, when the file names one)."""
+        if self.calibration is not None:
+            return KernelTable(self.calibration.kernel)
         base = str(Path(self.source).parent) if self.source else None
         return load_kernel_table(self.spec.node.device.kernel, base)
 
@@ -291,7 +296,9 @@ class Topology:
     def pool_capacity(self) -> float | None:
         """Ranks' worth of compute the shared pool gives (None: every device computes on its own)."""
         pool = self.spec.node.compute_pool
-        return None if pool is None else pool.cores / pool.threads_per_rank
+        if pool is None:
+            return None
+        return pool.capacity_ranks if pool.capacity_ranks is not None else pool.cores / pool.threads_per_rank
 
     def kappa(self) -> np.ndarray:
         """kappa per link class, in LINK_CLASSES order."""
@@ -301,7 +308,15 @@ class Topology:
     @functools.cached_property
     def content_hash(self) -> str:
         """sha256 of the spec and the device count (a schedule records it)."""
-        blob = json.dumps({"spec": self.spec.model_dump(mode="json"), "devices": self.n_devices}, sort_keys=True)
+        spec = self.spec.model_dump(mode="json")
+        if self.calibration is None:              # files without the calibration keys keep their hashes
+            spec.pop("calibration")
+            if spec["node"]["compute_pool"] is not None and spec["node"]["compute_pool"]["capacity_ranks"] is None:
+                del spec["node"]["compute_pool"]["capacity_ranks"]
+        body = {"spec": spec, "devices": self.n_devices}
+        if self.calibration is not None:          # its kernel table is not in the spec
+            body["kernel"] = self.calibration.kernel.model_dump(mode="json")
+        blob = json.dumps(body, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     @property

@@ -109,10 +109,12 @@ class NicSpec(_Strict):
 
 
 class ComputePool(_Strict):
-    """Ranks sharing a host's cores: capacity = cores / threads_per_rank ranks at full speed."""
+    """Ranks sharing a host's cores: capacity = cores / threads_per_rank ranks at full speed (or as measured)."""
 
     cores: PositiveInt
     threads_per_rank: PositiveInt = 1
+    capacity_ranks: PositiveFloat | None = Field(None, description="measured ranks' worth of compute of the cores "
+                                                 "together (meshplan calibrate); default cores / threads_per_rank")
 
 
 class NodeSpec(_Strict):
@@ -168,3 +170,5 @@ class TopologySpec(_Strict):
     network: NetworkSpec = NetworkSpec()
     p2p_overhead_us: NonNegFloat = Field(description="software cost per message (alpha_sw), microseconds")
     overlap_kappa: OverlapSpec = OverlapSpec()
+    calibration: str | None = Field(None, description="a calibration file (meshplan calibrate), relative to this "
+                                    "file; its measured values replace the ones above (meshplan.calibration)")

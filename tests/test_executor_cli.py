@@ -106,8 +106,14 @@ def test_run_then_compare_writes_the_contracts_files(ring2, tmp_path):
     assert np.load(dump / "q.npy").shape == (1, 256, 2, 16) and np.load(dump / "lse.npy").shape == (1, 2, 256)
     assert json.loads((dump / "meta.json").read_text())["softmax_scale"] == pytest.approx(0.25)
     assert any(e.get("ph") == "X" for e in json.loads(tr.read_text())["traceEvents"])
-    c = run("compare", ring2, m, "--json")
+    both = tmp_path / "both.json"
+    c = run("compare", ring2, m, "--json", "--trace", both)
     assert c.exit_code == 0, c.stderr
+    ev = [e for e in json.loads(both.read_text())["traceEvents"] if e.get("ph") == "X"]
+    measured_ops = sum(len(r["ops"]) for r in meas["ranks"])
+    assert sum(e["pid"] >= 2 for e in ev) == measured_ops and {e["pid"] for e in ev} == {0, 1, 2, 3}
+    durations = sorted(e["dur"] for e in ev if e["pid"] == 2)   # rank 0, measured (shift-invariant)
+    assert durations == pytest.approx(sorted((o["end_s"] - o["start_s"]) * 1e6 for o in meas["ranks"][0]["ops"]))
     body = json.loads(c.stdout)
     assert body["comparable"] and body["end_to_end"]["total"]["measured_s"] == pytest.approx(meas["makespan_s"])
     assert {r["kind"] for r in body["per_kind"]} >= {"compute", "transfer"}

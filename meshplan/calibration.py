@@ -1,0 +1,311 @@
+"""Calibration files: what ``meshplan calibrate`` measured on a host, the parameters fitted from it, and
+how a topology file that names one (``calibration: FILE``) takes its values. No torch here.
+
+A calibration file holds the host facts (the topology's ``device.model`` it was measured for, CPU, cores,
+torch, backend), the date, the fitted numbers in the topology's units (``*_tflops``, ``*_GBps``,
+``*_us``), the attention efficiency table inline (:class:`~meshplan.kernels.KernelTableSpec`), and the raw
+micro-measurements (``raw``), so :func:`fit_calibration` can be re-run on them. How each number is fitted
+is in :mod:`meshplan.fit`; which topology keys it replaces is in :func:`apply_calibration`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, PositiveInt
+
+from meshplan import fit
+from meshplan.errors import UserError
+from meshplan.kernels import KernelTableSpec
+from meshplan.topology_spec import TopologySpec
+
+LinkClass = Literal["loopback", "nvlink", "pcie", "socket", "net"]
+Kappa = Annotated[float, Field(ge=0, lt=1)]
+# where a link class's fit goes in a topology: fabric kind -> the fabric's key holding that class's link
+_LINK_KEY = {"loopback": ("loopback", "link"), "nvlink": ("nvswitch", "port")}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class HostFacts(_Strict):
+    """What the numbers were measured on."""
+
+    model: str = Field(description="the topology's node.device.model the calibration is for (must match)")
+    cpu: str = Field(description="CPU model name of the host")
+    cores: PositiveInt = Field(description="logical CPUs of the host")
+    gpu: str | None = Field(None, description="GPU name (CUDA runs)")
+    torch: str
+    backend: Literal["gloo", "nccl"]
+    threads_per_rank: PositiveInt = Field(description="torch threads of each measured rank")
+    load_1min: NonNegativeFloat | None = Field(None, description="the host's 1-minute load average when the run "
+                                               "started")
+    others_busy_cores: NonNegativeFloat | None = Field(None, description="cores other processes (or the hypervisor) "
+                                                       "kept busy during the run, on average: noise when above ~0.1")
+
+
+class KernelSample(_Strict):
+    """One attention kernel timing (the executor's block_forward / block_backward_from_out)."""
+
+    pass_: Literal["fwd", "bwd"] = Field(alias="pass")
+    s_q: PositiveInt
+    s_kv: PositiveInt
+    causal: bool = Field(description="a causal-diagonal piece (s_q = s_kv, elementwise mask)")
+    batch: PositiveInt
+    heads: PositiveInt
+    head_dim: PositiveInt
+    flops: PositiveFloat = Field(description="4·B·H·D·pairs (forward), 2.5x backward: the cost model's count")
+    time_s: PositiveFloat
+
+
+class TransferSample(_Strict):
+    """Point-to-point transfers: ``flows`` equal flows of ``size_bytes`` each (1: half a ping-pong round trip;
+    2: both ranks send to each other at once, time until both are done)."""
+
+    size_bytes: PositiveInt
+    flows: PositiveInt = 1
+    time_s: PositiveFloat
+
+
+class OverlapSample(_Strict):
+    """One rank's kernel alone and while its transfers were in flight, and how long the two overlapped."""
+
+    rank: int
+    alone_s: PositiveFloat
+    with_s: PositiveFloat
+    overlap_s: NonNegativeFloat
+
+
+class Raw(_Strict):
+    """The micro-measurements the fit used."""
+
+    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    gemm: list[tuple[Literal["bf16", "fp16", "fp32"], PositiveInt, PositiveFloat]] = Field(
+        description="(dtype, n, seconds) of an n x n x n matmul: 2n³ FLOP")
+    launch_s: list[PositiveFloat] = Field(description="a 1-token forward kernel (the fixed cost per call)")
+    kernels: list[KernelSample]
+    merges: list[tuple[PositiveInt, PositiveFloat]] = Field(
+        description="(bytes touched = 3 x output bytes, seconds) of the executor's LSE merge")
+    link_class: LinkClass | None = Field(None, description="class of the route the transfers took")
+    p2p: list[TransferSample] = []
+    overlap: list[OverlapSample] = []
+    sharing: list[tuple[PositiveInt, PositiveFloat]] = Field(
+        [], description="(ranks running one kernel each at once, seconds of one rank's kernel), a row per rank; "
+        "the fit takes the slowest rank of each count: the pool model has them all end together")
+
+
+class LinkFit(_Strict):
+    """A link class's fitted per-hop latency and usable bandwidth per direction."""
+
+    latency_us: NonNegativeFloat
+    usable_GBps: PositiveFloat
+
+
+class PoolFit(_Strict):
+    """The shared compute pool: ranks' worth of compute the host's cores give together."""
+
+    capacity_ranks: PositiveFloat
+    threads_per_rank: PositiveInt
+
+
+class CalibrationSpec(_Strict):
+    """A calibration file."""
+
+    name: str = Field(description="the topology it was measured for")
+    device: HostFacts
+    measured_at: datetime.date
+    wall_s: NonNegativeFloat = Field(description="how long the calibration ran")
+    peak_bf16_tflops: PositiveFloat = Field(description="measured BF16 matmul FLOP/s (the efficiencies' peak)")
+    peak_fp16_tflops: PositiveFloat | None = None
+    peak_fp32_tflops: PositiveFloat
+    hbm_GBps: PositiveFloat = Field(description="merge bytes/s / kernel.merge_hbm_fraction")
+    kernel: KernelTableSpec
+    links: dict[LinkClass, LinkFit] = {}
+    shared_GBps: PositiveFloat | None = Field(None, description="all loopback traffic together (loopback)")
+    p2p_overhead_us: NonNegativeFloat | None = None
+    overlap_kappa: dict[LinkClass, Kappa] = {}
+    compute_pool: PoolFit | None = None
+    raw: Raw
+
+
+def fit_calibration(raw: Raw, device: HostFacts, name: str, wall_s: float = 0.0,
+                    measured_at: datetime.date | None = None) -> CalibrationSpec:
+    """Fit every parameter from ``raw`` (see :mod:`meshplan.fit` for each form). The efficiency table is relative
+    to the ``raw.dtype`` peak; other dtypes use their own peak with the same table."""
+    peaks = {dt: max(2.0 * n ** 3 / t for d, n, t in raw.gemm if d == dt) for dt in {d for d, _, _ in raw.gemm}}
+    if raw.dtype not in peaks or "fp32" not in peaks:
+        raise ValueError(f"need {raw.dtype} and fp32 matmul timings")
+    launch_s = _r(float(np.median(raw.launch_s)) * 1e6) * 1e-6     # as written, so the table fits the file's peak
+    peak = _r(peaks[raw.dtype] / 1e12) * 1e12                       # and launch exactly
+    kernel = _kernel_table(raw, peak, launch_s)
+    merge_rate = fit.fit_throughput([b for b, _ in raw.merges], [t for _, t in raw.merges])
+    body = {"name": name, "device": device, "measured_at": measured_at or datetime.date.today(),
+            "wall_s": round(wall_s, 1), "peak_bf16_tflops": _r(peaks["bf16"] / 1e12),
+            "peak_fp16_tflops": _r(peaks["fp16"] / 1e12) if "fp16" in peaks else None,
+            "peak_fp32_tflops": _r(peaks["fp32"] / 1e12),
+            "hbm_GBps": _r(merge_rate / kernel.merge_hbm_fraction / 1e9), "kernel": kernel, "raw": raw}
+    one = [s for s in raw.p2p if s.flows == 1]
+    if one and raw.link_class is not None:
+        alpha_s, bw = fit.fit_alpha_beta([s.size_bytes for s in one], [s.time_s for s in one])
+        # on one host the per-message software cost and the hops' latency are one number: all of it is
+        # alpha_sw (p2p_overhead_us); the hops get 0
+        body |= {"links": {raw.link_class: LinkFit(latency_us=0.0, usable_GBps=_r(bw / 1e9))},
+                 "p2p_overhead_us": _r(alpha_s * 1e6)}
+        two = [s for s in raw.p2p if s.flows == 2]
+        if two and raw.link_class == "loopback":
+            agg = fit.fit_shared_bandwidth([s.size_bytes for s in two], [s.time_s for s in two], 2, alpha_s)
+            body["shared_GBps"] = _r(agg / 1e9)
+    if raw.overlap and raw.link_class is not None:
+        o = raw.overlap
+        kappa = fit.fit_kappa([s.alone_s for s in o], [s.with_s for s in o], [s.overlap_s for s in o])
+        body["overlap_kappa"] = {raw.link_class: _r(kappa)}
+    if raw.sharing:
+        slowest: dict[int, float] = {}      # per rank count: the slowest rank (the OS lets some finish early)
+        for k, t in raw.sharing:
+            slowest[k] = max(slowest.get(k, 0.0), t)
+        cap = fit.fit_pool_capacity(list(slowest), list(slowest.values()))
+        body["compute_pool"] = PoolFit(capacity_ranks=_r(cap), threads_per_rank=device.threads_per_rank)
+    return CalibrationSpec.model_validate(body)
+
+
+def _kernel_table(raw: Raw, peak: float, launch_s: float) -> KernelTableSpec:
+    tables = {}
+    for p in ("fwd", "bwd"):
+        full = [s for s in raw.kernels if s.pass_ == p and not s.causal]
+        tokens, tables[p] = fit.fit_efficiency_table([(s.s_q, s.s_kv) for s in full], [s.time_s for s in full],
+                                                     [s.flops for s in full], peak, launch_s)
+    index = {s: i for i, s in enumerate(tokens)}
+    masked = [s for s in raw.kernels if s.causal and s.s_q in index and s.s_q == s.s_kv]
+    ratio = 1.0
+    if masked:
+        e = fit.efficiencies([s.flops for s in masked], [s.time_s for s in masked], peak, launch_s)
+        full_e = [tables[s.pass_][index[s.s_q]][index[s.s_q]] for s in masked]
+        ratio = fit.fit_ratio(e, full_e)
+    return KernelTableSpec(
+        name="calibrated", source=f"meshplan calibrate: {raw.dtype} kernels timed on this host; efficiency = "
+        "FLOPs / ((time − launch) · peak), symmetric (a cell and its mirror share their mean time)",
+        launch_us=_r(launch_s * 1e6), tokens=tokens, fwd=_table(tables["fwd"]), bwd=_table(tables["bwd"]),
+        elementwise_factor=_r(ratio))
+
+
+def _r(x: float, digits: int = 4) -> float:
+    """``x`` to ``digits`` significant digits (fitted values; the raw data keep 6)."""
+    return float(f"{x:.{digits}g}")
+
+
+def _table(t: list[list[float]]) -> list[list[float]]:
+    return [[max(_r(x), 1e-4) for x in row] for row in t]
+
+
+# ------------------------------------------------------------------------------------------------ files
+def dump_yaml(calib: CalibrationSpec) -> str:
+    """The file text: a header comment, then the fields (flat rows in flow style)."""
+    import yaml
+
+    head = (f"# {calib.name}: measured by `meshplan calibrate` on {calib.measured_at} ({calib.device.cpu}, "
+            f"{calib.device.cores} CPUs, torch {calib.device.torch}, {calib.device.backend}).\n"
+            "# Fitted values (meshplan/fit.py) replace the topology's placeholders; `raw` holds the measurements.\n")
+    body = calib.model_dump(mode="json", by_alias=True)
+    return head + yaml.safe_dump(body, sort_keys=False, default_flow_style=None, width=160, allow_unicode=True)
+
+
+def load_calibration(path: Path) -> CalibrationSpec:
+    """Read and validate a calibration file (cached while the file is unchanged).
+
+    Raises:
+        UserError: unreadable, invalid YAML, or a field that does not validate (named).
+    """
+    try:
+        stamp = Path(path).stat().st_mtime_ns
+    except OSError as err:
+        raise UserError("calibration", f"cannot read {path}: {err.strerror}", "fix the path") from None
+    return _load(str(path), stamp)
+
+
+@functools.lru_cache(maxsize=16)
+def _load(path: str, _mtime_ns: int) -> CalibrationSpec:
+    import yaml
+    from pydantic import ValidationError
+
+    name = Path(path).name
+    try:
+        raw = yaml.load(Path(path).read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    except yaml.YAMLError:
+        raise UserError(f"calibration {name}", "invalid YAML", "fix the file or recalibrate") from None
+    try:
+        return CalibrationSpec.model_validate(raw)
+    except ValidationError as err:
+        first = err.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"]) or "(top level)"
+        msg = first["msg"].replace("Extra inputs are not permitted", "unknown key")
+        raise UserError(f"calibration {name}: {loc}", msg, "fix the file or recalibrate") from None
+
+
+def find_calibration(name: str, base_dir: str | None) -> Path:
+    """The file a topology's ``calibration:`` names: relative to the topology file, else a shipped file of
+    that path under ``meshplan/topologies/`` (so a copied shipped topology keeps its calibration)."""
+    path = Path(name)
+    if not path.is_absolute() and base_dir:
+        path = Path(base_dir) / path
+    if path.is_file():
+        return path
+    shipped = resources.files("meshplan").joinpath("topologies", name)
+    if not Path(name).is_absolute() and shipped.is_file():
+        return Path(str(shipped))
+    raise UserError("calibration", f"no calibration file {str(path)!r}",
+                    "give a path relative to the topology file, or run meshplan calibrate --out FILE")
+
+
+def apply_calibration(spec: TopologySpec, calib: CalibrationSpec) -> TopologySpec:
+    """The topology with the calibration's values in place of its own (device peaks and memory bandwidth,
+    the link classes' latency and bandwidth, ``shared_GBps``, ``p2p_overhead_us``, ``overlap_kappa``, the
+    compute pool's capacity). The kernel table is the calibration's (:attr:`Topology.kernel`); ``device.kernel``
+    says so (``FILE#kernel``, a label, not a table name).
+
+    Raises:
+        UserError: measured for another device model, or for a fabric this topology does not have.
+    """
+    dev = spec.node.device
+    if calib.device.model != dev.model:
+        raise UserError("calibration", f"measured on {calib.device.model!r}, but {spec.name}'s device is "
+                        f"{dev.model!r}", f"run meshplan calibrate --topo {spec.name} on that device")
+    d = spec.model_dump()
+    d["node"]["device"].update(peak_bf16_tflops=calib.peak_bf16_tflops, peak_fp32_tflops=calib.peak_fp32_tflops,
+                               hbm_GBps=calib.hbm_GBps, kernel=f"{spec.calibration or calib.name}#kernel")
+    if calib.peak_fp16_tflops is not None:
+        d["node"]["device"]["peak_fp16_tflops"] = calib.peak_fp16_tflops
+    fab = d["node"]["fabric"]
+    for cls, link in calib.links.items():
+        kind, key = _LINK_KEY.get(cls, (None, None))
+        if kind != fab["kind"]:
+            raise UserError(f"calibration: links.{cls}", f"{spec.name} has a {fab['kind']} fabric with no {cls} "
+                            "link this calibration can set", "calibrate with this topology")
+        fab[key] = {"usable_GBps": link.usable_GBps, "latency_us": link.latency_us}
+    if calib.shared_GBps is not None:
+        if fab["kind"] != "loopback":
+            raise UserError("calibration: shared_GBps", f"{spec.name} has no loopback pool", "remove it")
+        fab["shared_GBps"] = calib.shared_GBps
+    if calib.p2p_overhead_us is not None:
+        d["p2p_overhead_us"] = calib.p2p_overhead_us
+    d["overlap_kappa"].update(calib.overlap_kappa)
+    if calib.compute_pool is not None:
+        pool = d["node"]["compute_pool"] or {"cores": calib.device.cores}
+        pool.update(threads_per_rank=calib.compute_pool.threads_per_rank,
+                    capacity_ranks=calib.compute_pool.capacity_ranks)
+        d["node"]["compute_pool"] = pool
+    return TopologySpec.model_validate(d)
+
+
+def calibrated(spec: TopologySpec, source: str) -> tuple[TopologySpec, CalibrationSpec | None]:
+    """(the spec with its calibration applied, the calibration); unchanged and None without one."""
+    if spec.calibration is None:
+        return spec, None
+    base = str(Path(source).parent) if source else None
+    calib = load_calibration(find_calibration(spec.calibration, base))
+    return apply_calibration(spec, calib), calib

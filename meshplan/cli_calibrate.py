@@ -1,0 +1,117 @@
+"""``meshplan calibrate``: run the micro-benchmarks on this host, fit them, write a calibration file.
+
+The fitted numbers are printed beside the topology file's own values they replace (a table, or ``--json``);
+progress goes to stderr. Torch is imported only by the benchmarks (:mod:`meshplan.executor.calibrate`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from meshplan.errors import UserError
+
+_LINK_CLASS = {"loopback": "loopback", "nvswitch": "nvlink", "pcie": "pcie"}
+
+
+def calibrate_command(topo: str, backend: str, quick: bool, out: str, as_json: bool) -> int:
+    """Measure, fit, write ``out`` atomically, print; returns the exit status (1: a rank failed)."""
+    from meshplan.calibration import HostFacts, Raw, dump_yaml, fit_calibration
+    from meshplan.fileio import write_atomic
+    from meshplan.topology import Topology
+
+    if not out.endswith((".yaml", ".yml")):
+        raise UserError("--out", f"{out!r} is not a .yaml name", "name the file *.yaml")
+    if importlib.util.find_spec("torch") is None:
+        raise UserError("calibrate", "the micro-benchmarks need torch, which is not installed",
+                        "install the [exec] extra: pip install -e '.[exec]'")
+    topology = Topology.load(topo)
+    from meshplan.executor.calibrate import measure
+    from meshplan.executor.launch import RunFailed, resolve_backend
+
+    resolved = resolve_backend(backend)
+    kind = topology.spec.node.fabric.kind
+    if (resolved == "gloo") != (kind == "loopback"):
+        raise UserError("--topo", f"{topology.name} has a {kind} fabric but this run uses {resolved} "
+                        f"({'CPU ranks' if resolved == 'gloo' else 'GPUs'})",
+                        "calibrate cpu-local with gloo, and a GPU topology with nccl on its GPUs")
+    t0 = time.perf_counter()
+    try:
+        raw, facts = measure(resolved, quick, _LINK_CLASS[kind])
+    except RunFailed as err:
+        sys.stderr.write(f"error: calibration failed: {err}\n")
+        return 1
+    facts = HostFacts(model=topology.spec.node.device.model, **facts)
+    calib = fit_calibration(Raw.model_validate(raw), facts, topology.name, wall_s=time.perf_counter() - t0)
+    write_atomic(out, dump_yaml(calib).encode())
+    rows = summary(calib, topology)
+    if as_json:
+        body = {"calibration": out, "topology": topology.name, "wall_s": calib.wall_s,
+                "device": calib.device.model_dump(mode="json"), "fitted": rows}
+        sys.stdout.write(json.dumps(body, indent=1) + "\n")
+    else:
+        _print(calib, rows, out, Console(width=200 if not sys.stdout.isatty() else None))
+    return 0
+
+
+def summary(calib, topology) -> list[dict[str, Any]]:
+    """Rows ``{"name", "unit", "fitted", "replaces"}``: each fitted number and the topology file's own value."""
+    from meshplan.kernels import load_kernel_table
+
+    f = topology.file_spec
+    dev, fab, pool = f.node.device, f.node.fabric, f.node.compute_pool
+    base = str(Path(topology.source).parent) if topology.source else None
+    old = load_kernel_table(dev.kernel, base).spec
+    new = calib.kernel
+    old_bwd = old.bwd or [[x * old.bwd_factor for x in row] for row in old.fwd]
+    rows = [("peak_bf16_tflops", "TFLOP/s", calib.peak_bf16_tflops, dev.peak_bf16_tflops),
+            ("peak_fp32_tflops", "TFLOP/s", calib.peak_fp32_tflops, dev.peak_fp32_tflops),
+            ("hbm_GBps (merges / 0.8)", "GB/s", calib.hbm_GBps, dev.hbm_GBps),
+            ("kernel launch_us", "us", new.launch_us, old.launch_us),
+            ("kernel fwd efficiency", f"{new.tokens[0]}..{new.tokens[-1]} tokens", _span(new.fwd), _span(old.fwd)),
+            ("kernel bwd efficiency", f"{new.tokens[0]}..{new.tokens[-1]} tokens", _span(new.bwd), _span(old_bwd)),
+            ("kernel elementwise_factor", "", new.elementwise_factor, old.elementwise_factor)]
+    links = {"loopback": getattr(fab, "link", None), "nvlink": getattr(fab, "port", None)}
+    for cls, link in calib.links.items():
+        was = links.get(cls)
+        rows += [(f"{cls} link usable_GBps", "GB/s", link.usable_GBps, was.bytes_per_s / 1e9 if was else None),
+                 (f"{cls} link latency_us", "us", link.latency_us, was.latency_us if was else None)]
+    if calib.shared_GBps is not None:
+        rows.append(("loopback shared_GBps", "GB/s", calib.shared_GBps, getattr(fab, "shared_GBps", None)))
+    if calib.p2p_overhead_us is not None:
+        rows.append(("p2p_overhead_us", "us", calib.p2p_overhead_us, f.p2p_overhead_us))
+    for cls, kappa in calib.overlap_kappa.items():
+        rows.append((f"overlap_kappa.{cls}", "", kappa, getattr(f.overlap_kappa, cls)))
+    if calib.compute_pool is not None:
+        was = None if pool is None else (pool.capacity_ranks or pool.cores / pool.threads_per_rank)
+        rows.append(("compute pool capacity", "ranks at full speed", calib.compute_pool.capacity_ranks, was))
+    return [{"name": n, "unit": u, "fitted": v, "replaces": w} for n, u, v, w in rows]
+
+
+def _span(table: list[list[float]]) -> str:
+    flat = [x for row in table for x in row]
+    return f"{min(flat):.3g}–{max(flat):.3g}"
+
+
+def _fmt(x) -> str:
+    if x is None:
+        return "-"
+    return x if isinstance(x, str) else f"{x:.4g}"
+
+
+def _print(calib, rows: list[dict], out: str, console: Console) -> None:
+    d = calib.device
+    console.print(f"{calib.name}: measured on {d.cpu} ({d.cores} CPUs{', ' + d.gpu if d.gpu else ''}, torch "
+                  f"{d.torch}, {d.backend}) in {calib.wall_s:.0f} s; wrote {out}", soft_wrap=True)
+    t = Table("parameter", "fitted", "replaces", "unit")
+    for r in rows:
+        t.add_row(r["name"], _fmt(r["fitted"]), _fmt(r["replaces"]), r["unit"])
+    console.print(t)
+    console.print(f"use it: add `calibration: {out}` to the topology file (a path relative to it)", soft_wrap=True)

@@ -1,0 +1,236 @@
+"""Micro-benchmarks for ``meshplan calibrate``: what the executor's own pieces cost on this host.
+
+* **matmul peak** per dtype (an n × n × n matmul, 2n³ FLOP): the peak the efficiencies are relative to;
+* **attention kernels**: the executor's :func:`~meshplan.executor.kernels.block_forward` and
+  :func:`~meshplan.executor.kernels.block_backward_from_out` (the CPU flash backward; on CUDA it is the fp32
+  recurrence, as in the executor) on every (s_q, s_kv) of a power-of-two grid, full, plus the causal-diagonal
+  pieces (s × s, elementwise mask), and a 1-token kernel for the fixed cost per call;
+* **merges**: the executor's LSE merge (:func:`~meshplan.executor.kernels.merge_into`) at a few sizes;
+* in a spawned world (gloo ranks on loopback, or NCCL on GPUs 0 and 1): **point-to-point** transfers between
+  ranks 0 and 1 (ping-pong, half the round trip, 1 KB .. 64 MB) and both directions at once; one **overlap**
+  run (ranks 0 and 1 run a kernel while exchanging messages, against the same kernel alone); **core
+  sharing** on CPU (1, 2, ... ranks running the same kernel at once; idle ranks wait in a barrier); these
+  in :mod:`meshplan.executor.calibrate_ranks`.
+
+CPU ranks run one torch thread each (the executor gives each rank cores // ranks threads). Every timing is
+the lower quartile of a few samples after a warm-up (:func:`typical`); a kernel sample repeats short calls
+to last a few milliseconds, a transfer sample is one round. Results are plain data in the
+:class:`meshplan.calibration.Raw` form; progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from meshplan.executor.kernels import TORCH_DTYPE, block_backward_from_out, block_forward, merge_into
+from meshplan.executor.launch import resolve_backend
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """What to measure and how often."""
+
+    tokens: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+    batch: int = 1
+    heads: int = 4
+    head_dim: int = 64
+    dtype: str = "bf16"
+    samples: int = 5
+    min_sample_s: float = 0.005
+    gemm_n: int = 2048
+    merge_tokens: tuple[int, ...] = (256, 512, 1024, 2048, 4096)
+    p2p_sizes: tuple[int, ...] = tuple(1 << k for k in range(10, 27, 2))      # 1 KiB .. 64 MiB
+    overlap_tokens: int = 2048
+    overlap_msg_bytes: int = 4 << 20
+    sharing_tokens: int = 1024
+    sharing_ranks: tuple[int, ...] = (1, 2, 3, 4)
+    backend: str = "gloo"
+    init_method: str = ""
+
+
+FULL = Sweep()
+QUICK = Sweep(tokens=(64, 256), samples=2, gemm_n=512, merge_tokens=(256, 1024),
+              p2p_sizes=(4096, 65536, 1 << 20, 4 << 20), overlap_tokens=256, overlap_msg_bytes=1 << 20,
+              sharing_tokens=256, sharing_ranks=(1, 2))
+GPU = replace(FULL, tokens=tuple(256 << k for k in range(7)), heads=32, head_dim=128, gemm_n=8192,   # untested here
+              merge_tokens=(1024, 4096, 16384), p2p_sizes=tuple(1 << k for k in range(10, 29, 2)), overlap_tokens=16384,
+              overlap_msg_bytes=64 << 20)
+
+
+def log(msg: str) -> None:
+    sys.stderr.write(f"calibrate: {msg}\n")
+    sys.stderr.flush()
+
+
+def measure(backend: str = "auto", quick: bool = False, link_class: str | None = None) -> tuple[dict, dict]:
+    """Run every micro-benchmark; returns (raw measurements, host facts) as plain dicts.
+
+    Raises:
+        UserError: a backend this host lacks.
+        RunFailed: a spawned rank failed (its one-line reason).
+    """
+    resolved = resolve_backend(backend)
+    sweep = replace(QUICK if quick else GPU if resolved == "nccl" else FULL, backend=resolved)
+    load = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+    before = _cpu_snapshot()
+    cuda = sweep.backend == "nccl"
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    with _threads(None if cuda else 1):
+        raw = {"dtype": sweep.dtype, "gemm": _gemm(sweep, device), "launch_s": _launch(sweep, device),
+               "kernels": _kernels(sweep, device), "merges": _merges(sweep, device)}
+    world = (2 if torch.cuda.device_count() >= 2 else 0) if cuda else max(sweep.sharing_ranks)
+    if world >= 2:
+        from meshplan.executor.calibrate_ranks import spawn
+
+        log(f"spawning {world} {sweep.backend} ranks")
+        raw |= spawn(world, sweep)
+        raw["link_class"] = link_class
+    else:
+        log("one GPU: no transfers to measure (links, p2p_overhead_us and kappa keep the topology's values)")
+    others = _others_busy_cores(before, _cpu_snapshot())
+    if others is not None and others > 0.1:
+        log(f"warning: other processes kept {others:.2f} cores busy during the run; the numbers are noisy, "
+            "calibrate again on an idle host")
+    facts = {"cpu": _cpu_name(), "cores": os.cpu_count() or 1, "gpu": torch.cuda.get_device_name(0) if cuda else None,
+             "torch": torch.__version__, "backend": sweep.backend, "threads_per_rank": 1, "load_1min": load,
+             "others_busy_cores": others}
+    return raw, facts
+
+
+def _cpu_snapshot() -> tuple[float, float, float] | None:
+    """(host busy CPU-seconds, this process's and its reaped children's CPU-seconds, wall clock); None off Linux."""
+    try:
+        v = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    t = os.times()
+    busy = sum(v) - v[3] - v[4]                       # all but idle and iowait (steal counts: another VM ran)
+    return busy / os.sysconf("SC_CLK_TCK"), t.user + t.system + t.children_user + t.children_system, time.time()
+
+
+def _others_busy_cores(before, after) -> float | None:
+    """Cores that other processes (or the hypervisor) kept busy, on average, between two snapshots."""
+    if before is None or after is None:
+        return None
+    (b0, m0, w0), (b1, m1, w1) = before, after
+    return round(max(0.0, (b1 - b0) - (m1 - m0)) / max(w1 - w0, 1e-9), 3)
+
+
+# ---------------------------------------------------------------------------------------------- timing
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+def typical(xs: list[float]) -> float:
+    """The lower quartile, not the median: other processes on a shared host only ever slow a sample down, and
+    a quartile ignores the few they hit while staying above the one lucky best case. 6 significant digits."""
+    return float(f"{sorted(xs)[(len(xs) - 1) // 4]:.6g}")
+
+
+def _time(fn, device, sweep: Sweep, samples: int | None = None) -> float:
+    """Typical seconds of one call: a warm-up, then samples of enough calls to last ``min_sample_s``."""
+    fn()
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    reps = max(1, math.ceil(sweep.min_sample_s / max(time.perf_counter() - t0, 1e-7)))
+    out = []
+    for _ in range(samples or sweep.samples):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync(device)
+        out.append((time.perf_counter() - t0) / reps)
+    return typical(out)
+
+
+@contextmanager
+def _threads(n: int | None):
+    before = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------------------------------------- one process
+def _gemm(sweep: Sweep, device) -> list:
+    """(dtype, n, seconds) of n³ matmuls; fp16 only on CUDA (CPUs emulate it, far below their bf16 peak)."""
+    n, rows = sweep.gemm_n, []
+    for name in ("bf16", "fp16", "fp32") if device.type == "cuda" else ("bf16", "fp32"):
+        a = torch.randn(n, n, dtype=TORCH_DTYPE[name], device=device)
+        b = torch.randn(n, n, dtype=TORCH_DTYPE[name], device=device)
+        rows.append((name, n, _time(lambda: a @ b, device, sweep, 3)))         # noqa: B023 - called at once
+        log(f"matmul {name}: {2 * n ** 3 / rows[-1][2] / 1e9:.1f} GFLOP/s")
+    return rows
+
+
+def qkv(sweep: Sweep, s_q: int, s_kv: int, device):
+    dt, shape = TORCH_DTYPE[sweep.dtype], (sweep.batch, sweep.heads)
+    q = torch.randn(*shape, s_q, sweep.head_dim, dtype=dt, device=device)
+    k = torch.randn(*shape, s_kv, sweep.head_dim, dtype=dt, device=device)
+    return q, k, torch.randn_like(k)
+
+
+def _launch(sweep: Sweep, device) -> list[float]:
+    q, k, v = qkv(replace(sweep, batch=1, heads=1), 1, 1, device)
+    return [_time(lambda: block_forward(q, k, v, 1.0, None), device, sweep, 1) for _ in range(3)]
+
+
+def _kernels(sweep: Sweep, device) -> list[dict]:
+    """Forward and backward of every grid shape (full) and of each causal-diagonal piece s × s."""
+    shapes = [(a, b, False) for a in sweep.tokens for b in sweep.tokens] + [(s, s, True) for s in sweep.tokens]
+    scale, rows = sweep.head_dim ** -0.5, []
+    for i, (s_q, s_kv, causal) in enumerate(shapes):
+        q, k, v = qkv(sweep, s_q, s_kv, device)
+        allowed = torch.ones(s_q, s_kv, dtype=torch.bool, device=device).tril() if causal else None
+        pairs = int(allowed.sum()) if causal else s_q * s_kv
+        o, lse = block_forward(q, k, v, scale, allowed)
+        do = torch.randn_like(q)
+        flops = 4.0 * sweep.batch * sweep.heads * sweep.head_dim * pairs
+        t_f = _time(lambda: block_forward(q, k, v, scale, allowed), device, sweep)                # noqa: B023
+        t_b = _time(lambda: block_backward_from_out(q, k, v, o, do, lse, scale, allowed), device, sweep)  # noqa: B023
+        base = {"s_q": s_q, "s_kv": s_kv, "causal": causal, "batch": sweep.batch, "heads": sweep.heads,
+                "head_dim": sweep.head_dim}
+        rows += [base | {"pass": "fwd", "flops": flops, "time_s": t_f},
+                 base | {"pass": "bwd", "flops": 2.5 * flops, "time_s": t_b}]
+        if (i + 1) % 8 == 0 or i + 1 == len(shapes):
+            log(f"attention kernels {i + 1}/{len(shapes)} shapes")
+    return rows
+
+
+def _merges(sweep: Sweep, device) -> list:
+    """(bytes touched, seconds): the cost model charges 3 x the output (O in the dtype + fp32 LSE)."""
+    rows, b, h, d = [], sweep.batch, sweep.heads, sweep.head_dim
+    elem = torch.empty(0, dtype=TORCH_DTYPE[sweep.dtype]).element_size()
+    for s in sweep.merge_tokens:
+        o_acc = torch.randn(b, h, s, d, device=device)
+        lse_acc = torch.randn(b, h, s, device=device)
+        o_part = torch.randn(b, h, s, d, device=device).to(TORCH_DTYPE[sweep.dtype])
+        lse_part = torch.randn(b, h, s, device=device)
+        t = _time(lambda: merge_into(o_acc, lse_acc, o_part, lse_part), device, sweep)  # noqa: B023
+        rows.append((3 * b * h * s * (d * elem + 4), t))
+    return rows
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -1,0 +1,197 @@
+"""The spawned part of ``meshplan calibrate`` (:mod:`meshplan.executor.calibrate`): ranks on this host.
+
+gloo ranks rendezvous on loopback (NCCL: GPUs 0 and 1), as ``meshplan run`` spawns them
+(:mod:`meshplan.executor.launch`). Ranks 0 and 1 time point-to-point transfers and one overlap run while
+the others wait in a barrier (an idle gloo rank takes no CPU); then, on CPU, 1, 2, ... ranks run the same
+kernel at once (core sharing). Rank 0 returns everything; a failing rank leaves its one-line reason.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import tempfile
+import threading
+import time
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from meshplan.executor.calibrate import Sweep, log, qkv, sync, typical
+from meshplan.executor.kernels import block_forward
+from meshplan.executor.launch import RunFailed, _first_error, _free_port, _loopback_interface
+
+
+def spawn(world: int, sweep: Sweep) -> dict:
+    """Run :func:`_rank_main` in ``world`` spawned ranks (loopback rendezvous); rank 0's result."""
+    import torch.multiprocessing as mp
+
+    sweep = replace(sweep, init_method=f"tcp://127.0.0.1:{_free_port()}")
+    with tempfile.TemporaryDirectory(prefix="meshplan-calibrate-") as tmp:
+        ctx = mp.start_processes(_entry, args=(world, sweep, tmp), nprocs=world, join=False, start_method="spawn")
+        try:
+            while not ctx.join(timeout=0.5):
+                pass
+        except Exception:  # noqa: BLE001 - a rank failed; its one-line reason is in its error file
+            raise RunFailed(_first_error(Path(tmp)) or "a rank exited without a reason (see stderr)") from None
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.terminate()
+        return pickle.loads((Path(tmp) / "result.pkl").read_bytes())
+
+
+def _entry(rank: int, world: int, sweep: Sweep, tmp: str) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
+    try:
+        result = _rank_main(rank, world, sweep)
+        if rank == 0:
+            Path(tmp, "result.pkl").write_bytes(pickle.dumps(result))
+    except BaseException as err:  # noqa: BLE001 - reported to the parent as one line
+        line = " ".join(str(err).split()) or type(err).__name__
+        Path(tmp, f"error-{rank}.txt").write_text(f"{time.time_ns()} rank {rank}: {line}")
+        os._exit(1)
+
+
+def _rank_main(rank: int, world: int, sweep: Sweep) -> dict:
+    cuda = sweep.backend == "nccl"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(1)
+    dist.init_process_group(sweep.backend, init_method=sweep.init_method, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    try:
+        pair = dist.new_group([0, 1])
+        mine: dict = {"p2p": [], "overlap": [], "sharing": []}
+        if rank < 2:
+            mine["p2p"] = _p2p(rank, sweep, device, pair)
+            mine["overlap"] = _overlap(rank, sweep, device, pair, mine["p2p"])
+        dist.barrier()
+        if not cuda:
+            mine["sharing"] = _sharing(rank, sweep, device)
+        gathered = [None] * world if rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+        if rank != 0:
+            return {}
+        return {"p2p": gathered[0]["p2p"], "overlap": [r for g in gathered for r in g["overlap"]],
+                "sharing": [r for g in gathered for r in g["sharing"]]}
+    finally:
+        dist.destroy_process_group()
+
+
+def _exchange(peer: int, out: torch.Tensor, into: torch.Tensor, rounds: int = 1) -> None:
+    """Both directions at once: post a recv from and a send to ``peer``, wait for both; ``rounds`` times."""
+    for _ in range(rounds):
+        for w in (dist.irecv(into, src=peer), dist.isend(out, dst=peer)):
+            w.wait()
+
+
+def _ping(rank: int, out: torch.Tensor, into: torch.Tensor, rounds: int) -> None:
+    """Round trips between ranks 0 and 1: 0 sends, 1 answers."""
+    for _ in range(rounds):
+        if rank == 0:
+            dist.send(out, dst=1)
+            dist.recv(into, src=1)
+        else:
+            dist.recv(into, src=0)
+            dist.send(out, dst=0)
+
+
+def _p2p(rank: int, sweep: Sweep, device, pair) -> list[dict]:
+    """Ping-pong (one flow: half a round trip) and a simultaneous exchange (two flows) per size; each round
+    timed on its own, so a round another process delayed does not spoil the others."""
+    rows = []
+    for size in sweep.p2p_sizes:
+        buf = torch.zeros(size, dtype=torch.uint8, device=device)
+        got = torch.empty_like(buf)
+        rounds = max(3, min(50, (16 << 20) // size))
+        for flows in (1, 2):
+            times = []
+            for sample in range(sweep.samples + 1):          # the first is a warm-up
+                dist.barrier(group=pair)
+                for _ in range(rounds):
+                    t0 = time.perf_counter()
+                    if flows == 1:
+                        _ping(rank, buf, got, 1)
+                    else:
+                        _exchange(1 - rank, buf, got, 1)
+                    sync(device)
+                    if sample:
+                        times.append((time.perf_counter() - t0) / (2 if flows == 1 else 1))
+            rows.append({"size_bytes": size, "flows": flows, "time_s": typical(times)})
+        if rank == 0:
+            log(f"p2p {size} B: {rows[-2]['time_s'] * 1e6:.1f} us one way, {rows[-1]['time_s'] * 1e6:.1f} us "
+                "both ways at once")
+    return rows
+
+
+def _timed_kernel(kernel, device) -> tuple[float, float]:
+    t0 = time.perf_counter()
+    kernel()
+    sync(device)
+    return t0, time.perf_counter()
+
+
+def _overlap(rank: int, sweep: Sweep, device, pair, p2p: list[dict]) -> list[dict]:
+    """Ranks 0 and 1 run a kernel alone, then while exchanging messages with each other (a thread posts them,
+    as the executor's comm stream does), for about 1.5 x the kernel's time; records the overlap."""
+    q, k, v = qkv(sweep, sweep.overlap_tokens, sweep.overlap_tokens, device)
+    kernel = lambda: block_forward(q, k, v, sweep.head_dim ** -0.5, None)  # noqa: E731
+    kernel()
+    alone = []
+    for _ in range(sweep.samples):
+        dist.barrier(group=pair)
+        t0, t1 = _timed_kernel(kernel, device)
+        alone.append(t1 - t0)
+    t_alone, size = typical(alone), sweep.overlap_msg_bytes
+    ref = max((r for r in p2p if r["flows"] == 2), key=lambda r: r["size_bytes"])
+    t_msg = ref["time_s"] * size / ref["size_bytes"]
+    n = torch.tensor([min(10_000, math.ceil(1.5 * t_alone / max(t_msg, 1e-6)))], dtype=torch.int64, device=device)
+    dist.all_reduce(n, op=dist.ReduceOp.MAX, group=pair)               # both ranks post as many messages
+    buf, got = torch.zeros(size, dtype=torch.uint8, device=device), torch.empty(size, dtype=torch.uint8, device=device)
+    span, rows = {}, []
+
+    def comm():
+        span["start"] = time.perf_counter()
+        _exchange(1 - rank, buf, got, int(n.item()))
+        sync(device)
+        span["end"] = time.perf_counter()
+
+    for _ in range(sweep.samples):
+        dist.barrier(group=pair)
+        th = threading.Thread(target=comm, daemon=True)
+        th.start()
+        t0, t1 = _timed_kernel(kernel, device)
+        th.join()
+        overlap = max(0.0, min(t1, span["end"]) - max(t0, span["start"]))
+        rows.append({"rank": rank, "alone_s": t_alone, "with_s": t1 - t0, "overlap_s": overlap})
+    if rank == 0:
+        log(f"overlap: kernel {t_alone * 1e3:.1f} ms alone, {typical([r['with_s'] for r in rows]) * 1e3:.1f} ms "
+            f"during transfers ({int(n.item())} exchanges of {size} B)")
+    return rows
+
+
+def _sharing(rank: int, sweep: Sweep, device) -> list:
+    """(k, seconds) for each k in ``sharing_ranks``: ranks 0..k−1 run the kernel at once, the rest wait."""
+    q, k, v = qkv(sweep, sweep.sharing_tokens, sweep.sharing_tokens, device)
+    kernel = lambda: block_forward(q, k, v, sweep.head_dim ** -0.5, None)  # noqa: E731
+    kernel()
+    rows = []
+    for active in sweep.sharing_ranks:
+        times = []
+        for _ in range(sweep.samples):
+            dist.barrier()
+            if rank < active:
+                t0, t1 = _timed_kernel(lambda: (kernel(), kernel()), device)
+                times.append((t1 - t0) / 2)
+        if rank < active:
+            rows.append((active, typical(times)))
+        if rank == 0:
+            log(f"core sharing: {active} rank(s) at once, {rows[-1][1] * 1e3:.1f} ms per kernel on rank 0")
+    return rows

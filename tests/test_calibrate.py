@@ -1,0 +1,190 @@
+"""Calibration files: the fit from raw measurements, the YAML round trip, a topology taking a calibration's
+values, one-line refusals, and ``meshplan calibrate --quick`` end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from meshplan.calibration import CalibrationSpec, HostFacts, Raw, dump_yaml, fit_calibration, load_calibration
+from meshplan.cli import app
+from meshplan.errors import UserError
+from meshplan.topology import Topology
+
+MODEL = "CPU rank (torch CPU attention, 1 thread)"       # cpu-local's device.model
+TOKENS = [64, 128, 256]
+PEAK_BF16, PEAK_FP32, LAUNCH = 2e11, 5e10, 10e-6
+ALPHA, BW, SHARED, KAPPA, POOL = 80e-6, 4e9, 5e9, 0.2, 1.5
+
+
+def _e(a, b, p):
+    return (0.2 if p == "fwd" else 0.3) * a / (a + 100) * b / (b + 100)
+
+
+def synthetic_raw() -> Raw:
+    """Measurements generated from the known parameters above (elementwise factor 0.5, merges at 6 GB/s)."""
+    kernels = []
+    for a, b, causal in [(a, b, False) for a in TOKENS for b in TOKENS] + [(s, s, True) for s in TOKENS]:
+        pairs = a * (a + 1) // 2 if causal else a * b
+        for p, mult in (("fwd", 1.0), ("bwd", 2.5)):
+            flops = mult * 4.0 * 4 * 64 * pairs
+            e = _e(a, b, p) * (0.5 if causal else 1.0)
+            kernels.append({"pass": p, "s_q": a, "s_kv": b, "causal": causal, "batch": 1, "heads": 4, "head_dim": 64,
+                            "flops": flops, "time_s": LAUNCH + flops / (PEAK_BF16 * e)})
+    sizes = [1 << k for k in range(10, 27, 2)]
+    p2p = [{"size_bytes": s, "flows": 1, "time_s": ALPHA + s / BW} for s in sizes]
+    p2p += [{"size_bytes": s, "flows": 2, "time_s": ALPHA + 2 * s / SHARED} for s in sizes]
+    overlap = [{"rank": r, "alone_s": 0.05, "with_s": 0.05 + KAPPA * o, "overlap_s": o}
+               for r, o in ((0, 0.05), (1, 0.06))]
+    # sharing: a row per rank; one of the 3 ran alone (the OS lets some finish early): the fit takes the slowest
+    sharing = [(k, 0.01 * max(1.0, k / POOL)) for k in (1, 2, 3, 4)] + [(3, 0.01)]
+    return Raw.model_validate({
+        "gemm": [("bf16", 1000, 2e9 / PEAK_BF16), ("fp32", 1000, 2e9 / PEAK_FP32)], "launch_s": [LAUNCH] * 3,
+        "kernels": kernels, "merges": [(b, b / 6e9) for b in (1e6, 4e6, 16e6)], "link_class": "loopback",
+        "p2p": p2p, "overlap": overlap, "sharing": sharing})
+
+
+def facts(model: str = MODEL) -> HostFacts:
+    return HostFacts(model=model, cpu="test CPU", cores=2, torch="0", backend="gloo", threads_per_rank=1)
+
+
+@pytest.fixture
+def calib() -> CalibrationSpec:
+    return fit_calibration(synthetic_raw(), facts(), "cpu-local")
+
+
+def test_fit_recovers_the_generating_parameters(calib):
+    rel = 1e-3                                          # the file keeps 4 significant digits
+    assert calib.peak_bf16_tflops == pytest.approx(PEAK_BF16 / 1e12, rel=rel)
+    assert calib.peak_fp32_tflops == pytest.approx(PEAK_FP32 / 1e12, rel=rel)
+    assert calib.hbm_GBps == pytest.approx(6.0 / 0.8, rel=rel)
+    k = calib.kernel
+    assert k.launch_us == pytest.approx(LAUNCH * 1e6, rel=rel) and k.tokens == TOKENS
+    assert k.fwd[1][2] == pytest.approx(_e(128, 256, "fwd"), rel=rel)
+    assert k.bwd[0][0] == pytest.approx(_e(64, 64, "bwd"), rel=rel)
+    assert k.elementwise_factor == pytest.approx(0.5, rel=rel)
+    assert calib.links["loopback"].usable_GBps == pytest.approx(BW / 1e9, rel=rel)
+    assert calib.p2p_overhead_us == pytest.approx(ALPHA * 1e6, rel=rel)
+    assert calib.shared_GBps == pytest.approx(SHARED / 1e9, rel=rel)
+    assert calib.overlap_kappa["loopback"] == pytest.approx(KAPPA, rel=rel)
+    assert calib.compute_pool.capacity_ranks == pytest.approx(POOL, abs=2e-3)
+
+
+def test_yaml_round_trip(tmp_path, calib):
+    path = tmp_path / "c.yaml"
+    path.write_text(dump_yaml(calib))
+    back = load_calibration(path)
+    assert back == calib
+    again = fit_calibration(back.raw, back.device, back.name, back.wall_s, back.measured_at)   # re-fit from raw
+    assert again == calib
+
+
+def _calibrated_topology(tmp_path: Path, calib: CalibrationSpec, extra: str = "") -> Path:
+    (tmp_path / "cal").mkdir(exist_ok=True)
+    (tmp_path / "cal" / "c.yaml").write_text(dump_yaml(calib) + extra)
+    text = Path(Topology.load("cpu-local").source).read_text()
+    text = "\n".join(line for line in text.splitlines() if not line.startswith("calibration:"))
+    topo = tmp_path / "t.yaml"
+    topo.write_text(text + "\ncalibration: cal/c.yaml\n")
+    return topo
+
+
+def test_topology_takes_the_calibrations_values(tmp_path, calib):
+    topo = Topology.load(str(_calibrated_topology(tmp_path, calib)), gpus=2)
+    assert topo.calibration == calib
+    lat, bw = topo.pair_stats(0, 1)
+    assert bw == pytest.approx(BW)                                  # min(link 4 GB/s, shared 5 GB/s)
+    assert lat == pytest.approx(ALPHA, rel=1e-3)                    # p2p_overhead_us + 2 hops of 0 us
+    assert topo.link_capacity.max() == pytest.approx(SHARED)
+    assert topo.kernel.efficiency(128, 256, "fwd", False) == pytest.approx(calib.kernel.fwd[1][2])
+    assert topo.kernel.launch_s == pytest.approx(LAUNCH, rel=1e-3)
+    assert topo.peak_flops("bf16") == pytest.approx(PEAK_BF16, rel=1e-3)
+    assert topo.kappa()[0] == pytest.approx(KAPPA, rel=1e-3)        # loopback is LINK_CLASSES[0]
+    assert topo.pool_capacity == pytest.approx(POOL, abs=2e-3)
+    assert topo.file_spec.p2p_overhead_us != topo.spec.p2p_overhead_us
+    plain = Topology(topo.file_spec.model_copy(update={"calibration": None}), gpus=2)
+    assert plain.content_hash != topo.content_hash
+
+
+def test_shipped_cpu_local_is_calibrated():
+    topo = Topology.load("cpu-local")
+    c = topo.calibration
+    assert c is not None and c.device.model == topo.spec.node.device.model
+    assert topo.kernel.spec.name == "calibrated" and topo.spec.p2p_overhead_us == c.p2p_overhead_us
+    assert fit_calibration(c.raw, c.device, c.name, c.wall_s, c.measured_at) == c     # today's fit of its raw data
+
+
+def _one_line_error(fn) -> str:
+    with pytest.raises(UserError) as err:
+        fn()
+    msg = str(err.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_calibration_of_another_device_is_refused(tmp_path):
+    other = fit_calibration(synthetic_raw(), facts("H100 SXM"), "cpu-local")
+    path = _calibrated_topology(tmp_path, other)
+    msg = _one_line_error(lambda: Topology.load(str(path)))
+    assert msg.startswith("calibration:") and "H100 SXM" in msg and MODEL in msg
+
+
+@pytest.mark.parametrize("edit,field", [
+    (lambda d: d.update(shared_GBps=-1), "shared_GBps"),
+    (lambda d: d.update(colour="blue"), "colour"),
+    (lambda d: d["kernel"].pop("tokens"), "kernel.tokens"),
+    (lambda d: d["overlap_kappa"].update(loopback=1.5), "overlap_kappa.loopback"),
+])
+def test_malformed_calibration_names_the_field(tmp_path, calib, edit, field):
+    body = yaml.safe_load(dump_yaml(calib))
+    edit(body)
+    path = _calibrated_topology(tmp_path, calib)
+    (tmp_path / "cal" / "c.yaml").write_text(yaml.safe_dump(body))
+    msg = _one_line_error(lambda: Topology.load(str(path)))
+    assert "c.yaml" in msg and field in msg
+
+
+def test_missing_calibration_file_is_refused(tmp_path, calib):
+    path = _calibrated_topology(tmp_path, calib)
+    (tmp_path / "cal" / "c.yaml").unlink()
+    assert "no calibration file" in _one_line_error(lambda: Topology.load(str(path)))
+
+
+def _cli(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def test_cli_refusals_are_one_line(tmp_path, monkeypatch):
+    r = _cli("calibrate", "--out", tmp_path / "c.json")
+    assert r.exit_code == 2 and "--out" in r.stderr and r.stderr.count("\n") == 1
+    r = _cli("calibrate", "--topo", "h100x8", "--backend", "gloo", "--out", tmp_path / "c.yaml")
+    assert r.exit_code == 2 and "--topo" in r.stderr and r.stderr.count("\n") == 1
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
+    r = _cli("calibrate", "--out", tmp_path / "c.yaml")
+    assert r.exit_code == 2 and "[exec]" in r.stderr and r.stderr.count("\n") == 1
+    assert not (tmp_path / "c.yaml").exists()
+
+
+@pytest.mark.timeout(120)
+def test_calibrate_quick_end_to_end(tmp_path):
+    out = tmp_path / "cal.yaml"
+    r = _cli("calibrate", "--quick", "--out", out, "--json")
+    assert r.exit_code == 0, r.stderr
+    body = json.loads(r.stdout)
+    assert body["calibration"] == str(out) and body["topology"] == "cpu-local"
+    calib = load_calibration(out)
+    assert calib.device.model == MODEL and calib.device.backend == "gloo"
+    numbers = [calib.peak_bf16_tflops, calib.peak_fp32_tflops, calib.hbm_GBps, calib.kernel.launch_us,
+               calib.links["loopback"].usable_GBps, calib.shared_GBps, calib.p2p_overhead_us,
+               calib.compute_pool.capacity_ranks]
+    assert all(x > 0 for x in numbers), numbers
+    assert 0 <= calib.overlap_kappa["loopback"] < 1
+    assert np.all(np.asarray(calib.kernel.fwd) > 0) and np.all(np.asarray(calib.kernel.bwd) > 0)
+    assert {row["name"] for row in body["fitted"]} >= {"p2p_overhead_us", "overlap_kappa.loopback"}

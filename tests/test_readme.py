@@ -1,0 +1,34 @@
+"""The README's numbers are generated from benchmarks/results/ (benchmarks/readme.py): they cannot drift."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _readme_module():
+    spec = importlib.util.spec_from_file_location("readme_gen", ROOT / "benchmarks" / "readme.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_readme_blocks_equal_what_the_results_give():
+    mod = _readme_module()
+    text = (ROOT / "README.md").read_text()
+    names = [m.group("name") for m in mod.BLOCK.finditer(text)]
+    assert sorted(names) == sorted(mod.BLOCKS), "every generated block appears once in README.md"
+    assert mod.render(text) == text, "README.md is stale: run `python benchmarks/readme.py`"
+
+
+def test_a_changed_result_changes_the_readme(tmp_path, monkeypatch):
+    mod = _readme_module()
+    text = (ROOT / "README.md").read_text()
+    speed = mod.load("planner_speed")
+    assert speed, "benchmarks/results/planner_speed.json is committed"
+    monkeypatch.setattr(mod, "load", lambda name: speed | {"help_s": 9.87} if name == "planner_speed"
+                        else mod.json.loads((mod.RESULTS / f"{name}.json").read_text())
+                        if (mod.RESULTS / f"{name}.json").exists() else {})
+    assert "| `meshplan --help` | 9.87 s |" in mod.render(text)
