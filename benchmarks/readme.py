@@ -199,7 +199,8 @@ def block_executor_overhead(r) -> str:
     d = r["executor_overhead"]
     return (f"`python benchmarks/executor_overhead.py` ({d['date']}; {d['ranks']} ranks on {d['cores']} cores): "
             "makespan minus the critical path of the measured op durations is at most "
-            f"{d['worst_overhead_pct']:.1f}% of the makespan (target {d['target']}), normal and serialized, Ring, pass-Q and Mesh.\n")
+            f"{d['worst_overhead_pct']:.1f}% of the makespan (target {d['target']}), normal and serialized, Ring, "
+            "pass-Q and Mesh.\n")
 
 
 BLOCKS = {"stamp": block_stamp, "main-job": block_main_job, "cli-examples": block_cli_examples,
