@@ -80,6 +80,8 @@ class OverlapSample(_Strict):
     alone_s: PositiveFloat
     with_s: PositiveFloat
     overlap_s: NonNegativeFloat
+    comm_s: PositiveFloat | None = Field(None, description="how long the transfers took during the run")
+    comm_alone_s: PositiveFloat | None = Field(None, description="how long they take alone (from the p2p fit)")
 
 
 class Raw(_Strict):
@@ -95,6 +97,12 @@ class Raw(_Strict):
     link_class: LinkClass | None = Field(None, description="class of the route the transfers took")
     p2p: list[TransferSample] = []
     overlap: list[OverlapSample] = []
+    dtype_kernels: list[tuple[Literal["bf16", "fp16", "fp32"], PositiveInt, PositiveFloat, PositiveFloat]] = Field(
+        [], description="(dtype, s, seconds in that dtype, seconds in raw.dtype) of an s x s forward + backward "
+        "attention kernel: the attention-equivalent peak of another dtype is the raw.dtype peak x the time ratio")
+    recurrence: list[tuple[PositiveInt, PositiveFloat, PositiveFloat]] = Field(
+        [], description="(s, seconds of the fp32 recurrence backward, seconds of the flash backward) of an s x s "
+        "block: the kernel table's bwd_delta_factor is their median ratio")
     sharing: list[tuple[PositiveInt, PositiveFloat]] = Field(
         [], description="(ranks running one kernel each at once, seconds of one rank's kernel), a row per rank; "
         "the fit takes the slowest rank of each count: the pool model has them all end together")
@@ -130,6 +138,7 @@ class CalibrationSpec(_Strict):
     shared_GBps: PositiveFloat | None = Field(None, description="all loopback traffic together (loopback)")
     p2p_overhead_us: NonNegativeFloat | None = None
     overlap_kappa: dict[LinkClass, Kappa] = {}
+    transfer_kappa: dict[LinkClass, Kappa] = {}
     compute_pool: PoolFit | None = None
     raw: Raw
 
@@ -137,8 +146,14 @@ class CalibrationSpec(_Strict):
 def fit_calibration(raw: Raw, device: HostFacts, name: str, wall_s: float = 0.0,
                     measured_at: datetime.date | None = None) -> CalibrationSpec:
     """Fit every parameter from ``raw`` (see :mod:`meshplan.fit` for each form). The efficiency table is relative
-    to the ``raw.dtype`` peak; other dtypes use their own peak with the same table."""
+    to the ``raw.dtype`` peak (its matmul FLOP/s). Another dtype's peak is what its attention kernels reach
+    relative to ``raw.dtype``'s at the same shapes (``raw.dtype_kernels``; the median ratio), so the one table
+    holds for both — a matmul peak would not (on CPUs fp32 attention is far closer to bf16 than fp32 matmul
+    is); without such samples, that dtype's matmul peak."""
     peaks = {dt: max(2.0 * n ** 3 / t for d, n, t in raw.gemm if d == dt) for dt in {d for d, _, _ in raw.gemm}}
+    for dt in {d for d, *_ in raw.dtype_kernels}:
+        ratio = float(np.median([t_ref / t for d, _, t, t_ref in raw.dtype_kernels if d == dt]))
+        peaks[dt] = peaks[raw.dtype] * ratio
     if raw.dtype not in peaks or "fp32" not in peaks:
         raise ValueError(f"need {raw.dtype} and fp32 matmul timings")
     launch_s = _r(float(np.median(raw.launch_s)) * 1e6) * 1e-6     # as written, so the table fits the file's peak
@@ -165,6 +180,11 @@ def fit_calibration(raw: Raw, device: HostFacts, name: str, wall_s: float = 0.0,
         o = raw.overlap
         kappa = fit.fit_kappa([s.alone_s for s in o], [s.with_s for s in o], [s.overlap_s for s in o])
         body["overlap_kappa"] = {raw.link_class: _r(kappa)}
+        timed = [s for s in o if s.comm_s is not None and s.comm_alone_s is not None]
+        if timed and raw.link_class == "loopback":
+            t_kappa = fit.fit_transfer_kappa([s.comm_s for s in timed], [s.comm_alone_s for s in timed],
+                                             [s.overlap_s for s in timed])
+            body["transfer_kappa"] = {raw.link_class: _r(t_kappa)}
     if raw.sharing:
         slowest: dict[int, float] = {}      # per rank count: the slowest rank (the OS lets some finish early)
         for k, t in raw.sharing:
@@ -191,7 +211,9 @@ def _kernel_table(raw: Raw, peak: float, launch_s: float) -> KernelTableSpec:
         name="calibrated", source=f"meshplan calibrate: {raw.dtype} kernels timed on this host; efficiency = "
         "FLOPs / ((time − launch) · peak), symmetric (a cell and its mirror share their mean time)",
         launch_us=_r(launch_s * 1e6), tokens=tokens, fwd=_table(tables["fwd"]), bwd=_table(tables["bwd"]),
-        elementwise_factor=_r(ratio))
+        elementwise_factor=_r(ratio),
+        bwd_delta_factor=max(1.0, _r(float(np.median([a / b for _, a, b in raw.recurrence])))) if raw.recurrence
+        else 1.0)
 
 
 def _r(x: float, digits: int = 4) -> float:
@@ -294,6 +316,7 @@ def apply_calibration(spec: TopologySpec, calib: CalibrationSpec) -> TopologySpe
     if calib.p2p_overhead_us is not None:
         d["p2p_overhead_us"] = calib.p2p_overhead_us
     d["overlap_kappa"].update(calib.overlap_kappa)
+    d["transfer_kappa"].update(calib.transfer_kappa)
     if calib.compute_pool is not None:
         pool = d["node"]["compute_pool"] or {"cores": calib.device.cores}
         pool.update(threads_per_rank=calib.compute_pool.threads_per_rank,

@@ -77,7 +77,8 @@ def summary(calib, topology) -> list[dict[str, Any]]:
             ("kernel launch_us", "us", new.launch_us, old.launch_us),
             ("kernel fwd efficiency", f"{new.tokens[0]}..{new.tokens[-1]} tokens", _span(new.fwd), _span(old.fwd)),
             ("kernel bwd efficiency", f"{new.tokens[0]}..{new.tokens[-1]} tokens", _span(new.bwd), _span(old_bwd)),
-            ("kernel elementwise_factor", "", new.elementwise_factor, old.elementwise_factor)]
+            ("kernel elementwise_factor", "", new.elementwise_factor, old.elementwise_factor),
+            ("kernel bwd_delta_factor", "x flash bwd", new.bwd_delta_factor, old.bwd_delta_factor)]
     links = {"loopback": getattr(fab, "link", None), "nvlink": getattr(fab, "port", None)}
     for cls, link in calib.links.items():
         was = links.get(cls)
@@ -89,6 +90,8 @@ def summary(calib, topology) -> list[dict[str, Any]]:
         rows.append(("p2p_overhead_us", "us", calib.p2p_overhead_us, f.p2p_overhead_us))
     for cls, kappa in calib.overlap_kappa.items():
         rows.append((f"overlap_kappa.{cls}", "", kappa, getattr(f.overlap_kappa, cls)))
+    for cls, kappa in calib.transfer_kappa.items():
+        rows.append((f"transfer_kappa.{cls}", "", kappa, getattr(f.transfer_kappa, cls)))
     if calib.compute_pool is not None:
         was = None if pool is None else (pool.capacity_ranks or pool.cores / pool.threads_per_rank)
         rows.append(("compute pool capacity", "ranks at full speed", calib.compute_pool.capacity_ranks, was))

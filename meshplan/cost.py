@@ -24,7 +24,7 @@ import numpy as np
 
 from meshplan.csr import csr_sum
 from meshplan.matrix import attn_matrix
-from meshplan.schedule import COMBINES, COMPUTE, KIND, PASS_NAMES, Schedule, expand_blocks
+from meshplan.schedule import COMBINES, COMPUTE, KIND, PASS_NAMES, TENSOR_KIND_NAMES, Schedule, expand_blocks
 from meshplan.topology import Topology
 
 
@@ -78,6 +78,15 @@ class CostModel:
         np.add.at(total, op_of, t)
         return self.kernel.launch_s + total[ops]
 
+    @staticmethod
+    def _bwd_without_out(sched: Schedule) -> np.ndarray:
+        """Backward compute ops none of whose inputs is an ``out`` tensor (their Q side carries D, not O)."""
+        o = sched.ops
+        op_of_input = np.repeat(np.arange(len(o)), np.diff(o.in_ptr))
+        has_out = np.zeros(len(o), dtype=bool)
+        np.logical_or.at(has_out, op_of_input, sched.tensors.kind[o.inputs] == TENSOR_KIND_NAMES.index("out"))
+        return np.flatnonzero((o.kind == COMPUTE) & (o.phase == 1) & ~has_out)
+
     def op_durations(self, sched: Schedule) -> np.ndarray:
         """[n_ops] seconds for compute, merge and accumulate ops alone on their device; 0 for the rest."""
         o, t = sched.ops, sched.tensors
@@ -92,6 +101,8 @@ class CostModel:
             multi = np.flatnonzero((o.kind == COMPUTE) & (o.phase == phase) & (blocks > 1))
             if len(multi):
                 dur[multi] = self._one_kernel(sched, multi, PASS_NAMES[phase])
+        if self.kernel.spec.bwd_delta_factor != 1.0:
+            dur[self._bwd_without_out(sched)] *= self.kernel.spec.bwd_delta_factor
         combined = (o.kind == COMPUTE) & (o.combine != COMBINES.index("write"))
         out_bytes = csr_sum(o.out_ptr, t.size_bytes[o.outputs].astype(np.float64))
         dur[combined] += 3 * out_bytes[combined] / self.merge_rate

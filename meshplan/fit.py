@@ -131,6 +131,19 @@ def fit_kappa(alone_s, with_s, overlap_s) -> float:
     return float(np.clip(np.median((w[live] - a[live]) / o[live]), 0.0, 0.99))
 
 
+def fit_transfer_kappa(comm_s, comm_alone_s, overlap_s) -> float:
+    """κ_t of the simulator's slowed transfers (rate × (1 − κ_t) while an end rank computes): transfers of
+    ``comm_alone_s`` work took ``comm_s``, ``overlap_s`` of it beside a kernel, so
+    ``comm_s = overlap_s + (comm_alone_s − (1 − κ_t) · overlap_s)`` ⇒ ``κ_t = (comm_s − comm_alone_s) / overlap_s``;
+    the median over samples, clipped to [0, 0.99]. Samples without overlap are ignored.
+    """
+    c, a, o = _as_float(comm_s, comm_alone_s, overlap_s)
+    live = o > 0
+    if not live.any():
+        raise ValueError("no sample overlapped a kernel")
+    return float(np.clip(np.median((c[live] - a[live]) / o[live]), 0.0, 0.99))
+
+
 def fit_pool_capacity(ranks, times_s) -> float:
     """C of ``t_k = t_1 · max(1, k / C)``: k ranks running one kernel each on a pool worth C ranks (in the
     simulator they share it max-min fairly and end together; on a host, give the slowest rank's time).

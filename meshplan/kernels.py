@@ -37,6 +37,10 @@ class KernelTableSpec(BaseModel):
     bwd_factor: Annotated[float, Field(gt=0, le=1)] | None = Field(None, description="bwd = factor x fwd")
     elementwise_factor: Annotated[float, Field(gt=0, le=1)] = Field(
         1.0, description="multiplier for blocks needing an elementwise mask (causal diagonal, window, docs)")
+    bwd_delta_factor: Annotated[float, Field(ge=1)] = Field(
+        1.0, description="backward blocks whose query side carries D = rowsum(dO*O) instead of O (pass-Q, Mesh, "
+        "StarTrail, CHARM+) take this many times longer: on CPU the executor runs them with the fp32 "
+        "FlashAttention-2 recurrence, not torch's flash backward (1: the same kernel either way)")
     merge_hbm_fraction: Annotated[float, Field(gt=0, le=1)] = Field(
         0.8, description="merges and accumulations run at this fraction of the memory bandwidth")
 

@@ -6,7 +6,9 @@ affected component of flows and links whenever a flow starts or ends. Compute op
 compute resource (capacity 1) or on a shared pool (CPU ranks sharing cores) shared the same way.
 Overlap is not free: while a rank has an active transfer its compute proceeds at rate (1 − κ), κ the
 largest of ``overlap_kappa`` over the link classes of its active transfers (Calculon's
-``processor_usage``). Simultaneous events are processed as one batch. Passes are timed separately
+``processor_usage``); and while a rank at either end of a flow computes, the flow's cap is scaled by
+(1 − κ_t), κ_t the largest ``transfer_kappa`` on its route (CPU ranks copy bytes with the cores they compute
+on; 0 on GPUs). Simultaneous events are processed as one batch. Passes are timed separately
 (the bwd pass starts after a barrier, :mod:`meshplan.schedule` rule 5).
 
 The semantics are those of :mod:`meshplan.schedule`; items (ops and P2P batches) come from
@@ -118,8 +120,9 @@ class _Engine:
         src = sched.device_of_rank[o.rank[sends]]
         dst = sched.device_of_rank[o.peer[sends]]
         lat, _ = topo.pair_stats(src, dst)
-        kappa = topo.kappa()
+        kappa, tkappa = topo.kappa(), topo.transfer_kappa()
         self.flow, cache = {}, {}
+        self.flow_tkap: dict[int, float] = {}   # send op -> its cap while an end rank computes (κ_t > 0)
         recv_rank = o.rank[red.rep_op[partner[sends]]]
         for s, a, b, la, size, rr in zip(sends.tolist(), src.tolist(), dst.tolist(), lat.tolist(),
                                          o.size_bytes[sends].tolist(), recv_rank.tolist()):
@@ -132,9 +135,14 @@ class _Engine:
                     weights[link] = weights.get(link, 0.0) + 1.0
                 cap = float(topo.link_flow_cap[route].min()) if len(route) else np.inf
                 kap = float(kappa[topo.link_class[route]].max()) if len(route) else 0.0
-                cache[key] = (list(weights.items()), cap, kap)
-            res, cap, kap = cache[key]
+                tkap = float(tkappa[topo.link_class[route]].max()) if len(route) else 0.0
+                if tkap > 0.0:      # the slowed flow's cap: (1 − κ_t) × its uncontended rate
+                    tkap = (tkap, min(cap, float(topo.link_capacity[route].min())) * (1.0 - tkap))
+                cache[key] = (list(weights.items()), cap, kap, tkap)
+            res, cap, kap, tkap = cache[key]
             self.flow[s] = (la, float(size), res, cap, kap, int(o.rank[s]), int(rr))
+            if tkap:
+                self.flow_tkap[s] = tkap[1]
 
     def _setup_resources(self, sched, topo, red) -> None:
         self.res_cap = topo.link_capacity.tolist()
@@ -161,6 +169,7 @@ class _Engine:
         self.acts: dict[int, list] = {}      # id -> [remaining, rate, t_update, version, res, cap, kind, payload]
         self.rank_comm = {r: {} for r in self.compute_res}
         self.compute_act: dict[int, int] = {}  # rank -> active compute activity
+        self.rank_flows: dict[int, set[int]] = {}  # rank -> its active flows slowed by its compute (κ_t > 0)
         self.next_act = 0
         self.dirty: set[int] = set()
         now = 0.0
@@ -187,8 +196,7 @@ class _Engine:
 
     def _fire(self, kind: int, aid: int, version: int, now: float) -> None:
         if kind == 1:  # latency over: the flow's bytes start
-            la, size, res, cap, kap, rs, rr = self.flow[aid]
-            self._new_act(size, res, cap, ("flow", aid), now)
+            self._flow_act(aid, now)
             return
         act = self.acts.get(aid)
         if act is None or act[3] != version:
@@ -200,9 +208,14 @@ class _Engine:
             self.dirty.add(r[0])
         tag, payload = act[6]
         if tag == "flow":
+            if payload in self.flow_tkap:
+                for rank in self.flow[payload][5:]:
+                    self.rank_flows[rank].discard(aid)
             self._flow_done(payload, now)
         else:
-            del self.compute_act[self.item_rank[payload]]
+            rank = self.item_rank[payload]
+            del self.compute_act[rank]
+            self._flows_dirty(rank)
             self._end_items([payload], now)
 
     def _flow_done(self, send_op: int, now: float) -> None:
@@ -251,6 +264,7 @@ class _Engine:
                     rank = self.item_rank[i]
                     aid = self._new_act(d, [(self.compute_res[rank], 1.0)], 1.0, ("compute", i), now)
                     self.compute_act[rank] = aid
+                    self._flows_dirty(rank)
         return instant
 
     def _start_flow(self, send_op: int, now: float) -> None:
@@ -260,7 +274,20 @@ class _Engine:
         if la > 0.0:
             self._push(now + la, 1, send_op, 0)
         else:
-            self._new_act(size, res, cap, ("flow", send_op), now)
+            self._flow_act(send_op, now)
+
+    def _flow_act(self, send_op: int, now: float) -> None:
+        """The flow's bytes start moving (after its latency)."""
+        la, size, res, cap, kap, rs, rr = self.flow[send_op]
+        aid = self._new_act(size, res, cap, ("flow", send_op), now)
+        if send_op in self.flow_tkap:
+            for rank in (rs, rr):
+                self.rank_flows.setdefault(rank, set()).add(aid)
+
+    def _flows_dirty(self, rank: int) -> None:
+        """A rank started or stopped computing: its κ_t-slowed flows need new rates."""
+        for aid in self.rank_flows.get(rank, ()):
+            self.dirty.add(self.acts[aid][4][0][0])
 
     def _comm_count(self, rank: int, kap: float, delta: int) -> None:
         if kap <= 0.0:
@@ -285,7 +312,11 @@ class _Engine:
     # ------------------------------------------------------------------ max-min
     def _compute_cap(self, aid: int, act) -> float:
         if act[6][0] != "compute":
-            return act[5]
+            slowed = self.flow_tkap.get(act[6][1])
+            if slowed is None:
+                return act[5]
+            _, _, _, _, _, rs, rr = self.flow[act[6][1]]
+            return slowed if rs in self.compute_act or rr in self.compute_act else act[5]
         counts = self.rank_comm[self.item_rank[act[6][1]]]
         return 1.0 - max(counts) if counts else 1.0
 

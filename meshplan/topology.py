@@ -305,6 +305,11 @@ class Topology:
         k = self.spec.overlap_kappa
         return np.asarray([getattr(k, c) for c in LINK_CLASSES], dtype=np.float64)
 
+    def transfer_kappa(self) -> np.ndarray:
+        """Per link class, the fraction of a flow's rate lost while an end rank computes (LINK_CLASSES order)."""
+        k = self.spec.transfer_kappa
+        return np.asarray([getattr(k, c) for c in LINK_CLASSES], dtype=np.float64)
+
     @functools.cached_property
     def content_hash(self) -> str:
         """sha256 of the spec and the device count (a schedule records it)."""

@@ -170,5 +170,9 @@ class TopologySpec(_Strict):
     network: NetworkSpec = NetworkSpec()
     p2p_overhead_us: NonNegFloat = Field(description="software cost per message (alpha_sw), microseconds")
     overlap_kappa: OverlapSpec = OverlapSpec()
+    transfer_kappa: OverlapSpec = Field(
+        OverlapSpec(), description="per link class: the fraction of a transfer's rate lost while a rank at either "
+        "end computes (CPU ranks: the cores that compute also copy the bytes); 0 on GPUs, whose copy engines and "
+        "NICs move data on their own")
     calibration: str | None = Field(None, description="a calibration file (meshplan calibrate), relative to this "
                                     "file; its measured values replace the ones above (meshplan.calibration)")

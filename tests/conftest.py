@@ -11,7 +11,7 @@ SHARED = Path(__file__).resolve().parents[2] / "shared"
 
 
 def unit_topology(gpus: int, *, port_Bps: float = 16.0, kappa: float = 0.0, kind: str = "nvswitch",
-                  shared_Bps: float = 16.0, cores: int = 1):
+                  shared_Bps: float = 16.0, cores: int = 1, transfer_kappa: float = 0.0):
     """A toy cluster: blocks of the ``unit_workload`` take 1 s; links carry ``port_Bps`` bytes/s."""
     from meshplan.topology import Topology
     from meshplan.topology_spec import TopologySpec
@@ -25,7 +25,8 @@ def unit_topology(gpus: int, *, port_Bps: float = 16.0, kappa: float = 0.0, kind
         node = {"max_ranks": 8, "device": device, "compute_pool": {"cores": cores},
                 "fabric": {"kind": "loopback", "link": link, "shared_GBps": shared_Bps * 1e-9}}
     spec = TopologySpec.model_validate({"name": f"unit-{kind}", "nodes": 1, "node": node, "p2p_overhead_us": 0,
-                                        "overlap_kappa": {"nvlink": kappa, "loopback": kappa}})
+                                        "overlap_kappa": {"nvlink": kappa, "loopback": kappa},
+                                        "transfer_kappa": {"nvlink": transfer_kappa, "loopback": transfer_kappa}})
     return Topology(spec, gpus)
 
 

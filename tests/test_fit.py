@@ -145,3 +145,12 @@ def test_throughput_and_ratio():
     assert fit.fit_throughput(b, b / 6e9 * [1.0, 1.0, 3.0]) == pytest.approx(6e9, rel=1e-9)   # one size slowed
     assert fit.fit_ratio([0.1, 0.2, 0.3], [0.2, 0.4, 0.6]) == pytest.approx(0.5)
     assert fit.fit_ratio([2.0], [1.0]) == 1.0                        # clipped: a factor never speeds up
+
+
+def test_fit_transfer_kappa_recovers_the_slowdown():
+    from meshplan.fit import fit_transfer_kappa
+    # work W alone; O of it beside a kernel at rate 1 − k: comm_s = O + (W − (1 − k) O) = W + k O
+    k, work, over = 0.6, np.array([3.0, 2.0, 4.0]), np.array([1.0, 1.5, 2.0])
+    assert fit_transfer_kappa(work + k * over, work, over) == pytest.approx(k)
+    with pytest.raises(ValueError, match="no sample"):
+        fit_transfer_kappa([1.0], [1.0], [0.0])

@@ -54,6 +54,20 @@ def test_overlap_costs_kappa():
     assert _makespans("ring", 2, unit_topology(2, port_Bps=16 / 1.5))[0] == pytest.approx(2.5, rel=1e-9)
 
 
+def test_transfer_kappa_slows_flows_while_an_end_computes():
+    # T = 3 alone, d = 1, kappa_t = 0.5: during block 0 (1 s) the transfer moves at half rate (0.5 s of work),
+    # then at full rate: it ends at 1 + 2.5 = 3.5; block 1 follows: 4.5 s (4 s with kappa_t = 0)
+    slow = unit_topology(2, port_Bps=16 / 3, transfer_kappa=0.5)
+    assert _makespans("ring", 2, slow)[0] == pytest.approx(4.5, rel=1e-9)
+    assert _makespans("ring", 2, unit_topology(2, port_Bps=16 / 3))[0] == pytest.approx(4.0, rel=1e-9)
+    # compute-bound (T = 0.5 alone): the transfer runs beside block 0 at half rate, 1 s, so block 1 starts at 1
+    assert _makespans("ring", 2, unit_topology(2, port_Bps=32, transfer_kappa=0.5))[0] == pytest.approx(2.0)
+    # the same with both kappas: block 0 at 1 − 0.5 while the transfer (half rate) lasts
+    both = unit_topology(2, port_Bps=32, transfer_kappa=0.5, kappa=0.5)
+    # transfer: 0.5 s of work at half rate = 1 s; block 0: 0.5 done by 1 s, ends at 1.5; block 1: 2.5 s
+    assert _makespans("ring", 2, both)[0] == pytest.approx(2.5, rel=1e-9)
+
+
 def test_shared_loopback_and_shared_cores():
     # both KV transfers share the 16 B/s loopback: 8 B/s each, T = 2 -> d + T = 3
     topo = unit_topology(2, kind="loopback", port_Bps=16.0, shared_Bps=16.0, cores=2)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from meshplan.executor.kernels import TORCH_DTYPE, block_backward_from_out, block_forward, merge_into
+from meshplan.executor.kernels import TORCH_DTYPE, block_backward, block_backward_from_out, block_forward, merge_into
 from meshplan.executor.launch import resolve_backend
 
 
@@ -86,7 +86,9 @@ def measure(backend: str = "auto", quick: bool = False, link_class: str | None =
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     with _threads(None if cuda else 1):
         raw = {"dtype": sweep.dtype, "gemm": _gemm(sweep, device), "launch_s": _launch(sweep, device),
-               "kernels": _kernels(sweep, device), "merges": _merges(sweep, device)}
+               "kernels": _kernels(sweep, device), "dtype_kernels": _dtype_kernels(sweep, device),
+               "recurrence": _recurrence(sweep, device),
+               "merges": _merges(sweep, device)}
     world = (2 if torch.cuda.device_count() >= 2 else 0) if cuda else max(sweep.sharing_ranks)
     if world >= 2:
         from meshplan.executor.calibrate_ranks import spawn
@@ -209,6 +211,41 @@ def _kernels(sweep: Sweep, device) -> list[dict]:
                  base | {"pass": "bwd", "flops": 2.5 * flops, "time_s": t_b}]
         if (i + 1) % 8 == 0 or i + 1 == len(shapes):
             log(f"attention kernels {i + 1}/{len(shapes)} shapes")
+    return rows
+
+
+def _dtype_kernels(sweep: Sweep, device) -> list:
+    """(dtype, s, seconds, seconds in the sweep's dtype) of s × s forward + backward in the other dtypes."""
+    rows, scale = [], sweep.head_dim ** -0.5
+    others = ("fp16", "fp32") if device.type == "cuda" else ("fp32",)
+    for s in sweep.tokens[-3:]:
+        times = {}
+        for name in (sweep.dtype, *others):
+            q, k, v = qkv(replace(sweep, dtype=name), s, s, device)
+            o, lse = block_forward(q, k, v, scale, None)
+            do = torch.randn_like(q)
+            times[name] = (_time(lambda: block_forward(q, k, v, scale, None), device, sweep)            # noqa: B023
+                           + _time(lambda: block_backward_from_out(q, k, v, o, do, lse, scale, None),  # noqa: B023
+                                   device, sweep))
+        rows += [(name, s, times[name], times[sweep.dtype]) for name in others]
+        log(f"attention {s}x{s}: " + ", ".join(f"{n} {times[sweep.dtype] / times[n]:.2f}x {sweep.dtype}"
+                                               for n in others))
+    return rows
+
+
+def _recurrence(sweep: Sweep, device) -> list:
+    """(s, seconds of block_backward, seconds of block_backward_from_out) of s × s blocks: what a backward
+    block costs when its query side carries D instead of O (the executor's fp32 recurrence)."""
+    rows, scale = [], sweep.head_dim ** -0.5
+    for s in sweep.tokens[-3:]:
+        q, k, v = qkv(sweep, s, s, device)
+        o, lse = block_forward(q, k, v, scale, None)
+        do = torch.randn_like(q)
+        delta = (do.float() * o.float()).sum(-1)
+        t_rec = _time(lambda: block_backward(q, k, v, do, lse, delta, scale, None), device, sweep)       # noqa: B023
+        t_flash = _time(lambda: block_backward_from_out(q, k, v, o, do, lse, scale, None), device, sweep)  # noqa: B023
+        rows.append((s, t_rec, t_flash))
+        log(f"backward {s}x{s}: recurrence {t_rec / t_flash:.2f}x the flash backward")
     return rows
 
 

@@ -170,7 +170,8 @@ def _overlap(rank: int, sweep: Sweep, device, pair, p2p: list[dict]) -> list[dic
         t0, t1 = _timed_kernel(kernel, device)
         th.join()
         overlap = max(0.0, min(t1, span["end"]) - max(t0, span["start"]))
-        rows.append({"rank": rank, "alone_s": t_alone, "with_s": t1 - t0, "overlap_s": overlap})
+        rows.append({"rank": rank, "alone_s": t_alone, "with_s": t1 - t0, "overlap_s": overlap,
+                     "comm_s": span["end"] - span["start"], "comm_alone_s": int(n.item()) * t_msg})
     if rank == 0:
         log(f"overlap: kernel {t_alone * 1e3:.1f} ms alone, {typical([r['with_s'] for r in rows]) * 1e3:.1f} ms "
             f"during transfers ({int(n.item())} exchanges of {size} B)")
