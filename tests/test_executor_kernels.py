@@ -55,6 +55,24 @@ def test_block_kernels_match_float64(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_causal_diagonal_takes_the_is_causal_path_and_matches_float64(dtype):
+    from meshplan.executor.kernels import is_tril
+    g = torch.Generator().manual_seed(3)
+    B, H, S, D = 1, 2, 48, 16
+    q, k, v, do = (torch.randn(B, H, S, D, generator=g).to(dtype) for _ in range(4))
+    tril = torch.ones(S, S, dtype=torch.bool).tril()
+    assert is_tril(tril) and not is_tril(tril[:, :-1]) and not is_tril(torch.ones(S, S, dtype=torch.bool))
+    scale = 1 / math.sqrt(D)
+    o_ref, lse_ref, dq_ref, dk_ref, dv_ref = _reference(q, k, v, do, scale, tril)
+    o, lse = block_forward(q, k, v, scale, tril)
+    assert torch.allclose(o.double(), o_ref, atol=TOL[dtype] * 2)
+    assert torch.allclose(lse.double(), lse_ref, atol=TOL[dtype] * 4)
+    dq, dk, dv = block_backward_from_out(q, k, v, o_ref.to(dtype), do, lse_ref.float(), scale, tril)
+    for got, ref in ((dq, dq_ref), (dk, dk_ref), (dv, dv_ref)):
+        assert torch.allclose(got.double(), ref, atol=TOL[dtype] * 4 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_flash_backward_from_the_final_out_matches_float64(dtype):
     """A block holding the first half of the row's keys: the final O and LSE come from the whole row (float64), the
     block's partial gradients must equal the float64 ones restricted to its keys; GQA 4→2, a dead row."""

@@ -39,7 +39,7 @@ from meshplan.executor.launch import resolve_backend
 class Sweep:
     """What to measure and how often."""
 
-    tokens: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+    tokens: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
     batch: int = 1
     heads: int = 4
     head_dim: int = 64
@@ -218,7 +218,7 @@ def _dtype_kernels(sweep: Sweep, device) -> list:
     """(dtype, s, seconds, seconds in the sweep's dtype) of s × s forward + backward in the other dtypes."""
     rows, scale = [], sweep.head_dim ** -0.5
     others = ("fp16", "fp32") if device.type == "cuda" else ("fp32",)
-    for s in sweep.tokens[-3:]:
+    for s in sweep.tokens[-4:-1] or sweep.tokens[-1:]:
         times = {}
         for name in (sweep.dtype, *others):
             q, k, v = qkv(replace(sweep, dtype=name), s, s, device)
@@ -237,7 +237,7 @@ def _recurrence(sweep: Sweep, device) -> list:
     """(s, seconds of block_backward, seconds of block_backward_from_out) of s × s blocks: what a backward
     block costs when its query side carries D instead of O (the executor's fp32 recurrence)."""
     rows, scale = [], sweep.head_dim ** -0.5
-    for s in sweep.tokens[-3:]:
+    for s in sweep.tokens[-4:-1] or sweep.tokens[-1:]:
         q, k, v = qkv(sweep, s, s, device)
         o, lse = block_forward(q, k, v, scale, None)
         do = torch.randn_like(q)

@@ -44,8 +44,9 @@ def block_forward(q, k, v, scale: float, allowed: torch.Tensor | None) -> tuple[
     if q.is_cuda:
         o, lse = _cuda_forward(q, k, v, scale, allowed)
     else:
-        bias = None if allowed is None else _bias(allowed, q.dtype)
-        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias,
+        causal = is_tril(allowed)
+        bias = None if allowed is None or causal else _bias(allowed, q.dtype)
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias,
                                                                             scale=scale)
     lse = lse.float()
     if allowed is not None:
@@ -54,6 +55,13 @@ def block_forward(q, k, v, scale: float, allowed: torch.Tensor | None) -> tuple[
             lse = lse.masked_fill(empty, float("-inf"))
             o = o.masked_fill(empty[:, None], 0.0)
     return o, lse
+
+
+def is_tril(allowed: torch.Tensor | None) -> bool:
+    """Whether a mask is exactly the square lower triangle (a causal diagonal block in natural order): then the
+    CPU flash kernels run with ``is_causal`` and skip the masked half instead of reading an additive bias."""
+    return (allowed is not None and allowed.shape[0] == allowed.shape[1]
+            and bool(torch.equal(allowed, torch.ones_like(allowed).tril())))
 
 
 def _bias(allowed: torch.Tensor, dtype) -> torch.Tensor:
@@ -110,11 +118,12 @@ def block_backward_from_out(q, k, v, o, do, lse, scale: float, allowed: torch.Te
     if q.is_cuda:
         return block_backward(q, k, v, do, lse, row_delta(o, do), scale, allowed)
     group = q.shape[1] // k.shape[1]
-    bias = None if allowed is None else _bias(allowed, q.dtype)
+    causal = is_tril(allowed)
+    bias = None if allowed is None or causal else _bias(allowed, q.dtype)
     lse = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse).contiguous()
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         do.to(q.dtype).contiguous(), q, expand_kv(k, group).contiguous(), expand_kv(v, group).contiguous(),
-        o.to(q.dtype).contiguous(), lse, 0.0, False, attn_mask=bias, scale=scale)
+        o.to(q.dtype).contiguous(), lse, 0.0, causal, attn_mask=bias, scale=scale)
     return dq.float(), reduce_kv(dk.float(), group), reduce_kv(dv.float(), group)
 
 

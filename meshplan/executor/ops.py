@@ -56,6 +56,10 @@ class OpRunner:
         q_pos = np.concatenate([p.positions[c] for c in op.q_chunks])
         k_pos = np.concatenate([p.positions[c] for c in op.kv_chunks])
         rows, cols = _select(op.q_rows, len(q_pos)), _select(op.kv_cols, len(k_pos))
+        # tokens in position order: a causal piece over the same positions becomes the lower triangle, which the
+        # CPU kernels run with is_causal (zigzag diagonals, Ulysses over a permuted sequence); results go back
+        # to their tokens through ``rows``/``cols``
+        rows, cols = rows[np.argsort(q_pos[rows], kind="stable")], cols[np.argsort(k_pos[cols], kind="stable")]
         mask = p.mask_of(op)
         allowed = None if mask is None else torch.from_numpy(mask.permits(q_pos[rows], k_pos[cols]))
         dev = self.store.device
