@@ -81,7 +81,7 @@ class OverlapSample(_Strict):
     with_s: PositiveFloat
     overlap_s: NonNegativeFloat
     comm_s: PositiveFloat | None = Field(None, description="how long the transfers took during the run")
-    comm_alone_s: PositiveFloat | None = Field(None, description="how long they take alone (from the p2p fit)")
+    comm_alone_s: PositiveFloat | None = Field(None, description="how long the same transfers take without the kernel")
 
 
 class Raw(_Strict):

@@ -163,6 +163,14 @@ def _overlap(rank: int, sweep: Sweep, device, pair, p2p: list[dict]) -> list[dic
         sync(device)
         span["end"] = time.perf_counter()
 
+    spans = []
+    for _ in range(sweep.samples):          # the same transfers from the same thread, no kernel: the reference
+        dist.barrier(group=pair)
+        th = threading.Thread(target=comm, daemon=True)
+        th.start()
+        th.join()
+        spans.append(span["end"] - span["start"])
+    comm_alone = typical(spans)
     for _ in range(sweep.samples):
         dist.barrier(group=pair)
         th = threading.Thread(target=comm, daemon=True)
@@ -171,7 +179,7 @@ def _overlap(rank: int, sweep: Sweep, device, pair, p2p: list[dict]) -> list[dic
         th.join()
         overlap = max(0.0, min(t1, span["end"]) - max(t0, span["start"]))
         rows.append({"rank": rank, "alone_s": t_alone, "with_s": t1 - t0, "overlap_s": overlap,
-                     "comm_s": span["end"] - span["start"], "comm_alone_s": int(n.item()) * t_msg})
+                     "comm_s": span["end"] - span["start"], "comm_alone_s": comm_alone})
     if rank == 0:
         log(f"overlap: kernel {t_alone * 1e3:.1f} ms alone, {typical([r['with_s'] for r in rows]) * 1e3:.1f} ms "
             f"during transfers ({int(n.item())} exchanges of {size} B)")
