@@ -67,6 +67,7 @@ GPU = replace(FULL, tokens=tuple(256 << k for k in range(7)), heads=32, head_dim
 
 
 def log(msg: str) -> None:
+    """One progress line on stderr."""
     sys.stderr.write(f"calibrate: {msg}\n")
     sys.stderr.flush()
 
@@ -129,6 +130,7 @@ def _others_busy_cores(before, after) -> float | None:
 
 # ---------------------------------------------------------------------------------------------- timing
 def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on CPU)."""
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
 
@@ -181,6 +183,7 @@ def _gemm(sweep: Sweep, device) -> list:
 
 
 def qkv(sweep: Sweep, s_q: int, s_kv: int, device):
+    """Random Q [B, H, s_q, D] and K, V [B, H, s_kv, D] in the sweep's dtype."""
     dt, shape = TORCH_DTYPE[sweep.dtype], (sweep.batch, sweep.heads)
     q = torch.randn(*shape, s_q, sweep.head_dim, dtype=dt, device=device)
     k = torch.randn(*shape, s_kv, sweep.head_dim, dtype=dt, device=device)

@@ -9,55 +9,33 @@ kernel at once (core sharing). Rank 0 returns everything; a failing rank leaves 
 from __future__ import annotations
 
 import math
-import os
-import pickle
-import tempfile
 import threading
 import time
 from dataclasses import replace
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from meshplan.executor.calibrate import Sweep, log, qkv, sync, typical
 from meshplan.executor.kernels import block_forward
-from meshplan.executor.launch import RunFailed, _first_error, _free_port, _loopback_interface
+from meshplan.executor.launch import _free_port, spawn_ranks
 
 
 def spawn(world: int, sweep: Sweep) -> dict:
-    """Run :func:`_rank_main` in ``world`` spawned ranks (loopback rendezvous); rank 0's result."""
-    import torch.multiprocessing as mp
-
+    """Run :func:`_rank_main` in ``world`` spawned ranks (loopback rendezvous, as ``meshplan run``); rank 0's result."""
     sweep = replace(sweep, init_method=f"tcp://127.0.0.1:{_free_port()}")
-    with tempfile.TemporaryDirectory(prefix="meshplan-calibrate-") as tmp:
-        ctx = mp.start_processes(_entry, args=(world, sweep, tmp), nprocs=world, join=False, start_method="spawn")
-        try:
-            while not ctx.join(timeout=0.5):
-                pass
-        except Exception:  # noqa: BLE001 - a rank failed; its one-line reason is in its error file
-            raise RunFailed(_first_error(Path(tmp)) or "a rank exited without a reason (see stderr)") from None
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.terminate()
-        return pickle.loads((Path(tmp) / "result.pkl").read_bytes())
-
-
-def _entry(rank: int, world: int, sweep: Sweep, tmp: str) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
-    try:
-        result = _rank_main(rank, world, sweep)
-        if rank == 0:
-            Path(tmp, "result.pkl").write_bytes(pickle.dumps(result))
-    except BaseException as err:  # noqa: BLE001 - reported to the parent as one line
-        line = " ".join(str(err).split()) or type(err).__name__
-        Path(tmp, f"error-{rank}.txt").write_text(f"{time.time_ns()} rank {rank}: {line}")
-        os._exit(1)
+    return spawn_ranks(_rank_main, world, sweep, prefix="meshplan-calibrate-")
 
 
 def _rank_main(rank: int, world: int, sweep: Sweep) -> dict:
+    try:
+        return _measure_ranks(rank, world, sweep)
+    except Exception as err:
+        raise RuntimeError(f"rank {rank}: {err}") from err
+
+
+def _measure_ranks(rank: int, world: int, sweep: Sweep) -> dict:
     cuda = sweep.backend == "nccl"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:

@@ -89,14 +89,24 @@ def run_batch(jobs: list[tuple[str, RunConfig]]) -> list[dict]:
 
 def spawn(world: int, jobs: list[tuple[Program, RunConfig]]) -> list[dict]:
     """Spawn ``world`` ranks on this host (loopback rendezvous) to run the jobs; rank 0's results."""
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    return spawn_ranks(rank_main, world, [(prog, replace(cfg, init_method=init)) for prog, cfg in jobs])
+
+
+def spawn_ranks(fn, world: int, payload, prefix: str = "meshplan-run-"):
+    """Run ``fn(rank, world, payload)`` (a module-level function) in ``world`` spawned processes; returns rank 0's
+    value. gloo binds to the loopback interface unless ``GLOO_SOCKET_IFNAME`` says otherwise.
+
+    Raises:
+        RunFailed: a rank failed; the message is the root cause among the ranks' one-line reasons.
+    """
     import pickle
 
     import torch.multiprocessing as mp
 
-    init = f"tcp://127.0.0.1:{_free_port()}"
-    jobs = [(prog, replace(cfg, init_method=init)) for prog, cfg in jobs]
-    with tempfile.TemporaryDirectory(prefix="meshplan-run-") as tmp:
-        ctx = mp.start_processes(_entry, args=(world, jobs, tmp), nprocs=world, join=False, start_method="spawn")
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        ctx = mp.start_processes(_entry, args=(fn, world, payload, tmp), nprocs=world, join=False,
+                                 start_method="spawn")
         try:
             while not ctx.join(timeout=0.5):
                 pass
@@ -109,15 +119,15 @@ def spawn(world: int, jobs: list[tuple[Program, RunConfig]]) -> list[dict]:
         return pickle.loads((Path(tmp) / "result.pkl").read_bytes())
 
 
-def _entry(rank: int, world: int, jobs: list, tmp: str) -> None:
-    """A spawned rank: run, hand rank 0's results to the parent, or leave a one-line reason and exit 1."""
+def _entry(rank: int, fn, world: int, payload, tmp: str) -> None:
+    """A spawned rank: run, hand rank 0's value to the parent, or leave a one-line reason and exit 1."""
     import pickle
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
     try:
-        results = rank_main(rank, world, jobs)
+        result = fn(rank, world, payload)
         if rank == 0:
-            Path(tmp, "result.pkl").write_bytes(pickle.dumps(results))
+            Path(tmp, "result.pkl").write_bytes(pickle.dumps(result))
     except BaseException as err:  # noqa: BLE001 - reported to the parent as one line
         line = " ".join(str(err).split()) or type(err).__name__
         Path(tmp, f"error-{rank}.txt").write_text(f"{time.time_ns()} {line}")
