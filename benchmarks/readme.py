@@ -54,10 +54,13 @@ def block_stamp(r) -> str:
             "`benchmarks/results/*.json`; each block names the benchmark that wrote it and when it ran.*\n")
 
 
+NO_CLI = "(run `python benchmarks/readme.py --run-cli`)\n"
+
+
 def block_main_job(r) -> str:
     cli = r["readme_cli"]
     if not cli:
-        return "(run `python benchmarks/readme.py --run-cli`)\n"
+        return NO_CLI
     m, best, ring = cli["main"], cli["main_best"], cli["main_ring"]
     return (f"The main job above prints (`benchmarks/readme.py --run-cli`, {cli['date']}; times are predictions; "
             f"`COLUMNS=250`, `--top 8`):\n\n```\n{m['stdout'].rstrip()}\n```\n\n"
@@ -69,7 +72,7 @@ def block_main_job(r) -> str:
 def block_cli_examples(r) -> str:
     cli = r["readme_cli"]
     if not cli:
-        return "(run `python benchmarks/readme.py --run-cli`)\n"
+        return NO_CLI
     return (code(cli["simulate"]["cmd"], cli["simulate"]["stdout"]) + "\n"
             + code(cli["validate"]["cmd"], cli["validate"]["stdout"]))
 
@@ -77,7 +80,7 @@ def block_cli_examples(r) -> str:
 def block_run_example(r) -> str:
     cli = r["readme_cli"]
     if not cli or "run" not in cli:
-        return "(run `python benchmarks/readme.py --run-cli`)\n"
+        return NO_CLI
     return (f"```\n$ {cli['run-mesh']['cmd']}\n$ {cli['run']['cmd']}\n{cli['run']['stdout'].rstrip()}\n```\n")
 
 

@@ -108,34 +108,36 @@ def fit_micro(rows: list[H100Row], peak_flops: float) -> FittedParams:
     return FittedParams(alpha_s=alpha, flow_bw_GBps=bw / 1e9, **kernel)
 
 
-def topology_values(params: FittedParams, route_latency_us: float = 8.0) -> dict:
-    """The values an H100 topology file carries for ``params`` (``route_latency_us``: the hops' latencies
-    of a cross-node route in h100x16.yaml, 0.5 + 2 + 1.5 + 1.5 + 2 + 0.5; α minus them is the per-message
-    software cost).
+def topology_values(params: FittedParams, base: str | Topology = "h100x16") -> dict:
+    """The values an H100 topology file carries for ``params``. α is the whole per-message time of a cross-node
+    transfer; less the hops' latencies on ``base``'s cross-node route it is the per-message software cost.
     """
+    topo = Topology.load(base, gpus=16) if isinstance(base, str) else base
+    lat, _ = topo.pair_stats(np.asarray([0]), np.asarray([topo.gpus_per_node]))
+    hops_s = float(lat[0]) - topo.spec.p2p_overhead_us * 1e-6
     return {"kernel": "fa2-hopper-fit", "nics.port.usable_GBps": round(params.flow_bw_GBps, 2),
             "nics.per_flow_GBps": round(params.flow_bw_GBps, 2),
             "nics.node_aggregate_GBps": params.node_aggregate_GBps,
-            "p2p_overhead_us": round(params.alpha_s * 1e6 - route_latency_us, 1),
+            "p2p_overhead_us": round(max(params.alpha_s - hops_s, 0.0) * 1e6, 1),
             "overlap_kappa": {"nvlink": params.kappa, "net": params.kappa}}
 
 
 def calibrated_topology(base: str, params: FittedParams, gpus: int, workdir: str | Path) -> Topology:
-    """``base`` (a shipped H100 topology) with ``params`` applied; the kernel table is written to ``workdir``."""
+    """``base`` (a shipped H100 topology) with ``params`` applied (:func:`topology_values`); the kernel table
+    is written to ``workdir``."""
     base_topo = Topology.load(base, gpus=gpus)
+    values = topology_values(params, base_topo)
     spec = base_topo.spec.model_dump(mode="json", exclude_none=True)
     tag = abs(hash(tuple(asdict(params).values())))
     kpath = Path(workdir) / f"fit-{tag}.yaml"
     kpath.write_text(yaml.safe_dump(kernel_table_body(params, f"fit-{tag}")))
     spec["node"]["device"]["kernel"] = str(kpath)
     nics = spec["node"]["nics"]
-    nics["per_flow_GBps"] = round(params.flow_bw_GBps, 2)
-    nics["port"]["usable_GBps"] = round(params.flow_bw_GBps, 2)   # Ring's dK,dV and K,V flows share it
-    nics["node_aggregate_GBps"] = params.node_aggregate_GBps
-    spec["overlap_kappa"].update(nvlink=params.kappa, net=params.kappa)
-    probe = Topology(type(base_topo.spec).model_validate(spec), gpus=gpus)
-    lat, _ = probe.pair_stats(np.asarray([0]), np.asarray([probe.gpus_per_node]))
-    spec["p2p_overhead_us"] = round(max(params.alpha_s - float(lat[0]) + spec["p2p_overhead_us"] * 1e-6, 0) * 1e6, 1)
+    nics["per_flow_GBps"] = values["nics.per_flow_GBps"]
+    nics["port"]["usable_GBps"] = values["nics.port.usable_GBps"]   # Ring's dK,dV and K,V flows share it
+    nics["node_aggregate_GBps"] = values["nics.node_aggregate_GBps"]
+    spec["overlap_kappa"].update(values["overlap_kappa"])
+    spec["p2p_overhead_us"] = values["p2p_overhead_us"]
     return Topology(type(base_topo.spec).model_validate(spec), gpus=gpus, source=str(kpath))
 
 
