@@ -1,14 +1,23 @@
 """Validation on our own runs: predicted vs measured makespan and CCR on CPU ranks (gloo), every candidate
 that search proposes for a set of workloads (COSTMODEL.md, "Validation"; a benchmark, not a CI gate).
 
-``python benchmarks/validate_cpu.py [--quick]`` — for each workload and rank count (2 ranks: ranks ≤ cores;
-4 ranks on the 2 cores: the shared-core pool modelled, reported separately), every candidate of ``meshplan
-search`` (all methods, knobs and layouts it enumerates, each planned and simulated on ``cpu-local``) is
-written, run ``--iters`` times after a warm-up with the executor, and compared: end-to-end makespan error
-(MAPE, max), Kendall τ over the pairs of one workload whose measured medians differ by more than 2σ (σ from
-the interquartile range of the timed iterations, IQR / 1.349, of the two candidates), and top-1 regret per
-workload. Ring's CCR (CHARM+ definition) is predicted by ``ring_ccr`` and measured from a ``--serialize``
-run of Ring (max over ranks of Σ compute / max over ranks of Σ transfer time, ops one at a time).
+``python benchmarks/validate_cpu.py [--quick] [--rounds R]`` — for each workload and rank count (2 ranks: ranks
+≤ cores; 4 ranks on the 2 cores: the shared-core pool modelled, reported separately), every candidate of
+``meshplan search`` (all methods, knobs and layouts it enumerates, each planned and simulated on ``cpu-local``;
+CHARM+ with ``--domains 2``, since CPU ranks must declare domains) is written and run by the executor. The
+candidates of one workload run in one spawned world, **interleaved**: R rounds, each running every candidate
+once after one warm-up iteration, so the host's speed drift (±15% over tens of seconds on this shared VM)
+falls on all candidates alike; a candidate's measured time is the median of its R rounds and σ their
+standard deviation. Reported: end-to-end makespan error (MAPE, max), Kendall τ over the pairs of one workload
+whose measured medians differ by more than 2σ (the larger σ of the two), top-1 regret per workload, and the
+host's drift: the executor times a fixed probe kernel before every timed iteration
+(:mod:`meshplan.executor.probe`), and the same metrics are given again ("adjusted") against each round's
+makespan rescaled to the calibration's host speed (× calibration probe / that round's probe).
+
+Ring's CCR (CHARM+ definition, zigzag, forward) is predicted by ``ring_ccr`` and measured from a
+``--serialize`` run of that Ring schedule: max over ranks of Σ compute over max over ranks of Σ transfer time,
+a transfer counted from when both its sides had posted (:func:`meshplan.compare.transfer_spans`), so a
+serialized recv does not count the time its peer spent computing.
 
 The calibration (``meshplan calibrate``) measures kernels, point-to-point transfers, one overlap run and
 core sharing; it never runs these schedules, so calibration and validation use different workloads.
@@ -37,7 +46,7 @@ from meshplan.search import run_search  # noqa: E402
 from meshplan.topology import Topology  # noqa: E402
 from meshplan.workload import resolve  # noqa: E402
 
-# (label, workload flags): sequence length, GQA ratio, mask, dtype and pass vary.
+# (label, workload flags): sequence length, GQA ratio, mask, dtype, head dim and pass vary.
 WORKLOADS = [
     ("S4K MHA causal fp32 fwd+bwd", dict(seq_len=4096, heads=4, kv_heads=4, head_dim=64, mask="causal",
                                          dtype="fp32", passes="fwd+bwd")),
@@ -53,11 +62,16 @@ WORKLOADS = [
 
 
 def candidates(w, topo, n: int) -> list:
-    """Every candidate search enumerates, each planned and simulated (one per distinct label)."""
-    res = run_search(w, topo, n, prune_slack=0.0)
+    """Every candidate search enumerates (and CHARM+ with 2 domains), each planned and simulated, one per label."""
+    found = list(run_search(w, topo, n, prune_slack=0.0).candidates)
+    try:
+        found += run_search(w, topo, n, algos=["charm"], filters={"domains": 2}, prune_slack=0.0).candidates
+    except (UserError, SkipCandidate):
+        pass
     seen, out = set(), []
-    for c in res.candidates:
-        knobs = {k: v for k, v in c.knobs.items() if not (k == "order" and str(v).startswith("auto:"))}
+    for c in found:
+        knobs = {k: v for k, v in c.knobs.items()
+                 if v is not None and not (k == "order" and str(v).startswith("auto:"))}
         wl = c.workload
         key = (c.algorithm, wl.layout, json.dumps(knobs, sort_keys=True, default=str))
         if key in seen or c.forward_only and wl.passes != "fwd":
@@ -65,115 +79,183 @@ def candidates(w, topo, n: int) -> list:
         seen.add(key)
         try:
             out.append(predict(c.algorithm, wl, topo, n, knobs))
-        except (UserError, SkipCandidate):
-            continue
+        except (UserError, SkipCandidate) as err:
+            print(f"  skipped {c.algorithm} {wl.layout} {knobs}: {err}", file=sys.stderr)
     return out
 
 
-def measure(path: str, n: int, iters: int, warmup: int, serialize: bool = False) -> dict:
-    """Run a schedule file with the executor (spawned gloo ranks); the Measurement body."""
-    from meshplan.executor.launch import run
+def measure_interleaved(paths: list[str], rounds: int, timeout_s: float = 600.0) -> list[list[tuple[float, float]]]:
+    """Run the schedules (one rank count) in one spawned world, ``rounds`` times interleaved, each once after one
+    warm-up iteration; per schedule (makespan, host-speed probe ms just before it) in every round."""
+    from meshplan.executor.launch import run_batch
     from meshplan.executor.worker import RunConfig
 
-    cfg = RunConfig(backend="gloo", iters=iters, warmup=warmup, check=False, serialize=serialize, timeout_s=300.0)
-    return run(path, n, cfg)
+    cfg = RunConfig(backend="gloo", iters=1, warmup=1, check=False, timeout_s=timeout_s)
+    bodies = run_batch([(p, cfg) for _ in range(rounds) for p in paths])
+    return [[(b["makespan_s"], b["env"]["probe_ms"]) for b in bodies[i::len(paths)]] for i in range(len(paths))]
 
 
-def serialized_ccr(body: dict, path: str) -> float:
-    """Max over ranks of Σ compute over max over ranks of Σ transfer time, from a --serialize run."""
-    from meshplan.schedule_io import read_document
+def serialized_ccr(path: str) -> float:
+    """Ring's CCR from a ``--serialize`` run: max over ranks of Σ compute over max over ranks of Σ transfer time
+    (each transfer from when both sides had posted; a batch counts its longest transfer)."""
+    from meshplan.compare import transfer_spans
+    from meshplan.executor.launch import run
+    from meshplan.executor.worker import RunConfig
+    from meshplan.schedule import COMPUTE
+    from meshplan.schedule_io import from_json, read_document
 
+    body = run(path, None, RunConfig(backend="gloo", iters=3, warmup=1, check=False, serialize=True,
+                                     timeout_s=600.0))
     doc, _ = read_document(path)
-    kind = {op.id: op.kind for r in doc.ranks for op in r.ops}
-    comp, comm = np.zeros(len(doc.ranks)), np.zeros(len(doc.ranks))
+    sched = from_json(doc)
+    index = {op.id: i for i, op in enumerate(op for r in doc.ranks for op in r.ops)}
+    start, end = np.full(len(index), np.nan), np.full(len(index), np.nan)
     for r in body["ranks"]:
         for op in r["ops"]:
-            d = op["end_s"] - op["start_s"]
-            if kind[op["id"]] == "compute":
-                comp[r["rank"]] += d
-            elif kind[op["id"]] in ("send", "recv"):
-                comm[r["rank"]] += d
+            start[index[op["id"]]], end[index[op["id"]]] = op["start_s"], op["end_s"]
+    o = sched.ops
+    comp = np.zeros(sched.n_ranks)
+    np.add.at(comp, o.rank[o.kind == COMPUTE], (end - start)[o.kind == COMPUTE])
+    spans = transfer_spans(sched, start, end)
+    comm = np.zeros(sched.n_ranks)
+    for (rank, phase, step) in {(int(a), int(b), int(c)) for a, b, c in zip(o.rank, o.phase, o.step) if c >= 0}:
+        sel = (o.rank == rank) & (o.phase == phase) & (o.step == step)
+        comm[rank] += spans[sel].max()
     return float(comp.max() / comm.max()) if comm.max() > 0 else float("nan")
 
 
-def run_workload(label: str, flags: dict, n: int, iters: int, warmup: int, tmp: Path) -> dict:
+def probe_ms() -> float:
+    """A fixed kernel (fp32, 4 heads × 1024² × 64, forward, one thread) in this process: the host's speed now."""
+    import torch
+
+    from meshplan.executor.kernels import block_forward
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 1024, 64, generator=g) for _ in range(3))
+    block_forward(q, k, v, 0.125, None)
+    times = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        block_forward(q, k, v, 0.125, None)
+        times.append(time.perf_counter() - t0)
+    torch.set_num_threads(before)
+    return float(np.median(times) * 1e3)
+
+
+def run_workload(label: str, flags: dict, n: int, rounds: int, tmp: Path) -> dict:
     """All candidates of one workload on n ranks: predicted, measured, errors, τ and regret."""
     topo = Topology.load("cpu-local", gpus=n)
     w = resolve(**flags)
+    cands = candidates(w, topo, n)
+    paths = []
+    for i, c in enumerate(cands):
+        paths.append(str(tmp / f"{n}-{i}.json"))
+        write_schedule(c.schedule, paths[-1])
+    probes = [probe_ms()]
+    measured = measure_interleaved(paths, rounds)
+    probes.append(probe_ms())
     rows = []
-    for i, c in enumerate(candidates(w, topo, n)):
-        path = tmp / f"{n}-{i}.json"
-        write_schedule(c.schedule, path)
-        body = measure(str(path), n, iters, warmup)
-        sp = body["makespan_spread"]
+    ref = topo.calibration.host_probe_ms if topo.calibration is not None else None
+    for c, got in zip(cands, measured):
+        t, probe = np.asarray([m for m, _ in got]), np.asarray([p for _, p in got])
+        adj = t * (ref / probe) if ref else t          # each round at the calibration's host speed
         rows.append({"algorithm": c.algorithm, "layout": c.workload.layout, "knobs": c.knobs,
-                     "predicted_s": c.predicted["makespan_s"], "measured_s": body["makespan_s"],
-                     "sigma_s": (sp["p75_s"] - sp["p25_s"]) / 1.349, "min_s": sp["min_s"], "max_s": sp["max_s"]})
-        rows[-1]["error_pct"] = 100 * (rows[-1]["predicted_s"] / rows[-1]["measured_s"] - 1)
+                     "predicted_s": c.predicted["makespan_s"], "measured_s": float(np.median(t)),
+                     "rounds_s": [float(x) for x in t], "probe_ms": [float(x) for x in probe],
+                     "sigma_s": float(t.std(ddof=1)) if len(t) > 1 else 0.0,
+                     "adjusted_s": float(np.median(adj)), "adjusted_sigma_s": float(adj.std(ddof=1)) if len(t) > 1
+                     else 0.0})
         r = rows[-1]
+        r["error_pct"] = 100 * (r["predicted_s"] / r["measured_s"] - 1)
+        r["adjusted_error_pct"] = 100 * (r["predicted_s"] / r["adjusted_s"] - 1)
         print(f"  {n} ranks  {label:30s} {c.algorithm:10s} {c.workload.layout:10s} pred {r['predicted_s'] * 1e3:8.2f}"
-              f" ms  meas {r['measured_s'] * 1e3:8.2f} ms  {r['error_pct']:+6.1f}%", file=sys.stderr)
+              f" ms  meas {r['measured_s'] * 1e3:8.2f} ms  {r['error_pct']:+6.1f}%  at calibration speed "
+              f"{r['adjusted_error_pct']:+6.1f}%", file=sys.stderr)
     ccr = None
     try:        # Ring's CCR on the forward pass (a serialized backward ring can deadlock: refused)
-        ring = predict("ring", w.with_(layout="contiguous", passes="fwd"), topo, n, {})
+        ring = predict("ring", w.with_(layout="zigzag", passes="fwd"), topo, n, {})
         path = tmp / f"{n}-ring-serial.json"
         write_schedule(ring.schedule, path)
-        body = measure(str(path), n, 1, 1, serialize=True)
-        ccr = {"predicted": ring.predicted.get("ring_ccr"), "measured": serialized_ccr(body, str(path))}
+        ccr = {"predicted": ring.predicted.get("ring_ccr"), "measured": serialized_ccr(str(path))}
     except UserError as err:
         print(f"  no CCR for {label} on {n} ranks: {err}", file=sys.stderr)
-    return {"workload": label, "ranks": n, "rows": rows, "ring_ccr": ccr, **ranking(rows)}
+    return {"workload": label, "ranks": n, "rows": rows, "ring_ccr": ccr, "probe_ms": probes, **ranking(rows),
+            "adjusted": ranking(rows, "adjusted_s", "adjusted_sigma_s")}
 
 
-def ranking(rows: list[dict]) -> dict:
+def ranking(rows: list[dict], key: str = "measured_s", sigma: str = "sigma_s") -> dict:
     """Kendall τ over pairs whose measured medians differ by more than 2σ, and top-1 regret."""
     agree = disagree = 0
     for i in range(len(rows)):
         for j in range(i + 1, len(rows)):
             a, b = rows[i], rows[j]
-            if abs(a["measured_s"] - b["measured_s"]) <= 2 * max(a["sigma_s"], b["sigma_s"]):
+            if abs(a[key] - b[key]) <= 2 * max(a[sigma], b[sigma]):
                 continue
-            same = (a["measured_s"] < b["measured_s"]) == (a["predicted_s"] < b["predicted_s"])
+            same = (a[key] < b[key]) == (a["predicted_s"] < b["predicted_s"])
             agree, disagree = agree + same, disagree + (not same)
     pick = min(rows, key=lambda r: r["predicted_s"])
-    best = min(r["measured_s"] for r in rows)
+    best = min(r[key] for r in rows)
     return {"pairs": agree + disagree, "concordant": agree, "discordant": disagree,
-            "regret_pct": 100 * (pick["measured_s"] - best) / best}
+            "regret_pct": 100 * (pick[key] - best) / best}
 
 
 def summary(results: list[dict]) -> dict:
-    """Per rank count: MAPE and max of makespan, τ over the pooled pairs, worst and mean regret."""
+    """Per rank count: MAPE and max of makespan, τ over the pooled pairs, worst and mean regret, CCR errors,
+    the host's drift (probe kernel, max over min); ``adjusted``: the same against the measurements rescaled to
+    the calibration's host speed (each round × calibration probe / the probe just before it)."""
     out = {}
     for n in sorted({r["ranks"] for r in results}):
         sub = [r for r in results if r["ranks"] == n]
-        errs = np.abs([row["error_pct"] for r in sub for row in r["rows"]])
-        c, d = sum(r["concordant"] for r in sub), sum(r["discordant"] for r in sub)
-        out[str(n)] = {"pairs_run": int(len(errs)), "mape_pct": float(errs.mean()),
-                       "max_abs_error_pct": float(errs.max()),
-                       "kendall_tau": (c - d) / (c + d) if c + d else None, "tau_pairs": c + d,
-                       "regret_pct_max": max(r["regret_pct"] for r in sub),
-                       "regret_pct_mean": float(np.mean([r["regret_pct"] for r in sub]))}
+        ccr = [100 * (r["ring_ccr"]["predicted"] / r["ring_ccr"]["measured"] - 1) for r in sub
+               if r["ring_ccr"] and np.isfinite(r["ring_ccr"]["measured"])]
+        probes = [p for r in sub for row in r["rows"] for p in row["probe_ms"]]
+        out[str(n)] = _accuracy(sub, "error_pct", lambda r: r) | {
+            "ccr_mape_pct": float(np.mean(np.abs(ccr))) if ccr else None,
+            "ccr_max_abs_error_pct": float(np.max(np.abs(ccr))) if ccr else None,
+            "probe_ms_min": min(probes), "probe_ms_max": max(probes),
+            "adjusted": _accuracy(sub, "adjusted_error_pct", lambda r: r["adjusted"])}
     return out
+
+
+def _accuracy(sub: list[dict], err_key: str, rank_of) -> dict:
+    errs = np.abs([row[err_key] for r in sub for row in r["rows"]])
+    c, d = sum(rank_of(r)["concordant"] for r in sub), sum(rank_of(r)["discordant"] for r in sub)
+    return {"pairs_run": int(len(errs)), "mape_pct": float(errs.mean()), "max_abs_error_pct": float(errs.max()),
+            "kendall_tau": (c - d) / (c + d) if c + d else None, "tau_pairs": c + d,
+            "regret_pct_max": max(rank_of(r)["regret_pct"] for r in sub),
+            "regret_pct_mean": float(np.mean([rank_of(r)["regret_pct"] for r in sub]))}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="two workloads, 2 ranks, 2 iterations")
-    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="two workloads, 2 ranks, 2 rounds (results not written)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per candidate (default 3)")
+    ap.add_argument("--ranks", default="2,4", help="rank counts (default 2,4)")
     args = ap.parse_args()
     t0 = time.perf_counter()
-    plan = [(2, WORKLOADS), (4, WORKLOADS)] if not args.quick else [(2, WORKLOADS[:2])]
-    iters = 2 if args.quick else args.iters
+    ranks = [int(x) for x in args.ranks.split(",")]
+    plan = [(2, WORKLOADS[:2])] if args.quick else [(n, WORKLOADS) for n in ranks]
+    rounds = 2 if args.quick else args.rounds
     results = []
     with tempfile.TemporaryDirectory() as d:
         for n, wls in plan:
             for label, flags in wls:
-                results.append(run_workload(label, flags, n, iters, 2, Path(d)))
-    body = {"date": time.strftime("%Y-%m-%d"), "topology": "cpu-local", "iters": iters,
-            "summary": summary(results), "workloads": results, "wall_s": time.perf_counter() - t0}
+                results.append(run_workload(label, flags, n, rounds, Path(d)))
+    body = {"date": time.strftime("%Y-%m-%d"), "topology": "cpu-local", "rounds": rounds,
+            "calibration": _calibration_stamp(), "summary": summary(results), "workloads": results,
+            "wall_s": time.perf_counter() - t0}
     if not args.quick:
         write_atomic(HERE / "results" / "validate_cpu.json", json.dumps(body, indent=1, default=str).encode())
     print(json.dumps(body["summary"], indent=1))
+
+
+def _calibration_stamp() -> dict:
+    """Which calibration the predictions used, and the host it was measured on."""
+    c = Topology.load("cpu-local").calibration
+    return {} if c is None else {"measured_at": str(c.measured_at), "cpu": c.device.cpu, "isa": c.device.isa,
+                                 "cores": c.device.cores}
 
 
 if __name__ == "__main__":

@@ -39,6 +39,8 @@ class HostFacts(_Strict):
 
     model: str = Field(description="the topology's node.device.model the calibration is for (must match)")
     cpu: str = Field(description="CPU model name of the host")
+    isa: str | None = Field(None, description="the CPU's widest vector unit as torch sees it (amx, avx512_bf16, "
+                            "avx512, avx2): half-precision kernels are native only with amx or avx512_bf16")
     cores: PositiveInt = Field(description="logical CPUs of the host")
     gpu: str | None = Field(None, description="GPU name (CUDA runs)")
     torch: str
@@ -87,7 +89,7 @@ class OverlapSample(_Strict):
 class Raw(_Strict):
     """The micro-measurements the fit used."""
 
-    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    dtype: Literal["bf16", "fp16", "fp32"] = Field("bf16", description="the dtype of the kernel timings")
     gemm: list[tuple[Literal["bf16", "fp16", "fp32"], PositiveInt, PositiveFloat]] = Field(
         description="(dtype, n, seconds) of an n x n x n matmul: 2n³ FLOP")
     launch_s: list[PositiveFloat] = Field(description="a 1-token forward kernel (the fixed cost per call)")
@@ -97,12 +99,18 @@ class Raw(_Strict):
     link_class: LinkClass | None = Field(None, description="class of the route the transfers took")
     p2p: list[TransferSample] = []
     overlap: list[OverlapSample] = []
+    head_dim_kernels: list[tuple[Literal["fwd", "bwd"], PositiveInt, PositiveInt, PositiveFloat,
+                                 PositiveFloat]] = Field(
+        [], description="(pass, head dim, s, FLOPs, seconds) of a full s x s kernel: the efficiency multiplier by head "
+        "dim is the median over s of its efficiency over the efficiency at the kernels' own head dim")
     dtype_kernels: list[tuple[Literal["bf16", "fp16", "fp32"], PositiveInt, PositiveFloat, PositiveFloat]] = Field(
         [], description="(dtype, s, seconds in that dtype, seconds in raw.dtype) of an s x s forward + backward "
         "attention kernel: the attention-equivalent peak of another dtype is the raw.dtype peak x the time ratio")
     recurrence: list[tuple[PositiveInt, PositiveFloat, PositiveFloat]] = Field(
         [], description="(s, seconds of the fp32 recurrence backward, seconds of the flash backward) of an s x s "
         "block: the kernel table's bwd_delta_factor is their median ratio")
+    probe_ms: list[PositiveFloat] = Field([], description="the host-speed probe kernel (meshplan.executor.probe), "
+                                          "milliseconds, timed throughout the run")
     sharing: list[tuple[PositiveInt, PositiveFloat]] = Field(
         [], description="(ranks running one kernel each at once, seconds of one rank's kernel), a row per rank; "
         "the fit takes the slowest rank of each count: the pool model has them all end together")
@@ -140,17 +148,23 @@ class CalibrationSpec(_Strict):
     overlap_kappa: dict[LinkClass, Kappa] = {}
     transfer_kappa: dict[LinkClass, Kappa] = {}
     compute_pool: PoolFit | None = None
+    host_probe_ms: PositiveFloat | None = Field(None, description="median of raw.probe_ms: the host's speed when "
+                                                "calibrated (a run's env.probe_ms against it says how it drifted)")
     raw: Raw
 
 
 def fit_calibration(raw: Raw, device: HostFacts, name: str, wall_s: float = 0.0,
                     measured_at: datetime.date | None = None) -> CalibrationSpec:
     """Fit every parameter from ``raw`` (see :mod:`meshplan.fit` for each form). The efficiency table is relative
-    to the ``raw.dtype`` peak (its matmul FLOP/s). Another dtype's peak is what its attention kernels reach
+    to the ``raw.dtype`` peak (its matmul FLOP/s, or the best attention kernel's when that is higher, so no
+    efficiency exceeds 1). Another dtype's peak is what its attention kernels reach
     relative to ``raw.dtype``'s at the same shapes (``raw.dtype_kernels``; the median ratio), so the one table
     holds for both — a matmul peak would not (on CPUs fp32 attention is far closer to bf16 than fp32 matmul
     is); without such samples, that dtype's matmul peak."""
     peaks = {dt: max(2.0 * n ** 3 / t for d, n, t in raw.gemm if d == dt) for dt in {d for d, _, _ in raw.gemm}}
+    if raw.dtype in peaks:          # a CPU's attention kernels can beat a noisy single-thread matmul: the peak is
+        best = max((s.flops / s.time_s for s in raw.kernels), default=0.0)       # at least the best kernel seen
+        peaks[raw.dtype] = max(peaks[raw.dtype], best)
     for dt in {d for d, *_ in raw.dtype_kernels}:
         ratio = float(np.median([t_ref / t for d, _, t, t_ref in raw.dtype_kernels if d == dt]))
         peaks[dt] = peaks[raw.dtype] * ratio
@@ -165,6 +179,8 @@ def fit_calibration(raw: Raw, device: HostFacts, name: str, wall_s: float = 0.0,
             "peak_fp16_tflops": _r(peaks["fp16"] / 1e12) if "fp16" in peaks else None,
             "peak_fp32_tflops": _r(peaks["fp32"] / 1e12),
             "hbm_GBps": _r(merge_rate / kernel.merge_hbm_fraction / 1e9), "kernel": kernel, "raw": raw}
+    if raw.probe_ms:
+        body["host_probe_ms"] = _r(float(np.median(raw.probe_ms)))
     one = [s for s in raw.p2p if s.flows == 1]
     if one and raw.link_class is not None:
         alpha_s, bw = fit.fit_alpha_beta([s.size_bytes for s in one], [s.time_s for s in one])
@@ -202,18 +218,41 @@ def _kernel_table(raw: Raw, peak: float, launch_s: float) -> KernelTableSpec:
                                                      [s.flops for s in full], peak, launch_s)
     index = {s: i for i, s in enumerate(tokens)}
     masked = [s for s in raw.kernels if s.causal and s.s_q in index and s.s_q == s.s_kv]
-    ratio = 1.0
+    ratio, by_size = 1.0, None
     if masked:
         e = fit.efficiencies([s.flops for s in masked], [s.time_s for s in masked], peak, launch_s)
         full_e = [tables[s.pass_][index[s.s_q]][index[s.s_q]] for s in masked]
         ratio = fit.fit_ratio(e, full_e)
+        per = {}                        # per size: the median over passes of causal over full efficiency
+        for s, a, b in zip(masked, e, full_e):
+            per.setdefault(s.s_q, []).append(a / b)
+        if set(per) == set(tokens):
+            by_size = [min(1.5, _r(float(np.median(per[t])))) for t in tokens]
     return KernelTableSpec(
         name="calibrated", source=f"meshplan calibrate: {raw.dtype} kernels timed on this host; efficiency = "
         "FLOPs / ((time − launch) · peak), symmetric (a cell and its mirror share their mean time)",
         launch_us=_r(launch_s * 1e6), tokens=tokens, fwd=_table(tables["fwd"]), bwd=_table(tables["bwd"]),
-        elementwise_factor=_r(ratio),
+        elementwise_factor=_r(ratio), elementwise=by_size, **_head_dim_factors(raw, peak, launch_s),
         bwd_delta_factor=max(1.0, _r(float(np.median([a / b for _, a, b in raw.recurrence])))) if raw.recurrence
         else 1.0)
+
+
+def _head_dim_factors(raw: Raw, peak: float, launch_s: float) -> dict:
+    """``head_dims``, ``head_dim_fwd``, ``head_dim_bwd`` of the kernel table: per pass and head dim, the median over
+    sizes of the efficiency there over the efficiency at the table's own head dim (the same sizes); {} without
+    samples at the table's head dim and another."""
+    own = {s.head_dim for s in raw.kernels}
+    rows = raw.head_dim_kernels
+    dims = sorted({d for _, d, *_ in rows})
+    if len(own) != 1 or len(dims) < 2 or next(iter(own)) not in dims:
+        return {}
+    d0 = next(iter(own))
+    eff = {(p, d, s): float(fit.efficiencies([f], [t], peak, launch_s)[0]) for p, d, s, f, t in rows}
+    out = {"head_dims": dims}
+    for p in ("fwd", "bwd"):
+        out[f"head_dim_{p}"] = [_r(float(np.median([eff[(p, d, s)] / eff[(p, d0, s)] for q, dd, s, *_ in rows
+                                                     if q == p and dd == d and (p, d0, s) in eff]))) for d in dims]
+    return out
 
 
 def _r(x: float, digits: int = 4) -> float:

@@ -102,12 +102,25 @@ def print_run(meas, cmp: dict[str, Any] | None, console: Console) -> None:
         t.add_row(name, fmt_seconds(m), f"{fmt_seconds(spread.min_s)} – {fmt_seconds(spread.max_s)}",
                   fmt_seconds(row["predicted_s"]) if row else "-", _pct(row.get("error_pct")))
     console.print(t)
+    _print_speed((cmp or {}).get("host_speed"), e2e, console)
     mem = f"peak memory per rank: {fmt_bytes(meas.peak_memory_bytes)} measured ({meas.peak_memory_kind})"
     if cmp:
         mem += f", {fmt_bytes(cmp['peak_memory']['predicted_bytes'])} predicted"
         if cmp["note"]:
             mem += f"\nnote: {cmp['note']}"
     console.print(mem, soft_wrap=True)
+
+
+def _print_speed(speed: dict | None, e2e: dict, console: Console) -> None:
+    """One line: the host-speed probe against the calibration's, and the total error with that drift taken out."""
+    if not speed:
+        return
+    r = speed["ratio"]
+    how = f"{abs(r - 1) * 100:.0f}% {'slower' if r >= 1 else 'faster'} than"
+    adj = e2e.get("total", {}).get("speed_adjusted_error_pct")
+    console.print(f"host speed: probe {speed['probe_ms']:.1f} ms, {how} at calibration "
+                  f"({speed['calibrated_probe_ms']:.1f} ms); total error with that drift taken out: {_pct(adj)}",
+                  soft_wrap=True)
 
 
 def _pct(x) -> str:
@@ -131,6 +144,7 @@ def compare_command(schedule: str, measurement: str, topo: str | None, as_json: 
     for name, r in body["end_to_end"].items():
         t.add_row(name, fmt_seconds(r["predicted_s"]), fmt_seconds(r["measured_s"]), _pct(r["error_pct"]))
     console.print(t)
+    _print_speed(body.get("host_speed"), body["end_to_end"], console)
     t = Table("pass", "op kind", "ops", "predicted (sum)", "measured (sum)", "error")
     for r in body["per_kind"]:
         t.add_row(r["pass"], r["kind"], str(r["ops"]), fmt_seconds(r["predicted_s"]), fmt_seconds(r["measured_s"]),

@@ -70,6 +70,7 @@ def compare(sched, ids: list[int], meas: MeasurementJSON, topo: str | None = Non
             if op.id in index:
                 m_start[index[op.id]], m_end[index[op.id]] = op.start_s, op.end_s
     peak_pred = max(pass_metrics(sched, topo_obj, sim, p)["peak_memory_bytes"] for p in sched.passes)
+    speed = host_speed(topo_obj, meas)
     gpu_run = meas.env.get("backend") == "nccl"
     comparable = gpu_run == (topo_obj.name != "cpu-local")
     return {
@@ -77,7 +78,8 @@ def compare(sched, ids: list[int], meas: MeasurementJSON, topo: str | None = Non
         "comparable": comparable,
         "note": "" if comparable else (f"planned for {topo_obj.name} but run with {meas.env.get('backend')}: "
                                        "errors say nothing about the model"),
-        "end_to_end": _end_to_end(sched, sim, meas),
+        "host_speed": speed,
+        "end_to_end": _end_to_end(sched, sim, meas, speed["ratio"] if speed else None),
         "per_kind": _per_kind(sched, p_start, p_end, m_start, m_end),
         "per_step": _per_step(sched, p_end, m_end),
         "executor_overhead": executor_overhead(sched, m_start, m_end),
@@ -94,13 +96,28 @@ def _row(d: dict, pred_key: str = "predicted_s", meas_key: str = "measured_s") -
     return d | {"error_pct": _err_pct(d[pred_key], d[meas_key])}
 
 
-def _end_to_end(sched, sim, meas: MeasurementJSON) -> dict:
+def host_speed(topo, meas: MeasurementJSON) -> dict | None:
+    """The host-speed probe of the run against the calibration's (:mod:`meshplan.executor.probe`): ``ratio`` > 1
+    means the host ran slower than when it was calibrated. None without both probes."""
+    calib = getattr(topo, "calibration", None)
+    now = meas.env.get("probe_ms")
+    if calib is None or calib.host_probe_ms is None or not now:
+        return None
+    return {"probe_ms": float(now), "calibrated_probe_ms": calib.host_probe_ms,
+            "ratio": float(now) / calib.host_probe_ms}
+
+
+def _end_to_end(sched, sim, meas: MeasurementJSON, ratio: float | None) -> dict:
+    """Per pass and total: predicted, measured, error; with a host-speed ratio also the error of the prediction
+    scaled by it (the drift of the host since calibration taken out)."""
     rows = {}
     for p in sched.passes:
         name = PASS_NAMES[p]
         if name in meas.passes:
             rows[name] = _row({"predicted_s": sim.pass_makespan[p], "measured_s": meas.passes[name].makespan_s})
     rows["total"] = _row({"predicted_s": float(sum(sim.pass_makespan.values())), "measured_s": meas.makespan_s})
+    for r in rows.values():
+        r["speed_adjusted_error_pct"] = None if ratio is None else _err_pct(r["predicted_s"] * ratio, r["measured_s"])
     return rows
 
 
@@ -128,6 +145,18 @@ def _per_step(sched, p_end, m_end) -> list[dict]:
             rows.append(_row({"pass": PASS_NAMES[p], "step": int(s), "predicted_s": float(p_end[sel].max()),
                               "measured_s": float(m_end[sel].max())}))
     return rows
+
+
+def transfer_spans(sched, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """Per op (seconds): for a recv, ``end − max(its post, its matching send's post)`` — how long the bytes took
+    once both sides had posted, i.e. the measured transfer less the wait for a peer still computing (what a
+    CCR of serialized steps needs); 0 for every other op. ``start``/``end`` per op (NaN: not measured)."""
+    partner, _, _ = sched.match_transfers()
+    recv = np.flatnonzero((sched.ops.kind == OP_KINDS.index("recv")) & (partner >= 0))
+    out = np.zeros(len(sched.ops))
+    span = end[recv] - np.maximum(start[recv], start[partner[recv]])
+    out[recv] = np.where(np.isfinite(span), np.maximum(span, 0.0), 0.0)
+    return out
 
 
 def executor_overhead(sched, start: np.ndarray, end: np.ndarray) -> dict[str, dict]:

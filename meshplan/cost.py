@@ -3,7 +3,8 @@
 All times in seconds, sizes in bytes, rates in bytes/s.
 
 * Attention block: ``t = t_launch + FLOPs / (peak(dtype) · e(s_q, s_kv, pass, mask))`` with ``e`` from
-  the device's kernel table (:mod:`meshplan.kernels`); FLOPs = 4·B·h·pairs·D forward, 2.5x backward.
+  the device's kernel table (:mod:`meshplan.kernels`, by kernel shape and head dim D); FLOPs = 4·B·h·pairs·D
+  forward, 2.5x backward.
   An op over several blocks runs as one kernel of the op's shape (the rows and columns of its chunks that
   take part: Ulysses runs the whole sequence, USP u·c × u·c, CHARM+ 2c × c, TASP c × c from N − 1
   sub-chunks): one launch, every block's FLOPs at the efficiency of its shape grown by √(a·b) for an op
@@ -36,10 +37,11 @@ class CostModel:
         self.kernel = topo.kernel
         self.merge_rate = self.kernel.spec.merge_hbm_fraction * topo.hbm_bytes_per_s
 
-    def block_time_s(self, flops, s_q, s_kv, elementwise, pass_: str, dtype: str) -> np.ndarray:
+    def block_time_s(self, flops, s_q, s_kv, elementwise, pass_: str, dtype: str,
+                     head_dim: int | None = None) -> np.ndarray:
         """Kernel time of attention ops (vectorised): launch + FLOPs / (peak · efficiency). Zero FLOPs -> 0."""
         flops = np.asarray(flops, dtype=np.float64)
-        eff = self.kernel.efficiency(s_q, s_kv, pass_, elementwise)
+        eff = self.kernel.efficiency(s_q, s_kv, pass_, elementwise, head_dim)
         t = self.kernel.launch_s + flops / (self.topo.peak_flops(dtype) * eff)
         return np.where(flops > 0, t, 0.0)
 
@@ -54,7 +56,8 @@ class CostModel:
         if key not in cache:
             grow = np.sqrt(kernel_chunks[0] * kernel_chunks[1])
             s_q, s_kv = m.s_q * grow, m.s_kv * grow
-            cache[key] = self.block_time_s(m.flops(pass_), s_q, s_kv, m.elementwise, pass_, m.workload.dtype)
+            cache[key] = self.block_time_s(m.flops(pass_), s_q, s_kv, m.elementwise, pass_, m.workload.dtype,
+                                           m.workload.head_dim)
         return cache[key]
 
     def merge_time_s(self, bytes_touched) -> np.ndarray:
@@ -72,7 +75,8 @@ class CostModel:
         op_of, qi, kj = expand_blocks(o, ops)
         heads = (o.h1 - o.h0)[op_of] / sched.workload.n_heads
         grow = np.sqrt(np.diff(o.qc_ptr) * np.diff(o.kvc_ptr))[op_of]
-        eff = self.kernel.efficiency(m.s_q[qi, kj] * grow, m.s_kv[qi, kj] * grow, pass_, m.elementwise[qi, kj])
+        eff = self.kernel.efficiency(m.s_q[qi, kj] * grow, m.s_kv[qi, kj] * grow, pass_, m.elementwise[qi, kj],
+                                     sched.workload.head_dim)
         t = m.flops(pass_)[qi, kj] * heads / (self.topo.peak_flops(sched.workload.dtype) * eff)
         total = np.zeros(len(o))
         np.add.at(total, op_of, t)
@@ -97,7 +101,7 @@ class CostModel:
             sel = np.flatnonzero((o.kind == COMPUTE) & (o.phase == phase) & (blocks <= 1))
             if len(sel):
                 dur[sel] = self.block_time_s(o.flops[sel], o.s_q[sel], o.s_kv[sel], o.mask[sel] > 0,
-                                             PASS_NAMES[phase], dtype)
+                                             PASS_NAMES[phase], dtype, sched.workload.head_dim)
             multi = np.flatnonzero((o.kind == COMPUTE) & (o.phase == phase) & (blocks > 1))
             if len(multi):
                 dur[multi] = self._one_kernel(sched, multi, PASS_NAMES[phase])

@@ -37,12 +37,22 @@ class KernelTableSpec(BaseModel):
     bwd_factor: Annotated[float, Field(gt=0, le=1)] | None = Field(None, description="bwd = factor x fwd")
     elementwise_factor: Annotated[float, Field(gt=0, le=1)] = Field(
         1.0, description="multiplier for blocks needing an elementwise mask (causal diagonal, window, docs)")
+    elementwise: list[Annotated[float, Field(gt=0, le=1.5)]] | None = Field(
+        None, description="the elementwise multiplier by kernel size, one per tokens entry (at √(s_q·s_kv), linear "
+        "in log2 between, the edge value outside); replaces elementwise_factor (calibrated tables: a causal kernel "
+        "of a few hundred tokens runs far below a full one, one of thousands nearly as fast)")
     bwd_delta_factor: Annotated[float, Field(ge=1)] = Field(
         1.0, description="backward blocks whose query side carries D = rowsum(dO*O) instead of O (pass-Q, Mesh, "
         "StarTrail, CHARM+) take this many times longer: on CPU the executor runs them with the fp32 "
         "FlashAttention-2 recurrence, not torch's flash backward (1: the same kernel either way)")
     merge_hbm_fraction: Annotated[float, Field(gt=0, le=1)] = Field(
         0.8, description="merges and accumulations run at this fraction of the memory bandwidth")
+    head_dims: list[PositiveInt] | None = Field(
+        None, description="head dims of head_dim_fwd / head_dim_bwd, ascending (none: the tables hold for any D)")
+    head_dim_fwd: list[Annotated[float, Field(gt=0)]] | None = Field(
+        None, description="forward efficiency multiplier at each of head_dims (1 at the dim the tables were timed at)")
+    head_dim_bwd: list[Annotated[float, Field(gt=0)]] | None = Field(
+        None, description="backward efficiency multiplier at each of head_dims")
 
     @model_validator(mode="after")
     def _shapes(self) -> KernelTableSpec:
@@ -55,6 +65,17 @@ class KernelTableSpec(BaseModel):
                 raise ValueError(f"{name} must be a {n} x {n} table (tokens x tokens)")
         if (self.bwd is None) == (self.bwd_factor is None):
             raise ValueError("give exactly one of bwd (a table) or bwd_factor")
+        if self.elementwise is not None and len(self.elementwise) != n:
+            raise ValueError(f"elementwise needs {n} values (one per tokens entry)")
+        dims = self.head_dims
+        given = [x is not None for x in (dims, self.head_dim_fwd, self.head_dim_bwd)]
+        if any(given) and not all(given):
+            raise ValueError("give head_dims, head_dim_fwd and head_dim_bwd together")
+        if dims is not None:
+            if any(b <= a for a, b in zip(dims, dims[1:])):
+                raise ValueError("head_dims must be ascending")
+            if len(self.head_dim_fwd) != len(dims) or len(self.head_dim_bwd) != len(dims):
+                raise ValueError(f"head_dim_fwd and head_dim_bwd need {len(dims)} values (one per head dim)")
         return self
 
 
@@ -70,18 +91,34 @@ class KernelTable:
         self._tables = {"fwd": fwd, "bwd": bwd}
         self._symmetric = {k: bool(np.array_equal(t, t.T)) for k, t in self._tables.items()}
 
-    def efficiency(self, s_q, s_kv, pass_: str, elementwise) -> np.ndarray:
-        """Efficiency in (0, 1] for kernels of shape (s_q, s_kv) tokens (arrays broadcast).
+    def efficiency(self, s_q, s_kv, pass_: str, elementwise, head_dim: int | None = None) -> np.ndarray:
+        """Efficiency for kernels of shape (s_q, s_kv) tokens (arrays broadcast) and head dim ``head_dim``.
 
-        A symmetric table gives bit-identical results for (a, b) and (b, a), which the simulator's
-        symmetry reduction relies on.
+        ``e = table(s_q, s_kv) · f(D)``, f the table's head-dim multiplier, linear in log2 D between its dims and
+        the edge value outside (1 without one: the tables then hold for any D). A symmetric table gives
+        bit-identical results for (a, b) and (b, a), which the simulator's symmetry reduction relies on.
         """
         s_q = np.asarray(s_q, dtype=np.float64)
         s_kv = np.asarray(s_kv, dtype=np.float64)
         if self._symmetric[pass_]:
             s_q, s_kv = np.minimum(s_q, s_kv), np.maximum(s_q, s_kv)
-        e = self._bilinear(self._tables[pass_], s_q, s_kv)
-        return np.where(np.asarray(elementwise, dtype=bool), e * self.spec.elementwise_factor, e)
+        e = self._bilinear(self._tables[pass_], s_q, s_kv) * self.head_dim_factor(head_dim, pass_)
+        return np.where(np.asarray(elementwise, dtype=bool), e * self._masked(s_q, s_kv), e)
+
+    def _masked(self, s_q: np.ndarray, s_kv: np.ndarray):
+        """The elementwise multiplier at kernels of (s_q, s_kv) tokens (symmetric: by √(s_q·s_kv))."""
+        if self.spec.elementwise is None:
+            return self.spec.elementwise_factor
+        size = 0.5 * (np.log2(np.maximum(s_q, 1.0)) + np.log2(np.maximum(s_kv, 1.0)))
+        return np.interp(size, self._log_tokens, self.spec.elementwise)
+
+    def head_dim_factor(self, head_dim: int | None, pass_: str) -> float:
+        """The efficiency multiplier at ``head_dim`` (1 without head-dim data or without a head dim)."""
+        spec = self.spec
+        if head_dim is None or spec.head_dims is None:
+            return 1.0
+        values = spec.head_dim_fwd if pass_ == "fwd" else spec.head_dim_bwd
+        return float(np.interp(np.log2(head_dim), np.log2(spec.head_dims), values))
 
     def _bilinear(self, table: np.ndarray, s_q: np.ndarray, s_kv: np.ndarray) -> np.ndarray:
         lt = self._log_tokens

@@ -59,7 +59,8 @@ class TensorError(_Strict):
     max_abs_err: float
     mean_abs_err: float
     single_process_err: float = Field(description="∞-norm error of one process in the same dtype")
-    floor: float = Field(description="ε·max|reference|, ε = 2^-8 bf16, 2^-11 fp16, 2^-20 fp32")
+    floor: float = Field(description="ε·max|reference|, ε = 2^-8 bf16, 2^-11 fp16, 2^-20 fp32 (of the input dtype, "
+                         "or of a coarser dtype the tensor's partials travelled in)")
     bound: float = Field(description="max(floor, 3 × single_process_err)")
     passed: bool
 

@@ -123,7 +123,8 @@ def closed_form_predicted(cand: Candidate, ccr: float | None) -> dict[str, Any]:
 
 def ring_ccr(workload: Workload, topo: Topology, n_ranks: int) -> float | None:
     """CHARM+'s CCR of Ring on this workload: Σ over steps of the slowest rank's block time divided by
-    Σ over steps of the slowest hop's transfer time (KV forward; KV and dK/dV in fp32 backward).
+    Σ over steps of the slowest hop's transfer time (KV forward; KV and dK/dV in fp32 backward), every rank's
+    hop of a step running at once (their max-min shares where they meet: :meth:`Rotation.hop_concurrent`).
 
     Uses the workload's layout, or contiguous when the layout cannot split the sequence. None for N = 1.
     """
@@ -144,9 +145,9 @@ def ring_ccr(workload: Workload, topo: Topology, n_ranks: int) -> float | None:
     for pass_ in w.pass_list:
         comp += rot.blocks(pass_, 0.0).max(axis=0).sum()
         if pass_ == "fwd":
-            comm += (n_ranks - 1) * rot.hop(kv).max()
+            comm += (n_ranks - 1) * rot.hop_concurrent(kv).max()
         else:  # N−1 steps move KV and dK/dV over the same hop, the last one dK/dV alone
-            comm += (n_ranks - 1) * rot.hop(kv + dkv).max() + rot.hop(dkv).max()
+            comm += (n_ranks - 1) * rot.hop_concurrent(kv + dkv).max() + rot.hop_concurrent(dkv).max()
     return float(comp / comm) if comm else None
 
 

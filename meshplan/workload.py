@@ -71,6 +71,28 @@ class Mask:
             ok &= np.searchsorted(bounds, q, side="right") == np.searchsorted(bounds, k, side="right")
         return ok
 
+    def key_ranges(self, q_pos: np.ndarray, k_pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per query row, the run [lo, hi) of key indices it attends to, for **ascending** ``k_pos``.
+
+        Every mask kind permits a contiguous run of ascending keys (causal: keys up to the query; window: the
+        last W of those; docs: those from the query's document start), so ``permits(q, k)[i, j]`` equals
+        ``lo[i] <= j < hi[i]`` — what the executor uses instead of an [Sq, Skv] matrix (O(Sq log Skv)).
+        Returns two int64 arrays of len(q_pos), hi >= lo (an empty run: hi == lo).
+        """
+        q, k = np.asarray(q_pos, dtype=np.int64), np.asarray(k_pos, dtype=np.int64)
+        if self.kind == "full":
+            return np.zeros(len(q), dtype=np.int64), np.full(len(q), len(k), dtype=np.int64)
+        hi = np.searchsorted(k, q, side="right")
+        if self.kind == "window":
+            lo = np.searchsorted(k, q - self.window, side="right")
+        elif self.kind == "docs":
+            bounds = np.cumsum((0,) + tuple(self.doc_lens))
+            start = bounds[np.clip(np.searchsorted(bounds, q, side="right") - 1, 0, len(bounds) - 1)]
+            lo = np.searchsorted(k, start, side="left")
+        else:
+            lo = np.zeros(len(q), dtype=np.int64)
+        return lo.astype(np.int64), np.maximum(hi, lo).astype(np.int64)
+
     def spec(self) -> str:
         """The CLI spelling of this mask (round-trips through :meth:`parse`)."""
         if self.kind == "window":

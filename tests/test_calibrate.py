@@ -26,16 +26,26 @@ def _e(a, b, p):
     return (0.2 if p == "fwd" else 0.3) * a / (a + 100) * b / (b + 100)
 
 
+CAUSAL = {64: 0.3, 128: 0.5, 256: 0.8}          # causal-piece efficiency over full, by size
+HEAD_DIM = {32: (0.8, 0.7), 64: (1.0, 1.0), 128: (1.2, 1.25)}   # (fwd, bwd) multipliers by head dim
+
+
 def synthetic_raw() -> Raw:
-    """Measurements generated from the known parameters above (elementwise factor 0.5, merges at 6 GB/s)."""
+    """Measurements generated from the known parameters above (merges at 6 GB/s)."""
     kernels = []
     for a, b, causal in [(a, b, False) for a in TOKENS for b in TOKENS] + [(s, s, True) for s in TOKENS]:
         pairs = a * (a + 1) // 2 if causal else a * b
         for p, mult in (("fwd", 1.0), ("bwd", 2.5)):
             flops = mult * 4.0 * 4 * 64 * pairs
-            e = _e(a, b, p) * (0.5 if causal else 1.0)
+            e = _e(a, b, p) * (CAUSAL[a] if causal else 1.0)
             kernels.append({"pass": p, "s_q": a, "s_kv": b, "causal": causal, "batch": 1, "heads": 4, "head_dim": 64,
                             "flops": flops, "time_s": LAUNCH + flops / (PEAK_BF16 * e)})
+    head_dim = []
+    for d, (f_fwd, f_bwd) in HEAD_DIM.items():
+        for s_ in (64, 256):
+            for p, mult, f in (("fwd", 1.0, f_fwd), ("bwd", 2.5, f_bwd)):
+                flops = mult * 4.0 * 4 * d * s_ * s_
+                head_dim.append((p, d, s_, flops, LAUNCH + flops / (PEAK_BF16 * _e(s_, s_, p) * f)))
     sizes = [1 << k for k in range(10, 27, 2)]
     p2p = [{"size_bytes": s, "flows": 1, "time_s": ALPHA + s / BW} for s in sizes]
     p2p += [{"size_bytes": s, "flows": 2, "time_s": ALPHA + 2 * s / SHARED} for s in sizes]
@@ -46,7 +56,7 @@ def synthetic_raw() -> Raw:
     return Raw.model_validate({
         "gemm": [("bf16", 1000, 2e9 / PEAK_BF16), ("fp32", 1000, 2e9 / PEAK_FP32)], "launch_s": [LAUNCH] * 3,
         "kernels": kernels, "merges": [(b, b / 6e9) for b in (1e6, 4e6, 16e6)], "link_class": "loopback",
-        "p2p": p2p, "overlap": overlap, "sharing": sharing})
+        "p2p": p2p, "overlap": overlap, "sharing": sharing, "head_dim_kernels": head_dim})
 
 
 def facts(model: str = MODEL) -> HostFacts:
@@ -67,7 +77,10 @@ def test_fit_recovers_the_generating_parameters(calib):
     assert k.launch_us == pytest.approx(LAUNCH * 1e6, rel=rel) and k.tokens == TOKENS
     assert k.fwd[1][2] == pytest.approx(_e(128, 256, "fwd"), rel=rel)
     assert k.bwd[0][0] == pytest.approx(_e(64, 64, "bwd"), rel=rel)
-    assert k.elementwise_factor == pytest.approx(0.5, rel=rel)
+    assert k.elementwise == pytest.approx([CAUSAL[t] for t in TOKENS], rel=rel)
+    assert k.head_dims == list(HEAD_DIM)
+    assert k.head_dim_fwd == pytest.approx([f for f, _ in HEAD_DIM.values()], rel=rel)
+    assert k.head_dim_bwd == pytest.approx([b for _, b in HEAD_DIM.values()], rel=rel)
     assert calib.links["loopback"].usable_GBps == pytest.approx(BW / 1e9, rel=rel)
     assert calib.p2p_overhead_us == pytest.approx(ALPHA * 1e6, rel=rel)
     assert calib.shared_GBps == pytest.approx(SHARED / 1e9, rel=rel)
@@ -188,3 +201,18 @@ def test_calibrate_quick_end_to_end(tmp_path):
     assert 0 <= calib.overlap_kappa["loopback"] < 1
     assert np.all(np.asarray(calib.kernel.fwd) > 0) and np.all(np.asarray(calib.kernel.bwd) > 0)
     assert {row["name"] for row in body["fitted"]} >= {"p2p_overhead_us", "overlap_kappa.loopback"}
+
+
+def test_kernel_table_applies_the_head_dim_and_size_dependent_mask_multipliers(calib):
+    from meshplan.kernels import KernelTable
+    table = KernelTable(calib.kernel)
+    base = table.efficiency(128, 128, "fwd", False)
+    assert table.efficiency(128, 128, "fwd", False, head_dim=128) == pytest.approx(1.2 * base, rel=1e-3)
+    assert table.efficiency(128, 128, "bwd", False, head_dim=32) == pytest.approx(
+        0.7 * table.efficiency(128, 128, "bwd", False), rel=1e-3)
+    mid = float(np.interp(np.log2(96), [6, 7], [1.0, 1.2]))         # linear in log2 D between 64 and 128
+    assert table.efficiency(128, 128, "fwd", False, head_dim=96) == pytest.approx(mid * base, rel=1e-3)
+    assert table.efficiency(128, 128, "fwd", False, head_dim=512) == pytest.approx(1.2 * base, rel=1e-3)  # edge
+    assert table.efficiency(128, 128, "fwd", True) == pytest.approx(0.5 * base, rel=1e-3)
+    assert table.efficiency(64, 256, "fwd", True) == pytest.approx(0.5 * table.efficiency(64, 256, "fwd", False),
+                                                                    rel=1e-3)     # √(64·256) = 128

@@ -118,6 +118,30 @@ def test_run_then_compare_writes_the_contracts_files(ring2, tmp_path):
     assert body["comparable"] and body["end_to_end"]["total"]["measured_s"] == pytest.approx(meas["makespan_s"])
     assert {r["kind"] for r in body["per_kind"]} >= {"compute", "transfer"}
     assert body["peak_memory"]["predicted_bytes"] == pytest.approx(body["peak_memory"]["measured_bytes"], rel=0.05)
+    probe, speed = meas["env"]["probe_ms"], body["host_speed"]        # the host-speed probe against calibration's
+    from meshplan.topology import Topology
+    calibrated = Topology.load("cpu-local").calibration.host_probe_ms
+    assert probe > 0 and speed == {"probe_ms": probe, "calibrated_probe_ms": calibrated, "ratio": probe / calibrated}
+    tot = body["end_to_end"]["total"]
+    assert tot["speed_adjusted_error_pct"] == pytest.approx(
+        100 * (tot["predicted_s"] * speed["ratio"] / tot["measured_s"] - 1))
+
+
+def test_transfer_spans_count_from_when_both_sides_posted(ring2):
+    """A recv's span is its end less the later of its own post and its send's post; other ops 0."""
+    from meshplan.compare import transfer_spans
+    from meshplan.schedule import OP_KINDS
+    from meshplan.schedule_io import from_json, read_document
+
+    sched = from_json(read_document(ring2)[0])
+    n = len(sched.ops)
+    start, end = np.arange(n) * 1.0, np.arange(n) * 1.0 + 10.0
+    partner, _, _ = sched.match_transfers()
+    spans = transfer_spans(sched, start, end)
+    recv = np.flatnonzero(sched.ops.kind == OP_KINDS.index("recv"))
+    assert len(recv) and np.all(spans[recv] == np.maximum(end[recv] - np.maximum(start[recv], start[partner[recv]]), 0))
+    others = np.setdiff1d(np.arange(n), recv)
+    assert np.all(spans[others] == 0)
 
 
 def test_compare_refuses_a_measurement_of_another_schedule(ring2, tmp_path):

@@ -56,12 +56,13 @@ def test_block_kernels_match_float64(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_causal_diagonal_takes_the_is_causal_path_and_matches_float64(dtype):
-    from meshplan.executor.kernels import is_tril
+    from meshplan.executor.blockmask import KeyRanges, Piece, pieces
     g = torch.Generator().manual_seed(3)
     B, H, S, D = 1, 2, 48, 16
     q, k, v, do = (torch.randn(B, H, S, D, generator=g).to(dtype) for _ in range(4))
     tril = torch.ones(S, S, dtype=torch.bool).tril()
-    assert is_tril(tril) and not is_tril(tril[:, :-1]) and not is_tril(torch.ones(S, S, dtype=torch.bool))
+    assert pieces(KeyRanges.from_allowed(tril)) == [Piece(0, S, 0, S, True)]
+    assert pieces(KeyRanges.from_allowed(torch.ones(S, S, dtype=torch.bool))) == [Piece(0, S, 0, S, False)]
     scale = 1 / math.sqrt(D)
     o_ref, lse_ref, dq_ref, dk_ref, dv_ref = _reference(q, k, v, do, scale, tril)
     o, lse = block_forward(q, k, v, scale, tril)
@@ -174,3 +175,21 @@ def test_kv_wire_bytes_scale_with_kv_heads_not_query_heads():
     sizes = [Layout("kv", 16, 0, 4, 1, 64, group).nbytes("bf16") for group in (1, 2, 4)]
     assert sizes == [2 * 16 * 4 * 64 * 2, 2 * 16 * 2 * 64 * 2, 2 * 16 * 1 * 64 * 2]
     assert np.allclose(np.array(sizes) / sizes[0], [1, 0.5, 0.25])
+
+
+def test_freed_memory_is_kept_for_reuse_on_glibc():
+    import platform
+    import sys
+
+    from meshplan.executor.memory import reuse_freed_memory
+    glibc = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
+    assert reuse_freed_memory() is glibc
+
+
+def test_half_precision_runs_in_fp32_on_cpus_without_native_support():
+    from meshplan.executor.kernels import compute_dtype, cpu_native
+    x = torch.zeros(1, dtype=torch.bfloat16)
+    assert compute_dtype(torch.zeros(1)) == torch.float32
+    assert compute_dtype(x) == (torch.bfloat16 if cpu_native(torch.bfloat16) else torch.float32)
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    assert cpu_native(torch.bfloat16) == bool(native)

@@ -162,3 +162,22 @@ def test_approximate_reduction_for_striped_layouts(name):
     assert simulate(sched, topo, exact=True).reps == 32
     for p in full.pass_makespan:
         assert approx.pass_makespan[p] == pytest.approx(full.pass_makespan[p], rel=2e-3)
+
+
+def test_a_ring_steps_concurrent_hops_share_where_they_meet():
+    """Ring's CCR counts a step's transfers all running at once: on cpu-local the two hops of a 2-rank ring share
+    the loopback pool (each gets shared_GBps / 2); on NVSwitch ports each keeps the single-flow rate."""
+    from meshplan.algorithms.rotate_timing import Rotation
+    ring = get("ring")
+    size = 8e6
+    topo = Topology.load("cpu-local", gpus=2)
+    w = resolve(seq_len=2048, heads=2, kv_heads=2, head_dim=64, passes="fwd")
+    rot = Rotation(ring.plan(w, topo, 2, ring.normalize({})), topo, rows=True)
+    shared = topo.spec.node.fabric.shared_GBps * 1e9
+    link = topo.spec.node.fabric.link.usable_GBps * 1e9
+    alpha = topo.spec.p2p_overhead_us * 1e-6
+    assert rot.hop_concurrent(size) == pytest.approx(alpha + size / min(link, shared / 2))
+    assert rot.hop(size) == pytest.approx(alpha + size / min(link, shared))          # one flow alone
+    nv = Topology.load("h100x8", gpus=8)
+    rot8 = Rotation(ring.plan(w.with_(seq_len=8192), nv, 8, ring.normalize({})), nv, rows=True)
+    assert rot8.hop_concurrent(size) == pytest.approx(rot8.hop(size))

@@ -50,6 +50,20 @@ class Rotation:
         """[n] uncontended time of a transfer of ``size`` bytes into each rank from its predecessor."""
         return np.where(np.isfinite(self.hop_bw), self.hop_lat + size / self.hop_bw, 0.0)
 
+    def hop_concurrent(self, size: float) -> np.ndarray:
+        """[n] time of each rank's hop transfer of ``size`` bytes when every rank's hop runs at once (one ring
+        step): latency + size / the flow's max-min fair rate (:func:`meshplan.maxmin.max_min_fair`) over the
+        links the N flows share — the single-flow rate on per-port links (NVSwitch), a share of it where the
+        flows meet (a host's loopback, a node's NICs)."""
+        from meshplan.maxmin import max_min_fair
+
+        dev = self.plan.device_of_rank
+        src = dev[(np.arange(self.n) - 1) % self.n]
+        routes = [self.topo.route(int(s), int(d)).tolist() for s, d in zip(src, dev)]
+        caps = [float(self.topo.link_flow_cap[r].min()) if len(r) else np.inf for r in routes]
+        rates = np.asarray(max_min_fair(routes, self.topo.link_capacity.tolist(), caps))
+        return np.where(np.isfinite(rates), self.hop_lat + size / rates, 0.0)
+
     def batch(self, prev_end: np.ndarray, gate: np.ndarray, T: np.ndarray) -> np.ndarray:
         """End of every rank's batch (send to r+1, recv from r−1) that starts after its previous batch and
         after ``gate`` (the rank's last compute: double buffering)."""

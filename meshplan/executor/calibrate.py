@@ -5,7 +5,10 @@
   :func:`~meshplan.executor.kernels.block_backward_from_out` (the CPU flash backward; on CUDA it is the fp32
   recurrence, as in the executor) on every (s_q, s_kv) of a power-of-two grid, full, plus the causal-diagonal
   pieces (s × s, elementwise mask), and a 1-token kernel for the fixed cost per call;
-* **merges**: the executor's LSE merge (:func:`~meshplan.executor.kernels.merge_into`) at a few sizes;
+* **merges**: the executor's merge of a block's result into its output (:func:`~meshplan.executor.ops.combine`:
+  gather, fp32 LSE merge, write back) at a few sizes;
+* the **host-speed probe** (:mod:`meshplan.executor.probe`) before, during and after, so a later run can say
+  how much faster or slower the host is than when it was calibrated;
 * in a spawned world (gloo ranks on loopback, or NCCL on GPUs 0 and 1): **point-to-point** transfers between
   ranks 0 and 1 (ping-pong, half the round trip, 1 KB .. 64 MB) and both directions at once; one **overlap**
   run (ranks 0 and 1 run a kernel while exchanging messages, against the same kernel alone); **core
@@ -13,13 +16,14 @@
   in :mod:`meshplan.executor.calibrate_ranks`.
 
 CPU ranks run one torch thread each (the executor gives each rank cores // ranks threads). Every timing is
-the lower quartile of a few samples after a warm-up (:func:`typical`); a kernel sample repeats short calls
+the median of a few samples after a warm-up (:func:`typical`); a kernel sample repeats short calls
 to last a few milliseconds, a transfer sample is one round. Results are plain data in the
 :class:`meshplan.calibration.Raw` form; progress goes to stderr.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import platform
@@ -29,29 +33,35 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from meshplan.executor.kernels import TORCH_DTYPE, block_backward, block_backward_from_out, block_forward, merge_into
+from meshplan.executor.blockmask import KeyRanges
+from meshplan.executor.kernels import TORCH_DTYPE, block_backward, block_backward_from_out, block_forward
 from meshplan.executor.launch import resolve_backend
+from meshplan.executor.memory import reuse_freed_memory
+from meshplan.executor.probe import probe_ms
 
 
 @dataclass(frozen=True)
 class Sweep:
     """What to measure and how often."""
 
-    tokens: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+    tokens: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048, 4096)      # above: the edge value holds
     batch: int = 1
     heads: int = 4
     head_dim: int = 64
-    dtype: str = "bf16"
+    dtype: str = "fp32"                         # CPU: the dtype the executor computes in (kernels.compute_dtype)
+    head_dims: tuple[int, ...] = (32, 64, 128)  # the head-dim multiplier's dims (head_dim among them)
+    head_dim_tokens: tuple[int, ...] = (512, 2048)
     samples: int = 5
     min_sample_s: float = 0.005
     gemm_n: int = 2048
-    merge_tokens: tuple[int, ...] = (256, 512, 1024, 2048, 4096)
+    merge_tokens: tuple[int, ...] = (512, 2048, 8192)
     p2p_sizes: tuple[int, ...] = tuple(1 << k for k in range(10, 27, 2))      # 1 KiB .. 64 MiB
     overlap_tokens: int = 2048
     overlap_msg_bytes: int = 4 << 20
-    sharing_tokens: int = 1024
+    sharing_tokens: int = 2048                  # blocks as large as real ones: cores share caches and memory
     sharing_ranks: tuple[int, ...] = (1, 2, 3, 4)
     backend: str = "gloo"
     init_method: str = ""
@@ -60,10 +70,14 @@ class Sweep:
 FULL = Sweep()
 QUICK = Sweep(tokens=(64, 256), samples=2, gemm_n=512, merge_tokens=(256, 1024),
               p2p_sizes=(4096, 65536, 1 << 20, 4 << 20), overlap_tokens=256, overlap_msg_bytes=1 << 20,
-              sharing_tokens=256, sharing_ranks=(1, 2))
+              sharing_tokens=256, sharing_ranks=(1, 2), head_dims=(64, 128), head_dim_tokens=(256,))
 GPU = replace(FULL, tokens=tuple(256 << k for k in range(7)), heads=32, head_dim=128, gemm_n=8192,   # untested here
+              dtype="bf16", head_dims=(64, 128, 256), head_dim_tokens=(1024, 8192),
               merge_tokens=(1024, 4096, 16384), p2p_sizes=tuple(1 << k for k in range(10, 29, 2)), overlap_tokens=16384,
               overlap_msg_bytes=64 << 20)
+
+
+LONG_CALL_S = 0.1      # calls longer than this get 3 samples: their noise is small, their time is not
 
 
 def log(msg: str) -> None:
@@ -85,11 +99,16 @@ def measure(backend: str = "auto", quick: bool = False, link_class: str | None =
     before = _cpu_snapshot()
     cuda = sweep.backend == "nccl"
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    probes: list[float] = []
+    reuse_freed_memory()                     # the executor's ranks run so (meshplan.executor.memory)
     with _threads(None if cuda else 1):
+        probes.append(probe_ms(device))
         raw = {"dtype": sweep.dtype, "gemm": _gemm(sweep, device), "launch_s": _launch(sweep, device),
-               "kernels": _kernels(sweep, device), "dtype_kernels": _dtype_kernels(sweep, device),
+               "kernels": _kernels(sweep, device, probes), "head_dim_kernels": _head_dim_kernels(sweep, device),
+               "dtype_kernels": _dtype_kernels(sweep, device),
                "recurrence": _recurrence(sweep, device),
                "merges": _merges(sweep, device)}
+        probes.append(probe_ms(device))
     world = (2 if torch.cuda.device_count() >= 2 else 0) if cuda else max(sweep.sharing_ranks)
     if world >= 2:
         from meshplan.executor.calibrate_ranks import spawn
@@ -99,11 +118,16 @@ def measure(backend: str = "auto", quick: bool = False, link_class: str | None =
         raw["link_class"] = link_class
     else:
         log("one GPU: no transfers to measure (links, p2p_overhead_us and kappa keep the topology's values)")
+    with _threads(None if cuda else 1):
+        probes.append(probe_ms(device))
+    raw["probe_ms"] = [round(p, 4) for p in probes]
+    log(f"host-speed probe: {min(probes):.2f}–{max(probes):.2f} ms (median {float(np.median(probes)):.2f})")
     others = _others_busy_cores(before, _cpu_snapshot())
     if others is not None and others > 0.1:
         log(f"warning: other processes kept {others:.2f} cores busy during the run; the numbers are noisy, "
             "calibrate again on an idle host")
-    facts = {"cpu": _cpu_name(), "cores": os.cpu_count() or 1, "gpu": torch.cuda.get_device_name(0) if cuda else None,
+    facts = {"cpu": _cpu_name(), "isa": cpu_isa(), "cores": os.cpu_count() or 1,
+             "gpu": torch.cuda.get_device_name(0) if cuda else None,
              "torch": torch.__version__, "backend": sweep.backend, "threads_per_rank": 1, "load_1min": load,
              "others_busy_cores": others}
     return raw, facts
@@ -136,27 +160,15 @@ def sync(device: torch.device) -> None:
 
 
 def typical(xs: list[float]) -> float:
-    """The lower quartile, not the median: other processes on a shared host only ever slow a sample down, and
-    a quartile ignores the few they hit while staying above the one lucky best case. 6 significant digits."""
-    return float(f"{sorted(xs)[(len(xs) - 1) // 4]:.6g}")
+    """The median, 6 significant digits. (A lower quartile would pick the fast phases of a shared host, whose
+    speed drifts by ±15% over tens of seconds here, while the runs it predicts see its typical speed.)"""
+    return float(f"{float(np.median(xs)):.6g}")
 
 
 def _time(fn, device, sweep: Sweep, samples: int | None = None) -> float:
     """Typical seconds of one call: a warm-up, then samples of enough calls to last ``min_sample_s``."""
-    fn()
-    sync(device)
-    t0 = time.perf_counter()
-    fn()
-    sync(device)
-    reps = max(1, math.ceil(sweep.min_sample_s / max(time.perf_counter() - t0, 1e-7)))
-    out = []
-    for _ in range(samples or sweep.samples):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        sync(device)
-        out.append((time.perf_counter() - t0) / reps)
-    return typical(out)
+    reps, n = _plan(fn, device, sweep)
+    return typical([_sample(fn, device, reps) for _ in range(samples or n)])
 
 
 @contextmanager
@@ -172,9 +184,10 @@ def _threads(n: int | None):
 
 # ---------------------------------------------------------------------------------------------- one process
 def _gemm(sweep: Sweep, device) -> list:
-    """(dtype, n, seconds) of n³ matmuls; fp16 only on CUDA (CPUs emulate it, far below their bf16 peak)."""
+    """(dtype, n, seconds) of n³ matmuls; on CPU fp32 only (a CPU without native bf16 runs a bf16 matmul at a few
+    hundred MFLOP/s; the half-precision attention peaks come from attention kernels, :func:`_dtype_kernels`)."""
     n, rows = sweep.gemm_n, []
-    for name in ("bf16", "fp16", "fp32") if device.type == "cuda" else ("bf16", "fp32"):
+    for name in ("bf16", "fp16", "fp32") if device.type == "cuda" else ("fp32",):
         a = torch.randn(n, n, dtype=TORCH_DTYPE[name], device=device)
         b = torch.randn(n, n, dtype=TORCH_DTYPE[name], device=device)
         rows.append((name, n, _time(lambda: a @ b, device, sweep, 3)))         # noqa: B023 - called at once
@@ -195,33 +208,89 @@ def _launch(sweep: Sweep, device) -> list[float]:
     return [_time(lambda: block_forward(q, k, v, 1.0, None), device, sweep, 1) for _ in range(3)]
 
 
-def _kernels(sweep: Sweep, device) -> list[dict]:
-    """Forward and backward of every grid shape (full) and of each causal-diagonal piece s × s."""
+def _kernels(sweep: Sweep, device, probes: list[float]) -> list[dict]:
+    """Forward and backward of every grid shape (full) and of each causal-diagonal piece s × s (passed as key
+    runs, as the executor passes it), timed in interleaved rounds (every shape once per round) so that a slow
+    spell of the host falls on many shapes a little rather than on a few entirely."""
     shapes = [(a, b, False) for a in sweep.tokens for b in sweep.tokens] + [(s, s, True) for s in sweep.tokens]
-    scale, rows = sweep.head_dim ** -0.5, []
-    for i, (s_q, s_kv, causal) in enumerate(shapes):
+    scale, cases = sweep.head_dim ** -0.5, []
+    for s_q, s_kv, causal in shapes:
         q, k, v = qkv(sweep, s_q, s_kv, device)
-        allowed = torch.ones(s_q, s_kv, dtype=torch.bool, device=device).tril() if causal else None
-        pairs = int(allowed.sum()) if causal else s_q * s_kv
+        allowed = KeyRanges(np.zeros(s_q, dtype=np.int64), np.arange(1, s_q + 1), s_kv) if causal else None
         o, lse = block_forward(q, k, v, scale, allowed)
         do = torch.randn_like(q)
-        flops = 4.0 * sweep.batch * sweep.heads * sweep.head_dim * pairs
-        t_f = _time(lambda: block_forward(q, k, v, scale, allowed), device, sweep)                # noqa: B023
-        t_b = _time(lambda: block_backward_from_out(q, k, v, o, do, lse, scale, allowed), device, sweep)  # noqa: B023
+        pairs = allowed.pairs if causal else s_q * s_kv
         base = {"s_q": s_q, "s_kv": s_kv, "causal": causal, "batch": sweep.batch, "heads": sweep.heads,
                 "head_dim": sweep.head_dim}
-        rows += [base | {"pass": "fwd", "flops": flops, "time_s": t_f},
-                 base | {"pass": "bwd", "flops": 2.5 * flops, "time_s": t_b}]
-        if (i + 1) % 8 == 0 or i + 1 == len(shapes):
-            log(f"attention kernels {i + 1}/{len(shapes)} shapes")
+        flops = 4.0 * sweep.batch * sweep.heads * sweep.head_dim * pairs
+        fns = {"fwd": functools.partial(block_forward, q, k, v, scale, allowed),
+               "bwd": functools.partial(block_backward_from_out, q, k, v, o, do, lse, scale, allowed)}
+        for p, mult in (("fwd", 1.0), ("bwd", 2.5)):
+            cases.append((base | {"pass": p, "flops": mult * flops}, fns[p], *_plan(fns[p], device, sweep)))
+    times: list[list[float]] = [[] for _ in cases]
+    for r in range(sweep.samples):
+        for i, (_, fn, reps, n) in enumerate(cases):
+            if r < n:
+                times[i].append(_sample(fn, device, reps))
+        probes.append(probe_ms(device))
+        log(f"attention kernels: round {r + 1}/{sweep.samples} of {len(shapes)} shapes")
+    return [base | {"time_s": typical(t)} for (base, *_), t in zip(cases, times)]
+
+
+def _plan(fn, device, sweep: Sweep) -> tuple[int, int]:
+    """(calls per sample so a sample lasts ``min_sample_s``, samples to take) after a warm-up call."""
+    fn()
+    sync(device)
+    once = _sample(fn, device, 1)
+    reps = max(1, math.ceil(sweep.min_sample_s / max(once, 1e-7)))
+    return reps, sweep.samples if once < LONG_CALL_S else min(3, sweep.samples)
+
+
+def _sample(fn, device, reps: int) -> float:
+    """Seconds per call of ``reps`` calls in a row."""
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    sync(device)
+    return (time.perf_counter() - t0) / reps
+
+
+def _head_dim_kernels(sweep: Sweep, device) -> list:
+    """(pass, head dim, s, FLOPs, seconds) of full s × s kernels at each of ``head_dims`` (the sweep's among them):
+    the efficiency multiplier by head dim."""
+    rows = []
+    for d in sorted(set(sweep.head_dims) | {sweep.head_dim}):
+        sw = replace(sweep, head_dim=d)
+        for s in sweep.head_dim_tokens:
+            q, k, v = qkv(sw, s, s, device)
+            o, lse = block_forward(q, k, v, d ** -0.5, None)
+            do = torch.randn_like(q)
+            flops = 4.0 * sw.batch * sw.heads * d * s * s
+            rows.append(("fwd", d, s, flops, _time(lambda: block_forward(q, k, v, d ** -0.5, None), device, sw)))  # noqa: B023
+            rows.append(("bwd", d, s, 2.5 * flops, _time(                                                      # noqa: B023
+                lambda: block_backward_from_out(q, k, v, o, do, lse, d ** -0.5, None), device, sw)))  # noqa: B023
+        log(f"head dim {d}: {', '.join(f'{r[0]} {r[2]}: {r[3] / r[4] / 1e9:.1f} GFLOP/s' for r in rows[-4:])}")
     return rows
+
+
+def cpu_isa() -> str | None:
+    """The CPU's widest vector unit as torch sees it (``amx``, ``avx512_bf16``, ``avx512``, ``avx2``, or
+    torch's own name), which decides how fast half-precision kernels run; None on CUDA-only probes."""
+    try:
+        if torch.cpu._is_amx_tile_supported():
+            return "amx"
+        if torch.cpu._is_avx512_bf16_supported():
+            return "avx512_bf16"
+    except AttributeError:
+        pass
+    return torch.backends.cpu.get_cpu_capability().lower()
 
 
 def _dtype_kernels(sweep: Sweep, device) -> list:
     """(dtype, s, seconds, seconds in the sweep's dtype) of s × s forward + backward in the other dtypes."""
     rows, scale = [], sweep.head_dim ** -0.5
-    others = ("fp16", "fp32") if device.type == "cuda" else ("fp32",)
-    for s in sweep.tokens[-4:-1] or sweep.tokens[-1:]:
+    others = tuple(d for d in ("bf16", "fp16", "fp32") if d != sweep.dtype)
+    for s in sweep.tokens[-3:-1] or sweep.tokens[-1:]:
         times = {}
         for name in (sweep.dtype, *others):
             q, k, v = qkv(replace(sweep, dtype=name), s, s, device)
@@ -240,7 +309,7 @@ def _recurrence(sweep: Sweep, device) -> list:
     """(s, seconds of block_backward, seconds of block_backward_from_out) of s × s blocks: what a backward
     block costs when its query side carries D instead of O (the executor's fp32 recurrence)."""
     rows, scale = [], sweep.head_dim ** -0.5
-    for s in sweep.tokens[-4:-1] or sweep.tokens[-1:]:
+    for s in sweep.tokens[-3:-1] or sweep.tokens[-1:]:
         q, k, v = qkv(sweep, s, s, device)
         o, lse = block_forward(q, k, v, scale, None)
         do = torch.randn_like(q)
@@ -253,15 +322,19 @@ def _recurrence(sweep: Sweep, device) -> list:
 
 
 def _merges(sweep: Sweep, device) -> list:
-    """(bytes touched, seconds): the cost model charges 3 x the output (O in the dtype + fp32 LSE)."""
+    """(bytes touched, seconds) of the executor's merge of a block's (O, LSE) into its output tensor (the token
+    gather, the fp32 LSE merge and the write back: :func:`meshplan.executor.ops.combine`); the cost model charges
+    3 x the output's bytes (O in the dtype + fp32 LSE)."""
+    from meshplan.executor.ops import combine
+
     rows, b, h, d = [], sweep.batch, sweep.heads, sweep.head_dim
-    elem = torch.empty(0, dtype=TORCH_DTYPE[sweep.dtype]).element_size()
+    dt = TORCH_DTYPE[sweep.dtype]
+    elem = torch.empty(0, dtype=dt).element_size()
     for s in sweep.merge_tokens:
-        o_acc = torch.randn(b, h, s, d, device=device)
-        lse_acc = torch.randn(b, h, s, device=device)
-        o_part = torch.randn(b, h, s, d, device=device).to(TORCH_DTYPE[sweep.dtype])
-        lse_part = torch.randn(b, h, s, device=device)
-        t = _time(lambda: merge_into(o_acc, lse_acc, o_part, lse_part), device, sweep)  # noqa: B023
+        views = {"o": torch.randn(b, s, h, d, device=device).to(dt), "lse": torch.randn(b, h, s, device=device)}
+        part = {"o": torch.randn(b, h, s, d, device=device).to(dt), "lse": torch.randn(b, h, s, device=device)}
+        tokens = torch.arange(s, device=device)
+        t = _time(lambda: combine("merge", views, part, tokens), device, sweep)  # noqa: B023
         rows.append((3 * b * h * s * (d * elem + 4), t))
     return rows
 

@@ -1,7 +1,8 @@
 """The spawned part of ``meshplan calibrate`` (:mod:`meshplan.executor.calibrate`): ranks on this host.
 
 gloo ranks rendezvous on loopback (NCCL: GPUs 0 and 1), as ``meshplan run`` spawns them
-(:mod:`meshplan.executor.launch`). Ranks 0 and 1 time point-to-point transfers and one overlap run while
+(:mod:`meshplan.executor.launch`). Ranks 0 and 1 time point-to-point transfers (each message packed into its
+wire image and unpacked, as the executor moves tensors) and one overlap run while
 the others wait in a barrier (an idle gloo rank takes no CPU); then, on CPU, 1, 2, ... ranks run the same
 kernel at once (core sharing). Rank 0 returns everything; a failing rank leaves its one-line reason.
 """
@@ -20,6 +21,8 @@ import torch.distributed as dist
 from meshplan.executor.calibrate import Sweep, log, qkv, sync, typical
 from meshplan.executor.kernels import block_forward
 from meshplan.executor.launch import _free_port, spawn_ranks
+from meshplan.executor.memory import reuse_freed_memory
+from meshplan.executor.store import pack, unpack
 
 
 def spawn(world: int, sweep: Sweep) -> dict:
@@ -36,6 +39,7 @@ def _rank_main(rank: int, world: int, sweep: Sweep) -> dict:
 
 
 def _measure_ranks(rank: int, world: int, sweep: Sweep) -> dict:
+    reuse_freed_memory()                      # as the executor's ranks do
     cuda = sweep.backend == "nccl"
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
@@ -63,22 +67,38 @@ def _measure_ranks(rank: int, world: int, sweep: Sweep) -> dict:
         dist.destroy_process_group()
 
 
-def _exchange(peer: int, out: torch.Tensor, into: torch.Tensor, rounds: int = 1) -> None:
-    """Both directions at once: post a recv from and a send to ``peer``, wait for both; ``rounds`` times."""
+def _wire(size: int, device) -> tuple[dict, dict]:
+    """(parts to send, parts to receive into) of a ``kv`` tensor whose wire image is ``size`` bytes (fp32 K and V
+    of 64 channels; sizes are multiples of 512 B), as the executor's store holds them."""
+    tokens = max(1, size // 512)
+    make = lambda: {p: torch.zeros(1, tokens, 1, 64, device=device) for p in ("k", "v")}  # noqa: E731
+    return make(), make()
+
+
+def _exchange(peer: int, out: dict, into: dict, rounds: int = 1) -> None:
+    """Both directions at once, as the executor runs a batch: pack, post a recv from and a send to ``peer``,
+    wait for both, unpack; ``rounds`` times."""
     for _ in range(rounds):
-        for w in (dist.irecv(into, src=peer), dist.isend(out, dst=peer)):
+        buf = pack(out, "kv", "fp32")
+        got = torch.empty_like(buf)
+        for w in (dist.irecv(got, src=peer), dist.isend(buf, dst=peer)):
             w.wait()
+        unpack(got, into, "kv", "fp32")
 
 
-def _ping(rank: int, out: torch.Tensor, into: torch.Tensor, rounds: int) -> None:
-    """Round trips between ranks 0 and 1: 0 sends, 1 answers."""
+def _ping(rank: int, out: dict, into: dict, rounds: int) -> None:
+    """Round trips between ranks 0 and 1 (0 sends, 1 answers), each message packed and unpacked as the executor
+    does it."""
     for _ in range(rounds):
+        buf = pack(out, "kv", "fp32")
+        got = torch.empty_like(buf)
         if rank == 0:
-            dist.send(out, dst=1)
-            dist.recv(into, src=1)
+            dist.send(buf, dst=1)
+            dist.recv(got, src=1)
         else:
-            dist.recv(into, src=0)
-            dist.send(out, dst=0)
+            dist.recv(got, src=0)
+            dist.send(buf, dst=0)
+        unpack(got, into, "kv", "fp32")
 
 
 def _p2p(rank: int, sweep: Sweep, device, pair) -> list[dict]:
@@ -86,8 +106,7 @@ def _p2p(rank: int, sweep: Sweep, device, pair) -> list[dict]:
     timed on its own, so a round another process delayed does not spoil the others."""
     rows = []
     for size in sweep.p2p_sizes:
-        buf = torch.zeros(size, dtype=torch.uint8, device=device)
-        got = torch.empty_like(buf)
+        buf, got = _wire(size, device)
         rounds = max(3, min(50, (16 << 20) // size))
         for flows in (1, 2):
             times = []
@@ -132,7 +151,7 @@ def _overlap(rank: int, sweep: Sweep, device, pair, p2p: list[dict]) -> list[dic
     t_msg = ref["time_s"] * size / ref["size_bytes"]
     n = torch.tensor([min(10_000, math.ceil(1.5 * t_alone / max(t_msg, 1e-6)))], dtype=torch.int64, device=device)
     dist.all_reduce(n, op=dist.ReduceOp.MAX, group=pair)               # both ranks post as many messages
-    buf, got = torch.zeros(size, dtype=torch.uint8, device=device), torch.empty(size, dtype=torch.uint8, device=device)
+    buf, got = _wire(size, device)
     span, rows = {}, []
 
     def comm():

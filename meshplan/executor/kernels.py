@@ -1,27 +1,42 @@
 """Attention kernels for one block, the stable LSE merge, and gradient sums — the executor's arithmetic.
 
 Shapes: q, o, do [B, H, Sq, D]; k, v [B, Hkv, Skv, D] (GQA: Hkv = H / g, expanded to H only right
-before the kernel, so KV never travels replicated); lse, delta [B, H, Sq] fp32; ``allowed`` [Sq, Skv]
-bool (None: every pair).
+before the kernel, so KV never travels replicated); lse, delta [B, H, Sq] fp32. ``mask``: None (every
+pair), a :class:`~meshplan.executor.blockmask.KeyRanges` (row i attends keys lo[i] … hi[i] − 1, what the
+executor passes), or a dense [Sq, Skv] bool tensor (converted to key runs when its rows are contiguous).
 
-Forward (``block_forward``): on CUDA, flash-attn for unmasked half-precision blocks when it is installed,
-else torch's flash-attention op, and torch's memory-efficient op (additive bias, ``compute_log_sumexp``) for
-masked blocks; on CPU torch's ``_scaled_dot_product_flash_attention_for_cpu``. All return the log-sum-exp.
-Rows without a permitted key get O = 0 and LSE = −inf (kernels disagree there: the CPU op returns LSE = 0, others +inf).
+Forward (``block_forward``): on CPU, torch's ``_scaled_dot_product_flash_attention_for_cpu`` on each kernel of
+the mask's cover (:func:`~meshplan.executor.blockmask.pieces`: full rectangles without a mask, causal squares
+with ``is_causal``), merged by LSE where two kernels share rows; an additive bias over the dense matrix only
+for masks without a short cover. On CUDA, flash-attn for unmasked half-precision blocks when it is installed,
+else torch's flash op, and torch's memory-efficient op (additive bias, ``compute_log_sumexp``) for masked
+blocks. All return the log-sum-exp. Rows without a permitted key get O = 0 and LSE = −inf (kernels disagree
+there: the CPU op returns LSE = 0, others +inf).
 
-Backward (``block_backward``): the FlashAttention-2 recurrence (Dao 2023, Algorithm 2) in fp32 with the
-*final* LSE and D = rowsum(dO ∘ O): P = exp(S − LSE), dV = Pᵀ dO, dS = P ∘ (dO Vᵀ − D), dQ = scale·dS K,
-dK = scale·dSᵀ Q. It takes D rather than O because the travelling Q side of pass-Q and Mesh carries D
-(``qside``); the flash kernels' own backward recomputes D from O, so they serve only where the op's Q side
-holds O (Ring, a Mesh tile's own row): ``block_backward_from_out``, torch's CPU flash backward.
+Backward from the final O (``block_backward_from_out``): torch's CPU flash-attention backward per kernel of the
+cover. Backward from D = rowsum(dO ∘ O) (``block_backward``, the travelling Q side of pass-Q, Mesh, StarTrail and
+CHARM+ carries D, not O): on CPU the same flash backward with a surrogate O' = dO · D / ‖dO‖² per row — the
+FlashAttention-2 backward reads O only through D (Dao 2023, Algorithm 2, line 4), and O' has the same D — so
+both backward paths run the same kernel; on CUDA the FlashAttention-2 recurrence in fp32 with the *final* LSE:
+P = exp(S − LSE), dV = Pᵀ dO, dS = P ∘ (dO Vᵀ − D), dQ = scale·dS K, dK = scale·dSᵀ Q.
+
+Precision on CPU: torch's CPU kernels in bf16/fp16 are emulated (a bf16 flash backward runs ~7x, fp16 ~14x
+slower than fp32 on an AVX2 core), so on CPUs without native support (AVX512-BF16 / AMX) half-precision blocks
+are computed in fp32 from the exactly upcast inputs and O returns in the input dtype; gradients are fp32 always.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
+
+from meshplan.executor.blockmask import KeyRanges, Piece, pieces
 
 TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _HEAD_BLOCK_ELEMS = 1 << 24   # backward score matrices are built this many elements at a time (64 MiB fp32)
+_CPU_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_CPU_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 def expand_kv(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -37,31 +52,78 @@ def reduce_kv(x: torch.Tensor, group: int) -> torch.Tensor:
     return x.view(b, h // group, group, s, d).sum(dim=2)
 
 
-def block_forward(q, k, v, scale: float, allowed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+@functools.cache
+def cpu_native(dtype: torch.dtype) -> bool:
+    """Whether this CPU computes ``dtype`` natively (fp32 always; bf16 with AVX512-BF16 or AMX; fp16 with
+    AMX-FP16). Unknown (torch without the probes): False, so half precision is computed in fp32."""
+    if dtype == torch.float32:
+        return True
+    try:
+        if dtype == torch.bfloat16:
+            return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+        return bool(torch.cpu._is_amx_fp16_supported())
+    except AttributeError:
+        return False
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a CPU block of ``x``'s dtype is computed in (see the module docstring); CUDA: x's own."""
+    return x.dtype if x.is_cuda or cpu_native(x.dtype) else torch.float32
+
+
+def cover(mask, n_q: int, n_k: int) -> tuple[list[Piece] | None, KeyRanges | None]:
+    """(the mask's cover by dense kernels or None, its key runs or None when it has no run structure)."""
+    if mask is None:
+        return [Piece(0, n_q, 0, n_k, False)], None
+    ranges = mask if isinstance(mask, KeyRanges) else KeyRanges.from_allowed(mask)
+    return (None, None) if ranges is None else (pieces(ranges), ranges)
+
+
+def _dense(mask, device) -> torch.Tensor | None:
+    if mask is None or isinstance(mask, torch.Tensor):
+        return mask
+    return mask.dense(device)
+
+
+def block_forward(q, k, v, scale: float, mask) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one block. Returns (O [B, H, Sq, D] in q's dtype, LSE [B, H, Sq] fp32, natural log)."""
     group = q.shape[1] // k.shape[1]
     k, v = expand_kv(k, group), expand_kv(v, group)
     if q.is_cuda:
-        o, lse = _cuda_forward(q, k, v, scale, allowed)
-    else:
-        causal = is_tril(allowed)
-        bias = None if allowed is None or causal else _bias(allowed, q.dtype)
-        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias,
-                                                                            scale=scale)
-    lse = lse.float()
+        o, lse = _cuda_forward(q, k, v, scale, _dense(mask, q.device))
+        return _empty_rows(o, lse.float(), _dense(mask, q.device))
+    dt = compute_dtype(q)
+    qc, kc, vc = q.to(dt), k.to(dt), v.to(dt)
+    plan, ranges = cover(mask, q.shape[2], k.shape[2])
+    if plan is None:                                        # no short cover: an additive bias, dense
+        allowed = _dense(mask, q.device)
+        o, lse = _CPU_FWD(qc, kc, vc, 0.0, False, attn_mask=_bias(allowed, dt), scale=scale)
+        return _empty_rows(o.to(q.dtype), lse.float(), allowed)
+    if len(plan) == 1 and (plan[0].r0, plan[0].r1, plan[0].c0, plan[0].c1) == (0, q.shape[2], 0, k.shape[2]):
+        o, lse = _CPU_FWD(qc, kc, vc, 0.0, plan[0].causal, scale=scale)
+        return o.to(q.dtype), lse.float()
+    shared = len({(p.r0, p.r1) for p in plan}) < len(plan)       # two kernels on the same rows: merge by LSE
+    o = q.new_zeros(q.shape, dtype=torch.float32 if shared else q.dtype)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+    for p in plan:
+        o_p, l_p = _CPU_FWD(qc[:, :, p.r0:p.r1], kc[:, :, p.c0:p.c1], vc[:, :, p.c0:p.c1], 0.0, p.causal,
+                            scale=scale)
+        if shared:
+            merge_into(o[:, :, p.r0:p.r1], lse[:, :, p.r0:p.r1], o_p, l_p.float())
+        else:
+            o[:, :, p.r0:p.r1] = o_p
+            lse[:, :, p.r0:p.r1] = l_p
+    return o.to(q.dtype), lse
+
+
+def _empty_rows(o, lse, allowed):
+    """Rows with no permitted key: O = 0, LSE = −inf (whatever the kernel returned there)."""
     if allowed is not None:
         empty = ~allowed.any(dim=1)                  # [Sq]: rows with no permitted key
         if bool(empty.any()):
             lse = lse.masked_fill(empty, float("-inf"))
             o = o.masked_fill(empty[:, None], 0.0)
     return o, lse
-
-
-def is_tril(allowed: torch.Tensor | None) -> bool:
-    """Whether a mask is exactly the square lower triangle (a causal diagonal block in natural order): then the
-    CPU flash kernels run with ``is_causal`` and skip the masked half instead of reading an additive bias."""
-    return (allowed is not None and allowed.shape[0] == allowed.shape[1]
-            and bool(torch.equal(allowed, torch.ones_like(allowed).tril())))
 
 
 def _bias(allowed: torch.Tensor, dtype) -> torch.Tensor:
@@ -86,12 +148,23 @@ def _cuda_forward(q, k, v, scale, allowed):
     return out[0], out[1][..., : q.shape[2]]
 
 
-def block_backward(q, k, v, do, lse, delta, scale: float, allowed: torch.Tensor | None):
+def block_backward(q, k, v, do, lse, delta, scale: float, mask):
     """Partial gradients of one block in fp32: (dQ [B, H, Sq, D], dK [B, Hkv, Skv, D], dV like dK).
 
     ``lse`` and ``delta`` are the final (merged) LSE and D of the query rows; rows with LSE = −inf
-    (nothing permitted anywhere) contribute nothing.
+    (nothing permitted anywhere) contribute nothing. On CPU: the flash backward with the surrogate O'
+    (module docstring); on CUDA: the fp32 recurrence.
     """
+    if not q.is_cuda:
+        do32 = do.float()
+        norm = (do32 * do32).sum(dim=-1)
+        o_sur = do32 * torch.where(norm > 0, delta / norm.clamp_min(torch.finfo(torch.float32).tiny), 0.0)[..., None]
+        return _cpu_backward(q.float(), k.float(), v.float(), o_sur, do32, lse, scale, mask)
+    return _recurrence(q, k, v, do, lse, delta, scale, _dense(mask, q.device))
+
+
+def _recurrence(q, k, v, do, lse, delta, scale: float, allowed):
+    """The FlashAttention-2 backward recurrence in fp32 on dense score matrices, a few heads at a time."""
     group = q.shape[1] // k.shape[1]
     q32, do32 = q.float(), do.float()
     k32, v32 = expand_kv(k.float(), group), expand_kv(v.float(), group)
@@ -111,20 +184,44 @@ def block_backward(q, k, v, do, lse, delta, scale: float, allowed: torch.Tensor 
     return dq, reduce_kv(dk, group), reduce_kv(dv, group)
 
 
-def block_backward_from_out(q, k, v, o, do, lse, scale: float, allowed: torch.Tensor | None):
-    """Like :func:`block_backward`, from the final O instead of D: torch's CPU flash-attention backward
-    (it recomputes P from the final LSE and D from O), about 3.5× faster than the fp32 recurrence on CPU.
-    Returns fp32 (dQ, dK, dV); on CUDA it falls back to :func:`block_backward`."""
+def block_backward_from_out(q, k, v, o, do, lse, scale: float, mask):
+    """Like :func:`block_backward`, from the final O instead of D: torch's CPU flash-attention backward (it
+    recomputes P from the final LSE and D from O), per kernel of the mask's cover. Returns fp32 (dQ, dK, dV);
+    on CUDA it falls back to the recurrence."""
     if q.is_cuda:
-        return block_backward(q, k, v, do, lse, row_delta(o, do), scale, allowed)
+        return _recurrence(q, k, v, do, lse, row_delta(o, do), scale, _dense(mask, q.device))
+    dt = compute_dtype(q)
+    return _cpu_backward(q.to(dt), k.to(dt), v.to(dt), o.to(dt), do.to(dt), lse, scale, mask)
+
+
+def _cpu_backward(q, k, v, o, do, lse, scale: float, mask):
+    """torch's CPU flash backward over the mask's cover (all inputs in the compute dtype); fp32 gradients."""
     group = q.shape[1] // k.shape[1]
-    causal = is_tril(allowed)
-    bias = None if allowed is None or causal else _bias(allowed, q.dtype)
+    kx, vx = expand_kv(k, group).contiguous(), expand_kv(v, group).contiguous()
     lse = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse).contiguous()
-    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        do.to(q.dtype).contiguous(), q, expand_kv(k, group).contiguous(), expand_kv(v, group).contiguous(),
-        o.to(q.dtype).contiguous(), lse, 0.0, causal, attn_mask=bias, scale=scale)
-    return dq.float(), reduce_kv(dk.float(), group), reduce_kv(dv.float(), group)
+    plan, _ = cover(mask, q.shape[2], k.shape[2])
+    if plan is None:
+        allowed = _dense(mask, q.device)
+        got = _CPU_BWD(do.contiguous(), q.contiguous(), kx, vx, o.contiguous(), lse, 0.0, False,
+                       attn_mask=_bias(allowed, q.dtype), scale=scale)
+        dq, dk, dv = (g.float() for g in got)
+    elif len(plan) == 1 and (plan[0].r0, plan[0].r1, plan[0].c0, plan[0].c1) == (0, q.shape[2], 0, k.shape[2]):
+        got = _CPU_BWD(do.contiguous(), q.contiguous(), kx, vx, o.contiguous(), lse, 0.0, plan[0].causal,
+                       scale=scale)
+        dq, dk, dv = (g.float() for g in got)
+    else:
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dk = torch.zeros(kx.shape, dtype=torch.float32, device=q.device)
+        dv = torch.zeros_like(dk)
+        for p in plan:
+            r, c = slice(p.r0, p.r1), slice(p.c0, p.c1)
+            got = _CPU_BWD(do[:, :, r].contiguous(), q[:, :, r].contiguous(), kx[:, :, c].contiguous(),
+                           vx[:, :, c].contiguous(), o[:, :, r].contiguous(), lse[:, :, r].contiguous(), 0.0,
+                           p.causal, scale=scale)
+            dq[:, :, r] += got[0].float()
+            dk[:, :, c] += got[1].float()
+            dv[:, :, c] += got[2].float()
+    return dq, reduce_kv(dk, group), reduce_kv(dv, group)
 
 
 def merge_into(o_acc: torch.Tensor, lse_acc: torch.Tensor, o_part: torch.Tensor, lse_part: torch.Tensor) -> None:

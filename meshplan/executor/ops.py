@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from meshplan.executor.blockmask import KeyRanges
 from meshplan.executor.kernels import block_backward, block_backward_from_out, block_forward, merge_into, row_delta
 from meshplan.executor.program import FP32_PARTS, KV_PARTS, PARTS, Program
 from meshplan.executor.store import Store
@@ -45,7 +46,7 @@ class OpRunner:
         pieces = [self._part(t, part, h0, h1) for t in tids if part in PARTS[self.prog.tensors[t].kind]]
         if not pieces:
             return None
-        return torch.cat(pieces, dim=2 if part in FP32_PARTS else 1)
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2 if part in FP32_PARTS else 1)
 
     # ------------------------------------------------------------------ compute
     def compute(self, op) -> None:
@@ -56,25 +57,27 @@ class OpRunner:
         q_pos = np.concatenate([p.positions[c] for c in op.q_chunks])
         k_pos = np.concatenate([p.positions[c] for c in op.kv_chunks])
         rows, cols = _select(op.q_rows, len(q_pos)), _select(op.kv_cols, len(k_pos))
-        # tokens in position order: a causal piece over the same positions becomes the lower triangle, which the
-        # CPU kernels run with is_causal (zigzag diagonals, Ulysses over a permuted sequence); results go back
-        # to their tokens through ``rows``/``cols``
+        # tokens in position order: every mask then permits one run of keys per row (KeyRanges, no [Sq, Skv]
+        # matrix), covered by full and is_causal kernels (zigzag diagonals, striped blocks, Ulysses over a
+        # permuted sequence); results go back to their tokens through ``rows``/``cols``
         rows, cols = rows[np.argsort(q_pos[rows], kind="stable")], cols[np.argsort(k_pos[cols], kind="stable")]
         mask = p.mask_of(op)
-        allowed = None if mask is None else torch.from_numpy(mask.permits(q_pos[rows], k_pos[cols]))
+        allowed = None if mask is None else KeyRanges(*mask.key_ranges(q_pos[rows], k_pos[cols]), len(cols))
         dev = self.store.device
-        r_idx, c_idx = torch.from_numpy(rows).to(dev), torch.from_numpy(cols).to(dev)
-        kv_map = torch.tensor([h // self.group - h0 // self.group for h in range(h0, h1)], device=dev)
+        r_idx, c_idx = _index(rows, len(q_pos), dev), _index(cols, len(k_pos), dev)
+        kv_map = [h // self.group - h0 // self.group for h in range(h0, h1)]
+        kv_map = None if kv_map == list(range(len(kv_map))) else torch.tensor(kv_map, device=dev)
 
-        def tokens(x: torch.Tensor, idx: torch.Tensor, n: int) -> torch.Tensor:   # [B, T, h, D] -> [B, h, t, D]
+        def tokens(x: torch.Tensor, idx: torch.Tensor | None, n: int) -> torch.Tensor:   # [B, T, h, D] -> [B, h, t, D]
             if x.shape[1] != n:
                 raise ValueError(f"op {op.id}: inputs hold {x.shape[1]} tokens, its chunks have {n}")
-            return x.index_select(1, idx).transpose(1, 2).contiguous()
+            return (x if idx is None else x.index_select(1, idx)).transpose(1, 2).contiguous()
 
-        k = tokens(self._gather(kv_in, "k", h0, h1), c_idx, len(k_pos)).index_select(1, kv_map)
-        v = tokens(self._gather(kv_in, "v", h0, h1), c_idx, len(k_pos)).index_select(1, kv_map)
-        if allowed is not None:
-            allowed = allowed.to(dev)
+        def expand(x: torch.Tensor) -> torch.Tensor:       # KV heads -> the op's query heads (GQA)
+            return x if kv_map is None else x.index_select(1, kv_map)
+
+        k = expand(tokens(self._gather(kv_in, "k", h0, h1), c_idx, len(k_pos)))
+        v = expand(tokens(self._gather(kv_in, "v", h0, h1), c_idx, len(k_pos)))
         if op.pass_ == "fwd":
             q = tokens(self._gather(q_in, "q", h0, h1), r_idx, len(q_pos))
             o, lse = block_forward(q, k, v, self.scale, allowed)
@@ -82,17 +85,20 @@ class OpRunner:
             return
         q = tokens(self._gather(q_in, "q", h0, h1), r_idx, len(q_pos))
         do = self._gather(q_in, "do", h0, h1)
-        lse = self._gather(q_in, "lse", h0, h1).index_select(2, r_idx)
+        lse = self._gather(q_in, "lse", h0, h1)
+        lse = lse if r_idx is None else lse.index_select(2, r_idx)
         o = self._gather(q_in, "o", h0, h1)
         if o is not None and o.shape[1] == len(q_pos):      # O for every row: the flash backward can run
             dq, dk, dv = block_backward_from_out(q, k, v, tokens(o, r_idx, len(q_pos)), tokens(do, r_idx, len(q_pos)),
                                                  lse, self.scale, allowed)
         else:
-            delta = self._delta(q_in, do, h0, h1).index_select(2, r_idx)
+            delta = self._delta(q_in, do, h0, h1)
+            delta = delta if r_idx is None else delta.index_select(2, r_idx)
             dq, dk, dv = block_backward(q, k, v, tokens(do, r_idx, len(q_pos)), lse, delta, self.scale, allowed)
         self._emit(op, "dq", {"dq": dq}, rows, h0, h1)
-        dk_kv = _reduce_heads(dk, kv_map, -(-h1 // self.group) - h0 // self.group)
-        dv_kv = _reduce_heads(dv, kv_map, -(-h1 // self.group) - h0 // self.group)
+        n_kv = -(-h1 // self.group) - h0 // self.group
+        dk_kv = dk if kv_map is None else _reduce_heads(dk, kv_map, n_kv)
+        dv_kv = dv if kv_map is None else _reduce_heads(dv, kv_map, n_kv)
         self._emit(op, "dkv", {"dk": dk_kv, "dv": dv_kv}, cols, h0, h1)
 
     def _delta(self, q_in: list[int], do: torch.Tensor, h0: int, h1: int) -> torch.Tensor:
@@ -121,7 +127,7 @@ class OpRunner:
                 local = torch.from_numpy(sel[keep] - at).to(self.store.device)
                 pick = torch.from_numpy(np.flatnonzero(keep)).to(self.store.device)
                 views = {part: self._part(tid, part, h0, h1) for part in result}
-                _combine(op.combine, views, {p: r.index_select(2, pick) for p, r in result.items()}, local)
+                combine(op.combine, views, {p: r.index_select(2, pick) for p, r in result.items()}, local)
             at += n
 
     # ------------------------------------------------------------------ merge / accumulate
@@ -139,6 +145,13 @@ class OpRunner:
             self._part(dst, part, h0, h1).add_(self._part(src, part, h0, h1).float())
 
 
+def _index(sel: np.ndarray, n: int, device) -> torch.Tensor | None:
+    """``sel`` as an index tensor, or None when it takes all n tokens in order (no gather needed)."""
+    if len(sel) == n and (n == 0 or (sel[0] == 0 and bool((np.diff(sel) == 1).all()))):
+        return None
+    return torch.from_numpy(sel).to(device)
+
+
 def _select(ranges: list, n: int) -> np.ndarray:
     """Token indices of [start, end) ranges (an empty list: all n tokens)."""
     if not ranges:
@@ -152,7 +165,7 @@ def _reduce_heads(x: torch.Tensor, kv_map: torch.Tensor, n_kv: int) -> torch.Ten
     return out.index_add_(1, kv_map, x)
 
 
-def _combine(how: str, views: dict[str, torch.Tensor], result: dict[str, torch.Tensor], rows: torch.Tensor) -> None:
+def combine(how: str, views: dict[str, torch.Tensor], result: dict[str, torch.Tensor], rows: torch.Tensor) -> None:
     """Write/merge/accumulate ``result`` (kernel layout) into the stored ``views`` at token ``rows``."""
     if how == "merge":
         o_view, lse_view = views["o"], views["lse"]

@@ -21,7 +21,9 @@ import torch.distributed as dist
 
 from meshplan.executor.data import Inputs, attention_rows, load_inputs, make_inputs
 from meshplan.executor.kernels import TORCH_DTYPE, row_delta
+from meshplan.executor.memory import reuse_freed_memory
 from meshplan.executor.numerics import assemble, dump, judge, local_results
+from meshplan.executor.probe import probe_ms
 from meshplan.executor.program import Program
 from meshplan.executor.runner import PassRunner
 from meshplan.executor.store import Store
@@ -49,6 +51,7 @@ def rank_main(rank: int, world: int, jobs: list[tuple[Program, RunConfig]]) -> l
     """Run each (schedule, config) in turn as ``rank`` of ``world`` in one process group (the first job's
     backend, rendezvous and timeout); rank 0 returns the measurement dicts, the others Nones."""
     cfg0 = jobs[0][1]
+    reuse_freed_memory()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     device = torch.device("cpu")
     if cfg0.backend == "nccl":
@@ -78,8 +81,12 @@ def _iterate(rank, world, prog: Program, cfg: RunConfig, groups, inputs: Inputs,
     pass_ms: list[dict[str, float]] = []
     peak = 0
     stores: dict[str, Store] = {}
+    probes: list[float] = []
+    raw: list[dict[str, tuple[int, dict]]] = []      # per timed iteration: pass -> (pass start ns, op times)
     for it in range(cfg.warmup + cfg.iters):
-        stores, times, spans = {}, {}, {}
+        if it >= cfg.warmup and rank == 0:          # the host's speed now (the others wait in the pass barrier)
+            probes.append(probe_ms(device))
+        stores, passes = {}, {}
         for p in prog.passes:
             stores[p] = Store(device)
             runner = PassRunner(prog, rank, p, stores[p], groups, _Filler(prog, rank, stores, inputs), cfg.timeout_s,
@@ -87,13 +94,18 @@ def _iterate(rank, world, prog: Program, cfg: RunConfig, groups, inputs: Inputs,
             runner.prepare()
             dist.barrier()                              # every rank starts the pass together
             got = runner.run()
-            times.update(got)
-            spans[p] = max((e for _, e in got.values()), default=0)
+            passes[p] = (runner.t0, got)
             peak = max(peak, stores[p].peak_bytes)
         dist.barrier()
         if it >= cfg.warmup:
-            per_iter.append(times)
-            pass_ms.append(spans)
+            raw.append(passes)
+    for passes, shift in zip(raw, _clock_offsets(raw, prog.passes, world, device)):
+        times, spans = {}, {}
+        for p, (_, got) in passes.items():
+            times.update({i: (s + shift[p], e + shift[p]) for i, (s, e) in got.items()})
+            spans[p] = max((e for _, e in got.values()), default=0) + shift[p]
+        per_iter.append(times)
+        pass_ms.append(spans)
     ends = torch.tensor([[s[p] for p in prog.passes] for s in pass_ms], dtype=torch.float64, device=device)
     dist.all_reduce(ends, op=dist.ReduceOp.MAX)       # a pass's makespan: its latest op end over all ranks
     ends = ends.cpu()
@@ -106,7 +118,25 @@ def _iterate(rank, world, prog: Program, cfg: RunConfig, groups, inputs: Inputs,
     dist.gather_object((mine, pieces), gathered, dst=0)
     if rank != 0:
         return None
-    return _measurement(prog, cfg, inputs, gathered, ends.numpy() / 1e9, device, time.perf_counter() - t_start)
+    return _measurement(prog, cfg, inputs, gathered, ends.numpy() / 1e9, device, time.perf_counter() - t_start,
+                        probes)
+
+
+def _clock_offsets(raw: list[dict], passes: list[str], world: int, device) -> list[dict[str, int]]:
+    """Per timed iteration and pass, ns to add to this rank's op times so that every rank's times count from the
+    earliest rank's pass start. Ranks on one host share its monotonic clock (``perf_counter_ns``), so the
+    barrier's release skew (up to a few ms) is taken out and a transfer's start on one rank compares with its
+    match's on another (:func:`meshplan.compare.transfer_spans`); ranks on several hosts keep their own origin."""
+    t0 = torch.tensor([[it[p][0] for p in passes] for it in raw] or [[0] * len(passes)], dtype=torch.int64,
+                      device=device)
+    every = [torch.empty_like(t0) for _ in range(world)]
+    dist.all_gather(every, t0)
+    hosts = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname())
+    if len(set(hosts)) != 1 or not raw:
+        return [dict.fromkeys(passes, 0) for _ in raw]
+    off = (t0 - torch.stack(every).min(dim=0).values).cpu().tolist()
+    return [dict(zip(passes, row)) for row in off]
 
 
 class _Filler:
@@ -170,7 +200,7 @@ def _spread(x: np.ndarray) -> dict:
 
 
 def _measurement(prog: Program, cfg: RunConfig, inputs: Inputs, gathered, ends_s: np.ndarray, device,
-                 wall_s: float) -> dict:
+                 wall_s: float, probes: list[float]) -> dict:
     ranks = [g[0] for g in gathered]
     pieces = [p for g in gathered for p in g[1]]
     numerics = Numerics(checked=False, passed=None)
@@ -186,7 +216,8 @@ def _measurement(prog: Program, cfg: RunConfig, inputs: Inputs, gathered, ends_s
               for i, p in enumerate(prog.passes)}
     return {
         "schedule": prog.sha256, "schedule_path": cfg.schedule_path, "algorithm": prog.doc.algorithm,
-        "env": _env(cfg, device, len(ranks)), "settings": {
+        "env": _env(cfg, device, len(ranks)) | {"probe_ms": float(np.median(probes)) if probes else None},
+        "settings": {
             "iters": cfg.iters, "warmup": cfg.warmup, "serialize": cfg.serialize, "timeout_s": cfg.timeout_s,
             "check": cfg.check, "seed": cfg.seed, "inputs": cfg.inputs_path},
         "numerics": numerics.model_dump(), "ranks": ranks, "passes": passes,

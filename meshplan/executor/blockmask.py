@@ -1,0 +1,110 @@
+"""A block's mask as per-row key runs, and its cover by dense kernels (full rectangles and causal squares).
+
+With its tokens in position order, every mask meshplan knows (causal, window, documents, padding) lets query
+row i attend one contiguous run of keys ``lo[i] <= j < hi[i]`` (:meth:`meshplan.workload.Mask.key_ranges`).
+The executor never builds the [Sq, Skv] matrix for the common shapes: :func:`pieces` covers the permitted
+pairs exactly, each pair once, with at most ``MAX_PIECES`` kernels, each either
+
+* a full rectangle — rows [r0, r1) × keys [c0, c1), run without a mask; or
+* a causal square — row r0 + t sees keys c0 … c0 + t (the kernels' top-left ``is_causal``),
+
+so a zigzag or contiguous diagonal is one causal kernel, a striped block from a later rank (row i sees keys
+< i) is one causal kernel on rows 1… and keys …S−2, and rows or keys that nothing permits are trimmed. Masks
+no short cover fits (a sliding window inside a block, document boundaries cutting a block) return ``None``
+and run with an additive bias over the dense matrix (:meth:`KeyRanges.dense`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+MAX_PIECES = 4
+
+
+@dataclass(frozen=True)
+class KeyRanges:
+    """Query row i attends keys ``lo[i] <= j < hi[i]`` of ``n_keys`` ascending keys (int64 arrays [Sq])."""
+
+    lo: np.ndarray
+    hi: np.ndarray
+    n_keys: int
+
+    @classmethod
+    def full(cls, n_q: int, n_k: int) -> KeyRanges:
+        return cls(np.zeros(n_q, dtype=np.int64), np.full(n_q, n_k, dtype=np.int64), n_k)
+
+    @classmethod
+    def from_allowed(cls, allowed: torch.Tensor) -> KeyRanges | None:
+        """The runs of a dense [Sq, Skv] bool mask, or None when a row's permitted keys are not contiguous."""
+        a = allowed.cpu().numpy().astype(bool)
+        n_q, n_k = a.shape
+        any_ = a.any(axis=1)
+        lo = np.where(any_, a.argmax(axis=1), 0)
+        hi = np.where(any_, n_k - a[:, ::-1].argmax(axis=1), 0)
+        ranges = cls(lo.astype(np.int64), hi.astype(np.int64), n_k)
+        return ranges if int(a.sum()) == ranges.pairs else None
+
+    @property
+    def pairs(self) -> int:
+        """Permitted (query, key) pairs."""
+        return int((self.hi - self.lo).sum())
+
+    def dense(self, device) -> torch.Tensor:
+        """[Sq, Skv] bool: the mask as a matrix (the fallback for masks :func:`pieces` does not cover)."""
+        j = torch.arange(self.n_keys, device=device)[None, :]
+        lo, hi = torch.from_numpy(self.lo).to(device)[:, None], torch.from_numpy(self.hi).to(device)[:, None]
+        return (j >= lo) & (j < hi)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One kernel of a cover: rows [r0, r1) × keys [c0, c1); ``causal``: the top-left triangle (square)."""
+
+    r0: int
+    r1: int
+    c0: int
+    c1: int
+    causal: bool
+
+
+def pieces(ranges: KeyRanges) -> list[Piece] | None:
+    """An exact cover of the permitted pairs by at most ``MAX_PIECES`` dense kernels, or None.
+
+    Rows are taken in runs: a run of equal (lo, hi) is a full rectangle; a run with constant lo whose hi
+    grows by one per row is a staircase: keys [lo, hi₀ − 1) seen by every row of it (a rectangle, when not
+    empty) plus a causal square on keys [hi₀ − 1, hi_last). Empty rows are skipped. An empty list: nothing
+    is permitted. Cost: O(Sq) numpy work and O(pieces) Python steps.
+    """
+    lo, hi = ranges.lo, ranges.hi
+    n = len(lo)
+    flat_break = np.flatnonzero((lo[1:] != lo[:-1]) | (hi[1:] != hi[:-1])) + 1     # a flat run ends before these
+    stair_break = np.flatnonzero((lo[1:] != lo[:-1]) | (hi[1:] != hi[:-1] + 1)) + 1
+    live = np.flatnonzero(hi > lo)
+    out: list[Piece] = []
+    i = int(live[0]) if len(live) else n
+    while i < n:
+        flat_end = _next(flat_break, i, n)
+        stair_end = _next(stair_break, i, n)
+        if stair_end - i > flat_end - i:
+            a, end = int(lo[i]), stair_end
+            split = int(hi[i]) - 1
+            if split > a:
+                out.append(Piece(i, end, a, split, False))
+            out.append(Piece(i, end, split, int(hi[end - 1]), True))
+        else:
+            end = flat_end
+            out.append(Piece(i, end, int(lo[i]), int(hi[i]), False))
+        if len(out) > MAX_PIECES:
+            return None
+        k = int(np.searchsorted(live, end))
+        i = int(live[k]) if k < len(live) else n
+    return out
+
+
+def _next(breaks: np.ndarray, i: int, n: int) -> int:
+    """The first break after row i (the end of the run that starts at i), or n."""
+    k = np.searchsorted(breaks, i, side="right")
+    return int(breaks[k]) if k < len(breaks) else n
