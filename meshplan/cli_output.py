@@ -70,8 +70,9 @@ def print_search(body: dict[str, Any], console: Console, top: int) -> None:
         if c["schedule_path"]:
             console.print(f"#{i} written to {c['schedule_path']}", soft_wrap=True)
     skipped = ", ".join(f"{v} {k}" for k, v in counts["skipped"].items()) or "none"
+    unsim = "".join(f", {v} not simulated: {k}" for k, v in counts.get("not_simulated", {}).items())
     console.print(f"{counts['enumerated']} enumerated, {counts['simulated']} simulated, {counts['pruned']} left at "
-                  f"their closed-form bound (prune slack {counts['prune_slack']:.0%}); skipped: {skipped}; "
+                  f"their closed-form bound (prune slack {counts['prune_slack']:.0%}{unsim}); skipped: {skipped}; "
                   f"{body['wall_s']:.2f} s", soft_wrap=True)
 
 

@@ -97,6 +97,19 @@ def simulate_candidate(cand: Candidate, topo: Topology, ccr: float | None) -> Ca
     return cand
 
 
+def reduces(cand: Candidate, topo: Topology) -> bool:
+    """Whether the simulator can simulate one node's ranks for this candidate (its schedule's programs are alike
+    up to a node permutation, :mod:`meshplan.symmetry`). Builds the first variant's schedule to find out."""
+    from meshplan.cost import CostModel
+    from meshplan.symmetry import DURATION_TOLERANCE, find_reduction
+
+    alg = algorithms.get(cand.algorithm)
+    sched = alg.schedule(alg.variants(cand.plan, topo)[0], topo)
+    red = find_reduction(sched, topo, CostModel(topo).op_durations(sched), sched.match_transfers()[0],
+                         DURATION_TOLERANCE)
+    return red.n_reps < sched.n_ranks
+
+
 def _noise_free(x: float, scale: float) -> float:
     """max(x, 0), with float round-off (below 1e-9 of ``scale``) reported as 0."""
     return x if x > 1e-9 * max(scale, 1e-30) else 0.0

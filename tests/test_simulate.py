@@ -181,3 +181,18 @@ def test_a_ring_steps_concurrent_hops_share_where_they_meet():
     nv = Topology.load("h100x8", gpus=8)
     rot8 = Rotation(ring.plan(w.with_(seq_len=8192), nv, 8, ring.normalize({})), nv, rows=True)
     assert rot8.hop_concurrent(size) == pytest.approx(rot8.hop(size))
+
+
+@pytest.mark.parametrize("layout,mask", [("zigzag", "causal"), ("striped", "window:3000"), ("contiguous", "full")])
+def test_block_time_matrix_equals_the_per_block_formula(layout, mask):
+    """The matrix of block times (interpolated on its few distinct kernel shapes, then gathered) equals the cost
+    formula applied block by block, bit for bit."""
+    from meshplan.cost import CostModel
+    from meshplan.matrix import attn_matrix
+    topo = Topology.load("h100x32", gpus=64)
+    w = resolve(seq_len="64K", layout=layout, mask=mask)
+    m, cost = attn_matrix(w, 64), CostModel(topo)
+    for pass_, chunks in (("fwd", (1, 1)), ("bwd", (2, 8))):
+        g = np.sqrt(chunks[0] * chunks[1])
+        ref = cost.block_time_s(m.flops(pass_), m.s_q * g, m.s_kv * g, m.elementwise, pass_, w.dtype, w.head_dim)
+        assert np.array_equal(cost.matrix_block_times(m, pass_, chunks), ref)

@@ -71,12 +71,13 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype if x.is_cuda or cpu_native(x.dtype) else torch.float32
 
 
-def cover(mask, n_q: int, n_k: int) -> tuple[list[Piece] | None, KeyRanges | None]:
-    """(the mask's cover by dense kernels or None, its key runs or None when it has no run structure)."""
+def cover(mask, n_q: int, n_k: int) -> list[Piece] | None:
+    """The mask's cover by dense kernels (:func:`~meshplan.executor.blockmask.pieces`), or None when it has none
+    (a dense mask whose rows are not runs of keys, or one that needs too many kernels)."""
     if mask is None:
-        return [Piece(0, n_q, 0, n_k, False)], None
+        return [Piece(0, n_q, 0, n_k, False)]
     ranges = mask if isinstance(mask, KeyRanges) else KeyRanges.from_allowed(mask)
-    return (None, None) if ranges is None else (pieces(ranges), ranges)
+    return None if ranges is None else pieces(ranges)
 
 
 def _dense(mask, device) -> torch.Tensor | None:
@@ -94,7 +95,7 @@ def block_forward(q, k, v, scale: float, mask) -> tuple[torch.Tensor, torch.Tens
         return _empty_rows(o, lse.float(), _dense(mask, q.device))
     dt = compute_dtype(q)
     qc, kc, vc = q.to(dt), k.to(dt), v.to(dt)
-    plan, ranges = cover(mask, q.shape[2], k.shape[2])
+    plan = cover(mask, q.shape[2], k.shape[2])
     if plan is None:                                        # no short cover: an additive bias, dense
         allowed = _dense(mask, q.device)
         o, lse = _CPU_FWD(qc, kc, vc, 0.0, False, attn_mask=_bias(allowed, dt), scale=scale)
@@ -199,7 +200,7 @@ def _cpu_backward(q, k, v, o, do, lse, scale: float, mask):
     group = q.shape[1] // k.shape[1]
     kx, vx = expand_kv(k, group).contiguous(), expand_kv(v, group).contiguous()
     lse = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse).contiguous()
-    plan, _ = cover(mask, q.shape[2], k.shape[2])
+    plan = cover(mask, q.shape[2], k.shape[2])
     if plan is None:
         allowed = _dense(mask, q.device)
         got = _CPU_BWD(do.contiguous(), q.contiguous(), kx, vx, o.contiguous(), lse, 0.0, False,

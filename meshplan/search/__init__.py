@@ -4,7 +4,9 @@ Pruning is bounded: a candidate is left at ``model_level: closed-form`` when its
 uncontended recurrence, or the busiest link's bytes / capacity) exceeds (1 − ``prune_slack``) x the best
 simulated makespan, so it cannot beat the pick by more than ``prune_slack`` (default 1%; 0 makes the
 pick exactly the best of all candidates). Combinations a method cannot do are skipped and counted with
-the reason.
+the reason. Above ``FULL_SIM_MAX_RANKS`` ranks a candidate whose schedule has no node symmetry is not
+simulated once another has been (it stays at its bound, counted in ``counts.not_simulated``): the simulator
+would run every rank's program, minutes at 1024 ranks.
 """
 
 from __future__ import annotations
@@ -18,11 +20,21 @@ from typing import Any, Callable
 from meshplan import algorithms
 from meshplan.errors import SkipCandidate, UserError
 from meshplan.matrix import attn_matrix
-from meshplan.predict import Candidate, closed_form_predicted, make_candidate, ring_ccr, simulate_candidate
+from meshplan.predict import (
+    Candidate,
+    closed_form_predicted,
+    make_candidate,
+    reduces,
+    ring_ccr,
+    simulate_candidate,
+)
 from meshplan.topology import Topology
 from meshplan.workload import LAYOUTS, Workload
 
 PRUNE_SLACK = 0.01
+#: Above this many ranks a schedule without node symmetry (every rank simulated, e.g. a causal contiguous Mesh:
+#: 1024 ranks took 750 s) is left at its closed-form bound once another candidate has been simulated.
+FULL_SIM_MAX_RANKS = 256
 #: Above this many ranks, methods whose closed form builds the schedule are searched in zigzag only.
 BUILT_LAYOUTS_RANKS = 64
 #: Knobs search varies by default (numerically neutral); others stay at their defaults unless given.
@@ -130,6 +142,7 @@ def run_search(base: Workload, topo: Topology, n: int, *, algos: list[str] | Non
     best = float("inf")
     beaten = lambda c: c.bound_s > best * (1 - prune_slack) * (1 + 1e-12)  # noqa: E731
     leader = None
+    unsimulated: Counter = Counter()
     for k, c in enumerate(cands):
         if progress:
             progress(k, len(cands), _label(c))
@@ -139,6 +152,11 @@ def run_search(base: Workload, topo: Topology, n: int, *, algos: list[str] | Non
                 c.timing = tighter
         if beaten(c):
             c.predicted = closed_form_predicted(c, ccr)
+            _forget(c)
+            continue
+        if n > FULL_SIM_MAX_RANKS and leader is not None and not reduces(c, topo):
+            c.predicted = closed_form_predicted(c, ccr)
+            unsimulated[f"no node symmetry above {FULL_SIM_MAX_RANKS} ranks (simulate it alone)"] += 1
             _forget(c)
             continue
         simulate_candidate(c, topo, ccr)
@@ -153,7 +171,8 @@ def run_search(base: Workload, topo: Topology, n: int, *, algos: list[str] | Non
     cf = sorted((c for c in cands if c.model_level != "simulated"), key=lambda c: c.bound_s)
     _rank_forward_only(fwd_only, topo, ccr)
     counts = {"enumerated": len(cands) + len(fwd_only) + skipped["over --memory-limit"], "pruned": len(cf),
-              "simulated": len(sim) + len(fwd_only), "skipped": dict(skipped), "prune_slack": prune_slack}
+              "simulated": len(sim) + len(fwd_only), "skipped": dict(skipped), "not_simulated": dict(unsimulated),
+              "prune_slack": prune_slack}
     return SearchResult(base, topo, n, sim + cf + fwd_only, counts, time.perf_counter() - t0, ccr, rejected,
                         layout_pinned)
 
