@@ -75,3 +75,22 @@ def test_closed_form_exposed_communication_has_no_round_off_residue():
 
     assert _noise_free(0.1 + 0.2 - 0.3, 0.3) == 0.0 and _noise_free(-1e-3, 1.0) == 0.0
     assert _noise_free(2e-6, 1.0) == 2e-6
+
+
+def test_above_the_limit_asymmetric_candidates_stay_at_their_bound(monkeypatch):
+    """With the full-simulation limit lowered to 8 ranks, a 16-rank search simulates the node-symmetric zigzag
+    candidates and leaves causal contiguous ones (every rank's work differs) at their bound, counted."""
+    import meshplan.search as search
+    from meshplan.predict import make_candidate, reduces
+    topo = Topology.load("h100x16", gpus=16)
+    w = resolve(seq_len="32K", heads=8, kv_heads=2, head_dim=64, passes="fwd")
+    assert reduces(make_candidate("ring", w, topo, 16, {}), topo)
+    assert not reduces(make_candidate("ring", w.with_(layout="contiguous"), topo, 16, {}), topo)
+    monkeypatch.setattr(search, "FULL_SIM_MAX_RANKS", 8)
+    result = search.run_search(w, topo, 16, algos=["ring", "mesh"], prune_slack=0.0)
+    reason = "no node symmetry above 8 ranks (simulate it alone)"
+    assert result.counts["not_simulated"].get(reason, 0) >= 1
+    contiguous = [c for c in result.candidates if c.workload.layout == "contiguous"]
+    assert contiguous and all(c.model_level == "closed-form" for c in contiguous)
+    assert any(c.model_level == "simulated" and c.workload.layout == "zigzag" for c in result.candidates)
+    assert result.counts["enumerated"] == result.counts["pruned"] + result.counts["simulated"]
