@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results" / "validate_cpu.json"
 sys.path.insert(0, str(HERE.parent))
 
 from meshplan.errors import SkipCandidate, UserError  # noqa: E402
@@ -247,8 +248,30 @@ def main() -> None:
             "calibration": _calibration_stamp(), "summary": summary(results), "workloads": results,
             "wall_s": time.perf_counter() - t0}
     if not args.quick:
-        write_atomic(HERE / "results" / "validate_cpu.json", json.dumps(body, indent=1, default=str).encode())
+        write_atomic(RESULTS, json.dumps(_merged(body, ranks), indent=1, default=str).encode())
     print(json.dumps(body["summary"], indent=1))
+
+
+def _merged(body: dict, ranks: list[int]) -> dict:
+    """``body`` with the previous results file's rank counts that this run did not measure (same calibration and
+    rounds only), so ``--ranks 2`` and ``--ranks 4`` can run apart; their dates are kept per rank count."""
+    body["dates"] = {str(n): body["date"] for n in ranks}
+    body["walls_s"] = {str(n): body["wall_s"] / len(ranks) for n in ranks}
+    try:
+        old = json.loads(RESULTS.read_text())
+    except (OSError, ValueError):
+        return body
+    if old.get("calibration") != body["calibration"] or old.get("rounds") != body["rounds"]:
+        return body
+    for n, s in old.get("summary", {}).items():
+        if int(n) not in ranks:
+            body["summary"][n] = s
+            body["workloads"] += [w for w in old["workloads"] if w["ranks"] == int(n)]
+            body["dates"][n] = old.get("dates", {}).get(n, old["date"])
+            body["walls_s"][n] = old.get("walls_s", {}).get(n, old["wall_s"] / len(old["summary"]))
+    body["summary"] = dict(sorted(body["summary"].items(), key=lambda kv: int(kv[0])))
+    body["wall_s"] = sum(body["walls_s"].values())
+    return body
 
 
 def _calibration_stamp() -> dict:

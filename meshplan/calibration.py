@@ -107,8 +107,9 @@ class Raw(_Strict):
         [], description="(dtype, s, seconds in that dtype, seconds in raw.dtype) of an s x s forward + backward "
         "attention kernel: the attention-equivalent peak of another dtype is the raw.dtype peak x the time ratio")
     recurrence: list[tuple[PositiveInt, PositiveFloat, PositiveFloat]] = Field(
-        [], description="(s, seconds of the fp32 recurrence backward, seconds of the flash backward) of an s x s "
-        "block: the kernel table's bwd_delta_factor is their median ratio")
+        [], description="(s, seconds of the backward from D (CPU: flash with a surrogate O; CUDA: the fp32 "
+        "recurrence), seconds of the flash backward from O) of an s x s block: the kernel table's "
+        "bwd_delta_factor is their median ratio")
     probe_ms: list[PositiveFloat] = Field([], description="the host-speed probe kernel (meshplan.executor.probe), "
                                           "milliseconds, timed throughout the run")
     sharing: list[tuple[PositiveInt, PositiveFloat]] = Field(

@@ -45,13 +45,15 @@ class CostModel:
         t = self.kernel.launch_s + flops / (self.topo.peak_flops(dtype) * eff)
         return np.where(flops > 0, t, 0.0)
 
-    def matrix_block_times(self, m, pass_: str, kernel_chunks: tuple[int, int] = (1, 1)) -> np.ndarray:
+    def matrix_block_times(self, m, pass_: str, kernel_chunks: tuple[int, int] = (1, 1),
+                           envelope: bool = False) -> np.ndarray:
         """[N, N] kernel time of every block of a matrix (all query heads), cached on the matrix.
 
         ``kernel_chunks`` (a, b): the block runs inside an op of up to a × b chunks, so its efficiency is
-        taken at its shape grown by √(a·b) (as :meth:`op_durations` does) — the largest it can have, which
-        keeps closed forms lower bounds."""
-        key = (self.topo.content_hash, pass_, kernel_chunks)
+        taken at its shape grown by √(a·b) (as :meth:`op_durations` does) — the largest it can have; with
+        ``envelope`` at the kernel table's monotone envelope there (the best of that shape and every smaller
+        one), which keeps closed forms lower bounds whatever op the block runs in."""
+        key = (self.topo.content_hash, pass_, kernel_chunks, envelope)
         cache = m.__dict__.setdefault("_block_time_cache", {})
         if key not in cache:
             grow = np.sqrt(kernel_chunks[0] * kernel_chunks[1])
@@ -60,7 +62,7 @@ class CostModel:
             vq, cq = _codes(m.s_q)
             vk, ck = _codes(m.s_kv)
             grid = self.kernel.efficiency(vq[:, None, None] * grow, vk[None, :, None] * grow, pass_,
-                                          np.array([False, True])[None, None, :], m.workload.head_dim)
+                                          np.array([False, True])[None, None, :], m.workload.head_dim, envelope)
             eff = grid[cq, ck, m.elementwise.astype(np.int64)]
             flops = m.flops(pass_)
             t = self.kernel.launch_s + flops / (self.topo.peak_flops(m.workload.dtype) * eff)

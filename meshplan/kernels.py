@@ -43,8 +43,8 @@ class KernelTableSpec(BaseModel):
         "of a few hundred tokens runs far below a full one, one of thousands nearly as fast)")
     bwd_delta_factor: Annotated[float, Field(ge=1)] = Field(
         1.0, description="backward blocks whose query side carries D = rowsum(dO*O) instead of O (pass-Q, Mesh, "
-        "StarTrail, CHARM+) take this many times longer: on CPU the executor runs them with the fp32 "
-        "FlashAttention-2 recurrence, not torch's flash backward (1: the same kernel either way)")
+        "StarTrail, CHARM+) take this many times longer: on CPU the executor runs torch's flash backward with a "
+        "surrogate O (dO·D/|dO|², built per call), on CUDA the FlashAttention-2 recurrence (1: no extra cost)")
     merge_hbm_fraction: Annotated[float, Field(gt=0, le=1)] = Field(
         0.8, description="merges and accumulations run at this fraction of the memory bandwidth")
     head_dims: list[PositiveInt] | None = Field(
@@ -90,27 +90,37 @@ class KernelTable:
         bwd = fwd * spec.bwd_factor if spec.bwd is None else np.asarray(spec.bwd, dtype=np.float64)
         self._tables = {"fwd": fwd, "bwd": bwd}
         self._symmetric = {k: bool(np.array_equal(t, t.T)) for k, t in self._tables.items()}
+        # monotone envelopes (the best efficiency at this size or any smaller one), for lower bounds: measured
+        # tables dip at some sizes (a CPU's caches), so the largest shape an op can have is not the fastest
+        self._envelopes = {k: np.maximum.accumulate(np.maximum.accumulate(t, axis=0), axis=1)
+                           for k, t in self._tables.items()}
+        self._masked_envelope = None if spec.elementwise is None else \
+            np.maximum.accumulate(np.asarray(spec.elementwise, dtype=np.float64))
 
-    def efficiency(self, s_q, s_kv, pass_: str, elementwise, head_dim: int | None = None) -> np.ndarray:
+    def efficiency(self, s_q, s_kv, pass_: str, elementwise, head_dim: int | None = None,
+                   envelope: bool = False) -> np.ndarray:
         """Efficiency for kernels of shape (s_q, s_kv) tokens (arrays broadcast) and head dim ``head_dim``.
 
         ``e = table(s_q, s_kv) · f(D)``, f the table's head-dim multiplier, linear in log2 D between its dims and
         the edge value outside (1 without one: the tables then hold for any D). A symmetric table gives
         bit-identical results for (a, b) and (b, a), which the simulator's symmetry reduction relies on.
+        ``envelope``: the largest efficiency at (s_q, s_kv) or any smaller shape (monotone in both sizes), so
+        a bound taken at the largest shape a kernel can have holds for every smaller one.
         """
         s_q = np.asarray(s_q, dtype=np.float64)
         s_kv = np.asarray(s_kv, dtype=np.float64)
         if self._symmetric[pass_]:
             s_q, s_kv = np.minimum(s_q, s_kv), np.maximum(s_q, s_kv)
-        e = self._bilinear(self._tables[pass_], s_q, s_kv) * self.head_dim_factor(head_dim, pass_)
-        return np.where(np.asarray(elementwise, dtype=bool), e * self._masked(s_q, s_kv), e)
+        tables = self._envelopes if envelope else self._tables
+        e = self._bilinear(tables[pass_], s_q, s_kv) * self.head_dim_factor(head_dim, pass_)
+        return np.where(np.asarray(elementwise, dtype=bool), e * self._masked(s_q, s_kv, envelope), e)
 
-    def _masked(self, s_q: np.ndarray, s_kv: np.ndarray):
+    def _masked(self, s_q: np.ndarray, s_kv: np.ndarray, envelope: bool = False):
         """The elementwise multiplier at kernels of (s_q, s_kv) tokens (symmetric: by √(s_q·s_kv))."""
         if self.spec.elementwise is None:
             return self.spec.elementwise_factor
         size = 0.5 * (np.log2(np.maximum(s_q, 1.0)) + np.log2(np.maximum(s_kv, 1.0)))
-        return np.interp(size, self._log_tokens, self.spec.elementwise)
+        return np.interp(size, self._log_tokens, self._masked_envelope if envelope else self.spec.elementwise)
 
     def head_dim_factor(self, head_dim: int | None, pass_: str) -> float:
         """The efficiency multiplier at ``head_dim`` (1 without head-dim data or without a head dim)."""

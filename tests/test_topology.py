@@ -124,3 +124,20 @@ def test_domains_from_sockets_nodes_or_declaration(tmp_path):
     p = tmp_path / "cpu2.yaml"
     p.write_text(text)
     assert list(Topology.load(str(p), gpus=4).domain_of_device) == [0, 0, 1, 1]
+
+
+def test_kernel_envelope_is_monotone_and_bounds_the_table():
+    """A measured table that dips at a larger size (a CPU's caches): the envelope at the larger shape is the
+    best efficiency of any smaller one, so closed forms taken at an op's largest shape stay lower bounds."""
+    from meshplan.kernels import KernelTable, KernelTableSpec
+    spec = KernelTableSpec(name="dip", source="test", launch_us=0, tokens=[64, 256, 1024],
+                           fwd=[[0.2, 0.5, 0.4], [0.5, 0.6, 0.3], [0.4, 0.3, 0.35]], bwd_factor=1.0,
+                           elementwise=[0.5, 0.9, 0.7])
+    k = KernelTable(spec)
+    assert k.efficiency(1024, 1024, "fwd", False) == pytest.approx(0.35)
+    assert k.efficiency(1024, 1024, "fwd", False, envelope=True) == pytest.approx(0.6)
+    assert k.efficiency(1024, 1024, "fwd", True, envelope=True) == pytest.approx(0.6 * 0.9)
+    s = np.exp2(np.linspace(4, 11, 29))
+    e = k.efficiency(s[:, None], s[None, :], "fwd", True, envelope=True)
+    assert (np.diff(e, axis=0) >= -1e-15).all() and (np.diff(e, axis=1) >= -1e-15).all()
+    assert (e >= k.efficiency(s[:, None], s[None, :], "fwd", True) - 1e-15).all()

@@ -73,13 +73,14 @@ def geometry(plan: Plan, topo: Topology) -> dict:
 def rank_compute(plan: Plan, topo: Topology, pass_: str, kernel_chunks: tuple[int, int] | None = None):
     """([N] Σ kernel terms of each rank's blocks, [N] its cheapest block's term), launches left out; shared
     by plans of one matrix and grid. ``kernel_chunks``: the largest op (q chunks, KV chunks) the tile plan
-    runs (default: the whole tile), whose kernel efficiency bounds every block's."""
+    runs (default: the whole tile), whose kernel efficiency (the table's monotone envelope) bounds every
+    block's."""
     m, grid = plan.matrix, plan.extra["grid"]
     kc = kernel_chunks or (grid.a, grid.b)
     key = (id(m), grid, topo.content_hash, pass_, kc)
     if key not in _COMPUTE:
         cost = CostModel(topo)
-        blocks = np.where(m.permitted, cost.matrix_block_times(m, pass_, kc) - cost.kernel.launch_s, 0.0)
+        blocks = np.where(m.permitted, cost.matrix_block_times(m, pass_, kc, envelope=True) - cost.kernel.launch_s, 0.0)
         owner = plan.owner
         sel = owner >= 0
         cheapest = np.full(grid.n, np.inf)

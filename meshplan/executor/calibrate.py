@@ -307,7 +307,8 @@ def _dtype_kernels(sweep: Sweep, device) -> list:
 
 def _recurrence(sweep: Sweep, device) -> list:
     """(s, seconds of block_backward, seconds of block_backward_from_out) of s × s blocks: what a backward
-    block costs when its query side carries D instead of O (the executor's fp32 recurrence)."""
+    block costs when its query side carries D instead of O (on CPU the flash backward with a surrogate O, on
+    CUDA the fp32 recurrence: :mod:`meshplan.executor.kernels`)."""
     rows, scale = [], sweep.head_dim ** -0.5
     for s in sweep.tokens[-3:-1] or sweep.tokens[-1:]:
         q, k, v = qkv(sweep, s, s, device)
@@ -317,7 +318,7 @@ def _recurrence(sweep: Sweep, device) -> list:
         t_rec = _time(lambda: block_backward(q, k, v, do, lse, delta, scale, None), device, sweep)       # noqa: B023
         t_flash = _time(lambda: block_backward_from_out(q, k, v, o, do, lse, scale, None), device, sweep)  # noqa: B023
         rows.append((s, t_rec, t_flash))
-        log(f"backward {s}x{s}: recurrence {t_rec / t_flash:.2f}x the flash backward")
+        log(f"backward {s}x{s}: from D {t_rec / t_flash:.2f}x from O")
     return rows
 
 
