@@ -91,7 +91,11 @@ def search(gpus: o.Gpus = None, topo: o.Topo = None, model: o.Model = None, seq_
            write: Annotated[int, typer.Option("--write", help="best schedules written (0: none)")] = 1,
            out: Annotated[str, typer.Option("--out", help="directory for written schedules")] = "schedules",
            scheduler: Annotated[str, typer.Option("--scheduler", help="greedy | ilp | auto")] = "greedy",
-           ilp_time_limit_s: Annotated[float, typer.Option("--ilp-time-limit-s", help="CP-SAT time limit")] = 10.0,
+           ilp_time_limit_s: Annotated[float, typer.Option(
+               "--ilp-time-limit-s", help="CP-SAT time limit per candidate, seconds")] = 10.0,
+           ilp_workers: Annotated[int, typer.Option("--ilp-workers", help="CP-SAT workers (0: one per core)")] = 0,
+           map_search: Annotated[int, typer.Option(
+               "--map-search", help="rank -> GPU placement search: simulations per written candidate (0: off)")] = 0,
            memory_limit: Annotated[Optional[str], typer.Option(
                "--memory-limit", help="bytes per GPU (80GiB, 64GB, ...)")] = None,
            prune_slack: Annotated[float, typer.Option(
@@ -106,8 +110,14 @@ def search(gpus: o.Gpus = None, topo: o.Topo = None, model: o.Model = None, seq_
         raise UserError("--gpus", "search needs a GPU count", "give --gpus N")
     if scheduler not in ("greedy", "ilp", "auto"):
         raise UserError("--scheduler", f"unknown scheduler {scheduler!r}", "use greedy, ilp or auto")
-    if scheduler == "ilp":
-        raise UserError("--scheduler", "the CP-SAT scheduler is not implemented yet (issue 7)", "use greedy or auto")
+    if not ilp_time_limit_s > 0:
+        raise UserError("--ilp-time-limit-s", f"{ilp_time_limit_s} is not positive", "give seconds, e.g. 10")
+    if ilp_workers < 0:
+        raise UserError("--ilp-workers", f"{ilp_workers} is negative", "give a worker count (0: one per core)")
+    if map_search < 0:
+        raise UserError("--map-search", f"{map_search} is negative", "give a number of simulations (0: off)")
+    if map_search and gpus > 64:
+        raise UserError("--map-search", f"placement search is for up to 64 ranks, not {gpus}", "drop --map-search")
     if not 0 <= prune_slack < 1:
         raise UserError("--prune-slack", f"{prune_slack} is outside [0, 1)", "give a fraction such as 0.01")
     topology = o.topology(topo, gpus, "search")
@@ -121,6 +131,15 @@ def search(gpus: o.Gpus = None, topo: o.Topo = None, model: o.Model = None, seq_
         result = run_search(base, topology, gpus, algos=names, filters=filters, layout_pinned=layout is not None,
                             memory_limit=limit, prune_slack=prune_slack,
                             progress=lambda k, n, label: progress.update(task, total=n, completed=k, description=label))
+        if map_search:
+            from meshplan.search.improve import improve_mapping
+            improve_mapping(result, map_search, write=write,
+                            progress=lambda k, n, label: progress.update(task, total=n, completed=k, description=label))
+        if scheduler != "greedy":
+            from meshplan.search.improve import improve
+            improve(result, scheduler, time_limit_s=ilp_time_limit_s, workers=ilp_workers, write=write,
+                    memory_limit=limit,
+                    progress=lambda k, n, label: progress.update(task, total=n, completed=k, description=label))
         if write > 0:
             progress.update(task, description=f"verifying and writing {write} schedule(s)")
             write_best(result, write, out)

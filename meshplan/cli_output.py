@@ -55,6 +55,9 @@ def print_search(body: dict[str, Any], console: Console, top: int) -> None:
                       ("exposed comm", "right"), ("bytes/GPU", "right"), ("inter-node/GPU", "right"),
                       ("comp/comm", "right"), ("peak mem", "right")):
         table.add_column(col, justify=just)
+    solver = any(c["scheduler"]["requested"] != "greedy" for c in body["candidates"])
+    if solver:
+        table.add_column("order (CP-SAT gap)", justify="left")
     for i, c in enumerate(body["candidates"][:top], start=1):
         p = c["predicted"]
         sim = c["model_level"] == "simulated"
@@ -64,9 +67,15 @@ def print_search(body: dict[str, Any], console: Console, top: int) -> None:
                       "sim" if sim else "bound", _fmt(p["makespan_s"], t), _fmt(part("fwd"), t), _fmt(part("bwd"), t),
                       _fmt(p["exposed_comm_s"], fmt_seconds), _fmt(p["comm_bytes_per_gpu_max"], fmt_bytes),
                       _fmt(p["inter_node_bytes_per_gpu_max"], fmt_bytes),
-                      _fmt(p["compute_to_comm"], lambda x: f"{x:.3g}"), _fmt(p["peak_memory_bytes"], fmt_bytes))
+                      _fmt(p["compute_to_comm"], lambda x: f"{x:.3g}"), _fmt(p["peak_memory_bytes"], fmt_bytes),
+                      *([_order_text(c["scheduler"])] if solver else []))
     console.print(table)
     for i, c in enumerate(body["candidates"], start=1):
+        m = c.get("mapping_search")
+        if m:
+            console.print(f"#{i} placement search: {fmt_seconds(m['start_s'])} -> {fmt_seconds(m['best_s'])} "
+                          f"({m['gain']:.1%}, {m['swaps']} swaps in {m['evals']} simulations, {m['wall_s']:.1f} s); "
+                          f"rank -> device {m['device_of_rank']}", soft_wrap=True)
         if c["schedule_path"]:
             console.print(f"#{i} written to {c['schedule_path']}", soft_wrap=True)
     skipped = ", ".join(f"{v} {k}" for k, v in counts["skipped"].items()) or "none"
@@ -74,6 +83,14 @@ def print_search(body: dict[str, Any], console: Console, top: int) -> None:
     console.print(f"{counts['enumerated']} enumerated, {counts['simulated']} simulated, {counts['pruned']} left at "
                   f"their closed-form bound (prune slack {counts['prune_slack']:.0%}{unsim}); skipped: {skipped}; "
                   f"{body['wall_s']:.2f} s", soft_wrap=True)
+
+
+def _order_text(s: dict[str, Any]) -> str:
+    """The order kept, and the solver's status and gap in its own model."""
+    if s["status"] == "not_run":
+        return f"{s['kept']} (not run)"
+    gap = f", gap {s['gap']:.1%}" if s["gap"] is not None else ""
+    return f"{s['kept']} ({s['status']}{gap}, {s['solve_s']:.1f} s)"
 
 
 def _workload_text(w: dict[str, Any]) -> str:

@@ -145,3 +145,50 @@ def _alloc_free(sched, op, tensor, group_first, before) -> list[str]:
     out += [f"tensor {tensor[k]} may be freed before op {op[k]} has finished with it" for k in bad]
     return out
 
+
+
+def hazard_orders(sched: Schedule, items: Items) -> tuple[np.ndarray, np.ndarray]:
+    """(a, b) op pairs, a before b, that the rules above need and this schedule's happens-before provides: the
+    previous write before each access, each read before the next write, the allocating op before the first
+    access, and each access before a ``free_after`` op of its tensor. A reordering (:mod:`meshplan.search.ilp`)
+    must keep these, as deps where the two ops end up on different streams. Pairs within one item are left out
+    (a batch's members start together)."""
+    clock, stream, pos = vector_clocks(sched, items)
+    it = items.item_of_op
+    t = sched.tensors
+    op, tensor, write = _accesses(sched, items.phase)
+    mine = it[op] >= 0                               # items of some ranks only (their tensors are their own)
+    op, tensor, write = op[mine], tensor[mine], write[mine]
+    n = len(op)
+    idx = np.arange(n)
+    starts = np.r_[True, tensor[1:] != tensor[:-1]] if n else np.zeros(0, bool)
+    group = np.cumsum(starts) - 1
+    last_w = np.maximum.accumulate(np.where(write | starts, idx, 0)) if n else idx
+    last_w = np.where(write[last_w] & (group[last_w] == group), last_w, -1) if n else idx
+    prev_w = np.where(starts, -1, np.r_[-1, last_w[:-1]]) if n else idx
+    has = prev_w >= 0
+    a, b = [op[prev_w[has]]], [op[has]]
+    nxt_w = _next_write(write, starts)
+    reads = (~write) & (nxt_w >= 0)
+    a.append(op[reads])
+    b.append(op[nxt_w[reads]])
+    firsts = np.flatnonzero(starts)
+    alloc = t.alloc_op[tensor[firsts]]
+    ok = alloc >= 0
+    a.append(alloc[ok])
+    b.append(op[firsts][ok])
+    counts = np.diff(t.free_ptr)[tensor]
+    rows = np.repeat(idx, counts)
+    f_ops = t.free_after[np.repeat(t.free_ptr[tensor], counts) + np.arange(counts.sum())
+                         - np.repeat(np.cumsum(counts) - counts, counts)]
+    x = op[rows]
+    in_pass = it[f_ops] >= 0
+    x, f_ops, rows = x[in_pass], f_ops[in_pass], rows[in_pass]
+    hb = (clock[it[f_ops], stream[it[x]]] >= pos[it[x]]) & (x != f_ops)
+    rows, x, f_ops = rows[hb], x[hb], f_ops[hb]
+    first = np.r_[True, rows[1:] != rows[:-1]] if len(rows) else np.zeros(0, bool)   # one free op per access
+    a.append(x[first])
+    b.append(f_ops[first])
+    a, b = np.concatenate(a), np.concatenate(b)
+    keep = it[a] != it[b]
+    return a[keep], b[keep]

@@ -40,6 +40,8 @@ class Candidate:
     model_level: str = "closed-form"
     schedule_path: str | None = None
     forward_only: bool = False     # a forward-only method in a fwd+bwd search: ranked on its forward alone
+    scheduler: dict[str, Any] | None = None   # search --scheduler: the contract's scheduler object
+    mapping_search: dict[str, Any] | None = None   # search --map-search: what the placement search found
 
     @property
     def bound_s(self) -> float:

@@ -223,6 +223,7 @@ def write_best(result: SearchResult, k: int, out_dir: str) -> None:
 def search_json(result: SearchResult, scheduler: str) -> dict[str, Any]:
     """The contract's ``--json`` body of ``search``."""
     from meshplan.predict import result_json
+    from meshplan.search.improve import not_run
 
     topo = result.topology
     cands = []
@@ -230,8 +231,7 @@ def search_json(result: SearchResult, scheduler: str) -> dict[str, Any]:
         body = result_json(c)
         body.pop("workload")
         cands.append(body | {"layout": c.workload.layout, "bound_s": c.bound_s,
-                             "scheduler": {"requested": scheduler, "kept": "greedy", "status": "not_run",
-                                           "objective_s": None, "bound_s": None, "gap": None, "solve_s": 0.0},
+                             "scheduler": c.scheduler or not_run(scheduler), "mapping_search": c.mapping_search,
                              "schedule_path": c.schedule_path})
     layout = result.workload.layout if result.layout_pinned else "any"
     return {"workload": result.workload.to_dict() | {"layout": layout},

@@ -1,0 +1,134 @@
+"""``search --scheduler ilp|auto``: CP-SAT stream orders for the simulated candidates, re-simulated, the better kept;
+``search --map-search EVALS``: a rank -> GPU placement search for the best ones (:func:`improve_mapping`).
+
+Which candidates: the simulated ones that could still matter — each of the ``write`` best, and any whose
+closed-form bound is below the best simulated makespan (an order can only take it down towards its bound) —
+whose model has at most ``ILP_MAX_INTERVALS`` intervals (:func:`meshplan.search.ilp.model_size`). ``auto``
+solves only where the greedy makespan is more than ``AUTO_GAP`` above the closed-form bound; ``ilp`` wherever the
+size allows. The solver's order is written into a copy of the schedule (:func:`meshplan.search.ilp.apply_order`),
+verified and re-simulated; the faster of greedy and CP-SAT after re-simulation is kept, and the candidates are
+ranked again. Each candidate's ``scheduler`` object (ARCHITECTURE.md) says what was requested, which order was
+kept, the solver's status, its objective and proven bound (in its own model), the gap and the solve time.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from meshplan import algorithms
+from meshplan.metrics import combine, pass_metrics
+from meshplan.predict import Candidate
+from meshplan.simulate import simulate
+from meshplan.verify import verify
+
+#: Largest model (intervals) the search gives to CP-SAT: the scheduling notes found proofs up to ~500 fixed
+#: intervals in seconds and gaps of 2-3% at 2k-8k in 10-30 s on 2 cores.
+ILP_MAX_INTERVALS = 3000
+#: ``auto`` solves where the greedy simulated makespan is more than this fraction above the closed-form bound.
+AUTO_GAP = 0.03
+SCHEDULERS = ("greedy", "ilp", "auto")
+#: ``status`` of a candidate the solver saw (OR-Tools' names, lower case); ``not_run`` otherwise
+STATUSES_RUN = ("optimal", "feasible", "infeasible", "unknown")
+
+
+def not_run(requested: str, reason: str | None = None) -> dict[str, Any]:
+    """The ``scheduler`` object of a candidate the solver did not see."""
+    body = {"requested": requested, "kept": "greedy", "status": "not_run", "objective_s": None, "bound_s": None,
+            "gap": None, "solve_s": 0.0}
+    return body | ({"reason": reason} if reason else {})
+
+
+def improve(result, scheduler: str, *, time_limit_s: float, workers: int = 0, write: int = 1,
+            memory_limit: float | None = None, progress: Callable[[int, int, str], None] | None = None) -> None:
+    """Run CP-SAT on ``result``'s eligible candidates (module docstring); re-rank them in place.
+
+    Raises:
+        ValueError: unknown ``scheduler``.
+    """
+    import time
+
+    from meshplan.search import ilp
+
+    t0 = time.perf_counter()
+    if scheduler not in SCHEDULERS:
+        raise ValueError(f"scheduler must be one of {SCHEDULERS}")
+    for c in result.candidates:
+        c.scheduler = not_run(scheduler, None if scheduler == "greedy" else "not simulated")
+    if scheduler == "greedy":
+        return
+    topo = result.topology
+    sim = [c for c in result.candidates if c.model_level == "simulated" and not c.forward_only]
+    if not sim:
+        return
+    best = min(c.predicted["makespan_s"] for c in sim)
+    chosen = [c for k, c in enumerate(sim) if k < max(write, 1) or c.bound_s < best]
+    for c in sim:
+        if c not in chosen:
+            c.scheduler = not_run(scheduler, "its bound is above the best makespan")
+    for k, c in enumerate(chosen):
+        if progress:
+            progress(k, len(chosen), f"CP-SAT {c.algorithm} {c.workload.layout}")
+        greedy_s = c.predicted["makespan_s"]
+        if scheduler == "auto" and greedy_s <= c.bound_s * (1 + AUTO_GAP):
+            c.scheduler = not_run(scheduler, f"greedy within {AUTO_GAP:.0%} of the bound")
+            continue
+        sched = c.schedule if c.schedule is not None else algorithms.get(c.algorithm).schedule(c.plan, topo)
+        size = ilp.model_size(sched, topo)
+        if size > ILP_MAX_INTERVALS:
+            c.scheduler = not_run(scheduler, f"{size} intervals > {ILP_MAX_INTERVALS}")
+            continue
+        res = ilp.solve(sched, topo, time_limit_s=time_limit_s, workers=workers, memory_bytes=memory_limit)
+        body = {"requested": scheduler, "kept": "greedy", "status": res.status, "objective_s": res.objective_s,
+                "bound_s": res.bound_s, "gap": res.gap, "solve_s": res.solve_s, "greedy_model_s": res.greedy_s,
+                "intervals": res.n_intervals, "ilp_makespan_s": None}
+        if res.start_s is not None:
+            new = ilp.apply_order(sched, res.start_s, res.orders)
+            report = verify(new, topo.memory_bytes)
+            if not report.ok:
+                raise RuntimeError(f"internal error: the CP-SAT order fails verification: {report.violations[0]}")
+            new_sim = simulate(new, topo)
+            new_s = sum(new_sim.pass_makespan.values())
+            body["ilp_makespan_s"] = new_s
+            if new_s < greedy_s * (1 - 1e-9):
+                _keep(c, new, new_sim, topo, result.ring_ccr)
+                body["kept"] = "ilp"
+        c.scheduler = body
+    ranked = sorted(sim, key=lambda c: c.predicted["makespan_s"])
+    rest = [c for c in result.candidates if c not in sim]
+    result.candidates[:] = ranked + rest
+    result.wall_s += time.perf_counter() - t0
+
+
+def _keep(c: Candidate, sched, sim, topo, ccr) -> None:
+    """Adopt the re-simulated CP-SAT order as the candidate's schedule and prediction."""
+    c.schedule, c.sim = sched, sim
+    parts = {("fwd", "bwd")[p]: pass_metrics(sched, topo, sim, p) for p in sched.passes}
+    c.predicted = combine(parts, ccr)
+
+
+def improve_mapping(result, max_evals: int, *, write: int = 1,
+                    progress: Callable[[int, int, str], None] | None = None) -> None:
+    """``search --map-search EVALS``: a placement search (:func:`meshplan.search.mapping.search_mapping`) for each of
+    the ``write`` best simulated candidates (at most ``MAX_RANKS`` ranks), re-ranked in place; each candidate's
+    ``mapping_search`` object says what it found (None where it did not run)."""
+    import time
+
+    from meshplan.search.mapping import MAX_RANKS, search_mapping, with_devices
+
+    t0 = time.perf_counter()
+    topo = result.topology
+    sim = [c for c in result.candidates if c.model_level == "simulated" and not c.forward_only]
+    if max_evals <= 0 or not sim or result.n_ranks > MAX_RANKS:
+        return
+    for k, c in enumerate(sim[:max(write, 1)]):
+        if progress:
+            progress(k, min(len(sim), max(write, 1)), f"placement {c.algorithm} {c.workload.layout}")
+        sched = c.schedule if c.schedule is not None else algorithms.get(c.algorithm).schedule(c.plan, topo)
+        res = search_mapping(sched, topo, max_evals=max_evals)
+        c.mapping_search = res.to_dict()
+        if res.best_s < c.predicted["makespan_s"] * (1 - 1e-9):
+            new = with_devices(sched, res.device_of_rank)
+            _keep(c, new, simulate(new, topo), topo, result.ring_ccr)
+    ranked = sorted(sim, key=lambda c: c.predicted["makespan_s"])
+    result.candidates[:] = ranked + [c for c in result.candidates if c not in sim]
+    result.wall_s += time.perf_counter() - t0
