@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from meshplan.errors import SkipCandidate
 from meshplan.predict import make_candidate, simulate_candidate
 from meshplan.search.mapping import makespan_s, search_mapping, with_devices
 from meshplan.topology import Topology
@@ -34,7 +35,11 @@ def main() -> None:
         w = resolve(seq_len=seq, heads=8, kv_heads=2, head_dim=64, layout="zigzag", mask="causal",
                     passes="fwd+bwd")
         for alg, knobs in METHODS:
-            c = simulate_candidate(make_candidate(alg, w, topo, n, knobs), topo, None)
+            try:
+                c = simulate_candidate(make_candidate(alg, w, topo, n, knobs), topo, None)
+            except SkipCandidate as skip:
+                print(f"{topo_name} {alg}: skipped ({skip.reason})")
+                continue
             sched = c.schedule
             own = c.predicted["makespan_s"]
             identity = makespan_s(with_devices(sched, np.arange(n)), topo)

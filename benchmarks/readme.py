@@ -191,6 +191,24 @@ def block_ilp_gap(r) -> str:
     return "\n".join(out) + "\n"
 
 
+def block_mapping_search(r) -> str:
+    d = r["mapping_search"]
+    if not d:
+        return "`python benchmarks/mapping_search.py` has not been run.\n"
+    out = [f"`python benchmarks/mapping_search.py` ({d['date']}; at most {d['max_evals']} simulations per search; "
+           f"random: the mean of {d['random_placements']} random placements; GQA 8/2 x 64, causal zigzag, "
+           "fwd+bwd, simulated):\n",
+           "| cluster | GPUs | method | identity | random (naive) | method's own | searched | vs own | vs random | "
+           "swaps / simulations |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in d["rows"]:
+        vs_own = 1 - row["searched_s"] / row["own_s"]
+        vs_rand = 1 - row["searched_s"] / row["random_mean_s"]
+        out.append(f"| `{row['topology']}` | {row['gpus']} | {row['algorithm']} | {ms(row['identity_s'])} | "
+                   f"{ms(row['random_mean_s'])} | {ms(row['own_s'])} | {ms(row['searched_s'])} | "
+                   f"{100 * vs_own:.1f}% | {100 * vs_rand:.1f}% | {row['swaps']} / {row['evals']} |")
+    return "\n".join(out) + "\n"
+
+
 def block_baselines(r) -> str:
     d = r["baselines_table"]
     topos = [t for t, _ in d["topologies"]]
@@ -240,9 +258,11 @@ def block_executor_overhead(r) -> str:
 BLOCKS = {"stamp": block_stamp, "main-job": block_main_job, "cli-examples": block_cli_examples,
           "run-example": block_run_example, "reproduce": block_reproduce, "validate-cpu": block_validate_cpu,
           "mesh-seed": block_mesh_seed, "mesh-greedy": block_mesh_greedy, "baselines": block_baselines,
-          "speed": block_speed, "executor-overhead": block_executor_overhead, "ilp-gap": block_ilp_gap}
+          "speed": block_speed, "executor-overhead": block_executor_overhead, "ilp-gap": block_ilp_gap,
+          "mapping-search": block_mapping_search}
 SOURCES = ("readme_cli", "reproduce_charm_h100", "reproduce_charm_ablation", "validate_cpu", "mesh_seed",
-           "mesh_greedy", "baselines_table", "planner_speed", "executor_overhead", "ilp_gap")
+           "mesh_greedy", "baselines_table", "planner_speed", "executor_overhead", "ilp_gap",
+           "mapping_search")
 
 
 def render(text: str, stamp: str | None = None) -> str:

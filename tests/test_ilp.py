@@ -189,3 +189,17 @@ def test_buffer_reservoir_binds_only_when_memory_is_short():
     held = ilp.solve(c.schedule, topo, time_limit_s=5, workers=1, memory_bytes=0)
     assert free.status == "optimal" and held.objective_s >= free.objective_s * (1 - 1e-9)
     assert held.objective_s <= held.greedy_s * (1 + 1e-9)
+
+
+def test_symmetric_nodes_are_modelled_once_and_stay_symmetric():
+    """Two alike H100 nodes: node 0's ranks are modelled, every rank takes its representative's order, so the
+    reordered schedule still simulates one node's ranks (and verifies)."""
+    c, topo = _cand("h100x16", 16, "mesh", {"tile": "4x4"}, seq="32K", passes="fwd")
+    model = ilp._Model(c.schedule, topo, True)
+    assert model.reduced and len(model.red.reps) == 8
+    assert ilp.model_size(c.schedule, topo) < len(c.schedule.ops)
+    r = ilp.solve(c.schedule, topo, time_limit_s=5, workers=1)
+    assert r.status in ("optimal", "feasible") and r.objective_s <= r.greedy_s * (1 + 1e-9)
+    new = ilp.apply_order(c.schedule, r.start_s, r.orders)
+    assert verify(new, topo.memory_bytes).ok
+    assert simulate(new, topo).reps == 8

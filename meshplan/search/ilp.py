@@ -383,6 +383,8 @@ def solve(sched: Schedule, topo: Topology, *, time_limit_s: float = 10.0, worker
     start = start[model.red.rep_op]          # every rank takes its representative's order, position by position
     bound = min(float(solver.BestObjectiveBound()), float(solver.Value(objective)))
     orders = tuple(np.concatenate(x) for x in zip(*model.orders)) if model.orders else None
+    if orders is not None and model.reduced:
+        orders = _orbit_pairs(sched, model.red.rep_op, *orders)
     return IlpResult(status, solver.Value(objective) / 1e9, bound / 1e9, solve_s, model.n_intervals, start / 1e9,
                      greedy_s, orders)
 
@@ -399,7 +401,7 @@ def apply_order(sched: Schedule, start_s: np.ndarray, orders: tuple[np.ndarray, 
     """A copy of ``sched`` whose stream orders follow ``start_s`` ([n_ops] seconds): ops renumbered per rank by
     (pass, start, original id), every op reference (deps, allocating ops, ``free_after``) remapped; ``orders``
     ((a, b) op pairs, :attr:`IlpResult.orders`) become deps of b where a and b are on different streams.
-    Declared symmetries are dropped (the new orders need not respect them)."""
+    Declared symmetries stay: the simulator checks each against the programs before it uses it."""
     o, t = sched.ops, sched.tensors
     if orders is not None and len(orders[0]):
         sched = _with_deps(sched, *orders)
@@ -432,7 +434,7 @@ def apply_order(sched: Schedule, start_s: np.ndarray, orders: tuple[np.ndarray, 
     tensors.alloc_op = np.where(t.alloc_op >= 0, new_id[np.maximum(t.alloc_op, 0)], -1)
     tensors.free_after = new_id[t.free_after] if len(t.free_after) else t.free_after.copy()
     return Schedule(sched.algorithm, dict(sched.knobs), sched.workload, sched.n_ranks, sched.n_chunks,
-                    sched.device_of_rank, sched.topology, sched.streams, ops, tensors, [])
+                    sched.device_of_rank, sched.topology, sched.streams, ops, tensors, list(sched.symmetries))
 
 
 def _with_deps(sched: Schedule, a: np.ndarray, b: np.ndarray) -> Schedule:
@@ -454,4 +456,22 @@ def _with_deps(sched: Schedule, a: np.ndarray, b: np.ndarray) -> Schedule:
     fields["deps"] = deps[order]
     fields["dep_ptr"] = np.r_[0, np.cumsum(np.bincount(dep_owner, minlength=len(o)))].astype(o.dep_ptr.dtype)
     return Schedule(sched.algorithm, sched.knobs, sched.workload, sched.n_ranks, sched.n_chunks,
-                    sched.device_of_rank, sched.topology, sched.streams, OpTable(**fields), sched.tensors, [])
+                    sched.device_of_rank, sched.topology, sched.streams, OpTable(**fields), sched.tensors,
+                    list(sched.symmetries))
+
+
+def _orbit_pairs(sched: Schedule, rep_op: np.ndarray, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Op pairs of the representative ranks, repeated at the same positions on every rank they represent (so
+    the deps they become keep the programs alike)."""
+    o = sched.ops
+    local = np.arange(len(o)) - sched.rank_ptr[o.rank]
+    by_b: dict[int, list[int]] = {}
+    for x, y in zip(a.tolist(), b.tolist()):
+        by_b.setdefault(y, []).append(x)
+    out_a, out_b = [], []
+    for op in np.flatnonzero(np.isin(rep_op, b)).tolist():
+        base = sched.rank_ptr[o.rank[op]]
+        for x in by_b[int(rep_op[op])]:
+            out_a.append(base + local[x])
+            out_b.append(op)
+    return np.asarray(out_a, dtype=np.int64), np.asarray(out_b, dtype=np.int64)

@@ -44,10 +44,11 @@ class MappingResult:
 
 
 def with_devices(sched: Schedule, device_of_rank: np.ndarray) -> Schedule:
-    """A copy of ``sched`` placed on ``device_of_rank`` ([n_ranks] device ids); declared symmetries dropped."""
+    """A copy of ``sched`` placed on ``device_of_rank`` ([n_ranks] device ids); declared symmetries stay (the
+    simulator checks that each still moves whole nodes before it uses it)."""
     return Schedule(sched.algorithm, dict(sched.knobs), sched.workload, sched.n_ranks, sched.n_chunks,
                     np.asarray(device_of_rank, dtype=np.int64).copy(), sched.topology, sched.streams, sched.ops,
-                    sched.tensors, [])
+                    sched.tensors, list(sched.symmetries))
 
 
 def makespan_s(sched: Schedule, topo: Topology) -> float:
