@@ -110,10 +110,14 @@ def search(gpus: o.Gpus = None, topo: o.Topo = None, model: o.Model = None, seq_
         raise UserError("--gpus", "search needs a GPU count", "give --gpus N")
     if scheduler not in ("greedy", "ilp", "auto"):
         raise UserError("--scheduler", f"unknown scheduler {scheduler!r}", "use greedy, ilp or auto")
-    if not ilp_time_limit_s > 0:
-        raise UserError("--ilp-time-limit-s", f"{ilp_time_limit_s} is not positive", "give seconds, e.g. 10")
-    if ilp_workers < 0:
-        raise UserError("--ilp-workers", f"{ilp_workers} is negative", "give a worker count (0: one per core)")
+    if not 0 < ilp_time_limit_s <= 86400:
+        raise UserError("--ilp-time-limit-s", f"{ilp_time_limit_s} is not a time limit",
+                        "give seconds, more than 0 and at most 86400 (e.g. 10)")
+    if not 0 <= ilp_workers <= 256:
+        raise UserError("--ilp-workers", f"{ilp_workers} workers", "give 0 (one per core) to 256")
+    if write < 0 or top < 0:
+        flag, value = ("--write", write) if write < 0 else ("--top", top)
+        raise UserError(flag, f"{value} is negative", "give a count of 0 or more")
     if map_search < 0:
         raise UserError("--map-search", f"{map_search} is negative", "give a number of simulations (0: off)")
     if map_search and gpus > 64:

@@ -57,12 +57,14 @@ def print_search(body: dict[str, Any], console: Console, top: int) -> None:
         table.add_column(col, justify=just)
     solver = any(c["scheduler"]["requested"] != "greedy" for c in body["candidates"])
     if solver:
-        table.add_column("order (CP-SAT gap)", justify="left")
+        table.add_column("order kept (CP-SAT status, gap to its own bound)", justify="left")
     for i, c in enumerate(body["candidates"][:top], start=1):
         p = c["predicted"]
         sim = c["model_level"] == "simulated"
         t = fmt_seconds if sim else (lambda x: "≥" + fmt_seconds(x))  # bounds are lower bounds
-        part = lambda name, p=p: (p.get(name) or {}).get("makespan_s")  # noqa: E731  (bwd: null: forward-only)
+        one = body["workload"]["passes"]                       # a single-pass search: its total is that pass
+        part = lambda name, p=p, one=one: (p["makespan_s"] if one == name else  # noqa: E731
+                                           (p.get(name) or {}).get("makespan_s"))  # (bwd: null: forward-only)
         table.add_row(str(i), c["algorithm"], c["layout"], _knob_text(c["knobs"], c["algorithm"]),
                       "sim" if sim else "bound", _fmt(p["makespan_s"], t), _fmt(part("fwd"), t), _fmt(part("bwd"), t),
                       _fmt(p["exposed_comm_s"], fmt_seconds), _fmt(p["comm_bytes_per_gpu_max"], fmt_bytes),
@@ -88,7 +90,7 @@ def print_search(body: dict[str, Any], console: Console, top: int) -> None:
 def _order_text(s: dict[str, Any]) -> str:
     """The order kept, and the solver's status and gap in its own model."""
     if s["status"] == "not_run":
-        return f"{s['kept']} (not run)"
+        return f"{s['kept']} (not run: {s['reason']})" if s.get("reason") else f"{s['kept']} (not run)"
     gap = f", gap {s['gap']:.1%}" if s["gap"] is not None else ""
     return f"{s['kept']} ({s['status']}{gap}, {s['solve_s']:.1f} s)"
 

@@ -216,6 +216,8 @@ def write_best(result: SearchResult, k: int, out_dir: str) -> None:
         knobs = "-".join(re.sub(r"[^A-Za-z0-9.]", "", str(v).replace("auto:", "")) for k, v in c.knobs.items()
                          if v is not None and v != "auto" and v != defaults.get(k))
         name = f"{rank:02d}-{c.algorithm}-{c.workload.layout}" + (f"-{knobs}" if knobs else "")
+        if c.scheduler and c.scheduler.get("kept") == "ilp":
+            name += "-cpsat"          # stream orders from CP-SAT, not the algorithm's own (its order knob)
         suffix = ".json.gz" if len(c.schedule.ops) > 50_000 else ".json"
         c.schedule_path = str(write_schedule(c.schedule, Path(out_dir) / (name + suffix)))
 

@@ -48,7 +48,7 @@ import numpy as np
 
 from meshplan.bounds import transfer_seconds
 from meshplan.cost import CostModel
-from meshplan.dataflow import build_items, evaluate
+from meshplan.dataflow import build_items
 from meshplan.hazards import hazard_orders
 from meshplan.schedule import KIND, RECV, SEND, OpTable, Schedule, TensorTable
 from meshplan.symmetry import find_reduction, identity, link_orbit_rep
@@ -62,8 +62,9 @@ _SCALE = 1000            # integer demand units per link capacity
 class IlpResult:
     """What the solver returned. Times in seconds of the solver's own model (no overlap penalty).
 
-    ``start_s``: [n_ops] start of every op (its item's), None without a solution. ``greedy_s``: the greedy
-    order timed in the same model (list scheduling), the solver's starting point."""
+    ``start_s``: [n_ops] start of every op (its item's), None without a solution of the solver's own. ``greedy_s``:
+    the greedy order timed in the same model (list scheduling), the solver's starting point; with ``status``
+    ``unknown`` it is also ``objective_s`` (the incumbent), against the bound the solver proved, if any."""
 
     status: str
     objective_s: float | None
@@ -131,7 +132,7 @@ class _Model:
         self.xstart: list = []                            # transfer start variables
         self.n_intervals = 0
         self.memory = memory
-        self.greedy = self.m.NewBoolVar("greedy_order")   # assumed true: the greedy order in this model
+        self.greedy = self.m.NewBoolVar("greedy_order")   # true: the greedy stream orders (the hint sets it)
         self.buffers: dict[int, list] = {}
         self.orders: list[tuple[np.ndarray, np.ndarray]] = []   # hazard (a, b) op pairs, per pass
         # what the list-scheduling hint (meshplan.search.ilp_hint) needs
@@ -146,11 +147,11 @@ class _Model:
 
     def build(self):
         """Every constraint; returns the objective variable."""
-        m, prev_end, hint_offset = self.m, None, 0.0
+        m, prev_end = self.m, None
         for p, items in self.items.items():
             pass_end = m.NewIntVar(0, self.horizon, f"end_p{p}")
             self.pass_end[p] = pass_end
-            hint_offset += self._items(p, items, prev_end, hint_offset)
+            self._items(p, items, prev_end)
             for i in range(items.n):
                 m.Add(pass_end >= self.end[p, i])
             self._transfers(p, items)
@@ -164,11 +165,9 @@ class _Model:
         m.Minimize(prev_end)
         return prev_end
 
-    def _items(self, p: int, items, barrier, hint_offset_s: float) -> float:
-        """The pass's item intervals, after ``barrier``; hinted with the uncontended evaluation of the greedy
-        order shifted by ``hint_offset_s``. Returns that evaluation's makespan (0 if it does not complete)."""
+    def _items(self, p: int, items, barrier) -> None:
+        """The pass's item intervals, after ``barrier`` (the previous pass's end)."""
         m, o = self.m, self.sched.ops
-        ev = evaluate(items, self.dur / 1e9, self.tr / 1e9)
         for i in range(items.n):
             members = items.members[items.member_ptr[i]:items.member_ptr[i + 1]]
             s = m.NewIntVar(0, self.horizon, f"s{p}_{i}")
@@ -185,11 +184,6 @@ class _Model:
                 m.Add(s >= barrier)
             self.start[p, i], self.end[p, i], self.interval[p, i] = s, e, iv
             self.n_intervals += 1
-        if not ev.complete:
-            return 0.0
-        for i in range(items.n):
-            m.AddHint(self.start[p, i], int(round((hint_offset_s + ev.start[i]) * 1e9)))
-        return float(np.max(ev.end, initial=0.0))
 
     def _transfers(self, p: int, items) -> None:
         m, o = self.m, self.sched.ops
@@ -340,7 +334,8 @@ def solve(sched: Schedule, topo: Topology, *, time_limit_s: float = 10.0, worker
     """Solve the schedule model of ``sched`` on ``topo`` (module docstring).
 
     Args:
-        time_limit_s: the solver's wall-clock limit; at it, the best order found and the proven bound are returned.
+        time_limit_s: the solver's wall-clock limit (building the model and its hint come on top: ``solve_s`` has
+            both); at it, the best order found and the proven bound are returned.
         workers: CP-SAT search workers (0: one per core).
         memory: bound each rank's buffers (a reservoir) by the larger of the greedy order's level and what
             ``memory_bytes`` per device (default: the topology's) leaves beside its resident tensors
@@ -364,17 +359,22 @@ def solve(sched: Schedule, topo: Topology, *, time_limit_s: float = 10.0, worker
     value, greedy_ns = greedy_solution(model)
     greedy_s = greedy_ns / 1e9
     model.add_reservoirs(lambda v: value[v], topo.memory_bytes if memory_bytes is None else memory_bytes)
-    m.ClearHints()
     for var, x in value.items():
         m.AddHint(var, int(x))
     # phase 2: free stream orders, from there
-    solver = _solver(cp, max(time_limit_s - (time.perf_counter() - t0), 0.5 * time_limit_s), workers, seed)
+    solver = _solver(cp, time_limit_s, workers, seed)     # the solver's own limit; building the model comes on top
     code = solver.Solve(m)
     if code == cp.MODEL_INVALID:
         raise RuntimeError(f"internal error: invalid CP-SAT model: {m.Validate()}")
     status = {cp.OPTIMAL: "optimal", cp.FEASIBLE: "feasible", cp.INFEASIBLE: "infeasible"}.get(code, "unknown")
     solve_s = time.perf_counter() - t0
-    if status not in ("optimal", "feasible"):
+    if status == "unknown":
+        # no solution of its own (with several workers CP-SAT may not get to the hint in time): the greedy
+        # hint is the incumbent, in the same model, against whatever bound the solver proved
+        bound = float(solver.BestObjectiveBound()) / 1e9
+        return IlpResult(status, greedy_s, min(bound, greedy_s) if bound > 0 else None, solve_s, model.n_intervals,
+                         greedy_s=greedy_s)
+    if status != "optimal" and status != "feasible":
         return IlpResult(status, None, None, solve_s, model.n_intervals, greedy_s=greedy_s)
     start = np.full(len(sched.ops), -1, dtype=np.int64)
     for p, items in model.items.items():

@@ -8,7 +8,9 @@ solves only where the greedy makespan is more than ``AUTO_GAP`` above the closed
 size allows. The solver's order is written into a copy of the schedule (:func:`meshplan.search.ilp.apply_order`),
 verified and re-simulated; the faster of greedy and CP-SAT after re-simulation is kept, and the candidates are
 ranked again. Each candidate's ``scheduler`` object (ARCHITECTURE.md) says what was requested, which order was
-kept, the solver's status, its objective and proven bound (in its own model), the gap and the solve time.
+kept, the solver's status, its objective and proven bound (in its own model: not the candidate's closed-form
+``bound_s``), the gap and the solve time (model building included); also the greedy order's makespan in that
+model and simulated, the CP-SAT order's simulated makespan, and why the solver did not run where it did not.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def improve(result, scheduler: str, *, time_limit_s: float, workers: int = 0, wr
     if scheduler not in SCHEDULERS:
         raise ValueError(f"scheduler must be one of {SCHEDULERS}")
     for c in result.candidates:
-        c.scheduler = not_run(scheduler, None if scheduler == "greedy" else "not simulated")
+        c.scheduler = not_run(scheduler, "--scheduler greedy" if scheduler == "greedy" else "not simulated")
     if scheduler == "greedy":
         return
     topo = result.topology
@@ -62,8 +64,9 @@ def improve(result, scheduler: str, *, time_limit_s: float, workers: int = 0, wr
         return
     best = min(c.predicted["makespan_s"] for c in sim)
     chosen = [c for k, c in enumerate(sim) if k < max(write, 1) or c.bound_s < best]
+    picked = {id(c) for c in chosen}          # by identity: candidates hold arrays, == would compare them
     for c in sim:
-        if c not in chosen:
+        if id(c) not in picked:
             c.scheduler = not_run(scheduler, "its bound is above the best makespan")
     for k, c in enumerate(chosen):
         if progress:
@@ -80,7 +83,7 @@ def improve(result, scheduler: str, *, time_limit_s: float, workers: int = 0, wr
         res = ilp.solve(sched, topo, time_limit_s=time_limit_s, workers=workers, memory_bytes=memory_limit)
         body = {"requested": scheduler, "kept": "greedy", "status": res.status, "objective_s": res.objective_s,
                 "bound_s": res.bound_s, "gap": res.gap, "solve_s": res.solve_s, "greedy_model_s": res.greedy_s,
-                "intervals": res.n_intervals, "ilp_makespan_s": None}
+                "intervals": res.n_intervals, "greedy_makespan_s": greedy_s, "ilp_makespan_s": None}
         if res.start_s is not None:
             new = ilp.apply_order(sched, res.start_s, res.orders)
             report = verify(new, topo.memory_bytes)
@@ -93,9 +96,7 @@ def improve(result, scheduler: str, *, time_limit_s: float, workers: int = 0, wr
                 _keep(c, new, new_sim, topo, result.ring_ccr)
                 body["kept"] = "ilp"
         c.scheduler = body
-    ranked = sorted(sim, key=lambda c: c.predicted["makespan_s"])
-    rest = [c for c in result.candidates if c not in sim]
-    result.candidates[:] = ranked + rest
+    _rerank(result, sim)
     result.wall_s += time.perf_counter() - t0
 
 
@@ -129,6 +130,12 @@ def improve_mapping(result, max_evals: int, *, write: int = 1,
         if res.best_s < c.predicted["makespan_s"] * (1 - 1e-9):
             new = with_devices(sched, res.device_of_rank)
             _keep(c, new, simulate(new, topo), topo, result.ring_ccr)
-    ranked = sorted(sim, key=lambda c: c.predicted["makespan_s"])
-    result.candidates[:] = ranked + [c for c in result.candidates if c not in sim]
+    _rerank(result, sim)
     result.wall_s += time.perf_counter() - t0
+
+
+def _rerank(result, sim: list[Candidate]) -> None:
+    """The simulated candidates by predicted makespan, then the rest in their order."""
+    ids = {id(c) for c in sim}
+    result.candidates[:] = sorted(sim, key=lambda c: c.predicted["makespan_s"]) + \
+        [c for c in result.candidates if id(c) not in ids]
