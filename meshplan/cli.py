@@ -90,7 +90,9 @@ def search(gpus: o.Gpus = None, topo: o.Topo = None, model: o.Model = None, seq_
            top: Annotated[int, typer.Option("--top", help="rows shown")] = 10,
            write: Annotated[int, typer.Option("--write", help="best schedules written (0: none)")] = 1,
            out: Annotated[str, typer.Option("--out", help="directory for written schedules")] = "schedules",
-           scheduler: Annotated[str, typer.Option("--scheduler", help="greedy | ilp | auto")] = "greedy",
+           scheduler: Annotated[str, typer.Option("--scheduler", help="greedy | ilp (CP-SAT stream orders for the "
+                                                  "best candidates, re-simulated) | auto (CP-SAT where greedy is "
+                                                  "more than 3% above the bound)")] = "greedy",
            ilp_time_limit_s: Annotated[float, typer.Option(
                "--ilp-time-limit-s", help="CP-SAT time limit per candidate, seconds")] = 10.0,
            ilp_workers: Annotated[int, typer.Option("--ilp-workers", help="CP-SAT workers (0: one per core)")] = 0,
