@@ -173,6 +173,12 @@ def simulate(schedule: Annotated[Optional[str], typer.Argument(help="a schedule 
              partial_dtype: o.PartialDtype = None, dkv_dtype: o.DkvDtype = None,
              ulysses_degree: o.UlyssesDegree = None, inner_ring: o.InnerRing = None, team_size: o.TeamSize = None,
              domains: o.Domains = None, knob: o.KnobKV = None,
+             tp: Annotated[int, typer.Option("--tp", help="tensor-parallel size around the CP group (heads / TP)",
+                                             rich_help_panel="Job")] = 1,
+             dp: Annotated[int, typer.Option("--dp", help="data-parallel size (CP groups x TP run at once)",
+                                             rich_help_panel="Job")] = 1,
+             rank_order: Annotated[str, typer.Option("--rank-order", help="job rank order, innermost first "
+                                                     "(Megatron-LM: tp-cp-dp)", rich_help_panel="Job")] = "tp-cp-dp",
              out: Annotated[Optional[str], typer.Option("--out", help="write the schedule (.json or .json.gz)")] = None,
              trace: Annotated[Optional[str], typer.Option("--trace", help="write a Chrome/Perfetto trace")] = None,
              as_json: o.Json = False) -> None:
@@ -183,6 +189,10 @@ def simulate(schedule: Annotated[Optional[str], typer.Argument(help="a schedule 
         return
     wl = o.workload(model, seq_len, batch, heads, kv_heads, head_dim, dtype, mask, layout, passes, valid_len)
     kn = o.knobs(tile, mapping, partial_dtype, dkv_dtype, ulysses_degree, inner_ring, team_size, domains, knob)
+    if tp != 1 or dp != 1 or rank_order != "tp-cp-dp":
+        from meshplan.cli_job import simulate_job
+        simulate_job(algo, gpus, topo, wl, kn, tp, dp, rank_order, out, trace, as_json, _emit)
+        return
     simulate_named(algo, gpus, topo, wl, kn, out, trace, as_json, _emit)
 
 

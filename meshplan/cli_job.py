@@ -1,0 +1,65 @@
+"""``meshplan simulate --tp T --dp D [--rank-order ORDER]``: one CP group's plan, run by every CP group of the job."""
+
+from __future__ import annotations
+
+from meshplan.errors import UserError
+
+
+def simulate_job(algo, gpus, topo, workload, knobs, tp, dp, rank_order, out, trace, as_json, emit) -> None:
+    """Plan ``algo`` for one CP group of ``gpus`` ranks (heads / TP) and simulate all TP x DP groups together on
+    the job's GPUs (:mod:`meshplan.job`); ``predicted`` is the job's (its slowest group), ``job.alone_s`` group 0
+    alone on its own GPUs. ``--out`` writes the CP group's schedule (on devices 0 .. cp − 1)."""
+    from meshplan.algorithms import get
+    from meshplan.cli_options import topology
+    from meshplan.cli_output import print_simulation
+    from meshplan.cli_run import _title, _write_trace, _write_verified
+    from meshplan.job import JobShape, job_schedule
+    from meshplan.metrics import combine, pass_metrics
+    from meshplan.predict import jsonable, predict, result_json, ring_ccr
+    from meshplan.simulate import simulate
+
+    if algo is None:
+        raise UserError("--algo", "simulate --tp/--dp needs an algorithm", "give --algo NAME (ring, pass-q, ...)")
+    get(algo)
+    if gpus is None:
+        raise UserError("--gpus", "with --tp/--dp, --gpus is the CP group size", "give --gpus N")
+    if out is not None and not (out.endswith(".json") or out.endswith(".json.gz")):
+        raise UserError("--out", f"{out!r} is not a .json or .json.gz name", "name the file *.json or *.json.gz")
+    shape = JobShape(tp, gpus, dp, rank_order)
+    cp_w = shape.cp_workload(workload)
+    group_topo = topology(topo, gpus, "simulate")
+    try:
+        job_topo = topology(topo, shape.world, "simulate")
+    except UserError as err:
+        raise UserError("--dp" if dp > 1 else "--tp", f"a TP {tp} x CP {gpus} x DP {dp} job needs {shape.world} "
+                        f"GPUs: {err.problem}", err.fix) from None
+    cand = predict(algo, cp_w, group_topo, gpus, knobs)
+    groups = shape.cp_groups()
+    job = job_schedule(cand.schedule, groups)
+    sim = simulate(job, job_topo)
+    alone = simulate(job_schedule(cand.schedule, groups[:1]), job_topo)
+    ccr = ring_ccr(cp_w, group_topo, gpus)
+    predicted = combine({("fwd", "bwd")[p]: pass_metrics(job, job_topo, sim, p) for p in job.passes}, ccr)
+    body = result_json(cand) | {"topology": {"name": job_topo.name, "devices": job_topo.n_devices}}
+    body["predicted"] = jsonable(predicted)
+    body["simulation"] = {"ranks_simulated": sim.reps, "exact": sim.exact, "events": sim.events, "wall_s": sim.wall_s}
+    body["job"] = shape.to_dict() | {
+        "cp_groups": groups.tolist() if len(groups) <= 64 else None, "groups": len(groups),
+        "alone_s": float(sum(alone.pass_makespan.values())), "together_s": float(sum(sim.pass_makespan.values())),
+        "heads_per_group": cp_w.n_heads, "kv_heads_per_group": cp_w.n_kv_heads}
+    if out is not None:
+        _write_verified(cand.schedule, group_topo, out)
+        body["schedule_path"] = out
+    if trace is not None:
+        _write_trace(job, sim, trace)
+    title = _title(cand.algorithm, cand.knobs, job_topo, shape.world, cp_w)
+
+    def show(console):
+        print_simulation(body, console, title)
+        j = body["job"]
+        slower = j["together_s"] / j["alone_s"] - 1 if j["alone_s"] > 0 else 0.0
+        console.print(f"job TP {j['tp']} x CP {j['cp']} x DP {j['dp']} ({j['order']}, innermost first): "
+                      f"{j['groups']} CP groups at once, group 0 on GPUs {groups[0].tolist()}; group 0 alone "
+                      f"{j['alone_s'] * 1e3:.3g} ms, all groups together {j['together_s'] * 1e3:.3g} ms "
+                      f"({slower:+.1%})", soft_wrap=True)
+    emit(body, as_json, show)

@@ -1,0 +1,102 @@
+"""CP inside a TP x CP x DP job (meshplan.job): Megatron-LM's rank placement, and concurrent CP groups sharing the
+NICs (the hand-computed max-min share of the node aggregate)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from meshplan.cli import app
+from meshplan.errors import UserError
+from meshplan.job import JobShape, job_schedule
+from meshplan.predict import predict
+from meshplan.schedule import SEND
+from meshplan.simulate import simulate
+from meshplan.topology import Topology
+from meshplan.workload import resolve
+
+
+@pytest.mark.parametrize("tp,cp,dp,order,groups", [
+    # Megatron-LM RankGenerator, order tp-cp-ep-dp-pp (TP innermost): CP groups are TP apart
+    (2, 2, 2, "tp-cp-dp", [[0, 2], [1, 3], [4, 6], [5, 7]]),
+    (2, 4, 2, "tp-cp-dp", [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]),
+    (1, 4, 2, "tp-cp-dp", [[0, 1, 2, 3], [4, 5, 6, 7]]),
+    (2, 2, 2, "cp-tp-dp", [[0, 1], [2, 3], [4, 5], [6, 7]]),
+    (2, 2, 2, "dp-tp-cp", [[0, 4], [2, 6], [1, 5], [3, 7]]),
+])
+def test_cp_groups_follow_the_rank_order(tp, cp, dp, order, groups):
+    shape = JobShape(tp, cp, dp, order)
+    got = shape.cp_groups()
+    assert got.tolist() == groups
+    assert sorted(got.ravel().tolist()) == list(range(shape.world))
+
+
+def test_tp_divides_the_heads():
+    w = resolve(heads=32, kv_heads=8)
+    assert JobShape(tp=4, cp=2).cp_workload(w).n_heads == 8 and JobShape(tp=4, cp=2).cp_workload(w).n_kv_heads == 2
+    with pytest.raises(UserError, match="--tp"):
+        JobShape(tp=16, cp=2).cp_workload(w)
+    with pytest.raises(UserError, match="--rank-order"):
+        JobShape(order="tp-dp")
+
+
+def test_concurrent_groups_share_the_node_aggregate():
+    """TP 8 x CP 2 on two H100 nodes: the 8 CP groups are [t, t + 8], so each ring step sends 8 flows per direction
+    across the nodes; the node aggregate (52 GB/s) gives each 52/8 GB/s, where one group alone runs at the
+    per-flow cap (26.15 GB/s)."""
+    job_topo = Topology.load("h100x16", gpus=16)
+    group_topo = Topology.load("h100x16", gpus=2)
+    w = resolve(seq_len="64K", heads=64, kv_heads=64, head_dim=128, passes="fwd")
+    shape = JobShape(tp=8, cp=2)
+    cand = predict("ring", shape.cp_workload(w), group_topo, 2, {})
+    groups = shape.cp_groups()
+    for k, rate in ((8, 52e9 / 8), (1, 26.15e9)):
+        job = job_schedule(cand.schedule, groups[:k])
+        sim = simulate(job, job_topo)
+        o = job.ops
+        sends = np.flatnonzero(o.kind == SEND)
+        first = sends[sim.start[sends] == sim.start[sends].min()]
+        lat, _ = job_topo.pair_stats(job.device_of_rank[o.rank[first]], job.device_of_rank[o.peer[first]])
+        expected = lat + o.size_bytes[first] / rate
+        assert len(first) == 2 * k
+        np.testing.assert_allclose(sim.end[first] - sim.start[first], expected, rtol=1e-9)
+
+
+def test_job_schedule_copies_the_group_onto_its_devices():
+    topo = Topology.load("h100x16", gpus=4)
+    w = resolve(seq_len="16K", heads=8, kv_heads=2, head_dim=64)
+    cand = predict("ring", w, topo, 4, {})
+    groups = np.array([[0, 2, 4, 6], [1, 3, 5, 7]])
+    job = job_schedule(cand.schedule, groups)
+    assert job.n_ranks == 8 and job.device_of_rank.tolist() == [0, 2, 4, 6, 1, 3, 5, 7]
+    n = len(cand.schedule.ops)
+    assert np.array_equal(job.ops.kind[n:], cand.schedule.ops.kind)
+    assert np.array_equal(job.ops.deps[len(cand.schedule.ops.deps):] - n, cand.schedule.ops.deps)
+    partner, ok, problems = job.match_transfers()
+    assert not problems and (job.ops.rank[partner[partner >= 0]] // 4 == job.ops.rank[partner >= 0] // 4).all()
+    with pytest.raises(ValueError):
+        job_schedule(cand.schedule, np.array([[0, 1, 2, 3], [3, 4, 5, 6]]))
+
+
+def test_simulate_job_cli(tmp_path):
+    r = CliRunner().invoke(app, ["simulate", "--algo", "ring", "--gpus", "2", "--tp", "8", "--topo", "h100x16",
+                                 "--seq-len", "64K", "--heads", "8", "--kv-heads", "8", "--head-dim", "128",
+                                 "--pass", "fwd", "--json"])
+    assert r.exit_code == 0, r.stderr
+    body = json.loads(r.stdout)
+    j = body["job"]
+    assert (j["tp"], j["cp"], j["dp"], j["groups"], j["heads_per_group"]) == (8, 2, 1, 8, 1)
+    assert j["cp_groups"][0] == [0, 8] and j["together_s"] > j["alone_s"]
+    assert body["predicted"]["makespan_s"] == pytest.approx(j["together_s"])
+
+
+@pytest.mark.parametrize("args,flag", [(["--tp", "3"], "--tp"), (["--rank-order", "tp-pp-dp"], "--rank-order"),
+                                       (["--tp", "2", "--dp", "3"], "--dp"),
+                                       (["--dp", "0"], "--dp")])
+def test_simulate_job_bad_input(args, flag):
+    r = CliRunner().invoke(app, ["simulate", "--algo", "ring", "--gpus", "2", "--topo", "h100x16", "--seq-len", "16K",
+                                 "--heads", "8", "--kv-heads", "8", *args])
+    assert r.exit_code == 2 and flag in r.stderr and r.stderr.count("\n") == 1, r.stderr
