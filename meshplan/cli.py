@@ -182,9 +182,14 @@ def simulate(schedule: Annotated[Optional[str], typer.Argument(help="a schedule 
              out: Annotated[Optional[str], typer.Option("--out", help="write the schedule (.json or .json.gz)")] = None,
              trace: Annotated[Optional[str], typer.Option("--trace", help="write a Chrome/Perfetto trace")] = None,
              as_json: o.Json = False) -> None:
-    """Predict one algorithm's time on a cluster (by name), or a schedule file's."""
+    """Predict one algorithm's time on a cluster (by name), or a schedule file's. With --tp/--dp, --gpus is the
+    CP group size and every CP group of the job is simulated at once."""
     from meshplan.cli_run import simulate_file, simulate_named
+    from meshplan.errors import UserError
     if schedule is not None:
+        if tp != 1 or dp != 1 or rank_order != "tp-cp-dp":
+            raise UserError("--tp", "--tp, --dp and --rank-order plan a job with --algo, not a schedule file",
+                            "drop them, or give --algo NAME")
         simulate_file(schedule, topo, trace, as_json, _emit)
         return
     wl = o.workload(model, seq_len, batch, heads, kv_heads, head_dim, dtype, mask, layout, passes, valid_len)

@@ -8,7 +8,8 @@ from meshplan.errors import UserError
 def simulate_job(algo, gpus, topo, workload, knobs, tp, dp, rank_order, out, trace, as_json, emit) -> None:
     """Plan ``algo`` for one CP group of ``gpus`` ranks (heads / TP) and simulate all TP x DP groups together on
     the job's GPUs (:mod:`meshplan.job`); ``predicted`` is the job's (its slowest group), ``job.alone_s`` group 0
-    alone on its own GPUs. ``--out`` writes the CP group's schedule (on devices 0 .. cp − 1)."""
+    alone on its own GPUs. ``--out`` writes group 0's schedule on its GPUs of the job's topology (simulating the
+    file gives ``alone_s``)."""
     from meshplan.algorithms import get
     from meshplan.cli_options import topology
     from meshplan.cli_output import print_simulation
@@ -47,8 +48,11 @@ def simulate_job(algo, gpus, topo, workload, knobs, tp, dp, rank_order, out, tra
         "cp_groups": groups.tolist() if len(groups) <= 64 else None, "groups": len(groups),
         "alone_s": float(sum(alone.pass_makespan.values())), "together_s": float(sum(sim.pass_makespan.values())),
         "heads_per_group": cp_w.n_heads, "kv_heads_per_group": cp_w.n_kv_heads}
-    if out is not None:
-        _write_verified(cand.schedule, group_topo, out)
+    if out is not None:                      # group 0 on its own GPUs of the job's topology
+        from meshplan.algorithms.ring import topology_record
+        one = job_schedule(cand.schedule, groups[:1])
+        one.topology = topology_record(job_topo)
+        _write_verified(one, job_topo, out)
         body["schedule_path"] = out
     if trace is not None:
         _write_trace(job, sim, trace)

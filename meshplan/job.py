@@ -76,7 +76,8 @@ class JobShape:
         for n, flag in ((workload.n_heads, "heads"), (workload.n_kv_heads, "KV heads")):
             if n % self.tp:
                 raise UserError("--tp", f"TP {self.tp} does not divide the {n} {flag}",
-                                f"give a TP size that divides {workload.n_kv_heads} (the KV heads)")
+                                f"give a TP size that divides both the {workload.n_heads} heads and the "
+                                f"{workload.n_kv_heads} KV heads")
         return workload.with_(n_heads=workload.n_heads // self.tp, n_kv_heads=workload.n_kv_heads // self.tp)
 
     def to_dict(self) -> dict:

@@ -100,3 +100,20 @@ def test_simulate_job_bad_input(args, flag):
     r = CliRunner().invoke(app, ["simulate", "--algo", "ring", "--gpus", "2", "--topo", "h100x16", "--seq-len", "16K",
                                  "--heads", "8", "--kv-heads", "8", *args])
     assert r.exit_code == 2 and flag in r.stderr and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_written_group_schedule_is_on_its_job_gpus(tmp_path):
+    """``--out`` writes group 0 on its own GPUs of the job's topology: simulating the file gives ``alone_s``."""
+    out = tmp_path / "g.json"
+    args = ["--algo", "ring", "--gpus", "2", "--tp", "8", "--topo", "h100x16", "--seq-len", "32K", "--heads", "8",
+            "--kv-heads", "8", "--pass", "fwd"]
+    r = CliRunner().invoke(app, ["simulate", *args, "--out", str(out), "--json"])
+    assert r.exit_code == 0, r.stderr
+    job = json.loads(r.stdout)["job"]
+    doc = json.loads(out.read_text())
+    assert doc["device_of_rank"] == [0, 8] and doc["topology"]["devices"] == 16
+    again = CliRunner().invoke(app, ["simulate", str(out), "--json"])
+    assert again.exit_code == 0, again.stderr
+    assert json.loads(again.stdout)["predicted"]["makespan_s"] == pytest.approx(job["alone_s"], rel=1e-9)
+    refused = CliRunner().invoke(app, ["simulate", str(out), "--tp", "2"])
+    assert refused.exit_code == 2 and "--tp" in refused.stderr
