@@ -14,6 +14,7 @@ import os
 import time
 from pathlib import Path
 
+from meshplan.fileio import write_atomic
 from meshplan.predict import make_candidate, simulate_candidate
 from meshplan.search import ilp
 from meshplan.simulate import simulate
@@ -62,8 +63,8 @@ def main() -> None:
               f"{row['solve_s']:.1f} s", flush=True)
     out = {"date": time.strftime("%Y-%m-%d %H:%M"), "time_limit_s": args.time_limit_s, "cores": os.cpu_count(),
            "rows": rows}
-    path = Path(__file__).resolve().parent / "results" / "ilp_gap.json"
-    path.write_text(json.dumps(out, indent=1) + "\n")
+    path = write_atomic(Path(__file__).resolve().parent / "results" / "ilp_gap.json",
+                        (json.dumps(out, indent=1) + "\n").encode())
     print(f"wrote {path}")
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from meshplan.errors import SkipCandidate
+from meshplan.fileio import write_atomic
 from meshplan.predict import make_candidate, simulate_candidate
 from meshplan.search.mapping import makespan_s, search_mapping, with_devices
 from meshplan.topology import Topology
@@ -54,8 +55,8 @@ def main() -> None:
                   f"{res.wall_s:.1f} s)", flush=True)
     out = {"date": time.strftime("%Y-%m-%d %H:%M"), "max_evals": MAX_EVALS, "random_placements": RANDOM_PLACEMENTS,
            "rows": rows}
-    path = Path(__file__).resolve().parent / "results" / "mapping_search.json"
-    path.write_text(json.dumps(out, indent=1) + "\n")
+    path = write_atomic(Path(__file__).resolve().parent / "results" / "mapping_search.json",
+                        (json.dumps(out, indent=1) + "\n").encode())
     print(f"wrote {path}")
 
 

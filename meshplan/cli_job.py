@@ -12,10 +12,9 @@ def simulate_job(algo, gpus, topo, workload, knobs, tp, dp, rank_order, out, tra
     file gives ``alone_s``)."""
     from meshplan.algorithms import get
     from meshplan.cli_options import topology
-    from meshplan.cli_output import print_simulation
     from meshplan.cli_run import _title, _write_trace, _write_verified
     from meshplan.job import JobShape, job_schedule
-    from meshplan.metrics import combine, pass_metrics
+    from meshplan.metrics import predicted
     from meshplan.predict import jsonable, predict, result_json, ring_ccr
     from meshplan.simulate import simulate
 
@@ -40,9 +39,9 @@ def simulate_job(algo, gpus, topo, workload, knobs, tp, dp, rank_order, out, tra
     sim = simulate(job, job_topo)
     alone = simulate(job_schedule(cand.schedule, groups[:1]), job_topo)
     ccr = ring_ccr(cp_w, group_topo, gpus)
-    predicted = combine({("fwd", "bwd")[p]: pass_metrics(job, job_topo, sim, p) for p in job.passes}, ccr)
+    body_predicted = predicted(job, job_topo, sim, ccr)
     body = result_json(cand) | {"topology": {"name": job_topo.name, "devices": job_topo.n_devices}}
-    body["predicted"] = jsonable(predicted)
+    body["predicted"] = jsonable(body_predicted)
     body["simulation"] = {"ranks_simulated": sim.reps, "exact": sim.exact, "events": sim.events, "wall_s": sim.wall_s}
     body["job"] = shape.to_dict() | {
         "cp_groups": groups.tolist() if len(groups) <= 64 else None, "groups": len(groups),
@@ -57,13 +56,17 @@ def simulate_job(algo, gpus, topo, workload, knobs, tp, dp, rank_order, out, tra
     if trace is not None:
         _write_trace(job, sim, trace)
     title = _title(cand.algorithm, cand.knobs, job_topo, shape.world, cp_w)
+    emit(body, as_json, lambda console: _print_job(body, console, title, groups[0].tolist()))
 
-    def show(console):
-        print_simulation(body, console, title)
-        j = body["job"]
-        slower = j["together_s"] / j["alone_s"] - 1 if j["alone_s"] > 0 else 0.0
-        console.print(f"job TP {j['tp']} x CP {j['cp']} x DP {j['dp']} ({j['order']}, innermost first): "
-                      f"{j['groups']} CP groups at once, group 0 on GPUs {groups[0].tolist()}; group 0 alone "
-                      f"{j['alone_s'] * 1e3:.3g} ms, all groups together {j['together_s'] * 1e3:.3g} ms "
-                      f"({slower:+.1%})", soft_wrap=True)
-    emit(body, as_json, show)
+
+def _print_job(body: dict, console, title: str, group0: list[int]) -> None:
+    """The job's predicted metrics, then group 0 alone against all groups together."""
+    from meshplan.cli_output import print_simulation
+
+    print_simulation(body, console, title)
+    j = body["job"]
+    slower = j["together_s"] / j["alone_s"] - 1 if j["alone_s"] > 0 else 0.0
+    console.print(f"job TP {j['tp']} x CP {j['cp']} x DP {j['dp']} ({j['order']}, innermost first): "
+                  f"{j['groups']} CP groups at once, group 0 on GPUs {group0}; group 0 alone "
+                  f"{j['alone_s'] * 1e3:.3g} ms, all groups together {j['together_s'] * 1e3:.3g} ms "
+                  f"({slower:+.1%})", soft_wrap=True)

@@ -62,7 +62,7 @@ def _write_trace(sched, sim, path: str) -> None:
 def simulate_file(path, topo, trace, as_json, emit) -> None:
     """``meshplan simulate SCHEDULE.json [--topo T]``: verify, then simulate on its topology or ``T``."""
     from meshplan.cli_output import print_simulation
-    from meshplan.metrics import combine, pass_metrics
+    from meshplan.metrics import predicted
     from meshplan.predict import ring_ccr
     from meshplan.schedule_io import read_schedule
     from meshplan.simulate import simulate
@@ -78,11 +78,10 @@ def simulate_file(path, topo, trace, as_json, emit) -> None:
     if not report.ok:
         raise UserError(str(path), f"invalid schedule: {report.violations[0]}", "run meshplan validate for the list")
     sim = simulate(sched, topo_obj)
-    parts = {("fwd", "bwd")[p]: pass_metrics(sched, topo_obj, sim, p) for p in sched.passes}
     from meshplan.predict import jsonable
     body = {"algorithm": sched.algorithm, "knobs": sched.knobs, "workload": sched.workload.to_dict(),
             "pass": sched.workload.passes, "model_level": "simulated",
-            "predicted": jsonable(combine(parts, ring_ccr(sched.workload, topo_obj, sched.n_ranks))),
+            "predicted": jsonable(predicted(sched, topo_obj, sim, ring_ccr(sched.workload, topo_obj, sched.n_ranks))),
             "topology": {"name": topo_obj.name, "devices": topo_obj.n_devices}}
     if trace is not None:
         _write_trace(sched, sim, trace)

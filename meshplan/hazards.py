@@ -81,29 +81,36 @@ def check_hazards(sched: Schedule, items: Items) -> list[str]:
         hb = clock[ib, stream[ia]] >= pos[ia]
         return np.where(same, allow_same | (a == b), hb & ~same)
 
-    op, tensor, write = _accesses(sched, items.phase)
+    op, tensor, write, starts, prev_w, nxt_w = _chains(sched, items)
     out: list[str] = []
-    n = len(op)
-    idx = np.arange(n)
-    starts = np.r_[True, tensor[1:] != tensor[:-1]] if n else np.zeros(0, bool)
-    group = np.cumsum(starts) - 1
     group_first = np.flatnonzero(starts)
-    last_w = np.maximum.accumulate(np.where(write | starts, idx, 0))
-    last_w = np.where(write[last_w] & (group[last_w] == group), last_w, -1)
-    prev_w = np.r_[-1, last_w[:-1]]
-    prev_w = np.where(starts, -1, prev_w)
     pairs = prev_w >= 0
     ok = before(op[prev_w[pairs]], op[pairs], allow_same=False)
     bad = np.flatnonzero(pairs)[~ok]
     out += [f"op {op[k]} ({OP_KINDS[o.kind[op[k]]]}) may touch tensor {tensor[k]} while op {op[prev_w[k]]} "
             f"still writes it: add a dependency" for k in bad]
-    nxt_w = _next_write(write, starts)
     reads = (~write) & (nxt_w >= 0)
     ok = before(op[reads], op[nxt_w[reads]], allow_same=False)
     bad = np.flatnonzero(reads)[~ok]
     out += [f"op {op[nxt_w[k]]} may overwrite tensor {tensor[k]} before op {op[k]} has read it" for k in bad]
     out += _alloc_free(sched, op, tensor, group_first, before)
     return out
+
+
+def _chains(sched: Schedule, items: Items):
+    """Accesses of the pass by ``items``' ops, grouped by tensor in program order: (op, tensor, write, starts — the
+    first access of each tensor —, prev_w — the previous write's row, −1 —, nxt_w — the next write's row, −1)."""
+    op, tensor, write = _accesses(sched, items.phase)
+    mine = items.item_of_op[op] >= 0            # items of some ranks only (their tensors are their own)
+    op, tensor, write = op[mine], tensor[mine], write[mine]
+    n = len(op)
+    idx = np.arange(n)
+    starts = np.r_[True, tensor[1:] != tensor[:-1]] if n else np.zeros(0, bool)
+    group = np.cumsum(starts) - 1
+    last_w = np.maximum.accumulate(np.where(write | starts, idx, 0)) if n else idx
+    last_w = np.where(write[last_w] & (group[last_w] == group), last_w, -1) if n else idx
+    prev_w = np.where(starts, -1, np.r_[-1, last_w[:-1]]) if n else idx
+    return op, tensor, write, starts, prev_w, _next_write(write, starts)
 
 
 def _next_write(write: np.ndarray, starts: np.ndarray) -> np.ndarray:
@@ -156,19 +163,10 @@ def hazard_orders(sched: Schedule, items: Items) -> tuple[np.ndarray, np.ndarray
     clock, stream, pos = vector_clocks(sched, items)
     it = items.item_of_op
     t = sched.tensors
-    op, tensor, write = _accesses(sched, items.phase)
-    mine = it[op] >= 0                               # items of some ranks only (their tensors are their own)
-    op, tensor, write = op[mine], tensor[mine], write[mine]
-    n = len(op)
-    idx = np.arange(n)
-    starts = np.r_[True, tensor[1:] != tensor[:-1]] if n else np.zeros(0, bool)
-    group = np.cumsum(starts) - 1
-    last_w = np.maximum.accumulate(np.where(write | starts, idx, 0)) if n else idx
-    last_w = np.where(write[last_w] & (group[last_w] == group), last_w, -1) if n else idx
-    prev_w = np.where(starts, -1, np.r_[-1, last_w[:-1]]) if n else idx
+    op, tensor, write, starts, prev_w, nxt_w = _chains(sched, items)
+    idx = np.arange(len(op))
     has = prev_w >= 0
     a, b = [op[prev_w[has]]], [op[has]]
-    nxt_w = _next_write(write, starts)
     reads = (~write) & (nxt_w >= 0)
     a.append(op[reads])
     b.append(op[nxt_w[reads]])

@@ -99,37 +99,26 @@ def job_schedule(sched: Schedule, groups: np.ndarray) -> Schedule:
     if len(np.unique(groups)) != groups.size:
         raise ValueError("a device appears in two groups")
     o, t = sched.ops, sched.tensors
-    n_ops, n_t = len(o), len(t)
-    rep = lambda a, step: (np.asarray(a)[None, :] + step * np.arange(k)[:, None]).ravel()  # noqa: E731
-    keep_neg = lambda a, step: np.where(np.tile(np.asarray(a), k) >= 0, rep(a, step), -1)  # noqa: E731
-    ops = {}
-    for name in OpTable.__dataclass_fields__:
-        v = getattr(o, name)
-        if name.endswith("_ptr"):
-            ops[name] = np.r_[0, (v[1:][None, :] + v[-1] * np.arange(k)[:, None]).ravel()].astype(v.dtype)
-        elif name == "rank":
-            ops[name] = rep(v, n)
-        elif name == "peer":
-            ops[name] = keep_neg(v, n)
-        elif name == "deps":
-            ops[name] = rep(v, n_ops)
-        elif name in ("tensor", "inputs", "outputs"):
-            ops[name] = keep_neg(v, n_t)
-        else:
-            ops[name] = np.tile(v, k)
-    tens = {}
-    for name in TensorTable.__dataclass_fields__:
-        v = getattr(t, name)
-        if name.endswith("_ptr"):
-            tens[name] = np.r_[0, (v[1:][None, :] + v[-1] * np.arange(k)[:, None]).ravel()].astype(v.dtype)
-        elif name == "rank":
-            tens[name] = rep(v, n)
-        elif name == "alloc_op":
-            tens[name] = keep_neg(v, n_ops)
-        elif name == "free_after":
-            tens[name] = rep(v, n_ops)
-        else:
-            tens[name] = np.tile(v, k)
+    # fields holding ids, and the id space each indexes (ranks, ops, tensors): shifted per copy; the rest tiled
+    ops = _tile(o, k, {"rank": n, "peer": n, "deps": len(o), "tensor": len(t), "inputs": len(t), "outputs": len(t)})
+    tens = _tile(t, k, {"rank": n, "alloc_op": len(o), "free_after": len(o)})
     device = groups[np.repeat(np.arange(k), n), np.tile(sched.device_of_rank, k)]
     return Schedule(sched.algorithm, dict(sched.knobs), sched.workload, n * k, sched.n_chunks, device,
                     sched.topology, sched.streams, OpTable(**ops), TensorTable(**tens), [])
+
+
+def _tile(table, k: int, shift: dict[str, int]) -> dict:
+    """Fields of ``k`` copies of a struct-of-arrays table: copy c adds c × ``shift[name]`` to the ids of a shifted
+    field (−1, "none", stays −1); CSR pointers continue across copies; other fields repeat."""
+    out = {}
+    for name in type(table).__dataclass_fields__:
+        v = getattr(table, name)
+        copy = np.arange(k)[:, None]
+        if name.endswith("_ptr"):
+            out[name] = np.r_[0, (v[1:][None, :] + v[-1] * copy).ravel()].astype(v.dtype)
+        elif name in shift:
+            tiled = np.tile(v, k)
+            out[name] = np.where(tiled >= 0, (v[None, :] + shift[name] * copy).ravel(), -1).astype(v.dtype)
+        else:
+            out[name] = np.tile(v, k)
+    return out

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from meshplan.dataflow import peak_memory
-from meshplan.schedule import COMPUTE, KIND, RECV, SEND, Schedule
+from meshplan.schedule import COMPUTE, KIND, PASS_NAMES, RECV, SEND, Schedule
 from meshplan.simulate import SimResult
 from meshplan.topology import Topology
 
@@ -74,6 +74,11 @@ def pass_metrics(sched: Schedule, topo: Topology, sim: SimResult, phase: int) ->
         "peak_memory_bytes": float(peak_memory(sched, phase, start, end).max()),
         "_recv_by_rank": by_rank, "_cross_by_rank": cross_rank, "_flops": flops,
     }
+
+
+def predicted(sched: Schedule, topo: Topology, sim: SimResult, ring_ccr: float | None) -> dict:
+    """The contract's ``predicted`` of a simulated schedule: :func:`pass_metrics` of every pass, :func:`combine`d."""
+    return combine({PASS_NAMES[p]: pass_metrics(sched, topo, sim, p) for p in sched.passes}, ring_ccr)
 
 
 def combine(parts: dict[str, dict], ring_ccr: float | None) -> dict:

@@ -16,7 +16,7 @@ from meshplan.algorithms.base import PassTiming
 from meshplan.algorithms.rotate_timing import Rotation, size_of
 from meshplan.errors import SkipCandidate, UserError
 from meshplan.matrix import AttnMatrix, attn_matrix
-from meshplan.metrics import KEYS, combine, pass_metrics
+from meshplan.metrics import KEYS, combine, predicted
 from meshplan.plan import Plan
 from meshplan.schedule import Schedule
 from meshplan.simulate import SimResult, simulate
@@ -94,8 +94,7 @@ def simulate_candidate(cand: Candidate, topo: Topology, ccr: float | None) -> Ca
     if plan is not cand.plan:
         cand.plan = plan
         cand.knobs = plan.knobs | {"order": f"auto:{plan.knobs['order']}"}
-    parts = {("fwd", "bwd")[p]: pass_metrics(cand.schedule, topo, cand.sim, p) for p in cand.schedule.passes}
-    cand.predicted, cand.model_level = combine(parts, ccr), "simulated"
+    cand.predicted, cand.model_level = predicted(cand.schedule, topo, cand.sim, ccr), "simulated"
     return cand
 
 

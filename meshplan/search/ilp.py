@@ -50,7 +50,8 @@ from meshplan.bounds import transfer_seconds
 from meshplan.cost import CostModel
 from meshplan.dataflow import build_items
 from meshplan.hazards import hazard_orders
-from meshplan.schedule import KIND, RECV, SEND, OpTable, Schedule, TensorTable
+from meshplan.schedule import KIND, RECV, SEND, Schedule
+from meshplan.search.ilp_order import apply_order, orbit_pairs
 from meshplan.symmetry import find_reduction, identity, link_orbit_rep
 from meshplan.topology import Topology
 
@@ -91,11 +92,16 @@ def model_size(sched: Schedule, topo: Topology) -> int:
     """Intervals the model would hold: one per item (an op, or a batch of sends and recvs) and one per transfer,
     of the representative ranks where the schedule is symmetric."""
     partner = sched.match_transfers()[0]
-    red = identity(sched) if topo.pool_capacity is not None else \
-        find_reduction(sched, topo, CostModel(topo).op_durations(sched), partner, 0.0)
-    rep_partner = np.where(partner >= 0, red.rep_op[np.maximum(partner, 0)], -1)
+    red, rep_partner = _reduction(sched, topo, CostModel(topo).op_durations(sched), partner)
     items = sum(build_items(sched, p, rep_partner, ranks=red.reps).n for p in sched.passes)
     return items + int(((sched.ops.kind == SEND) & np.isin(sched.ops.rank, red.reps)).sum())
+
+
+def _reduction(sched: Schedule, topo: Topology, durations_s: np.ndarray, partner: np.ndarray):
+    """(the exact symmetry reduction — none with a shared core pool, which spans all ranks —, each op's partner
+    mapped to its representative)."""
+    red = identity(sched) if topo.pool_capacity is not None else find_reduction(sched, topo, durations_s, partner, 0.0)
+    return red, np.where(partner >= 0, red.rep_op[np.maximum(partner, 0)], -1)
 
 
 class _Model:
@@ -118,10 +124,8 @@ class _Model:
         self.lat = np.where(comm, np.floor(topo.pair_stats(dev[np.where(comm, src, 0)],
                                                            dev[np.where(comm, dst, 0)])[0] * 1e9), 0).astype(np.int64)
         # symmetric ranks modelled once (exact reductions only; not with a shared core pool, which spans all ranks)
-        self.red = identity(sched) if topo.pool_capacity is not None else \
-            find_reduction(sched, topo, self.dur / 1e9, self.partner, 0.0)
+        self.red, self.rep_partner = _reduction(sched, topo, self.dur / 1e9, self.partner)
         self.reduced = self.red.n_reps < sched.n_ranks
-        self.rep_partner = np.where(self.partner >= 0, self.red.rep_op[np.maximum(self.partner, 0)], -1)
         self.items = {p: build_items(sched, p, self.rep_partner, ranks=self.red.reps) for p in sched.passes}
         self.horizon = int(sum(max(int(self.dur[o.phase == p].sum()), 1) for p in sched.passes)
                            + self.tr[o.kind == SEND].sum() + 1) + 2 * len(o)
@@ -129,10 +133,8 @@ class _Model:
         self.end: dict[tuple[int, int], object] = {}
         self.interval: dict[tuple[int, int], object] = {}
         self.transfers: list[tuple[int, object]] = []   # (send op, interval)
-        self.xstart: list = []                            # transfer start variables
         self.n_intervals = 0
         self.memory = memory
-        self.greedy = self.m.NewBoolVar("greedy_order")   # true: the greedy stream orders (the hint sets it)
         self.buffers: dict[int, list] = {}
         self.orders: list[tuple[np.ndarray, np.ndarray]] = []   # hazard (a, b) op pairs, per pass
         # what the list-scheduling hint (meshplan.search.ilp_hint) needs
@@ -200,7 +202,6 @@ class _Model:
                 m.Add(x_s >= self.start[p, item])
                 m.Add(self.end[p, item] >= x_e)
             self.transfers.append((s, iv))
-            self.xstart.append(x_s)
             self.xinfo.append((p, a, b, lat, int(self.tr[s]), x_s, x_e))
             self.n_intervals += 1
 
@@ -232,7 +233,7 @@ class _Model:
         self.prec.setdefault(p, {"end": set(), "start": set()})["end"].update(pairs)
 
     def _streams(self, p: int, items) -> None:
-        """No-overlap per stream and per rank's compute; the greedy order, enforced by ``self.greedy``."""
+        """No-overlap per stream and per rank's compute; the greedy stream order recorded for the hint."""
         m, o = self.m, self.sched.ops
         first = items.members[items.member_ptr[:-1]]
         groups: dict[tuple, list] = {}
@@ -244,8 +245,6 @@ class _Model:
         for seq in groups.values():     # items are numbered in (rank, stream, program) order
             if len(seq) > 1:
                 m.AddNoOverlap([self.interval[p, i] for i in seq])
-                for a, b in zip(seq, seq[1:]):
-                    m.Add(self.start[p, b] >= self.end[p, a]).OnlyEnforceIf(self.greedy)
                 self.prec.setdefault(p, {"end": set(), "start": set()})["end"].update(zip(seq, seq[1:]))
         for r, entries in busy.items():
             if len({s for s, _, _ in entries}) > 1:
@@ -384,7 +383,7 @@ def solve(sched: Schedule, topo: Topology, *, time_limit_s: float = 10.0, worker
     bound = min(float(solver.BestObjectiveBound()), float(solver.Value(objective)))
     orders = tuple(np.concatenate(x) for x in zip(*model.orders)) if model.orders else None
     if orders is not None and model.reduced:
-        orders = _orbit_pairs(sched, model.red.rep_op, *orders)
+        orders = orbit_pairs(sched, model.red.rep_op, *orders)
     return IlpResult(status, solver.Value(objective) / 1e9, bound / 1e9, solve_s, model.n_intervals, start / 1e9,
                      greedy_s, orders)
 
@@ -397,81 +396,4 @@ def _solver(cp, seconds: float, workers: int, seed: int):
     return solver
 
 
-def apply_order(sched: Schedule, start_s: np.ndarray, orders: tuple[np.ndarray, np.ndarray] | None = None) -> Schedule:
-    """A copy of ``sched`` whose stream orders follow ``start_s`` ([n_ops] seconds): ops renumbered per rank by
-    (pass, start, original id), every op reference (deps, allocating ops, ``free_after``) remapped; ``orders``
-    ((a, b) op pairs, :attr:`IlpResult.orders`) become deps of b where a and b are on different streams.
-    Declared symmetries stay: the simulator checks each against the programs before it uses it."""
-    o, t = sched.ops, sched.tensors
-    if orders is not None and len(orders[0]):
-        sched = _with_deps(sched, *orders)
-        o = sched.ops
-    perm = np.lexsort((np.arange(len(o)), start_s, o.phase, o.rank))      # new position -> old op id
-    new_id = np.empty(len(o), dtype=np.int64)
-    new_id[perm] = np.arange(len(o))
-    fields = {}
-    for name in OpTable.__dataclass_fields__:
-        if name.endswith("_ptr"):
-            continue
-        fields[name] = getattr(o, name)
-    csr = {"dep_ptr": "deps", "in_ptr": "inputs", "out_ptr": "outputs", "qc_ptr": "q_chunks", "kvc_ptr": "kv_chunks"}
-    new = {}
-    for name, value in fields.items():
-        if name in csr.values():
-            continue
-        new[name] = value[perm]
-    for ptr_name, values_name in csr.items():
-        ptr, values = getattr(o, ptr_name), getattr(o, values_name)
-        counts = np.diff(ptr)[perm]
-        idx = np.repeat(ptr[:-1][perm] - np.cumsum(counts) + counts, counts) + np.arange(counts.sum())
-        vals = values[idx]
-        if values_name == "deps":
-            vals = new_id[vals]
-        new[ptr_name] = np.r_[0, np.cumsum(counts)].astype(ptr.dtype)
-        new[values_name] = vals
-    ops = OpTable(**new)
-    tensors = TensorTable(**{name: getattr(t, name) for name in TensorTable.__dataclass_fields__})
-    tensors.alloc_op = np.where(t.alloc_op >= 0, new_id[np.maximum(t.alloc_op, 0)], -1)
-    tensors.free_after = new_id[t.free_after] if len(t.free_after) else t.free_after.copy()
-    return Schedule(sched.algorithm, dict(sched.knobs), sched.workload, sched.n_ranks, sched.n_chunks,
-                    sched.device_of_rank, sched.topology, sched.streams, ops, tensors, list(sched.symmetries))
-
-
-def _with_deps(sched: Schedule, a: np.ndarray, b: np.ndarray) -> Schedule:
-    """``sched`` with dep a → b added for every pair on different streams that is not a dep already."""
-    o = sched.ops
-    cross = o.stream[a] != o.stream[b]
-    a, b = a[cross], b[cross]
-    owner = np.repeat(np.arange(len(o)), np.diff(o.dep_ptr))
-    have = set(zip(o.deps.tolist(), owner.tolist()))
-    new = sorted({(int(x), int(y)) for x, y in zip(a.tolist(), b.tolist())} - have, key=lambda e: (e[1], e[0]))
-    if not new:
-        return sched
-    add_a = np.asarray([x for x, _ in new], dtype=o.deps.dtype)
-    add_b = np.asarray([y for _, y in new], dtype=np.int64)
-    dep_owner = np.r_[owner, add_b]
-    deps = np.r_[o.deps, add_a]
-    order = np.lexsort((deps, dep_owner))
-    fields = {name: getattr(o, name) for name in OpTable.__dataclass_fields__}
-    fields["deps"] = deps[order]
-    fields["dep_ptr"] = np.r_[0, np.cumsum(np.bincount(dep_owner, minlength=len(o)))].astype(o.dep_ptr.dtype)
-    return Schedule(sched.algorithm, sched.knobs, sched.workload, sched.n_ranks, sched.n_chunks,
-                    sched.device_of_rank, sched.topology, sched.streams, OpTable(**fields), sched.tensors,
-                    list(sched.symmetries))
-
-
-def _orbit_pairs(sched: Schedule, rep_op: np.ndarray, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Op pairs of the representative ranks, repeated at the same positions on every rank they represent (so
-    the deps they become keep the programs alike)."""
-    o = sched.ops
-    local = np.arange(len(o)) - sched.rank_ptr[o.rank]
-    by_b: dict[int, list[int]] = {}
-    for x, y in zip(a.tolist(), b.tolist()):
-        by_b.setdefault(y, []).append(x)
-    out_a, out_b = [], []
-    for op in np.flatnonzero(np.isin(rep_op, b)).tolist():
-        base = sched.rank_ptr[o.rank[op]]
-        for x in by_b[int(rep_op[op])]:
-            out_a.append(base + local[x])
-            out_b.append(op)
-    return np.asarray(out_a, dtype=np.int64), np.asarray(out_b, dtype=np.int64)
+__all__ = ["IlpResult", "apply_order", "model_size", "solve"]

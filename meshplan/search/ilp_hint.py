@@ -57,7 +57,6 @@ def greedy_solution(model) -> tuple[dict, int]:
     for p, items in model.items.items():
         barrier = _one_pass(model, p, items, barrier, by_pass.get(p, []), state, value)
         value[model.pass_end[p]] = barrier
-    value[model.greedy] = 1
     return value, barrier
 
 

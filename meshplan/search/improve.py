@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from meshplan import algorithms
-from meshplan.metrics import combine, pass_metrics
+from meshplan.metrics import predicted
 from meshplan.predict import Candidate
 from meshplan.simulate import simulate
 from meshplan.verify import verify
@@ -75,7 +75,7 @@ def improve(result, scheduler: str, *, time_limit_s: float, workers: int = 0, wr
         if scheduler == "auto" and greedy_s <= c.bound_s * (1 + AUTO_GAP):
             c.scheduler = not_run(scheduler, f"greedy within {AUTO_GAP:.0%} of the bound")
             continue
-        sched = c.schedule if c.schedule is not None else algorithms.get(c.algorithm).schedule(c.plan, topo)
+        sched = _schedule_of(c, topo)
         size = ilp.model_size(sched, topo)
         if size > ILP_MAX_INTERVALS:
             c.scheduler = not_run(scheduler, f"{size} intervals > {ILP_MAX_INTERVALS}")
@@ -103,8 +103,7 @@ def improve(result, scheduler: str, *, time_limit_s: float, workers: int = 0, wr
 def _keep(c: Candidate, sched, sim, topo, ccr) -> None:
     """Adopt the re-simulated CP-SAT order as the candidate's schedule and prediction."""
     c.schedule, c.sim = sched, sim
-    parts = {("fwd", "bwd")[p]: pass_metrics(sched, topo, sim, p) for p in sched.passes}
-    c.predicted = combine(parts, ccr)
+    c.predicted = predicted(sched, topo, sim, ccr)
 
 
 def improve_mapping(result, max_evals: int, *, write: int = 1,
@@ -124,7 +123,7 @@ def improve_mapping(result, max_evals: int, *, write: int = 1,
     for k, c in enumerate(sim[:max(write, 1)]):
         if progress:
             progress(k, min(len(sim), max(write, 1)), f"placement {c.algorithm} {c.workload.layout}")
-        sched = c.schedule if c.schedule is not None else algorithms.get(c.algorithm).schedule(c.plan, topo)
+        sched = _schedule_of(c, topo)
         res = search_mapping(sched, topo, max_evals=max_evals)
         c.mapping_search = res.to_dict()
         if res.best_s < c.predicted["makespan_s"] * (1 - 1e-9):
@@ -132,6 +131,13 @@ def improve_mapping(result, max_evals: int, *, write: int = 1,
             _keep(c, new, simulate(new, topo), topo, result.ring_ccr)
     _rerank(result, sim)
     result.wall_s += time.perf_counter() - t0
+
+
+def _schedule_of(c: Candidate, topo):
+    """The candidate's schedule, rebuilt if the search dropped it (as ``write_best`` does)."""
+    if c.schedule is None:
+        c.schedule = algorithms.get(c.algorithm).schedule(c.plan, topo)
+    return c.schedule
 
 
 def _rerank(result, sim: list[Candidate]) -> None:
