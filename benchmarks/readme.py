@@ -255,14 +255,32 @@ def block_executor_overhead(r) -> str:
             "pass-Q and Mesh.\n")
 
 
+def block_job_tp(r) -> str:
+    d = r["job_tp"]
+    if not d:
+        return "`python benchmarks/job_tp.py` has not been run.\n"
+    out = [f"`python benchmarks/job_tp.py` ({d['date']}; {d['model']} attention, {d['seq_len']} tokens, causal, "
+           f"fwd+bwd, a {d['world']}-GPU job on `{d['topology']}`, DP 1; the best {d['top']} group plans re-ranked "
+           "by all CP groups at once; simulated):\n",
+           "| TP | CP | rank order | CP group 0 | best plan in the job | job | group 0 alone | as planned (1 node) | "
+           "the group-only pick, in the job |", "|---|---|---|---|---|---|---|---|---|"]
+    for row in d["rows"]:
+        knobs = " ".join(f"{k}={v}" for k, v in row["knobs"].items()
+                         if k in ("ulysses_degree", "tile", "rank_order", "domains", "team_size", "inner_ring"))
+        out.append(f"| {row['tp']} | {row['cp']} | `{row['order']}` | {row['group0']} | {row['algorithm']} "
+                   f"{row['layout']} {knobs} | {ms(row['job_s'])} | {ms(row['alone_s'])} | {ms(row['group_s'])} | "
+                   f"{row['group_best']}: {ms(row['group_best_job_s'])} |")
+    return "\n".join(out) + "\n"
+
+
 BLOCKS = {"stamp": block_stamp, "main-job": block_main_job, "cli-examples": block_cli_examples,
           "run-example": block_run_example, "reproduce": block_reproduce, "validate-cpu": block_validate_cpu,
           "mesh-seed": block_mesh_seed, "mesh-greedy": block_mesh_greedy, "baselines": block_baselines,
           "speed": block_speed, "executor-overhead": block_executor_overhead, "ilp-gap": block_ilp_gap,
-          "mapping-search": block_mapping_search}
+          "mapping-search": block_mapping_search, "job-tp": block_job_tp}
 SOURCES = ("readme_cli", "reproduce_charm_h100", "reproduce_charm_ablation", "validate_cpu", "mesh_seed",
            "mesh_greedy", "baselines_table", "planner_speed", "executor_overhead", "ilp_gap",
-           "mapping_search")
+           "mapping_search", "job_tp")
 
 
 def render(text: str, stamp: str | None = None) -> str:

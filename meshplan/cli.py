@@ -19,6 +19,7 @@ except ImportError:  # pragma: no cover
     import click.exceptions as _cx
 
 from meshplan import cli_options as o
+from meshplan import cli_sensitivity as sv
 
 
 class _Group(TyperGroup):
@@ -82,7 +83,8 @@ def _emit(body, as_json: bool, human) -> None:
 def search(gpus: o.Gpus = None, topo: o.Topo = None, model: o.Model = None, seq_len: o.SeqLen = None,
            batch: o.Batch = None, heads: o.Heads = None, kv_heads: o.KvHeads = None, head_dim: o.HeadDim = None,
            dtype: o.Dtype = None, mask: o.MaskOpt = None, layout: o.Layout = None, passes: o.Pass = None,
-           valid_len: o.ValidLen = None, tile: o.Tile = None, mapping: o.Mapping = None,
+           valid_len: o.ValidLen = None, prefix_len: o.PrefixLen = None,
+             doc_layout: o.DocLayout = None, tile: o.Tile = None, mapping: o.Mapping = None,
            partial_dtype: o.PartialDtype = None, dkv_dtype: o.DkvDtype = None, ulysses_degree: o.UlyssesDegree = None,
            inner_ring: o.InnerRing = None, team_size: o.TeamSize = None, domains: o.Domains = None,
            knob: o.KnobKV = None,
@@ -102,8 +104,17 @@ def search(gpus: o.Gpus = None, topo: o.Topo = None, model: o.Model = None, seq_
                "--memory-limit", help="bytes per GPU (80GiB, 64GB, ...)")] = None,
            prune_slack: Annotated[float, typer.Option(
                "--prune-slack", help="prune within this fraction of the best (0: exact)")] = 0.01,
+           tp: Annotated[int, typer.Option("--tp", help="tensor-parallel size around the CP group (heads / TP)",
+                                           rich_help_panel="Job")] = 1,
+           dp: Annotated[int, typer.Option("--dp", help="data-parallel size (CP groups x TP run at once)",
+                                           rich_help_panel="Job")] = 1,
+           rank_order: Annotated[str, typer.Option("--rank-order", help="job rank order, innermost first "
+                                                   "(Megatron-LM: tp-cp-dp)", rich_help_panel="Job")] = "tp-cp-dp",
+           sensitivity: sv.Sensitivity = None, sensitivity_samples: sv.Samples = 20, sensitivity_top: sv.Top = 5,
+           sensitivity_seed: sv.Seed = 0, pick: sv.Pick = "nominal",
            as_json: o.Json = False) -> None:
-    """Rank every algorithm, layout and knob setting for a workload on a cluster; write the best schedules."""
+    """Rank every algorithm, layout and knob setting for a workload on a cluster; write the best schedules.
+    With --tp/--dp, --gpus is the CP group size and the best plans are re-ranked by the whole job's time."""
     from meshplan.errors import UserError
     from meshplan.search import run_search, search_json, write_best
     from meshplan.units import parse_bytes
@@ -126,8 +137,16 @@ def search(gpus: o.Gpus = None, topo: o.Topo = None, model: o.Model = None, seq_
         raise UserError("--map-search", f"placement search is for up to 64 ranks, not {gpus}", "drop --map-search")
     if not 0 <= prune_slack < 1:
         raise UserError("--prune-slack", f"{prune_slack} is outside [0, 1)", "give a fraction such as 0.01")
+    from meshplan.search.sensitivity import check_args, run_sensitivity
+    check_args(sensitivity, sensitivity_samples, sensitivity_top, pick,
+               job=tp != 1 or dp != 1 or rank_order != "tp-cp-dp")
     topology = o.topology(topo, gpus, "search")
-    base = o.workload(model, seq_len, batch, heads, kv_heads, head_dim, dtype, mask, layout, passes, valid_len)
+    base = o.workload(model, seq_len, batch, heads, kv_heads, head_dim, dtype, mask, layout, passes, valid_len,
+                    prefix_len, doc_layout)
+    job = None
+    if tp != 1 or dp != 1 or rank_order != "tp-cp-dp":
+        from meshplan.cli_job import job_setup
+        job, base, job_topo = job_setup(gpus, topo, base, tp, dp, rank_order, scheduler, map_search)
     filters = o.knobs(tile, mapping, partial_dtype, dkv_dtype, ulysses_degree, inner_ring, team_size, domains, knob)
     names = [a.strip() for a in algos.split(",")] if algos else None
     limit = parse_bytes(memory_limit, "--memory-limit") if memory_limit else None
@@ -137,6 +156,11 @@ def search(gpus: o.Gpus = None, topo: o.Topo = None, model: o.Model = None, seq_
         result = run_search(base, topology, gpus, algos=names, filters=filters, layout_pinned=layout is not None,
                             memory_limit=limit, prune_slack=prune_slack,
                             progress=lambda k, n, label: progress.update(task, total=n, completed=k, description=label))
+        from meshplan.search.frameworks import framework_bests, frameworks_json
+        progress.update(task, description="the frameworks' settings")
+        bests = framework_bests(result, names, filters)
+        from meshplan.inference import rule_report
+        inference = rule_report(result)
         if map_search:
             from meshplan.search.improve import improve_mapping
             improve_mapping(result, map_search, write=write,
@@ -146,6 +170,14 @@ def search(gpus: o.Gpus = None, topo: o.Topo = None, model: o.Model = None, seq_
             improve(result, scheduler, time_limit_s=ilp_time_limit_s, workers=ilp_workers, write=write,
                     memory_limit=limit,
                     progress=lambda k, n, label: progress.update(task, total=n, completed=k, description=label))
+        sens = None if sensitivity is None else run_sensitivity(
+            result, sensitivity, samples=sensitivity_samples, top=sensitivity_top, seed=sensitivity_seed, pick=pick,
+            progress=lambda k, n, label: progress.update(task, total=n, completed=k, description=label))
+        job_body = None
+        if job is not None:
+            from meshplan.search.job import rerank_for_job
+            job_body = rerank_for_job(result, job, job_topo, max(top, write), progress=lambda k, n, label:
+                                      progress.update(task, total=n, completed=k, description=label))
         if write > 0:
             progress.update(task, description=f"verifying and writing {write} schedule(s)")
             write_best(result, write, out)
@@ -153,8 +185,15 @@ def search(gpus: o.Gpus = None, topo: o.Topo = None, model: o.Model = None, seq_
         raise UserError("--algos" if names else "--gpus", "no candidate can run this workload",
                         "see the skipped reasons with --json, or change the filters")
     body = search_json(result, scheduler)
+    body["frameworks"] = frameworks_json(bests, body["candidates"][0]["predicted"].get("makespan_s"))
+    if inference is not None:
+        body["inference"] = inference
+    if job_body is not None:
+        body["job"] = job_body
+    if sens is not None:
+        body["sensitivity"] = sens
     from meshplan.cli_output import print_search
-    _emit(body, as_json, lambda c: print_search(body, c, top))
+    _emit(body, as_json, lambda c: (print_search(body, c, top), sv.print_sensitivity(body, c)))
 
 
 def _progress():
@@ -169,7 +208,8 @@ def simulate(schedule: Annotated[Optional[str], typer.Argument(help="a schedule 
              gpus: o.Gpus = None, topo: o.Topo = None, model: o.Model = None, seq_len: o.SeqLen = None,
              batch: o.Batch = None, heads: o.Heads = None, kv_heads: o.KvHeads = None, head_dim: o.HeadDim = None,
              dtype: o.Dtype = None, mask: o.MaskOpt = None, layout: o.Layout = None, passes: o.Pass = None,
-             valid_len: o.ValidLen = None, tile: o.Tile = None, mapping: o.Mapping = None,
+             valid_len: o.ValidLen = None, prefix_len: o.PrefixLen = None,
+             doc_layout: o.DocLayout = None, tile: o.Tile = None, mapping: o.Mapping = None,
              partial_dtype: o.PartialDtype = None, dkv_dtype: o.DkvDtype = None,
              ulysses_degree: o.UlyssesDegree = None, inner_ring: o.InnerRing = None, team_size: o.TeamSize = None,
              domains: o.Domains = None, knob: o.KnobKV = None,
@@ -192,7 +232,8 @@ def simulate(schedule: Annotated[Optional[str], typer.Argument(help="a schedule 
                             "drop them, or give --algo NAME")
         simulate_file(schedule, topo, trace, as_json, _emit)
         return
-    wl = o.workload(model, seq_len, batch, heads, kv_heads, head_dim, dtype, mask, layout, passes, valid_len)
+    wl = o.workload(model, seq_len, batch, heads, kv_heads, head_dim, dtype, mask, layout, passes, valid_len,
+                    prefix_len, doc_layout)
     kn = o.knobs(tile, mapping, partial_dtype, dkv_dtype, ulysses_degree, inner_ring, team_size, domains, knob)
     if tp != 1 or dp != 1 or rank_order != "tp-cp-dp":
         from meshplan.cli_job import simulate_job

@@ -5,6 +5,29 @@ from __future__ import annotations
 from meshplan.errors import UserError
 
 
+def job_setup(gpus, topo, workload, tp, dp, rank_order, scheduler, map_search):
+    """``search --tp/--dp``: (the job shape, the CP group's workload, the job's topology).
+
+    Raises:
+        UserError: a bad job shape, TP that does not divide the heads, a job larger than the topology, or a
+            search option the job ranking does not take yet.
+    """
+    from meshplan.cli_options import topology
+    from meshplan.job import JobShape
+
+    if scheduler != "greedy" or map_search:
+        flag = "--scheduler" if scheduler != "greedy" else "--map-search"
+        raise UserError(flag, "is not combined with --tp/--dp yet", f"drop {flag}, or search the CP group alone")
+    shape = JobShape(tp, gpus, dp, rank_order)
+    cp_w = shape.cp_workload(workload)
+    try:
+        job_topo = topology(topo, shape.world, "search")
+    except UserError as err:
+        raise UserError("--dp" if dp > 1 else "--tp", f"a TP {tp} x CP {gpus} x DP {dp} job needs {shape.world} "
+                        f"GPUs: {err.problem}", err.fix) from None
+    return shape, cp_w, job_topo
+
+
 def simulate_job(algo, gpus, topo, workload, knobs, tp, dp, rank_order, out, trace, as_json, emit) -> None:
     """Plan ``algo`` for one CP group of ``gpus`` ranks (heads / TP) and simulate all TP x DP groups together on
     the job's GPUs (:mod:`meshplan.job`); ``predicted`` is the job's (its slowest group), ``job.alone_s`` group 0

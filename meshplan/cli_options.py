@@ -21,12 +21,19 @@ Heads = Annotated[Optional[int], typer.Option("--heads", help="query heads (over
 KvHeads = Annotated[Optional[int], typer.Option("--kv-heads", help="KV heads (GQA)", rich_help_panel=WL)]
 HeadDim = Annotated[Optional[int], typer.Option("--head-dim", help="head dimension", rich_help_panel=WL)]
 Dtype = Annotated[Optional[str], typer.Option("--dtype", help="bf16 | fp16 | fp32", rich_help_panel=WL)]
-MaskOpt = Annotated[Optional[str], typer.Option("--mask", help="full | causal | window:W | docs:L1,L2,...",
+MaskOpt = Annotated[Optional[str], typer.Option("--mask", help="full | causal | window:W | docs:L1[+P1],L2,... | "
+                                                             "cu_seqlens:0,E1,E2,...",
                                                 rich_help_panel=WL)]
 Layout = Annotated[Optional[str], typer.Option("--layout", help="contiguous | zigzag | striped", rich_help_panel=WL)]
 Pass = Annotated[Optional[str], typer.Option("--pass", help="fwd | bwd | fwd+bwd", rich_help_panel=WL)]
 ValidLen = Annotated[Optional[str], typer.Option("--valid-len", help="tokens past this are padding",
                                                  rich_help_panel=WL)]
+PrefixLen = Annotated[Optional[str], typer.Option(
+    "--prefix-len", rich_help_panel=WL,
+    help="inference: the first P tokens of --seq-len are a KV cache (keys only); S - P new tokens (1: decode)")]
+DocLayout = Annotated[Optional[str], typer.Option(
+    "--doc-layout", rich_help_panel=WL,
+    help="docs masks: per-doc (each document cut by the layout, default) | packed (the packed stream)")]
 
 Tile = Annotated[Optional[str], typer.Option("--tile", help="Mesh tile AxB", rich_help_panel=KN)]
 Mapping = Annotated[Optional[str], typer.Option("--mapping", help="rank -> GPU placement (default auto)",
@@ -61,12 +68,14 @@ Seed = Annotated[int, typer.Option("--seed", help="seed of the random inputs")]
 Inputs = Annotated[Optional[str], typer.Option("--inputs", help=".npz with q, k, v (and dout) in (B, S, H, D)")]
 
 
-def workload(model, seq_len, batch, heads, kv_heads, head_dim, dtype, mask, layout, passes, valid_len):
+def workload(model, seq_len, batch, heads, kv_heads, head_dim, dtype, mask, layout, passes, valid_len,
+             prefix_len=None, doc_layout=None):
     """A Workload from the flags (explicit > preset > defaults)."""
     from meshplan.workload import resolve
 
     return resolve(model=model, seq_len=seq_len, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                   dtype=dtype, mask=mask, layout=layout, passes=passes, valid_len=valid_len)
+                   dtype=dtype, mask=mask, layout=layout, passes=passes, valid_len=valid_len,
+                   prefix_len=prefix_len, doc_layout=doc_layout)
 
 
 def knobs(tile, mapping, partial_dtype, dkv_dtype, ulysses_degree, inner_ring, team_size, domains,

@@ -16,7 +16,8 @@ _ROWS = [("makespan_s", "makespan", fmt_seconds), ("compute_s", "compute (critic
          ("compute_to_comm", "compute / communication", lambda x: f"{x:.3g}"),
          ("ring_ccr", "Ring CCR (CHARM+ definition)", lambda x: f"{x:.3g}"),
          ("bytes_per_flop", "bytes / FLOP", lambda x: f"{x:.3g}"),
-         ("peak_memory_bytes", "peak buffer memory / GPU", fmt_bytes)]
+         ("peak_memory_bytes", "peak buffer memory / GPU", fmt_bytes),
+         ("work_imbalance", "work imbalance (max / mean rank)", lambda x: f"{x:.3g}")]
 
 
 def _fmt(value: Any, f) -> str:
@@ -58,6 +59,9 @@ def print_search(body: dict[str, Any], console: Console, top: int) -> None:
     solver = any(c["scheduler"]["requested"] != "greedy" for c in body["candidates"])
     if solver:
         table.add_column("order kept (CP-SAT status, gap to its own bound)", justify="left")
+    job = body.get("job")
+    if job:
+        table.add_column(f"job: {job['groups']} CP groups at once", justify="right")
     for i, c in enumerate(body["candidates"][:top], start=1):
         p = c["predicted"]
         sim = c["model_level"] == "simulated"
@@ -70,7 +74,8 @@ def print_search(body: dict[str, Any], console: Console, top: int) -> None:
                       _fmt(p["exposed_comm_s"], fmt_seconds), _fmt(p["comm_bytes_per_gpu_max"], fmt_bytes),
                       _fmt(p["inter_node_bytes_per_gpu_max"], fmt_bytes),
                       _fmt(p["compute_to_comm"], lambda x: f"{x:.3g}"), _fmt(p["peak_memory_bytes"], fmt_bytes),
-                      *([_order_text(c["scheduler"])] if solver else []))
+                      *([_order_text(c["scheduler"])] if solver else []),
+                      *([_fmt((c.get("job") or {}).get("together_s"), fmt_seconds)] if job else []))
     console.print(table)
     for i, c in enumerate(body["candidates"], start=1):
         m = c.get("mapping_search")
@@ -85,6 +90,50 @@ def print_search(body: dict[str, Any], console: Console, top: int) -> None:
     console.print(f"{counts['enumerated']} enumerated, {counts['simulated']} simulated, {counts['pruned']} left at "
                   f"their closed-form bound (prune slack {counts['prune_slack']:.0%}{unsim}); skipped: {skipped}; "
                   f"{body['wall_s']:.2f} s", soft_wrap=True)
+    if job:
+        console.print(f"job TP {job['tp']} x CP {job['cp']} x DP {job['dp']} ({job['order']}, innermost first) on "
+                      f"{job['topology']['devices']} GPUs: time = one CP group alone on its GPUs; the best "
+                      f"{job['ranked_as_job']} re-ranked by all {job['groups']} groups at once", soft_wrap=True)
+    if body.get("inference"):
+        print_inference(body["inference"], console)
+    if body.get("frameworks"):
+        print_frameworks(body["frameworks"], console)
+
+
+def print_inference(inf: dict[str, Any], console: Console) -> None:
+    """Meta's pass-KV / pass-Q rule beside the simulated best of each (search with --prefix-len)."""
+    rule, sim = inf["rule"], inf["simulated"]
+    times = ", ".join(f"{k} {fmt_seconds(v['time_s'])}" for k, v in sim.items())
+    verdict = ("agrees" if inf["agree"] else f"disagrees (its pick is {inf['rule_regret_pct']:.1f}% slower)") \
+        if inf["agree"] is not None else "cannot be compared (one method only)"
+    console.print(f"inference, {inf['prefix_len']} cached + {inf['new_tokens']} new tokens: Meta's rule picks "
+                  f"{rule['choice']} ({rule['reason']}); simulated: {times}; the rule {verdict}", soft_wrap=True)
+
+
+def print_frameworks(frameworks: list[dict[str, Any]], console: Console) -> None:
+    """Each framework's best setting, its predicted time and its ratio to the search's best plan."""
+    table = Table(title="the best setting each framework offers (simulated)", title_justify="left")
+    for col, just in (("framework", "left"), ("settings", "left"), ("plan", "left"), ("time", "right"),
+                      ("vs best", "right")):
+        table.add_column(col, justify=just)
+    for f in frameworks:
+        if f["settings"] is None:
+            table.add_row(f["framework"], f"not expressible: {f['reason']}", "-", "-", "-")
+            continue
+        plan = f"{f['algorithm']} {f['layout']} {_knob_text(f['knobs'], f['algorithm'])}".strip()
+        table.add_row(f["framework"], f["cli"], plan, fmt_seconds(f["time_s"]),
+                      _fmt(f["vs_best"], lambda x: f"{x:.2f}x"))
+    console.print(table)
+    for f in frameworks:
+        if f["expresses_best"]:
+            console.print(f"the best plan in {f['framework']}: {f['expresses_best']}", soft_wrap=True)
+    left = sum(len(f.get("not_evaluated", [])) for f in frameworks)
+    if left:
+        console.print(f"{left} framework settings the search does not list were not evaluated at this size (--json "
+                      "lists them, each with the simulate command that times it)", soft_wrap=True)
+    if any(f["settings"] is not None and f["vs_best"] is not None and f["vs_best"] < 1 for f in frameworks):
+        console.print("vs best < 1: that setting's plan is outside what search enumerates (knobs it keeps at their "
+                      "defaults); pin them with the knob flags to rank it", soft_wrap=True)
 
 
 def _order_text(s: dict[str, Any]) -> str:

@@ -43,7 +43,8 @@ def matrix(schedule: Annotated[Optional[str], typer.Argument(help="a schedule fi
            gpus: o.Gpus = None, topo: o.Topo = None, model: o.Model = None, seq_len: o.SeqLen = None,
            batch: o.Batch = None, heads: o.Heads = None, kv_heads: o.KvHeads = None, head_dim: o.HeadDim = None,
            dtype: o.Dtype = None, mask: o.MaskOpt = None, layout: o.Layout = None, passes: o.Pass = None,
-           valid_len: o.ValidLen = None, tile: o.Tile = None, mapping: o.Mapping = None,
+           valid_len: o.ValidLen = None, prefix_len: o.PrefixLen = None,
+             doc_layout: o.DocLayout = None, tile: o.Tile = None, mapping: o.Mapping = None,
            ulysses_degree: o.UlyssesDegree = None, inner_ring: o.InnerRing = None, team_size: o.TeamSize = None,
            domains: o.Domains = None, knob: o.KnobKV = None) -> None:
     """The Q-chunk x KV-chunk grid coloured by the rank computing each block (grey: skipped by the mask)."""
@@ -60,7 +61,8 @@ def matrix(schedule: Annotated[Optional[str], typer.Argument(help="a schedule fi
         sched, where = read_schedule(schedule), Path(schedule).name
     else:
         from meshplan.predict import predict
-        wl = o.workload(model, seq_len, batch, heads, kv_heads, head_dim, dtype, mask, layout, passes, valid_len)
+        wl = o.workload(model, seq_len, batch, heads, kv_heads, head_dim, dtype, mask, layout, passes, valid_len,
+                    prefix_len, doc_layout)
         kn = o.knobs(tile, mapping, None, None, ulysses_degree, inner_ring, team_size, domains, knob)
         topo_obj = o.topology(topo, gpus, "plot matrix")
         sched = predict(algo, wl, topo_obj, gpus or topo_obj.n_devices, kn).schedule
@@ -91,7 +93,8 @@ def scaling(out: Out = ..., topo: o.Topo = None,
             algos: Annotated[str, typer.Option("--algos", help="algorithms, comma-separated")] = "ring,usp,mesh",
             model: o.Model = None, seq_len: o.SeqLen = None, batch: o.Batch = None, heads: o.Heads = None,
             kv_heads: o.KvHeads = None, head_dim: o.HeadDim = None, dtype: o.Dtype = None, mask: o.MaskOpt = None,
-            layout: o.Layout = None, passes: o.Pass = None, valid_len: o.ValidLen = None) -> None:
+            layout: o.Layout = None, passes: o.Pass = None, valid_len: o.ValidLen = None,
+            prefix_len: o.PrefixLen = None, doc_layout: o.DocLayout = None) -> None:
     """Predicted time and bytes received per GPU against the GPU count, per algorithm (default knobs)."""
     from meshplan.errors import UserError
     from meshplan.plot import check_out, save, scaling_figure
@@ -105,7 +108,8 @@ def scaling(out: Out = ..., topo: o.Topo = None,
         if not item.isdigit() or int(item) < 1:
             raise UserError("--gpus", f"cannot read {item!r} as a GPU count", "write e.g. --gpus 8,16,32")
         counts.append(int(item))
-    wl = o.workload(model, seq_len, batch, heads, kv_heads, head_dim, dtype, mask, layout, passes, valid_len)
+    wl = o.workload(model, seq_len, batch, heads, kv_heads, head_dim, dtype, mask, layout, passes, valid_len,
+                    prefix_len, doc_layout)
     data = scaling_data(topo, sorted(set(counts)), parse_list(algos, "--algos"), wl)
     for line in data.skipped:
         sys.stderr.write(f"skipped: {line}\n")

@@ -24,6 +24,7 @@ import numpy as np
 from meshplan.errors import UserError
 from meshplan.workload import Workload
 
+KV_KINDS = ("kv", "dkv")   # tensor kinds over every token of their chunks; the rest hold query tokens only
 BWD_FLOP_FACTOR = 2.5  # FlashAttention-2 paper (arXiv 2307.08691) §3: backward = 2.5x forward matmul FLOPs
 _INF = 2**50
 
@@ -80,7 +81,10 @@ def restrict(start, stride, count, lo, hi):
 class Chunking:
     """The token sets of ``n`` chunks, each ``n_seg`` segments (arrays of shape [n, n_seg]).
 
-    ``offset[i, k]`` is where segment k starts in chunk i's local token order (chunk-local index).
+    ``offset[i, k]`` is where segment k starts in chunk i's local token order (chunk-local index);
+    ``q_offset[i, k]`` the same in the order of its query tokens (the segments of query-holding regions;
+    without a cached prefix, every segment). ``holds_q[k]``: segment column k belongs to a query region;
+    ``real_end[k]``: tokens of column k at positions >= it are padding.
     """
 
     layout: str
@@ -89,48 +93,105 @@ class Chunking:
     stride: np.ndarray
     count: np.ndarray
     offset: np.ndarray
+    holds_q: np.ndarray
+    real_end: np.ndarray
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """[n] tokens per chunk (KV side: every token the chunk holds)."""
+        return self.count.sum(axis=1)
+
+    @property
+    def q_tokens(self) -> np.ndarray:
+        """[n] query tokens per chunk (its tokens outside a cached prefix)."""
+        return (self.count * self.holds_q[None, :]).sum(axis=1)
+
+    @property
+    def q_offset(self) -> np.ndarray:
+        qc = self.count * self.holds_q[None, :]
+        return np.cumsum(qc, axis=1) - qc
 
     @property
     def tokens_per_chunk(self) -> int:
-        """c: tokens per chunk (equal for every chunk of a layout)."""
-        return int(self.count[0].sum())
+        """c: tokens per chunk (the smallest chunk's, where a decode token makes one chunk bigger)."""
+        return int(self.tokens.min())
 
     def segments(self, i: int) -> list[tuple[int, int, int]]:
         """Chunk i's segments as (start, stride, count) of global token positions, in local order."""
-        return [(int(a), int(b), int(c)) for a, b, c in zip(self.start[i], self.stride[i], self.count[i])]
+        return [(int(a), int(b), int(c)) for a, b, c in zip(self.start[i], self.stride[i], self.count[i]) if c]
 
     def positions(self, i: int) -> np.ndarray:
         """Global token positions of chunk i in its local order (for tests and the executor)."""
-        return np.concatenate([a + b * np.arange(c) for a, b, c in self.segments(i)])
+        return np.concatenate([a + b * np.arange(c) for a, b, c in self.segments(i)] or [np.zeros(0, np.int64)])
+
+
+def _granularity_error(workload: Workload, n: int, unit: int, bad: list[tuple[int, int]]) -> UserError:
+    """The one-line error for regions that the layout cannot cut evenly, with the padding that fixes it."""
+    w, layout = workload, workload.layout
+    what = f"2·N = {unit}" if layout == "zigzag" else f"N = {unit}"
+    pad = lambda x: -(-x // unit) * unit  # noqa: E731
+    if w.mask.kind == "docs" and w.doc_layout == "per-doc":
+        real = w.mask.doc_real_lens()
+        spec = ",".join(f"{r}+{pad(sl) - r}" if pad(sl) != r else str(r) for r, sl in zip(real, w.mask.doc_lens))
+        k, size = bad[0]
+        return UserError("--mask", f"document {k + 1} has {size} tokens, not a multiple of {what} for the per-document "
+                         f"{layout} layout", f"pad each document: --mask docs:{spec} --seq-len "
+                         f"{sum(pad(sl) for sl in w.mask.doc_lens)} (or --doc-layout packed)")
+    if w.prefix_len:
+        k, size = bad[0]
+        if k == 0:
+            return UserError("--prefix-len", f"{size} cached tokens are not a multiple of {what} for the {layout} "
+                             "layout", f"use a cache of {pad(size)} tokens, or a multiple of {unit}")
+        return UserError("--seq-len", f"{size} new tokens are not a multiple of {what} (nor fewer than N = {n}, "
+                         "a decode step)", f"give --seq-len {w.prefix_len + pad(size)} or fewer than {n} new tokens")
+    S = w.seq_len
+    return UserError("--seq-len", f"{S} is not a multiple of {what} for the {layout} layout",
+                     f"pad to {pad(S)} and mask the padding: --seq-len {pad(S)} --valid-len {w.n_valid}")
+
+
+def _cut(layout: str, n: int, a: int, length: int, decode: bool):
+    """[n, k] (start, stride, count) of one region [a, a + length) cut by the layout into n chunks.
+
+    A decode region (fewer new tokens than chunks) gives token t to chunk t (round-robin, as Meta appends
+    each decode step's KV to the next rank).
+    """
+    idx = np.arange(n, dtype=np.int64)[:, None]
+    if decode:
+        return idx + a, np.full_like(idx, n if layout == "striped" else 1), (idx < length).astype(np.int64)
+    if layout == "contiguous":
+        c = length // n
+        return a + idx * c, np.ones_like(idx), np.full_like(idx, c)
+    if layout == "zigzag":
+        p = length // (2 * n)
+        start = a + np.concatenate([idx * p, (2 * n - 1 - idx) * p], axis=1)
+        return start, np.ones_like(start), np.full_like(start, p)
+    return a + idx, np.full_like(idx, n), np.full_like(idx, length // n)
 
 
 def chunking(workload: Workload, n: int) -> Chunking:
-    """Cut the sequence into ``n`` chunks by the workload's layout.
+    """Cut every region of the workload (:meth:`Workload.regions`) into ``n`` chunks by its layout.
+
+    Chunk i holds its piece of each region, in region order (a document's zigzag pieces i and 2N−1−i, then
+    the next document's). A region of new tokens shorter than N (decode) goes round-robin, one token a chunk.
 
     Raises:
-        UserError: the sequence length is not a multiple of the layout's granularity (N, or 2N for
-            zigzag); the message gives the padded length to use with ``--valid-len``.
+        UserError: a region is not a multiple of the layout's granularity (N, or 2N for zigzag); the message
+            gives the padding to use.
     """
-    S, layout = workload.seq_len, workload.layout
+    layout = workload.layout
     unit = 2 * n if layout == "zigzag" else n
-    if S % unit:
-        padded = -(-S // unit) * unit
-        what = f"2·N = {unit}" if layout == "zigzag" else f"N = {unit}"
-        real = workload.n_valid
-        raise UserError("--seq-len", f"{S} is not a multiple of {what} for the {layout} layout",
-                        f"pad to {padded} and mask the padding: --seq-len {padded} --valid-len {real}")
-    idx = np.arange(n, dtype=np.int64)[:, None]
-    if layout == "contiguous":
-        c = S // n
-        start, stride, count = idx * c, np.ones_like(idx), np.full_like(idx, c)
-    elif layout == "zigzag":
-        p = S // (2 * n)
-        start = np.concatenate([idx * p, (2 * n - 1 - idx) * p], axis=1)
-        stride, count = np.ones_like(start), np.full_like(start, p)
-    else:
-        start, stride, count = idx.copy(), np.full_like(idx, n), np.full_like(idx, S // n)
+    regions = workload.regions()
+    decode = [q and workload.prefix_len > 0 and (e - a) < n for a, e, _, q in regions]
+    bad = [(k, e - a) for k, (a, e, _, _) in enumerate(regions) if (e - a) % unit and not decode[k]]
+    if bad:
+        raise _granularity_error(workload, n, unit, bad)
+    parts = [_cut(layout, n, a, e - a, d) for (a, e, _, _), d in zip(regions, decode)]
+    start, stride, count = (np.concatenate([p[k] for p in parts], axis=1) for k in range(3))
+    widths = [p[0].shape[1] for p in parts]
+    holds_q = np.repeat([q for *_, q in regions], widths).astype(bool)
+    real_end = np.repeat([r for _, _, r, _ in regions], widths).astype(np.int64)
     offset = np.cumsum(count, axis=1) - count
-    return Chunking(layout, n, start, stride, count, offset)
+    return Chunking(layout, n, start, stride, count, offset, holds_q, real_end)
 
 
 class AttnMatrix:
@@ -151,18 +212,20 @@ class AttnMatrix:
         self._count()
 
     def _count(self) -> None:
-        ch, w = self.chunks, self.workload
-        # Padding: only tokens < n_valid exist as queries and keys.
-        vs, vc, v0 = restrict(ch.start, ch.stride, ch.count, 0, w.n_valid)
+        ch = self.chunks
+        # Padding: only real tokens (before their region's real end) exist as queries and keys; queries only
+        # in query regions (not the cached prefix).
+        vs, vc, v0 = restrict(ch.start, ch.stride, ch.count, 0, ch.real_end[None, :])
         self.valid_start, self.valid_count, self.valid_first = vs, vc, v0
-        qs, qc = vs[:, None, :, None], vc[:, None, :, None]       # [n, 1, seg, 1]
+        self.q_count = vc * ch.holds_q[None, :]
+        qs, qc = vs[:, None, :, None], self.q_count[:, None, :, None]       # [n, 1, seg, 1]
         ks, kc = vs[None, :, None, :], vc[None, :, None, :]       # [1, n, 1, seg]
         stride = ch.stride[0, 0]
         seg_pairs = self._seg_pairs(qs, qc, ks, kc, stride)        # [n, n, seg, seg]
         self.q_involved = seg_pairs.sum(axis=3) > 0
         self.kv_involved = seg_pairs.sum(axis=2) > 0
         self.pairs = seg_pairs.sum(axis=(2, 3))
-        self.s_q = (self.q_involved * vc[:, None, :]).sum(axis=2)
+        self.s_q = (self.q_involved * self.q_count[:, None, :]).sum(axis=2)
         self.s_kv = (self.kv_involved * vc[None, :, :]).sum(axis=2)
         self.elementwise = (self.pairs > 0) & (self.pairs != self.s_q * self.s_kv)
 
@@ -174,7 +237,7 @@ class AttnMatrix:
             hi = mask.window if mask.kind == "window" else _INF
             return count_pairs(qs, qc, ks, kc, stride, 0, hi)
         total = np.zeros(np.broadcast_shapes(qc.shape, kc.shape), dtype=np.int64)
-        bounds = np.cumsum((0,) + mask.doc_lens)
+        bounds = mask.doc_bounds
         for lo, hi in zip(bounds[:-1], bounds[1:]):
             dqs, dqc, _ = restrict(qs, stride, qc, lo, hi)
             dks, dkc, _ = restrict(ks, stride, kc, lo, hi)
@@ -188,8 +251,22 @@ class AttnMatrix:
 
     @property
     def tokens_per_chunk(self) -> int:
-        """c = S / N."""
+        """c = S / N (the smallest chunk's tokens; see :attr:`Chunking.tokens_per_chunk`)."""
         return self.chunks.tokens_per_chunk
+
+    @property
+    def q_tokens_per_chunk(self) -> int:
+        """Query tokens of the smallest chunk: c without a prefix, (S − P) / N with one, 0 in decode."""
+        return int(self.chunks.q_tokens.min())
+
+    def tokens_of(self, kind: str, chunks: np.ndarray) -> np.ndarray:
+        """Tokens a tensor of ``kind`` over ``chunks`` ([k, m] chunk ids) holds: [k]. KV kinds (kv, dkv) hold
+        every token of their chunks; the others (q, out, dq, ...) only the query tokens."""
+        per = self.chunks.tokens if kind in KV_KINDS else self.chunks.q_tokens
+        ch = np.asarray(chunks, dtype=np.int64).reshape(len(chunks), -1)
+        if (ch < 0).any():
+            raise ValueError("a tensor's chunk list holds an empty slot (-1)")
+        return per[ch].sum(axis=1)
 
     def flops(self, pass_: str = "fwd", heads: int | None = None) -> np.ndarray:
         """[n, n] FLOPs per block: 4·B·h·D·pairs forward, 2.5x that backward (h = ``heads`` or H). Cached."""
@@ -210,7 +287,7 @@ class AttnMatrix:
         qi, kj = qc[:, :, None], kc[:, None, :]
         flops = self.flops(pass_, heads)[qi, kj].sum(axis=(1, 2))
         pairs = self.pairs[qi, kj].sum(axis=(1, 2))
-        rows = (self.q_involved[qi, kj].any(axis=2) * self.valid_count[qc]).sum(axis=(1, 2))
+        rows = (self.q_involved[qi, kj].any(axis=2) * self.q_count[qc]).sum(axis=(1, 2))
         cols = (self.kv_involved[qi, kj].any(axis=1) * self.valid_count[kc]).sum(axis=(1, 2))
         return flops, rows, cols, (pairs > 0) & (pairs != rows * cols)
 
@@ -220,10 +297,11 @@ class AttnMatrix:
         if len(q_chunks) == 1 and len(kv_chunks) == 1:
             return self.block_descriptor(q_chunks[0], kv_chunks[0])
         qi, kj = np.asarray(q_chunks)[:, None], np.asarray(kv_chunks)[None, :]
-        c = self.tokens_per_chunk
-        rows = [[a + t * c, b + t * c] for t, i in enumerate(q_chunks)
-                for a, b in self.local_ranges(i, self.q_involved[i, kv_chunks].any(axis=0))]
-        cols = [[a + t * c, b + t * c] for t, j in enumerate(kv_chunks)
+        q_at = np.cumsum([0] + [int(self.chunks.q_tokens[i]) for i in q_chunks])
+        k_at = np.cumsum([0] + [int(self.chunks.tokens[j]) for j in kv_chunks])
+        rows = [[a + int(q_at[t]), b + int(q_at[t])] for t, i in enumerate(q_chunks)
+                for a, b in self.local_ranges(i, self.q_involved[i, kv_chunks].any(axis=0), query=True)]
+        cols = [[a + int(k_at[t]), b + int(k_at[t])] for t, j in enumerate(kv_chunks)
                 for a, b in self.local_ranges(j, self.kv_involved[q_chunks, j].any(axis=0))]
         pairs = int(self.pairs[qi, kj].sum())
         size = lambda rs: sum(b - a for a, b in rs)  # noqa: E731
@@ -237,17 +315,19 @@ class AttnMatrix:
         ``mask``: ``full`` (the rectangle is entirely permitted) or the workload's elementwise rule
         (``causal``, ``window``, ``docs``) applied with the tokens' global positions.
         """
-        rows = self.local_ranges(i, self.q_involved[i, j])
+        rows = self.local_ranges(i, self.q_involved[i, j], query=True)
         cols = self.local_ranges(j, self.kv_involved[i, j])
         mask = self.workload.mask.kind if self.elementwise[i, j] else "full"
         return {"q_rows": rows, "kv_cols": cols, "mask": mask}
 
-    def local_ranges(self, chunk: int, involved: np.ndarray) -> list[list[int]]:
-        """[start, end) chunk-local index ranges of the valid tokens of the ``involved`` segments."""
+    def local_ranges(self, chunk: int, involved: np.ndarray, query: bool = False) -> list[list[int]]:
+        """[start, end) chunk-local index ranges of the valid tokens of the ``involved`` segments (indices into
+        the chunk's query tokens when ``query``, else into all its tokens)."""
         out: list[list[int]] = []
         ch = self.chunks
+        offset = ch.q_offset if query else ch.offset
         for k in np.flatnonzero(involved):
-            a = int(ch.offset[chunk, k] + self.valid_first[chunk, k])
+            a = int(offset[chunk, k] + self.valid_first[chunk, k])
             b = a + int(self.valid_count[chunk, k])
             if out and out[-1][1] == a:
                 out[-1][1] = b

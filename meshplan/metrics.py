@@ -25,7 +25,15 @@ from meshplan.simulate import SimResult
 from meshplan.topology import Topology
 
 KEYS = ("makespan_s", "compute_s", "exposed_comm_s", "comm_busy_s", "comm_bytes_per_gpu_max",
-        "inter_node_bytes_per_gpu_max", "ring_ccr", "compute_to_comm", "bytes_per_flop", "peak_memory_bytes")
+        "inter_node_bytes_per_gpu_max", "ring_ccr", "compute_to_comm", "bytes_per_flop", "peak_memory_bytes",
+        "work_imbalance")
+
+
+def imbalance(flops_by_rank: np.ndarray) -> float | None:
+    """Attention work balance: the busiest rank's FLOPs over the mean rank's (1.0: perfectly balanced; a rank
+    holding only padding, or a causal split without zigzag, raises it). None without work."""
+    mean = float(np.mean(flops_by_rank)) if len(flops_by_rank) else 0.0
+    return float(np.max(flops_by_rank)) / mean if mean > 0 else None
 _BUSY = np.array([KIND["compute"], KIND["merge"], KIND["accumulate"]])
 
 
@@ -63,7 +71,9 @@ def pass_metrics(sched: Schedule, topo: Topology, sim: SimResult, phase: int) ->
     by_rank = np.bincount(o.rank[recv], weights=o.size_bytes[recv], minlength=sched.n_ranks)
     cross = recv & ~topo.same_node(dev[o.rank], dev[np.maximum(o.peer, 0)])
     cross_rank = np.bincount(o.rank[cross], weights=o.size_bytes[cross], minlength=sched.n_ranks)
-    flops = float(o.flops[sel & (o.kind == COMPUTE)].sum())
+    work = sel & (o.kind == COMPUTE)
+    flops_rank = np.bincount(o.rank[work], weights=o.flops[work], minlength=sched.n_ranks)
+    flops = float(flops_rank.sum())
     makespan = sim.pass_makespan[phase]
     return {
         "makespan_s": makespan, "compute_s": compute_s, "exposed_comm_s": max(makespan - compute_s, 0.0),
@@ -72,7 +82,8 @@ def pass_metrics(sched: Schedule, topo: Topology, sim: SimResult, phase: int) ->
         "compute_to_comm": compute_s / comm_s if comm_s > 0 else None,
         "bytes_per_flop": float(by_rank.sum()) / flops if flops else None,
         "peak_memory_bytes": float(peak_memory(sched, phase, start, end).max()),
-        "_recv_by_rank": by_rank, "_cross_by_rank": cross_rank, "_flops": flops,
+        "work_imbalance": imbalance(flops_rank),
+        "_recv_by_rank": by_rank, "_cross_by_rank": cross_rank, "_flops": flops, "_flops_by_rank": flops_rank,
     }
 
 
@@ -97,5 +108,6 @@ def combine(parts: dict[str, dict], ring_ccr: float | None) -> dict:
     tot.update(comm_bytes_per_gpu_max=float(np.max(recv)), inter_node_bytes_per_gpu_max=float(np.max(cross)),
                ring_ccr=ring_ccr, compute_to_comm=tot["compute_s"] / tot["comm_busy_s"] if tot["comm_busy_s"] else None,
                bytes_per_flop=float(np.sum(recv)) / flops if flops else None,
-               peak_memory_bytes=max(p["peak_memory_bytes"] for p in ps))
+               peak_memory_bytes=max(p["peak_memory_bytes"] for p in ps),
+               work_imbalance=imbalance(sum(p["_flops_by_rank"] for p in ps)))
     return {**tot, **out, "total": tot}

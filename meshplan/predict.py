@@ -42,6 +42,7 @@ class Candidate:
     forward_only: bool = False     # a forward-only method in a fwd+bwd search: ranked on its forward alone
     scheduler: dict[str, Any] | None = None   # search --scheduler: the contract's scheduler object
     mapping_search: dict[str, Any] | None = None   # search --map-search: what the placement search found
+    job: dict[str, Any] | None = None     # search --tp/--dp: {alone_s, together_s} of the whole job
 
     @property
     def bound_s(self) -> float:
@@ -118,9 +119,12 @@ def _noise_free(x: float, scale: float) -> float:
 
 def closed_form_predicted(cand: Candidate, ccr: float | None) -> dict[str, Any]:
     """``predicted`` from the closed form: makespan = the lower bound (model level ``closed-form``)."""
+    from meshplan.metrics import imbalance
+
     parts = {}
     for name, t in cand.timing.items():
         comm = t.comm_s
+        by_rank = _plan_flops_by_rank(cand, name)
         parts[name] = {
             "makespan_s": t.bound_s, "compute_s": t.compute_s,
             "exposed_comm_s": _noise_free(t.bound_s - t.compute_s, t.bound_s),
@@ -130,9 +134,22 @@ def closed_form_predicted(cand: Candidate, ccr: float | None) -> dict[str, Any]:
             "bytes_per_flop": t.recv_bytes_total / t.flops_total if t.flops_total else None,
             "peak_memory_bytes": t.peak_memory_bytes,
             "_recv_by_rank": np.array([t.recv_bytes_max]), "_cross_by_rank": np.array([t.inter_node_bytes_max]),
-            "_flops": t.flops_total,
+            "_flops": t.flops_total, "work_imbalance": None if by_rank is None else imbalance(by_rank),
+            "_flops_by_rank": np.zeros(cand.n_ranks) if by_rank is None else by_rank,
         }
     return combine(parts, ccr)
+
+
+def _plan_flops_by_rank(cand: Candidate, pass_: str) -> np.ndarray | None:
+    """FLOPs each rank computes by the plan's block owners (None where blocks are split by heads, e.g. Ulysses)."""
+    plan = cand.plan
+    if plan is None:
+        return None
+    m, owner = plan.matrix, plan.owner
+    ok = m.permitted
+    if owner.shape != ok.shape or (owner[ok] < 0).any():
+        return None
+    return np.bincount(owner[ok], weights=m.flops(pass_)[ok], minlength=cand.n_ranks)
 
 
 def ring_ccr(workload: Workload, topo: Topology, n_ranks: int) -> float | None:

@@ -65,6 +65,7 @@ def tensor_bytes(workload: Workload, kind: str, tokens: int, heads: int, dtype: 
     """Bytes of a tensor of ``kind`` over ``tokens`` tokens and ``heads`` query heads (KV kinds scale by 1/g).
 
     Sizes per ALGORITHMS.md: Qc = B·c·h·D·β, KVc = 2·B·c·h_kv·D·β, Oc + Lc = B·c·h·D·β_o + 4·B·c·h.
+    ``tokens`` may be an int array (one size per tensor; returned as an int64 array then).
     """
     B, D, beta = workload.batch, workload.head_dim, DTYPE_BYTES[dtype]
     kv_heads = -(-heads // workload.gqa_group)  # a head range narrower than a GQA group still needs its KV head
@@ -77,7 +78,8 @@ def tensor_bytes(workload: Workload, kind: str, tokens: int, heads: int, dtype: 
         "qside": 2 * B * tokens * D * ib * heads + 8 * B * tokens * heads,
         "dside": B * tokens * D * ib * heads + 8 * B * tokens * heads,
     }
-    return int(sizes[kind])
+    value = sizes[kind]
+    return int(value) if np.ndim(value) == 0 else np.asarray(value, dtype=np.int64)
 
 
 @dataclass
@@ -283,8 +285,8 @@ class ScheduleBuilder:
         ch = np.asarray(chunks, dtype=np.int64).reshape(len(ranks), -1)
         h0, h1, width = self._heads(heads, len(ranks))
         dt = dtype or self.w.dtype
-        c = self.m.tokens_per_chunk
-        size = tensor_bytes(self.w, kind, c * ch.shape[1], width, dt)
+        tokens = self.m.tokens_of(kind, ch)
+        size = tensor_bytes(self.w, kind, int(tokens[0]) if (tokens == tokens[0]).all() else tokens, width, dt)
         ids = np.arange(self._n_tensors, self._n_tensors + len(ranks))
         self._n_tensors += len(ranks)
         self._tensor_starts.append(int(ids[0]))
@@ -326,9 +328,9 @@ class ScheduleBuilder:
         src_tensor, dst_tensor = np.atleast_1d(src_tensor), np.atleast_1d(dst_tensor)
         if len(src) == 0:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-        kind, width, nchunks, t_dtype = self._tensor_info(src_tensor[0])
+        kind, width, _, t_dtype = self._tensor_info(src_tensor[0])
         dt = dtype or DTYPES[t_dtype]
-        size = tensor_bytes(self.w, kind, self.m.tokens_per_chunk * nchunks, width, dt)
+        size = tensor_bytes(self.w, kind, self._tokens(src_tensor), width, dt)
         common = dict(step=step, size_bytes=size, dtype=DTYPES.index(dt))
         s = self._add(src, "send", stream, send_deps, peer=dst, tensor=src_tensor, **common)
         r = self._add(dst, "recv", stream, recv_deps, peer=src, tensor=dst_tensor, **common)
@@ -359,8 +361,8 @@ class ScheduleBuilder:
         src, dst = np.atleast_1d(src), np.atleast_1d(dst)
         if len(dst) == 0:
             return np.zeros(0, dtype=np.int64)
-        kind_t, width, nchunks, src_dtype = self._tensor_info(src[0])   # the src's heads are the ones touched
-        tokens = self.m.tokens_per_chunk * nchunks
+        kind_t, width, _, src_dtype = self._tensor_info(src[0])   # the src's heads are the ones touched
+        tokens = self._tokens(src)
         touched = 2 * tensor_bytes(self.w, kind_t, tokens, width, "fp32") + \
             tensor_bytes(self.w, kind_t, tokens, width, DTYPES[src_dtype])
         return self._add(ranks, kind, stream, deps, size_bytes=touched, inputs=src[:, None], outputs=dst[:, None])
@@ -379,6 +381,19 @@ class ScheduleBuilder:
         import bisect
         block = self._tensors[bisect.bisect_right(self._tensor_starts, int(tid)) - 1]
         return block["kind"], block["width"], block["chunks"].shape[1], block["dtype"]
+
+    def _tokens(self, tids: np.ndarray):
+        """Tokens of each tensor in ``tids`` (one builder call's): an int when they agree, else an array."""
+        import bisect
+        tids = np.asarray(tids, dtype=np.int64)
+        block = self._tensors[bisect.bisect_right(self._tensor_starts, int(tids[0])) - 1]
+        if not (block["ids"][0] <= tids).all() or not (tids <= block["ids"][-1]).all():
+            blocks = [self._tensors[bisect.bisect_right(self._tensor_starts, int(t)) - 1] for t in tids]
+            tokens = np.array([int(self.m.tokens_of(b["kind"], b["chunks"][int(t - b["ids"][0])][None])[0])
+                               for b, t in zip(blocks, tids)])
+        else:
+            tokens = self.m.tokens_of(block["kind"], block["chunks"][tids - block["ids"][0]])
+        return int(tokens[0]) if (tokens == tokens[0]).all() else tokens
 
     def _heads(self, heads, k: int):
         """(h0, h1, width) of a call's ``heads``: scalars or [k] arrays of one width."""

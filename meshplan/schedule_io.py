@@ -129,7 +129,7 @@ def _descriptors(sched: Schedule, m: AttnMatrix) -> dict[int, tuple]:
     out = _multi_descriptors(sched, m, allc[~single])
     comp = allc[single]
     qi, kj = o.q_chunks[o.qc_ptr[comp]], o.kv_chunks[o.kvc_ptr[comp]]
-    shape = np.stack([m.valid_first, m.valid_count], axis=1).reshape(m.n, -1)
+    shape = np.stack([m.valid_first, m.valid_count, m.chunks.count], axis=1).reshape(m.n, -1)
     _, cls = np.unique(shape, axis=0, return_inverse=True)
     bits = 1 << np.arange(m.q_involved.shape[2], dtype=np.int64)
     qpat, kpat = (m.q_involved[qi, kj] * bits).sum(axis=1), (m.kv_involved[qi, kj] * bits).sum(axis=1)
@@ -137,9 +137,9 @@ def _descriptors(sched: Schedule, m: AttnMatrix) -> dict[int, tuple]:
     cache: dict[tuple, list] = {}
     for op, i, j, qp, kp, ci, cj, mk in zip(comp.tolist(), qi.tolist(), kj.tolist(), qpat.tolist(), kpat.tolist(),
                                             cls.ravel()[qi].tolist(), cls.ravel()[kj].tolist(), masks.tolist()):
-        rk, ck = (qp, ci), (kp, cj)
+        rk, ck = (0, qp, ci), (1, kp, cj)
         if rk not in cache:
-            cache[rk] = json.dumps(m.local_ranges(i, m.q_involved[i, j]), separators=(",", ":"))
+            cache[rk] = json.dumps(m.local_ranges(i, m.q_involved[i, j], query=True), separators=(",", ":"))
         if ck not in cache:
             cache[ck] = json.dumps(m.local_ranges(j, m.kv_involved[i, j]), separators=(",", ":"))
         out[op] = (cache[rk], cache[ck], MASKS[mk])
@@ -151,7 +151,8 @@ def _multi_descriptors(sched: Schedule, m: AttnMatrix, ops: np.ndarray) -> dict[
     o, out = sched.ops, {}
     if not len(ops):
         return out
-    _, cls = np.unique(np.stack([m.valid_first, m.valid_count], axis=1).reshape(m.n, -1), axis=0, return_inverse=True)
+    shape = np.stack([m.valid_first, m.valid_count, m.chunks.count], axis=1).reshape(m.n, -1)
+    _, cls = np.unique(shape, axis=0, return_inverse=True)
     cls = cls.ravel()
     nq, nk = np.diff(o.qc_ptr)[ops], np.diff(o.kvc_ptr)[ops]
     cache: dict[tuple, tuple] = {}
@@ -259,7 +260,8 @@ def from_json(doc: ScheduleJSON) -> Schedule:
     wl = doc.workload
     w = Workload(batch=wl.batch, seq_len=wl.seq_len, n_heads=wl.n_heads, n_kv_heads=wl.n_kv_heads,
                  head_dim=wl.head_dim, dtype=wl.dtype, mask=Mask.parse(wl.mask, "workload.mask"), layout=wl.layout,
-                 passes=wl.passes, valid_len=wl.valid_len, model=wl.model)
+                 passes=wl.passes, valid_len=wl.valid_len, model=wl.model, prefix_len=wl.prefix_len,
+                 doc_layout=wl.doc_layout)
     m = AttnMatrix(w, doc.n_chunks)
     if [r.rank for r in doc.ranks] != list(range(doc.n_ranks)) or len(doc.device_of_rank) != doc.n_ranks:
         raise UserError("ranks", f"must list ranks 0..{doc.n_ranks - 1} in order, with a device for each",

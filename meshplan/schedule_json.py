@@ -68,7 +68,7 @@ class SendOp(_Op):
     kind: Literal["send"]
     peer: NonNegativeInt
     tensor: NonNegativeInt
-    size_bytes: PositiveInt
+    size_bytes: NonNegativeInt = Field(description="0 for an empty chunk (a decode step's ranks without a query)")
     dtype: Dtype
     step: int | None = Field(None, description="batch id: consecutive send/recv of a stream with one step")
 
@@ -79,7 +79,7 @@ class RecvOp(_Op):
     kind: Literal["recv"]
     peer: NonNegativeInt
     tensor: NonNegativeInt
-    size_bytes: PositiveInt
+    size_bytes: NonNegativeInt
     dtype: Dtype
     step: int | None = None
 
@@ -165,6 +165,10 @@ class WorkloadJSON(_Strict):
     passes: Literal["fwd", "bwd", "fwd+bwd"]
     valid_len: PositiveInt | None = None
     model: str | None = None
+    prefix_len: NonNegativeInt = 0
+    doc_layout: Literal["per-doc", "packed"] = Field(
+        "packed", description="docs masks: per-doc (each document cut by the layout; what meshplan writes by "
+        "default) or packed; absent in files written before per-document layouts, which cut the packed stream")
     permutation: PermutationJSON
 
 

@@ -144,21 +144,36 @@ def _tensors(s: Schedule) -> list[str]:
         wrong = np.flatnonzero(ok & (t.rank[np.clip(tid, 0, max(nt - 1, 0))] != o.rank[owner]))
         out += [f"op {owner[k]} on rank {o.rank[owner[k]]}: {what} {tid[k]} lives on rank {t.rank[tid[k]]}"
                 for k in wrong]
-    c = s.workload.seq_len // s.n_chunks
-    nchunks = np.diff(t.chunk_ptr)
-    uniq, inv = _unique_rows(t.kind, nchunks, t.h1 - t.h0, t.dtype)
-    expect = np.array([tensor_bytes(s.workload, TENSOR_KIND_NAMES[k], c * m, h, DTYPES[dt]) for k, m, h, dt in uniq])
+    tokens = _tensor_tokens(s)
+    uniq, inv = np.unique(np.stack([t.kind, tokens, t.h1 - t.h0, t.dtype], axis=1).astype(np.int64), axis=0,
+                          return_inverse=True)
+    expect = np.array([tensor_bytes(s.workload, TENSOR_KIND_NAMES[k], m, h, DTYPES[dt]) for k, m, h, dt in uniq],
+                      dtype=np.int64)
     bad = np.flatnonzero(expect[inv.ravel()] != t.size_bytes)
     out += [f"tensor {i} ({TENSOR_KIND_NAMES[t.kind[i]]}): {t.size_bytes[i]} bytes, the workload needs "
             f"{expect[inv.ravel()[i]]}" for i in bad]
     wire = o.size_bytes[comm]
-    tk = t.kind[o.tensor[comm]]
-    wu, winv = _unique_rows(tk, nchunks[o.tensor[comm]], (t.h1 - t.h0)[o.tensor[comm]], o.dtype[comm])
-    wexp = np.array([tensor_bytes(s.workload, TENSOR_KIND_NAMES[k], c * m, h, DTYPES[dt]) for k, m, h, dt in wu])
+    tt = o.tensor[comm]
+    wu, winv = np.unique(np.stack([t.kind[tt], tokens[tt], (t.h1 - t.h0)[tt], o.dtype[comm]], axis=1)
+                         .astype(np.int64).reshape(len(comm), 4), axis=0, return_inverse=True)
+    wexp = np.array([tensor_bytes(s.workload, TENSOR_KIND_NAMES[k], m, h, DTYPES[dt]) for k, m, h, dt in wu],
+                    dtype=np.int64)
     bad = np.flatnonzero(wexp[winv.ravel()] != wire) if len(comm) else []
     out += [f"op {comm[k]}: moves {wire[k]} bytes, its tensor is {wexp[winv.ravel()[k]]} bytes on the wire"
             for k in bad]
     return out
+
+
+def _tensor_tokens(s: Schedule) -> np.ndarray:
+    """Tokens each tensor holds: all its chunks' tokens for KV kinds, their query tokens for the rest."""
+    from meshplan.matrix import KV_KINDS
+    t, ch = s.tensors, attn_matrix(s.workload, s.n_chunks).chunks
+    owner = np.repeat(np.arange(len(t.rank)), np.diff(t.chunk_ptr))
+    n = len(t.rank)
+    kv = np.bincount(owner, weights=ch.tokens[t.chunks], minlength=n)
+    q = np.bincount(owner, weights=ch.q_tokens[t.chunks], minlength=n)
+    is_kv = np.isin(t.kind, [TENSOR_KIND_NAMES.index(k) for k in KV_KINDS])
+    return np.where(is_kv, kv, q).astype(np.int64)
 
 
 def _unique_rows(*cols: np.ndarray) -> tuple[list[tuple[int, ...]], np.ndarray]:

@@ -2,7 +2,17 @@
 
 Vocabulary (STYLE.md): B batch, S tokens of the whole sequence, H query heads, Hkv KV heads
 (GQA group g = H / Hkv), D head dim. ``valid_len`` marks tokens at positions >= valid_len as padding:
-they never contribute as keys and their outputs are not computed.
+they never contribute as keys and their outputs are not computed. A ``docs`` mask may carry padding inside
+each document's slot (``docs:1000+24``, TransformerEngine's ``cu_seqlens`` vs ``cu_seqlens_padded``).
+
+Inference: ``prefix_len`` P marks the first P tokens as a KV cache (prefill with a cached prefix, or decode
+when S − P is 1): they are keys and values only; queries are the S − P new tokens, which attend to the cache
+and causally to each other (Meta, "Context Parallelism for Scalable Million-Token Inference",
+arXiv 2411.01783, persistent-KV prefill and decode). Forward only.
+
+*Regions* (:meth:`Workload.regions`) are what a layout cuts: each document of a ``docs`` mask under
+``doc_layout='per-doc'`` (every document split across all ranks, as TransformerEngine's THD format and
+Megatron-LM do), the cache and the new tokens under a prefix, else the whole sequence.
 
 Presets live in ``meshplan/data/presets.yaml``; explicit flags override a preset, which overrides the
 contract's defaults (``--model llama3-8b --seq-len 1M --batch 1 --dtype bf16 --mask causal
@@ -25,6 +35,7 @@ from meshplan.units import DTYPE_BYTES, fmt_count, parse_count
 LAYOUTS = ("contiguous", "zigzag", "striped")
 PASSES = ("fwd", "bwd", "fwd+bwd")
 MASK_KINDS = ("full", "causal", "window", "docs")
+DOC_LAYOUTS = ("per-doc", "packed")
 DEFAULTS: dict[str, Any] = {"model": "llama3-8b", "seq_len": 2**20, "batch": 1, "dtype": "bf16",
                             "mask": "causal", "layout": "zigzag", "passes": "fwd+bwd"}
 
@@ -41,11 +52,29 @@ class Mask:
     kind: str = "causal"
     window: int = 0
     doc_lens: tuple[int, ...] = ()
+    doc_pad: tuple[int, ...] = ()
+
+    @property
+    def doc_bounds(self) -> np.ndarray:
+        """[n_docs + 1] slot boundaries (positions) of the documents, padding included."""
+        return np.cumsum((0,) + tuple(self.doc_lens))
+
+    def doc_real_lens(self) -> tuple[int, ...]:
+        """Real (non-padding) tokens of each document: its slot minus its padding."""
+        pad = self.doc_pad or (0,) * len(self.doc_lens)
+        return tuple(n - p for n, p in zip(self.doc_lens, pad))
 
     @classmethod
     def parse(cls, text: str, field: str = "--mask") -> Mask:
-        """Parse ``full | causal | window:W | docs:L1,L2,...`` (sizes accept K/M suffixes)."""
+        """Parse ``full | causal | window:W | docs:L1,L2,...`` (sizes accept K/M suffixes).
+
+        A document may be written ``L+P``: L real tokens followed by P padding tokens in its slot of L + P.
+        ``cu_seqlens:0,E1,E2,...`` (FlashAttention's varlen offsets, cumulative document ends) is read as
+        ``docs:E1,E2-E1,...``.
+        """
         kind, _, arg = str(text).strip().partition(":")
+        if kind == "cu_seqlens":            # FlashAttention's varlen offsets: 0, end of doc 1, end of doc 2, ...
+            return cls.parse("docs:" + _cu_to_lens(arg, field), field)
         if kind not in MASK_KINDS:
             raise UserError(field, f"unknown mask {text!r}", "use full, causal, window:W or docs:L1,L2,...")
         if kind in ("full", "causal"):
@@ -56,7 +85,13 @@ class Mask:
             raise UserError(field, f"{kind} needs an argument", "write window:4096 or docs:1000,3096")
         if kind == "window":
             return cls("window", window=parse_count(arg, field))
-        return cls("docs", doc_lens=tuple(parse_count(x, field) for x in arg.split(",")))
+        lens, pads = [], []
+        for item in arg.split(","):
+            real, _, pad = item.partition("+")
+            lens.append(parse_count(real, field))
+            pads.append(parse_count(pad, field) if pad.strip() not in ("", "0") else 0)
+        slots = tuple(n + p for n, p in zip(lens, pads))
+        return cls("docs", doc_lens=slots, doc_pad=tuple(pads) if any(pads) else ())
 
     def permits(self, q_pos: np.ndarray, k_pos: np.ndarray) -> np.ndarray:
         """[len(q_pos), len(k_pos)] bool: whether each query position attends to each key position."""
@@ -98,8 +133,20 @@ class Mask:
         if self.kind == "window":
             return f"window:{self.window}"
         if self.kind == "docs":
-            return "docs:" + ",".join(str(n) for n in self.doc_lens)
+            pad = self.doc_pad or (0,) * len(self.doc_lens)
+            return "docs:" + ",".join(f"{n - p}+{p}" if p else str(n) for n, p in zip(self.doc_lens, pad))
         return self.kind
+
+
+def _cu_to_lens(arg: str, field: str) -> str:
+    """``0,E1,E2,...`` (cumulative offsets) -> ``E1,E2-E1,...``; refuses offsets that do not start at 0 or rise."""
+    try:
+        cu = [int(x) for x in arg.split(",")]
+    except ValueError:
+        raise UserError(field, f"cannot read cu_seqlens {arg!r}", "write cu_seqlens:0,E1,E2,... (integers)") from None
+    if len(cu) < 2 or cu[0] != 0 or any(b <= a for a, b in zip(cu, cu[1:])):
+        raise UserError(field, f"cu_seqlens {arg!r} must start at 0 and rise", "write cu_seqlens:0,E1,E2,...")
+    return ",".join(str(b - a) for a, b in zip(cu, cu[1:]))
 
 
 @dataclass(frozen=True)
@@ -117,6 +164,8 @@ class Workload:
     passes: str = "fwd+bwd"
     valid_len: int | None = None
     model: str | None = None
+    prefix_len: int = 0
+    doc_layout: str = "per-doc"
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -137,6 +186,40 @@ class Workload:
         return self.seq_len if self.valid_len is None else self.valid_len
 
     @property
+    def n_queries(self) -> int:
+        """Query tokens: the S − P new tokens (every token without a prefix)."""
+        return self.seq_len - self.prefix_len
+
+    def regions(self) -> list[tuple[int, int, int, bool]]:
+        """What the layout cuts, in order: (start, end, real_end, holds_queries) in token positions.
+
+        Tokens in [real_end, end) are padding (a document's padding, or past ``valid_len``).
+        """
+        S, v = self.seq_len, self.n_valid
+        if self.mask.kind == "docs" and self.doc_layout == "per-doc":
+            b = self.mask.doc_bounds
+            return [(int(a), int(e), min(int(a) + n, v), True)
+                    for a, e, n in zip(b[:-1], b[1:], self.mask.doc_real_lens())]
+        if self.prefix_len:
+            return [(0, self.prefix_len, min(self.prefix_len, v), False), (self.prefix_len, S, v, True)]
+        return [(0, S, v, True)]
+
+    def is_real(self, pos: np.ndarray) -> np.ndarray:
+        """Bool per position: a real token (not padding)."""
+        pos = np.asarray(pos)
+        ok = pos < self.n_valid
+        if self.mask.kind == "docs" and self.mask.doc_pad:
+            b = self.mask.doc_bounds
+            doc = np.clip(np.searchsorted(b, pos, side="right") - 1, 0, len(b) - 2)
+            ok &= pos < b[doc] + np.asarray(self.mask.doc_real_lens())[doc]
+        return ok
+
+    def is_query(self, pos: np.ndarray) -> np.ndarray:
+        """Bool per position: a real token whose output is computed (not padding, not the cached prefix)."""
+        pos = np.asarray(pos)
+        return self.is_real(pos) & (pos >= self.prefix_len)
+
+    @property
     def pass_list(self) -> tuple[str, ...]:
         """``('fwd',)``, ``('bwd',)`` or ``('fwd', 'bwd')``."""
         return ("fwd", "bwd") if self.passes == "fwd+bwd" else (self.passes,)
@@ -154,8 +237,11 @@ class Workload:
     def describe(self) -> str:
         """One line for tables and logs."""
         name = self.model or "custom"
+        extra = f" prefix={fmt_count(self.prefix_len)} new={fmt_count(self.n_queries)}" if self.prefix_len else ""
+        if self.mask.kind == "docs" and self.doc_layout != "per-doc":
+            extra += f" docs {self.doc_layout}"
         return (f"{name}: B={self.batch} S={fmt_count(self.seq_len)} H={self.n_heads} Hkv={self.n_kv_heads} "
-                f"D={self.head_dim} {self.dtype} {self.mask.spec()} {self.layout} {self.passes}")
+                f"D={self.head_dim} {self.dtype} {self.mask.spec()} {self.layout} {self.passes}{extra}")
 
 
 def _validate(w: Workload) -> None:
@@ -179,6 +265,19 @@ def _validate(w: Workload) -> None:
     if w.mask.kind == "docs" and sum(w.mask.doc_lens) != w.seq_len:
         raise UserError("--mask", f"document lengths add up to {sum(w.mask.doc_lens)}, not --seq-len "
                         f"{w.seq_len}", "make them add up to the sequence length (pad with --valid-len)")
+    if w.doc_layout not in DOC_LAYOUTS:
+        raise UserError("--doc-layout", f"unknown document layout {w.doc_layout!r}", "use per-doc or packed")
+    if not isinstance(w.prefix_len, int) or not 0 <= w.prefix_len < w.seq_len:
+        raise UserError("--prefix-len", f"{w.prefix_len} cached tokens leave no new token of --seq-len "
+                        f"{w.seq_len}", f"give a prefix of 0..{w.seq_len - 1} tokens (--seq-len counts cache + new)")
+    if w.prefix_len and w.passes != "fwd":
+        raise UserError("--prefix-len", "a cached prefix is for inference (forward only)", "add --pass fwd")
+    if w.prefix_len and w.mask.kind == "docs":
+        raise UserError("--prefix-len", "a cached prefix cannot be combined with a docs mask",
+                        "use causal (or window) with --prefix-len")
+    if w.prefix_len and w.valid_len is not None and w.valid_len <= w.prefix_len:
+        raise UserError("--valid-len", f"{w.valid_len} leaves no real new token after the {w.prefix_len} cached",
+                        f"give more than {w.prefix_len}")
 
 
 _FLAGS = {"batch": "--batch", "seq_len": "--seq-len", "n_heads": "--heads", "n_kv_heads": "--kv-heads",
@@ -213,7 +312,8 @@ def presets() -> dict[str, dict[str, Any]]:
 def resolve(*, model: str | None = None, seq_len: str | int | None = None, batch: int | None = None,
             heads: int | None = None, kv_heads: int | None = None, head_dim: int | None = None,
             dtype: str | None = None, mask: str | None = None, layout: str | None = None,
-            passes: str | None = None, valid_len: str | int | None = None) -> Workload:
+            passes: str | None = None, valid_len: str | int | None = None, prefix_len: str | int | None = None,
+            doc_layout: str | None = None) -> Workload:
     """Build a Workload from CLI-style values: explicit values > the preset > the contract's defaults.
 
     Raises:
@@ -231,4 +331,6 @@ def resolve(*, model: str | None = None, seq_len: str | int | None = None, batch
         n_heads=pick(heads, "n_heads"), n_kv_heads=pick(kv_heads, "n_kv_heads"),
         head_dim=pick(head_dim, "head_dim"), dtype=pick(dtype, "dtype"),
         mask=Mask.parse(pick(mask, "mask")), layout=pick(layout, "layout"), passes=pick(passes, "passes"),
-        valid_len=None if valid_len is None else parse_count(valid_len, "--valid-len"), model=name)
+        valid_len=None if valid_len is None else parse_count(valid_len, "--valid-len"), model=name,
+        prefix_len=0 if prefix_len in (None, 0, "0") else parse_count(prefix_len, "--prefix-len"),
+        doc_layout=doc_layout or "per-doc")

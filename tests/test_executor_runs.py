@@ -67,6 +67,25 @@ WORLD4 = [
          workload=GQA | {"layout": "contiguous", "dtype": "fp16"}),
     Case("merge4-contig-causal-fp32-fwd", "merge", 4, workload={"layout": "contiguous", "dtype": "fp32",
                                                                  "passes": "fwd"}),
+    # inference (issue 8): a cached prefix of 448 tokens + 64 new (prefill), and + 1 (decode, batch 2)
+    Case("ring-prefill-zz-bf16-gqa", "ring", 4, workload=GQA | {"seq_len": 512, "prefix_len": 448, "passes": "fwd"}),
+    Case("passq-prefill-zz-fp32", "pass-q", 4, workload={"seq_len": 512, "prefix_len": 448, "passes": "fwd",
+                                                         "dtype": "fp32"}),
+    Case("ring-decode-bf16", "ring", 4, workload=GQA | {"seq_len": 449, "prefix_len": 448, "passes": "fwd",
+                                                          "batch": 2}),
+    Case("passq-decode-contig-bf16", "pass-q", 4, workload=GQA | {"seq_len": 449, "prefix_len": 448,
+                                                                    "passes": "fwd", "layout": "contiguous"}),
+    Case("usp-decode-bf16", "usp", 4, knobs={"ulysses_degree": "2"},
+         workload=GQA | {"seq_len": 450, "prefix_len": 448, "passes": "fwd"}),
+    Case("mesh-prefill-bf16", "mesh", 4, knobs={"tile": "2x2"},
+         workload=GQA | {"seq_len": 512, "prefix_len": 256, "passes": "fwd"}),
+    # packed documents, each cut by zigzag on its own, with padding inside documents (one on 1 real token:
+    # ranks 1-3 hold only its padding)
+    Case("ring-perdoc-zz-bf16", "ring", 4, workload=GQA | {"seq_len": 512, "mask": "docs:100+4,1+7,396+4"}),
+    Case("mesh-perdoc-zz-fp32", "mesh", 4, knobs={"tile": "2x2"},
+         workload={"seq_len": 512, "mask": "docs:250+6,250+6", "dtype": "fp32"}),
+    Case("charm-perdoc-zz-bf16", "charm", 4, knobs={"domains": "2"},
+         workload={"seq_len": 512, "mask": "docs:60+4,440+8"}),
 ] + [Case(f"c7-hkv{k}-{m}", "ring", 4, workload={"seq_len": 256, "heads": 4, "kv_heads": k, "head_dim": 64,
                                                   "mask": m}) for k in (1, 2) for m in ("causal", "full")]
 WORLD8 = [

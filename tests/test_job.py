@@ -117,3 +117,25 @@ def test_written_group_schedule_is_on_its_job_gpus(tmp_path):
     assert json.loads(again.stdout)["predicted"]["makespan_s"] == pytest.approx(job["alone_s"], rel=1e-9)
     refused = CliRunner().invoke(app, ["simulate", str(out), "--tp", "2"])
     assert refused.exit_code == 2 and "--tp" in refused.stderr
+
+
+def test_search_ranks_plans_by_the_whole_job(tmp_path):
+    """search --tp: the best plans are re-ranked by all CP groups at once; #1's file is group 0 on its GPUs."""
+    res = CliRunner().invoke(app, ["search", "--gpus", "2", "--tp", "8", "--topo", "h100x16", "--seq-len", "64K",
+                                   "--model", "llama3-70b", "--pass", "fwd", "--top", "5", "--write", "1",
+                                   "--out", str(tmp_path), "--json"])
+    assert res.exit_code == 0, res.output
+    body = json.loads(res.stdout)
+    job, cands = body["job"], body["candidates"]
+    assert (job["tp"], job["cp"], job["groups"], job["ranked_as_job"]) == (8, 2, 8, 5)
+    together = [c["job"]["together_s"] for c in cands[:5]]
+    assert together == sorted(together) and all("job" not in c for c in cands[5:])
+    assert all(c["job"]["together_s"] >= c["job"]["alone_s"] * (1 - 1e-9) for c in cands[:5])  # sharing only slows
+    sim = CliRunner().invoke(app, ["simulate", cands[0]["schedule_path"], "--topo", "h100x16", "--json"])
+    assert json.loads(sim.stdout)["predicted"]["makespan_s"] == pytest.approx(cands[0]["job"]["alone_s"])
+
+
+def test_search_job_refuses_what_it_does_not_combine():
+    res = CliRunner().invoke(app, ["search", "--gpus", "2", "--tp", "8", "--topo", "h100x16", "--seq-len", "64K",
+                                   "--scheduler", "ilp", "--write", "0"])
+    assert res.exit_code == 2 and res.output.strip().startswith("error: --scheduler"), res.output

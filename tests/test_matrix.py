@@ -12,9 +12,9 @@ from meshplan.matrix import AttnMatrix, count_pairs
 from meshplan.workload import Mask, Workload
 
 
-def wl(S, layout="zigzag", mask="causal", valid=None, H=1, B=1, D=1):
+def wl(S, layout="zigzag", mask="causal", valid=None, H=1, B=1, D=1, doc_layout="per-doc", prefix=0):
     return Workload(batch=B, seq_len=S, n_heads=H, n_kv_heads=1, head_dim=D, mask=Mask.parse(mask), layout=layout,
-                    valid_len=valid)
+                    valid_len=valid, doc_layout=doc_layout, prefix_len=prefix, passes="fwd" if prefix else "fwd+bwd")
 
 
 def brute_pairs(w: Workload, m: AttnMatrix) -> np.ndarray:
@@ -34,7 +34,10 @@ def brute_pairs(w: Workload, m: AttnMatrix) -> np.ndarray:
             if w.mask.kind == "docs":
                 bounds = np.cumsum((0,) + w.mask.doc_lens)
                 ok &= np.searchsorted(bounds, qq, side="right") == np.searchsorted(bounds, kk, side="right")
-            ok &= (qq < w.n_valid) & (kk < w.n_valid)
+                real_end = bounds[:-1] + np.asarray(w.mask.doc_real_lens())
+                dq, dk = (np.searchsorted(bounds, x, side="right") - 1 for x in (qq, kk))
+                ok &= (qq < real_end[dq]) & (kk < real_end[dk])
+            ok &= (qq < w.n_valid) & (kk < w.n_valid) & (qq >= w.prefix_len)
             out[i, j] = ok.sum()
     return out
 
@@ -64,9 +67,58 @@ def test_zigzag_oracle(n, p):
 @pytest.mark.parametrize("mask", ["full", "causal", "window:5", "window:17", "docs:7,9,8", "docs:24"])
 @pytest.mark.parametrize("valid", [None, 19])
 def test_pairs_match_brute_force(layout, mask, valid):
-    w = wl(24, layout, mask, valid)
+    w = wl(24, layout, mask, valid, doc_layout="packed")
     m = AttnMatrix(w, 3 if layout != "zigzag" else 4)
     assert np.array_equal(m.pairs, brute_pairs(w, m))
+
+
+@pytest.mark.parametrize("layout,n,mask", [
+    ("zigzag", 2, "docs:7+1,9+3,5+3"), ("zigzag", 2, "docs:8,4,16"), ("contiguous", 3, "docs:7+2,9,8+1"),
+    ("striped", 3, "docs:7+2,9,8+1"), ("zigzag", 4, "docs:3+5,16,1+7")])
+def test_per_document_layout_matches_brute_force(layout, n, mask):
+    """Each document is cut by the layout on its own; in-document padding never counts."""
+    w = wl(sum(Mask.parse(mask).doc_lens), layout, mask)
+    m = AttnMatrix(w, n)
+    assert np.array_equal(m.pairs, brute_pairs(w, m))
+    real = sum(Mask.parse(mask).doc_real_lens())
+    assert m.valid_count.sum() == real                       # every real token on exactly one rank
+
+
+def test_per_document_zigzag_by_hand():
+    """Documents of 8 and 16 tokens on 2 ranks: rank 0 holds pieces 0 and 3 of each document (zigzag)."""
+    m = AttnMatrix(wl(24, "zigzag", "docs:8,16"), 2)
+    assert m.chunks.positions(0).tolist() == [0, 1, 6, 7, 8, 9, 10, 11, 20, 21, 22, 23]
+    assert m.chunks.positions(1).tolist() == [2, 3, 4, 5, 12, 13, 14, 15, 16, 17, 18, 19]
+    # causal pairs per document: 8·9/2 + 16·17/2 = 172; split evenly, as zigzag promises within each document
+    assert m.pairs.sum() == 172 and m.pairs.sum(axis=1).tolist() == [86, 86]
+
+
+def test_only_padding_rank():
+    """A document of 1 real token padded to 8 on 4 zigzag ranks: ranks 1-3 hold only its padding."""
+    m = AttnMatrix(wl(8, "zigzag", "docs:1+7"), 4)
+    assert m.pairs.tolist() == [[1, 0, 0, 0], [0] * 4, [0] * 4, [0] * 4]
+    assert m.valid_count.sum(axis=1).tolist() == [1, 0, 0, 0]
+
+
+@pytest.mark.parametrize("layout,n,S,P", [("zigzag", 2, 24, 8), ("contiguous", 4, 24, 8), ("striped", 3, 18, 6),
+                                          ("zigzag", 4, 19, 16), ("contiguous", 4, 14, 12)])
+def test_prefix_matches_brute_force(layout, n, S, P):
+    """A cached prefix: its tokens are keys only; new tokens are cut on their own (decode: round-robin)."""
+    w = wl(S, layout, "causal", prefix=P)
+    m = AttnMatrix(w, n)
+    assert np.array_equal(m.pairs, brute_pairs(w, m))
+    T = S - P
+    assert m.pairs.sum() == T * P + T * (T + 1) // 2
+    assert m.chunks.q_tokens.sum() == T and m.chunks.tokens.sum() == S
+
+
+def test_region_granularity_errors():
+    with pytest.raises(UserError, match=r"--mask.*document 1 has 7 tokens.*docs:7\+1,9\+3 --seq-len 20"):
+        AttnMatrix(wl(16, "zigzag", "docs:7,9"), 2)
+    with pytest.raises(UserError, match="--prefix-len"):
+        AttnMatrix(wl(16, "zigzag", prefix=6), 2)
+    with pytest.raises(UserError, match="new tokens"):
+        AttnMatrix(wl(22, "zigzag", prefix=16), 2)
 
 
 def test_striped_closed_form():
@@ -81,7 +133,7 @@ def test_window_and_docs_counts():
     m = AttnMatrix(wl(64, "contiguous", "window:10"), 4)
     assert m.pairs[0, 0] == 115 and m.pairs[1, 0] == 45 and m.pairs[2, 0] == 0
     # two documents of 8 and 8 tokens on 2 contiguous chunks: causal inside each, nothing across
-    m = AttnMatrix(wl(16, "contiguous", "docs:8,8"), 2)
+    m = AttnMatrix(wl(16, "contiguous", "docs:8,8", doc_layout="packed"), 2)
     assert m.pairs.tolist() == [[36, 0], [0, 36]]
 
 

@@ -23,12 +23,17 @@ def build(name="ring", n=4, passes="fwd+bwd", **kw):
 @pytest.mark.parametrize("name", ["ring", "pass-q"])
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("layout,mask", [("zigzag", "causal"), ("contiguous", "causal"), ("striped", "window:40"),
-                                         ("contiguous", "docs:100,20,8"), ("zigzag", "full")])
+                                         ("contiguous", "docs:100,20,8"), ("zigzag", "docs:90+6,13+3,8+8"),
+                                         ("zigzag", "full")])
 def test_built_schedules_verify(name, n, layout, mask):
     seq = 128 if mask.startswith("docs") else 64 * n
-    if mask.startswith("docs") and 128 % (2 * n if layout == "zigzag" else n):
-        pytest.skip("sequence not divisible")
-    report = verify(build(name, n, layout=layout, mask=mask, seq_len=seq))
+    unit = 2 * n if layout == "zigzag" else n
+    per_doc = "+" in mask
+    slots = [96, 16, 16] if per_doc else [128]
+    if mask.startswith("docs") and any(x % unit for x in slots):
+        pytest.skip("documents not divisible")
+    kw = {"doc_layout": "per-doc" if per_doc else "packed"} if mask.startswith("docs") else {}
+    report = verify(build(name, n, layout=layout, mask=mask, seq_len=seq, **kw))
     assert report.ok, report.violations
 
 

@@ -47,6 +47,13 @@ class TASP(BuiltTiming):
         if workload.layout == "striped":
             raise SkipCandidate("layout not supported", "TASP takes the contiguous or zigzag layout")
         unit = n_ranks * (n_ranks - 1) * (2 if workload.layout == "zigzag" else 1)
+        if workload.prefix_len:
+            raise SkipCandidate("no cached prefix", "TASP is implemented without a KV-cache prefix")
+        regions = [e - a for a, e, _, _ in workload.regions()]
+        if len(regions) > 1 and any(x % unit for x in regions):
+            raise SkipCandidate("document not divisible by N·(N−1)",
+                                f"TASP cuts every document into multiples of {unit} tokens: pad each document "
+                                "to one, or use --doc-layout packed")
         if workload.seq_len % unit:
             padded = -(-workload.seq_len // unit) * unit
             raise SkipCandidate("sequence not divisible by N·(N−1)",

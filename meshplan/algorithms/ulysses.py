@@ -91,11 +91,14 @@ class USP(BuiltTiming):
                             f"no degree fits {n_ranks} ranks and these heads: use ring or mesh")
 
     def knob_space(self, workload, topo, n_ranks, filters) -> list[dict]:
-        """Every valid degree 2 ≤ u < N that fits in a node, Ulysses groups inside nodes (USP's default), unless
-        pinned (``--ulysses-degree``, ``--knob rank_order=ring-first``)."""
+        """Every valid degree 2 ≤ u < N that fits in a node, Ulysses groups inside nodes (USP's default) and, on
+        more than one node up to 64 ranks, ring groups inside nodes too (yunchang's ``use_ulysses_low=False``),
+        unless pinned (``--ulysses-degree``, ``--knob rank_order=...``)."""
         degrees = [filters["ulysses_degree"]] if "ulysses_degree" in filters else \
             [u for u in valid_degrees(workload, n_ranks) if u < n_ranks and u <= topo.gpus_per_node] or ["auto"]
-        orders = [filters["rank_order"]] if "rank_order" in filters else ["ulysses-first"]
+        both = n_ranks > topo.gpus_per_node and n_ranks <= 64
+        orders = [filters["rank_order"]] if "rank_order" in filters else \
+            ["ulysses-first", "ring-first"] if both else ["ulysses-first"]
         return [dict(filters) | {"ulysses_degree": u, "rank_order": o} for u in degrees for o in orders]
 
     # ------------------------------------------------------------------ plan

@@ -2,8 +2,9 @@
 
 Shapes (natural token order, as ``run --dump`` writes them): q, dout, out, dq [B, S, H, D]; k, v, dk, dv
 [B, S, Hkv, D]; lse [B, H, S] fp32/fp64. The reference follows BUGCASES.md: single-process attention on
-the whole sequence in float64, on the *same dtype-rounded inputs*. Padding (positions ≥ valid_len) never
-contributes as a key, and its query rows are not computed.
+the whole sequence in float64, on the *same dtype-rounded inputs*. Padding (positions ≥ valid_len, and a
+document's padding) never contributes as a key, and its query rows are not computed; nor are the rows of a
+cached prefix (inference), whose tokens are keys only.
 """
 
 from __future__ import annotations
@@ -68,9 +69,10 @@ def load_inputs(path: str | Path, w: Workload) -> Inputs:
 
 
 def allowed(w: Workload, q_pos: np.ndarray, k_pos: np.ndarray, mask: Mask | None = None) -> np.ndarray:
-    """[len(q_pos), len(k_pos)] bool: the mask rule and padding (no padded key, no padded query row)."""
+    """[len(q_pos), len(k_pos)] bool: the mask rule and padding (no padded key; no query row that is padding or
+    in a cached prefix)."""
     ok = (mask or w.mask).permits(q_pos, k_pos)
-    return ok & (np.asarray(k_pos)[None, :] < w.n_valid) & (np.asarray(q_pos)[:, None] < w.n_valid)
+    return ok & w.is_real(k_pos)[None, :] & w.is_query(q_pos)[:, None]
 
 
 def attention_rows(inp: Inputs, w: Workload, rows: np.ndarray, h0: int, h1: int):

@@ -54,8 +54,7 @@ class OpRunner:
         p, (h0, h1) = self.prog, op.heads
         q_in = [t for t in op.inputs if p.tensors[t].kind in Q_SIDE]
         kv_in = [t for t in op.inputs if p.tensors[t].kind == "kv"]
-        q_pos = np.concatenate([p.positions[c] for c in op.q_chunks])
-        k_pos = np.concatenate([p.positions[c] for c in op.kv_chunks])
+        q_pos, k_pos = p.tokens_of("q", op.q_chunks), p.tokens_of("kv", op.kv_chunks)
         rows, cols = _select(op.q_rows, len(q_pos)), _select(op.kv_cols, len(k_pos))
         # tokens in position order: every mask then permits one run of keys per row (KeyRanges, no [Sq, Skv]
         # matrix), covered by full and is_causal kernels (zigzag diagonals, striped blocks, Ulysses over a

@@ -76,6 +76,16 @@ class Program:
                 self.ops[op.id] = op
                 self.rank_of[op.id] = r.rank
         self.tensors = {t.id: t for t in self.doc.tensors}
+        prefix = self.workload.prefix_len
+        self.q_positions = [p[p >= prefix] for p in self.positions]
+
+    def tokens_of(self, kind: str, chunks) -> np.ndarray:
+        """Global positions a tensor of ``kind`` over ``chunks`` holds, in its local order: every token of the
+        chunks for KV kinds (kv, dkv), only their query tokens (outside a cached prefix) for the rest."""
+        from meshplan.matrix import KV_KINDS
+        table = self.positions if kind in KV_KINDS else self.q_positions
+        parts = [table[c] for c in chunks]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
     @property
     def n_ranks(self) -> int:
@@ -91,7 +101,7 @@ class Program:
     def layout(self, tid: int) -> Layout:
         """The part shapes of tensor ``tid``."""
         t, w = self.tensors[tid], self.workload
-        tokens = sum(len(self.positions[c]) for c in t.chunks)
+        tokens = len(self.tokens_of(t.kind, t.chunks))
         return Layout(t.kind, tokens, t.heads[0], t.heads[1], w.batch, w.head_dim, w.gqa_group)
 
     def ops_of(self, rank: int, pass_: str) -> list:
@@ -150,14 +160,34 @@ def load_program(path: str | Path) -> Program:
             match its tensor (all before any process starts).
     """
     from meshplan.schedule_io import from_json, no_gc, read_document
-    from meshplan.verify import verify
 
     doc, raw = read_document(path)
     with no_gc():
         sched = from_json(doc)
+    return _indexed(doc, raw, sched, Path(path).name)
+
+
+def program_of(sched) -> Program:
+    """The Program of an in-memory :class:`~meshplan.schedule.Schedule`, as if written and loaded (same checks).
+
+    Raises:
+        UserError: the schedule fails the verifier or its sizes do not match its workload.
+    """
+    from meshplan.schedule_io import no_gc, to_json_text
+
+    raw = to_json_text(sched).encode()
+    with no_gc():
+        doc = ScheduleJSON.model_validate_json(raw)
+    return _indexed(doc, raw, sched, f"the {sched.algorithm} schedule")
+
+
+def _indexed(doc: ScheduleJSON, raw: bytes, sched, name: str) -> Program:
+    """Verify the schedule, then index the document (chunk positions from its segments) and check its sizes."""
+    from meshplan.verify import verify
+
     report = verify(sched)
     if not report.ok:
-        raise UserError(Path(path).name, f"the schedule is invalid: {report.violations[0]}",
+        raise UserError(name, f"the schedule is invalid: {report.violations[0]}",
                         "run `meshplan validate` on it and regenerate it")
     positions = [np.concatenate([s + st * np.arange(c) for s, st, c in ch.segments]) if ch.segments
                  else np.zeros(0, dtype=np.int64) for ch in sorted(doc.chunks, key=lambda c: c.id)]

@@ -3,9 +3,10 @@
 Each stream runs in its own thread, its units (a P2P batch, or one op) in program order; a unit starts
 when the previous unit of its stream and every dep of its members have ended (``threading.Event`` per
 op). A batch posts all its isend/irecv on the stream's own process group (one communicator per comm
-stream, so FIFO matching never spans streams) and ends when all have completed. Compute-type ops run
-on their stream's thread (on CUDA, each stream on its own CUDA stream). With ``serialize`` one thread
-runs every unit in program order, one at a time, so communication never overlaps computation.
+stream, so FIFO matching never spans streams; schedule rank r is rank r of that group) and ends when all
+have completed. Compute-type ops run on their stream's thread (on CUDA, each stream on its own CUDA
+stream). With ``serialize`` one thread runs every unit in program order, one at a time, so communication
+never overlaps computation.
 
 Times: ``perf_counter_ns`` from the pass start on CPU; on CUDA each op's end is synchronised before its
 dependants start and timed the same way. A transfer starts when it is posted and ends when its
@@ -153,12 +154,13 @@ class PassRunner:
             if op.id == self._drop:
                 continue
             kind = self.prog.tensors[op.tensor].kind
+            peer = dist.get_global_rank(group, op.peer)       # schedule rank r is rank r of the group
             if op.kind == "send":
                 buf = pack(self.store.get(op.tensor), kind, op.dtype)
-                posted.append((op, dist.isend(buf, dst=op.peer, group=group), None))
+                posted.append((op, dist.isend(buf, dst=peer, group=group), None))
             else:
                 buf = torch.empty(op.size_bytes, dtype=torch.uint8, device=self.store.device)
-                posted.append((op, dist.irecv(buf, src=op.peer, group=group), buf))
+                posted.append((op, dist.irecv(buf, src=peer, group=group), buf))
         for op, work, buf in posted:
             try:
                 work.wait(timeout=timedelta(milliseconds=max(1.0, self.timeout_s * 1e3)))

@@ -152,7 +152,7 @@ class _Filler:
         parts = store.alloc(tid, layout, t.dtype)
         if t.role != "input":
             return
-        pos = torch.from_numpy(np.concatenate([prog.positions[c] for c in t.chunks])).to(store.device)
+        pos = torch.from_numpy(prog.tokens_of(t.kind, t.chunks)).to(store.device)
         h0, h1 = t.heads
         k0, k1 = layout.kv_heads
         src = self.inputs

@@ -89,7 +89,7 @@ def enumerate_candidates(base: Workload, topo: Topology, n: int, algos: list[str
                 skipped[f"sequence cannot be split by the {layout} layout"] += 1
                 continue
             own_space = type(alg).knob_space is not algorithms.Algorithm.knob_space
-            settings = alg.knob_space(w, topo, n, filters) if own_space else _knob_settings(name, filters)
+            settings = alg.knob_space(w, topo, n, filters) if own_space else _knob_settings(name, filters, w)
             fwd_only = alg.forward_only and "bwd" in w.pass_list
             wc = w.with_(passes="fwd") if fwd_only else w
             for knobs in settings:
@@ -103,10 +103,10 @@ def enumerate_candidates(base: Workload, topo: Topology, n: int, algos: list[str
     return cands, skipped
 
 
-def _knob_settings(name: str, filters: dict[str, Any]) -> list[dict[str, Any]]:
+def _knob_settings(name: str, filters: dict[str, Any], w: Workload) -> list[dict[str, Any]]:
     settings = [dict(filters)]
     for knob, values in SEARCHED.get(name, {}).items():
-        if knob not in filters:
+        if knob not in filters and "bwd" in w.pass_list:      # the searched knobs are the backward's
             settings = [s | {knob: v} for s in settings for v in values]
     return settings
 
@@ -234,7 +234,7 @@ def search_json(result: SearchResult, scheduler: str) -> dict[str, Any]:
         body.pop("workload")
         cands.append(body | {"layout": c.workload.layout, "bound_s": c.bound_s,
                              "scheduler": c.scheduler or not_run(scheduler), "mapping_search": c.mapping_search,
-                             "schedule_path": c.schedule_path})
+                             "schedule_path": c.schedule_path} | ({"job": c.job} if c.job else {}))
     layout = result.workload.layout if result.layout_pinned else "any"
     return {"workload": result.workload.to_dict() | {"layout": layout},
             "topology": {"name": topo.name, "hash": topo.content_hash, "devices": topo.n_devices,
