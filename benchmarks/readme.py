@@ -273,14 +273,59 @@ def block_job_tp(r) -> str:
     return "\n".join(out) + "\n"
 
 
+def block_inference(r) -> str:
+    d = r["workload_shapes"]
+    if not d:
+        return "`python benchmarks/workload_shapes.py` has not been run.\n"
+    out = [f"`python benchmarks/workload_shapes.py` ({d['date']}; 16 H100s of `h100x16`, Llama-3-8B attention, "
+           "forward, simulated):\n", "| case | Meta's rule | why | Ring (pass-KV) | pass-Q | agree |",
+           "|---|---|---|---|---|---|"]
+    for c in d["inference"]:
+        sim = c["simulated"]
+        out.append(f"| {c['case']} | {c['rule']['choice']} | {c['rule']['reason']} | {ms(sim['ring']['time_s'])} | "
+                   f"{ms(sim['pass-q']['time_s'])} | {'yes' if c['agree'] else 'no'} |")
+    return "\n".join(out) + "\n"
+
+
+def block_docs_balance(r) -> str:
+    d = r["workload_shapes"]
+    if not d:
+        return "`python benchmarks/workload_shapes.py` has not been run.\n"
+    parts = ", ".join(f"{k} {v:.3g}" for k, v in d["docs"].items())
+    return (f"`python benchmarks/workload_shapes.py` ({d['date']}): Ring on 4 CPU ranks, `--mask {d['docs_mask']}`, "
+            f"work imbalance (busiest rank's FLOPs / mean): {parts}.\n")
+
+
+def block_charm_memory(r) -> str:
+    d = r["workload_shapes"]
+    if not d:
+        return "`python benchmarks/workload_shapes.py` has not been run.\n"
+    m = d["memory"]
+    out = [f"`meshplan reproduce charm-memory` (via `benchmarks/workload_shapes.py`, {d['date']}; 8 L20, fwd+bwd, "
+           f"D = {m['head_dim_assumed']} assumed; per rank, MB; predicted = the schedule's buffers):\n",
+           "| B | S | heads | Ring pred / meas | CHARM+ pred / meas | CHARM+/Ring pred / meas | "
+           "CHARM+ − Ring pred / meas |",
+           "|---|---|---|---|---|---|---|"]
+    for x in m["rows"]:
+        p, q = x["predicted_MB"], x["measured_MB"]
+        out.append(f"| {x['B']} | {x['S']} | {x['heads']} | {p['ring']:.0f} / {q['ring']:.0f} | "
+                   f"{p['charm']:.0f} / {q['charm']:.0f} | "
+                   f"{x['ratio']['predicted']:.3f} / {x['ratio']['measured']:.3f} | "
+                   f"{x['difference_MB']['predicted']:.0f} / {x['difference_MB']['measured']:.0f} |")
+    out.append(f"\nDirection (CHARM+ above Ring) right in {m['directions_right']} of {m['directions_total']}; the "
+               f"predicted extra is a median {m['difference_ratio_median']:.1f}x the measured. {m['missing']}.")
+    return "\n".join(out) + "\n"
+
+
 BLOCKS = {"stamp": block_stamp, "main-job": block_main_job, "cli-examples": block_cli_examples,
           "run-example": block_run_example, "reproduce": block_reproduce, "validate-cpu": block_validate_cpu,
           "mesh-seed": block_mesh_seed, "mesh-greedy": block_mesh_greedy, "baselines": block_baselines,
           "speed": block_speed, "executor-overhead": block_executor_overhead, "ilp-gap": block_ilp_gap,
-          "mapping-search": block_mapping_search, "job-tp": block_job_tp}
+          "mapping-search": block_mapping_search, "job-tp": block_job_tp,
+          "inference": block_inference, "docs-balance": block_docs_balance, "charm-memory": block_charm_memory}
 SOURCES = ("readme_cli", "reproduce_charm_h100", "reproduce_charm_ablation", "validate_cpu", "mesh_seed",
            "mesh_greedy", "baselines_table", "planner_speed", "executor_overhead", "ilp_gap",
-           "mapping_search", "job_tp")
+           "mapping_search", "job_tp", "workload_shapes")
 
 
 def render(text: str, stamp: str | None = None) -> str:

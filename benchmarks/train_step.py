@@ -123,7 +123,7 @@ def train_step(algo: str = "mesh", ranks: int = 4, knobs: dict | None = None, vo
     """Spawn the ranks and run one step; the result of :func:`rank_step` with ``ok`` (within tolerance)."""
     from meshplan.executor.launch import _free_port, spawn_ranks
 
-    knobs = {"tile": "2x2"} if knobs is None and algo == "mesh" else (knobs or {})
+    knobs = {"tile": "2x2" if ranks == 4 else "auto"} if knobs is None and algo == "mesh" else (knobs or {})
     prog = plan_program(algo, ranks, knobs, **sizes)
     res = spawn_ranks(rank_step, ranks, {"program": prog, "vocab": vocab,
                                          "init": f"tcp://127.0.0.1:{_free_port()}"}, prefix="meshplan-train-")

@@ -300,8 +300,11 @@ def _load(path: str, _mtime_ns: int) -> CalibrationSpec:
         raw = yaml.load(Path(path).read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     except yaml.YAMLError:
         raise UserError(f"calibration {name}", "invalid YAML", "fix the file or recalibrate") from None
+    model = CalibrationSpec
+    if isinstance(raw, dict) and raw.get("kind") == "nccl-tests":     # link classes fitted from nccl-tests output
+        from meshplan.calibration_nccl import NcclCalibrationSpec as model
     try:
-        return CalibrationSpec.model_validate(raw)
+        return model.model_validate(raw)
     except ValidationError as err:
         first = err.errors()[0]
         loc = ".".join(str(p) for p in first["loc"]) or "(top level)"
@@ -366,9 +369,14 @@ def apply_calibration(spec: TopologySpec, calib: CalibrationSpec) -> TopologySpe
 
 
 def calibrated(spec: TopologySpec, source: str) -> tuple[TopologySpec, CalibrationSpec | None]:
-    """(the spec with its calibration applied, the calibration); unchanged and None without one."""
+    """(the spec with its calibration applied, the calibration); unchanged and None without one. A file of link
+    classes fitted from nccl-tests (:mod:`meshplan.calibration_nccl`) is applied and gives None: it has no kernel
+    table or host probe, which is what a :class:`CalibrationSpec` adds to the spec."""
     if spec.calibration is None:
         return spec, None
     base = str(Path(source).parent) if source else None
     calib = load_calibration(find_calibration(spec.calibration, base))
+    if not isinstance(calib, CalibrationSpec):
+        from meshplan.calibration_nccl import apply_nccl_calibration
+        return apply_nccl_calibration(spec, calib), None
     return apply_calibration(spec, calib), calib

@@ -159,8 +159,6 @@ def search(gpus: o.Gpus = None, topo: o.Topo = None, model: o.Model = None, seq_
         from meshplan.search.frameworks import framework_bests, frameworks_json
         progress.update(task, description="the frameworks' settings")
         bests = framework_bests(result, names, filters)
-        from meshplan.inference import rule_report
-        inference = rule_report(result)
         if map_search:
             from meshplan.search.improve import improve_mapping
             improve_mapping(result, map_search, write=write,
@@ -176,8 +174,12 @@ def search(gpus: o.Gpus = None, topo: o.Topo = None, model: o.Model = None, seq_
         job_body = None
         if job is not None:
             from meshplan.search.job import rerank_for_job
+            group_best_s = min((c.predicted["makespan_s"] for c in result.candidates
+                                if c.model_level == "simulated" and c.predicted.get("makespan_s")), default=None)
             job_body = rerank_for_job(result, job, job_topo, max(top, write), progress=lambda k, n, label:
                                       progress.update(task, total=n, completed=k, description=label))
+        from meshplan.inference import rule_report
+        inference = rule_report(result)
         if write > 0:
             progress.update(task, description=f"verifying and writing {write} schedule(s)")
             write_best(result, write, out)
@@ -185,7 +187,9 @@ def search(gpus: o.Gpus = None, topo: o.Topo = None, model: o.Model = None, seq_
         raise UserError("--algos" if names else "--gpus", "no candidate can run this workload",
                         "see the skipped reasons with --json, or change the filters")
     body = search_json(result, scheduler)
-    body["frameworks"] = frameworks_json(bests, body["candidates"][0]["predicted"].get("makespan_s"))
+    # the frameworks' plans are timed as one CP group: compare them with the best group time (not a job time)
+    best_s = group_best_s if job is not None else body["candidates"][0]["predicted"].get("makespan_s")
+    body["frameworks"] = frameworks_json(bests, best_s)
     if inference is not None:
         body["inference"] = inference
     if job_body is not None:
@@ -298,8 +302,13 @@ def topo_list() -> None:
     sys.stdout.write("\n".join(shipped_topologies()) + "\n")
 
 
+from meshplan.cli_topo import topo_import  # noqa: E402  (typer only; the import itself loads inside)
+
+topo_app.command("import")(topo_import)
+
+
 @app.command()
-def reproduce(table: Annotated[str, typer.Argument(help="charm-h100 or charm-ablation")],
+def reproduce(table: Annotated[str, typer.Argument(help="charm-h100, charm-ablation or charm-memory")],
               data: Annotated[Optional[str], typer.Option("--data", help="a CSV with the same columns")] = None,
               fit: Annotated[bool, typer.Option("--fit", help="fit the parameters afresh (else: the shipped ones)")]
               = False, as_json: o.Json = False) -> None:
@@ -313,10 +322,16 @@ def calibrate(topo: Annotated[str, typer.Option("--topo", help="the topology to 
               backend: o.Backend = "auto",
               quick: Annotated[bool, typer.Option("--quick", help="a small sweep: a few seconds")] = False,
               out: Annotated[str, typer.Option("--out", help="the calibration YAML to write")] = ...,
+              from_nccl_tests: Annotated[Optional[list[str]], typer.Option(
+                  "--from-nccl-tests", help="fit the link classes from nccl-tests output instead of measuring (no "
+                  "torch): FILE or CLASS:FILE (CLASS intra, nvlink or net), comma-separated or repeated")] = None,
               as_json: o.Json = False) -> None:
-    """Measure this host's kernels, transfers, overlap and core sharing; write a calibration file."""
-    from meshplan.cli_calibrate import calibrate_command
-    raise typer.Exit(calibrate_command(topo, backend, quick, out, as_json))
+    """Measure this host's kernels, transfers, overlap and core sharing (or, with --from-nccl-tests, fit the link
+    classes from nccl-tests output); write a calibration file."""
+    from meshplan import cli_calibrate
+    if from_nccl_tests:
+        raise typer.Exit(cli_calibrate.calibrate_from_nccl_tests(topo, from_nccl_tests, out, as_json))
+    raise typer.Exit(cli_calibrate.calibrate_command(topo, backend, quick, out, as_json))
 
 
 def main(argv: list[str] | None = None) -> None:

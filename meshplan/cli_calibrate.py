@@ -118,3 +118,74 @@ def _print(calib, rows: list[dict], out: str, console: Console) -> None:
         t.add_row(r["name"], _fmt(r["fitted"]), _fmt(r["replaces"]), r["unit"])
     console.print(t)
     console.print(f"use it: add `calibration: {out}` to the topology file (a path relative to it)", soft_wrap=True)
+
+
+def calibrate_from_nccl_tests(topo: str, files: list[str], out: str, as_json: bool) -> int:
+    """``--from-nccl-tests``: fit the files (``[CLASS:]FILE``, comma-separated or repeated), check that the topology
+    takes the result, write ``out`` atomically, print. No torch (:mod:`meshplan.calibration_nccl`)."""
+    from meshplan import nccl_tests
+    from meshplan.calibration_nccl import PREFIXES, apply_nccl_calibration, build, dump_yaml
+    from meshplan.fileio import write_atomic
+    from meshplan.topology import Topology
+
+    if not out.endswith((".yaml", ".yml")):
+        raise UserError("--out", f"{out!r} is not a .yaml name", "name the file *.yaml")
+    spec = Topology.load(topo).file_spec
+    if spec.node.fabric.kind == "loopback":
+        raise UserError("--topo", f"{spec.name} is CPU ranks over loopback, which nccl-tests do not measure",
+                        "give the GPU topology the files were measured on: --topo FILE")
+    fits = []
+    items = [x.strip() for arg in files for x in arg.split(",") if x.strip()]
+    if not items:
+        raise UserError("--from-nccl-tests", "no file given", "give nccl-tests output files: FILE or CLASS:FILE")
+    for item in items:
+        prefix, _, rest = item.partition(":")
+        if rest and prefix not in PREFIXES and not Path(item).exists():
+            raise UserError("--from-nccl-tests", f"{prefix!r} is not a link class", "prefix a file with intra:, "
+                            "nvlink: or net:, or leave the prefix out (one host: intra; several: net)")
+        cls = PREFIXES.get(prefix) if rest else None
+        f = nccl_tests.fit_run(nccl_tests.read(rest if cls else item))
+        if cls == "nvlink" and f.run.hosts > 1 and f.run.ranks > (spec.node.gpus or 0):
+            raise UserError("--from-nccl-tests", f"{Path(rest).name} ran {f.run.ranks} ranks on {f.run.hosts} hosts, "
+                            f"more than one {spec.name} node holds, so it measured the network, not the NVLink ports",
+                            f"prefix it with net: (or drop {prefix}:)")
+        fits.append((f, cls or ("nvlink" if f.run.hosts == 1 else "net")))
+    calib = build(fits, spec)
+    applied = apply_nccl_calibration(spec, calib)          # refuses what the topology cannot take, before writing
+    write_atomic(out, dump_yaml(calib).encode())
+    rows = _nccl_rows(spec, applied, calib)
+    per_file = [r.model_dump(mode="json", exclude={"rows"}) for r in calib.fits]
+    if as_json:
+        body = {"calibration": out, "topology": spec.name, "files": per_file, "fitted": rows}
+        sys.stdout.write(json.dumps(body, indent=1) + "\n")
+        return 0
+    console = Console(width=200 if not sys.stdout.isatty() else None)
+    t = Table("file", "test", "ranks", "hosts", "class", "alpha us", "busbw GB/s", "rate GB/s", "max error ≥ 1 MiB")
+    for r in per_file:
+        t.add_row(r["file"], r["collective"], str(r["ranks"]), str(r["hosts"]), r["link_class"], _fmt(r["alpha_us"]),
+                  _fmt(r["busbw_GBps"]), _fmt(r["rate_GBps"]), f"{r['max_error']:.1%}")
+    console.print(t)
+    t = Table("parameter", "fitted", "replaces", "unit")
+    for r in rows:
+        t.add_row(r["name"], _fmt(r["fitted"]), _fmt(r["replaces"]), r["unit"])
+    console.print(t)
+    console.print(f"wrote {out}; use it: add `calibration: {out}` to the topology file (a path relative to it)",
+                  soft_wrap=True)
+    return 0
+
+
+def _nccl_rows(old, new, calib) -> list[dict[str, Any]]:
+    """The topology keys the nccl-tests calibration sets: fitted (applied) and the file's own value."""
+    keys = []
+    if calib.nvlink is not None:
+        keys += [("p2p_overhead_us", "us", lambda s: s.p2p_overhead_us),
+                 ("nvlink port usable_GBps", "GB/s", lambda s: s.node.fabric.port.bytes_per_s / 1e9),
+                 ("nvlink port latency_us", "us", lambda s: s.node.fabric.port.latency_us)]
+    if calib.net is not None:
+        keys += [("network latency_us", "us", lambda s: s.network.latency_us),
+                 ("nics port usable_GBps", "GB/s", lambda s: s.node.nics.port.bytes_per_s / 1e9),
+                 ("nics per_flow_GBps", "GB/s", lambda s: s.node.nics.per_flow_GBps),
+                 ("nics node_aggregate_GBps", "GB/s", lambda s: s.node.nics.node_aggregate_GBps),
+                 ("nics port + gpu_link latency_us", "us",
+                  lambda s: s.node.nics.port.latency_us + s.node.nics.gpu_link.latency_us)]
+    return [{"name": n, "unit": u, "fitted": get(new), "replaces": get(old)} for n, u, get in keys]

@@ -106,6 +106,10 @@ def print_run(meas, cmp: dict[str, Any] | None, console: Console) -> None:
     mem = f"peak memory per rank: {fmt_bytes(meas.peak_memory_bytes)} measured ({meas.peak_memory_kind})"
     if cmp:
         mem += f", {fmt_bytes(cmp['peak_memory']['predicted_bytes'])} predicted"
+        rise = cmp.get("memory_rise")
+        if rise:
+            mem += (f"; the process rose {fmt_bytes(rise['measured_rise_bytes'])} ({rise['kind']}): "
+                    f"{rise['rise_over_buffers']:.3g}x the buffers, the rest kernel workspace and runtime")
         if cmp["note"]:
             mem += f"\nnote: {cmp['note']}"
     console.print(mem, soft_wrap=True)
@@ -158,5 +162,10 @@ def compare_command(schedule: str, measurement: str, topo: str | None, as_json: 
     m = body["peak_memory"]
     console.print(f"peak memory per rank: predicted {fmt_bytes(m['predicted_bytes'])}, measured "
                   f"{fmt_bytes(m['measured_bytes'])} ({m['measured_kind']}), error {_pct(m['error_pct'])}")
+    rise = body.get("memory_rise")
+    if rise:
+        console.print(f"memory rise while running: {fmt_bytes(rise['measured_rise_bytes'])} ({rise['kind']}), "
+                      f"{rise['rise_over_buffers']:.3g}x the predicted buffers (not modelled: kernel workspace, "
+                      "the runtime)")
     over = ", ".join(f"{p} {o['overhead_pct']:.1f}%" for p, o in body["executor_overhead"].items())
     console.print(f"executor overhead (makespan − critical path of measured ops): {over}")

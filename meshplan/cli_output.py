@@ -92,8 +92,10 @@ def print_search(body: dict[str, Any], console: Console, top: int) -> None:
                   f"{body['wall_s']:.2f} s", soft_wrap=True)
     if job:
         console.print(f"job TP {job['tp']} x CP {job['cp']} x DP {job['dp']} ({job['order']}, innermost first) on "
-                      f"{job['topology']['devices']} GPUs: time = one CP group alone on its GPUs; the best "
-                      f"{job['ranked_as_job']} re-ranked by all {job['groups']} groups at once", soft_wrap=True)
+                      f"{job['topology']['devices']} GPUs: time = one CP group as planned (on {job['cp']} devices of "
+                      f"one topology; job.alone_s in --json is it on its real GPUs); the best {job['ranked_as_job']} "
+                      f"(each method's best among them) re-ranked by all {job['groups']} groups at once",
+                      soft_wrap=True)
     if body.get("inference"):
         print_inference(body["inference"], console)
     if body.get("frameworks"):
@@ -164,6 +166,17 @@ def print_topology(info: dict[str, Any], console: Console) -> None:
         table.add_row(row["class"], str(row["links"]), row["GBps"], row["latency_us"], row["flow_cap_GBps"],
                       f"{row['kappa']:.2f}")
     console.print(table)
+    net = info.get("network") or {}
+    if info["nodes"] > 1 and net:
+        if net["kind"] == "rail":
+            how = ("NVLink to the source node's GPU on the destination's rail, then that GPU's NIC (PXN)"
+                   if net["cross_rail"] == "pxn" else
+                   f"leaf -> spine -> leaf, {net['spine_oversubscription']:g}:1 oversubscribed "
+                   f"(+{net['spine_latency_us']:g} us)")
+            console.print(f"network: rail-optimised, {net['rails']} rails (NIC k on leaf k); same-rail traffic stays "
+                          f"in its leaf; cross-rail: {how}", soft_wrap=True)
+        else:
+            console.print(f"network: non-blocking switch ({net['latency_us']:g} us)", soft_wrap=True)
     routes = Table(title="example routes", title_justify="left")
     for col in ("from", "to", "hops", "GB/s", "latency us"):
         routes.add_column(col)

@@ -8,7 +8,7 @@ from typing import Any
 def reproduce_command(table: str, data: str | None, fit: bool, as_json: bool, emit) -> None:
     """Run the reproduction of ``table`` and print it (a rich table, or JSON)."""
     from meshplan.errors import UserError
-    from meshplan.reproduce import reproduce_ablation, reproduce_h100
+    from meshplan.reproduce import reproduce_ablation, reproduce_h100, reproduce_memory
 
     if table == "charm-h100":
         body = reproduce_h100(data, fit=fit)
@@ -18,8 +18,13 @@ def reproduce_command(table: str, data: str | None, fit: bool, as_json: bool, em
             raise UserError("--fit", "the ablation table has no fit", "use --fit with charm-h100")
         body = reproduce_ablation(data)
         emit(body, as_json, lambda c: _print_ablation(body, c))
+    elif table == "charm-memory":
+        if fit:
+            raise UserError("--fit", "the memory table has no fit", "use --fit with charm-h100")
+        body = reproduce_memory(data)
+        emit(body, as_json, lambda c: _print_memory(body, c))
     else:
-        raise UserError("TABLE", f"unknown table {table!r}", "use charm-h100 or charm-ablation")
+        raise UserError("TABLE", f"unknown table {table!r}", "use charm-h100, charm-ablation or charm-memory")
 
 
 def _print_h100(body: dict[str, Any], console) -> None:
@@ -56,3 +61,23 @@ def _print_ablation(body: dict[str, Any], console) -> None:
                           f"{v['predicted']:.2f}", f"{v['measured']:.2f}", "right" if v["same_direction"] else "WRONG")
     console.print(t)
     console.print(f"directions right: {body['directions_right']} of {body['directions_total']}")
+
+
+def _print_memory(body: dict[str, Any], console) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"CHARM+ peak memory, 8 L20, fwd+bwd (D = {body['head_dim_assumed']} assumed): per rank, MB "
+                    "(predicted: the schedule's buffers only)")
+    for col in ("B", "S", "heads", "Ring pred", "Ring meas", "CHARM+ pred", "CHARM+ meas", "CHARM+/Ring pred",
+                "meas", "CHARM+ - Ring pred", "meas"):
+        t.add_column(col, justify="right")
+    for r in body["rows"]:
+        p, m = r["predicted_MB"], r["measured_MB"]
+        t.add_row(str(r["B"]), str(r["S"]), str(r["heads"]), f"{p['ring']:.0f}", f"{m['ring']:.0f}",
+                  f"{p['charm']:.0f}", f"{m['charm']:.0f}", f"{r['ratio']['predicted']:.3f}",
+                  f"{r['ratio']['measured']:.3f}", f"{r['difference_MB']['predicted']:.0f}",
+                  f"{r['difference_MB']['measured']:.0f}")
+    console.print(t)
+    console.print(f"direction (CHARM+ needs more than Ring) right in {body['directions_right']} of "
+                  f"{body['directions_total']}; predicted extra / measured extra: median "
+                  f"{body['difference_ratio_median']:.1f}x. Missing: {body['missing']}", soft_wrap=True)

@@ -130,12 +130,15 @@ def topology_info(name: str, gpus: int | None) -> dict[str, Any]:
                             "latency_us": ", ".join(map(str, lats)),
                             "flow_cap_GBps": ", ".join("-" if not np.isfinite(f) else str(f) for f in flow),
                             "kappa": float(kappa[k])})
-    pairs = sorted({(0, min(1, t.n_devices - 1)), (0, t.n_devices // 2), (0, t.n_devices - 1)})
+    pairs = {(0, min(1, t.n_devices - 1)), (0, t.n_devices // 2), (0, t.n_devices - 1)}
+    if t.n_nodes > 1 and t.spec.network.kind == "rail":
+        pairs |= {(0, t.gpus_per_node), (0, t.gpus_per_node + 1)}          # the same rail, and across rails
+    pairs = sorted(pairs)
     routes = []
     for a, b in pairs:
         if a == b:
             continue
-        path = [t.link_name(x).split(" -> ")[0] for x in t.route(a, b)] + [t.device_vertex[b]]
+        path = [t.device_vertex[a]] + [t.link_name(x).split(" -> ")[1] for x in t.route(a, b)]
         lat, bw = t.pair_stats(a, b)
         routes.append({"src": a, "dst": b, "path": path, "GBps": float(bw) / 1e9, "latency_us": float(lat) * 1e6})
     memory = t.memory_bytes
@@ -144,4 +147,14 @@ def topology_info(name: str, gpus: int | None) -> dict[str, Any]:
             "domains": t.n_domains, "domain_of_device": t.domain_of_device.tolist(),
             "device": {"model": d.model, "peak_bf16_tflops": d.peak_bf16_tflops, "memory_GB": memory / 1e9,
                        "kernel": d.kernel}, "link_classes": classes, "routes": routes,
-            "p2p_overhead_us": t.spec.p2p_overhead_us}
+            "p2p_overhead_us": t.spec.p2p_overhead_us, "network": _network_info(t)}
+
+
+def _network_info(t) -> dict[str, Any]:
+    """The inter-node routing ``topo show`` reports."""
+    net = t.spec.network
+    body: dict[str, Any] = {"kind": net.kind, "latency_us": net.latency_us}
+    if net.kind == "rail":
+        body |= {"rails": t.spec.node.nics.count if t.spec.node.nics else 0, "cross_rail": net.cross_rail,
+                 "spine_oversubscription": net.spine_oversubscription, "spine_latency_us": net.spine_latency_us}
+    return body

@@ -85,7 +85,21 @@ def compare(sched, ids: list[int], meas: MeasurementJSON, topo: str | None = Non
         "executor_overhead": executor_overhead(sched, m_start, m_end),
         "peak_memory": _row({"predicted_bytes": float(peak_pred), "measured_bytes": float(meas.peak_memory_bytes)},
                             "predicted_bytes", "measured_bytes") | {"measured_kind": meas.peak_memory_kind},
+        "memory_rise": _memory_rise(float(peak_pred), meas),
     }
+
+
+def _memory_rise(peak_pred: float, meas: MeasurementJSON) -> dict[str, Any] | None:
+    """The predicted buffer peak against how far the ranks' memory rose while running (RSS on CPU, the CUDA
+    allocator's peak on GPUs): the buffers are a lower bound; the rest is kernel workspace and the runtime's own
+    memory, which the model does not hold. None for measurements without the rise."""
+    rise = meas.peak_rise_bytes
+    if rise is None:
+        return None
+    return {"predicted_buffers_bytes": peak_pred, "measured_rise_bytes": float(rise),
+            "kind": "cuda-allocator" if meas.peak_memory_kind == "cuda-allocator" else "rss",
+            "unmodelled_bytes": float(rise) - peak_pred,
+            "rise_over_buffers": float(rise) / peak_pred if peak_pred else None}
 
 
 def _err_pct(pred: float, meas: float) -> float | None:

@@ -79,7 +79,8 @@ def rule_report(result) -> dict[str, Any] | None:
     """``search``'s ``inference`` object for a workload with a cached prefix: Meta's rule, the best simulated
     ``ring`` and ``pass-q`` plans, and whether they agree. None without a prefix (or with neither method).
 
-    Where search left both methods' candidates at their closed-form bound, a copy of the best-bound one is
+    With ``search --tp/--dp`` the methods' best job times (``job.together_s``) are compared. Where search left
+    both methods' candidates at their closed-form bound, a copy of the best-bound one is
     simulated here (the ranking is not touched), so both times are simulated.
     """
     from meshplan.predict import simulate_candidate
@@ -92,12 +93,19 @@ def rule_report(result) -> dict[str, Any] | None:
         mine = [c for c in result.candidates if c.algorithm == name]
         if not mine:
             continue
+        jobbed = [c for c in mine if c.job]                 # search --tp/--dp: the whole job's time decides
+        if jobbed:
+            c = min(jobbed, key=lambda c: c.job["together_s"])
+            best[name] = {"time_s": c.job["together_s"], "layout": c.workload.layout, "knobs": c.knobs,
+                          "as": "job"}
+            continue
         done = [c for c in mine if c.model_level == "simulated"]
         if not done:
             c = min(mine, key=lambda c: c.bound_s)
             done = [simulate_candidate(dataclasses.replace(c), topo, result.ring_ccr)]
         c = min(done, key=lambda c: c.predicted["makespan_s"])
-        best[name] = {"time_s": c.predicted["makespan_s"], "layout": c.workload.layout, "knobs": c.knobs}
+        best[name] = {"time_s": c.predicted["makespan_s"], "layout": c.workload.layout, "knobs": c.knobs,
+                      "as": "group"}
     if not best:
         return None
     rule = meta_rule(w, topo, n)

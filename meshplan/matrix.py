@@ -141,10 +141,16 @@ def _granularity_error(workload: Workload, n: int, unit: int, bad: list[tuple[in
         k, size = bad[0]
         if k == 0:
             return UserError("--prefix-len", f"{size} cached tokens are not a multiple of {what} for the {layout} "
-                             "layout", f"use a cache of {pad(size)} tokens, or a multiple of {unit}")
+                             "layout", f"pad the cache: --prefix-len {pad(size)} --seq-len {pad(size) + w.n_queries}")
         return UserError("--seq-len", f"{size} new tokens are not a multiple of {what} (nor fewer than N = {n}, "
                          "a decode step)", f"give --seq-len {w.prefix_len + pad(size)} or fewer than {n} new tokens")
     S = w.seq_len
+    if w.mask.kind == "docs":                # packed: pad the last document, whose padding never contributes
+        real, slots = w.mask.doc_real_lens(), list(w.mask.doc_lens)
+        spec = ",".join(f"{r}+{sl - r}" if sl != r else str(r) for r, sl in zip(real[:-1], slots[:-1]))
+        last = f"{real[-1]}+{slots[-1] - real[-1] + pad(S) - S}"
+        return UserError("--seq-len", f"{S} is not a multiple of {what} for the {layout} layout",
+                         f"pad the last document: --mask docs:{spec + ',' if spec else ''}{last} --seq-len {pad(S)}")
     return UserError("--seq-len", f"{S} is not a multiple of {what} for the {layout} layout",
                      f"pad to {pad(S)} and mask the padding: --seq-len {pad(S)} --valid-len {w.n_valid}")
 
@@ -258,6 +264,11 @@ class AttnMatrix:
     def q_tokens_per_chunk(self) -> int:
         """Query tokens of the smallest chunk: c without a prefix, (S − P) / N with one, 0 in decode."""
         return int(self.chunks.q_tokens.min())
+
+    def chunk_tokens(self, kind: str) -> int:
+        """Tokens of the smallest chunk's tensor of ``kind``: :attr:`tokens_per_chunk` for KV kinds, else
+        :attr:`q_tokens_per_chunk` (what closed forms use, so they stay lower bounds)."""
+        return self.tokens_per_chunk if kind in KV_KINDS else self.q_tokens_per_chunk
 
     def tokens_of(self, kind: str, chunks: np.ndarray) -> np.ndarray:
         """Tokens a tensor of ``kind`` over ``chunks`` ([k, m] chunk ids) holds: [k]. KV kinds (kv, dkv) hold

@@ -51,6 +51,10 @@ class RankTimes(_Strict):
     peak_memory_bytes: NonNegativeInt = Field(description="live tensor bytes (CPU) or the CUDA allocator's peak")
     peak_rss_bytes: NonNegativeInt = Field(0, description="the process's peak resident set (interpreter and torch "
                                                           "included)")
+    peak_rise_bytes: NonNegativeInt | None = Field(
+        None, description="how far the rank's memory rose while it ran its passes: the resident set's high-water "
+        "mark minus the resident set at the start (CPU, Linux), or the CUDA allocator's peak minus what was "
+        "allocated at the start")
 
 
 class TensorError(_Strict):
@@ -89,6 +93,7 @@ class MeasurementJSON(_Strict):
     makespan_s: NonNegativeFloat
     makespan_spread: Spread
     peak_memory_bytes: NonNegativeInt = Field(description="max over ranks (see peak_memory_kind)")
+    peak_rise_bytes: NonNegativeInt | None = Field(None, description="max over ranks of RankTimes.peak_rise_bytes")
     peak_memory_kind: Literal["live-tensors", "cuda-allocator"] = Field(
         description="live-tensors: bytes of the schedule's live tensors (CPU); cuda-allocator: max_memory_allocated")
     wall_s: NonNegativeFloat

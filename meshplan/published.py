@@ -76,8 +76,19 @@ class AblationRow(_Row):
     charm_ms: Optional[float] = Field(None, gt=0)
 
 
+class MemoryRow(_Row):
+    """One row of ``charm_plus_memory_l20x8.csv``: peak memory of forward+backward on 8 L20, MB (MHA)."""
+
+    B: PositiveInt
+    S: PositiveInt
+    heads: PositiveInt
+    ring_MB: float = Field(gt=0)
+    charm_MB: float = Field(gt=0)
+
+
 TABLES = {"charm-h100": ("charm_plus_h100_2x8.csv", H100Row), "charm-ablation": ("charm_plus_ablation_fwd.csv",
-                                                                                   AblationRow)}
+                                                                                   AblationRow),
+          "charm-memory": ("charm_plus_memory_l20x8.csv", MemoryRow)}
 
 
 def load_rows(table: str, path: str | Path | None = None) -> list:

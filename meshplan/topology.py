@@ -116,6 +116,7 @@ class Topology:
         agg = LinkSpec(usable_GBps=nics.node_aggregate_GBps, latency_us=net.latency_us / 2)
         self._add_link(f"n{n}/net-out", "net", agg, "net", both=False)
         self._add_link("net", f"n{n}/net-in", agg, "net", both=False)
+        spine = net.kind == "rail" and net.cross_rail == "spine"
         for k in range(nics.count):
             nic = f"n{n}/nic{k}"
             cap = nics.per_flow_GBps * 1e9
@@ -123,6 +124,11 @@ class Topology:
             self._add_link(f"n{n}/net-in", nic, nics.port, "net", both=False, flow_cap=cap)
             for v in devs[k * per_nic:(k + 1) * per_nic]:
                 self._add_link(v, nic, nics.gpu_link, "pcie")
+            if spine:                  # this NIC's share of its leaf's uplinks to the spine, each way
+                up = LinkSpec(usable_GBps=nics.port.bytes_per_s / 1e9 / net.spine_oversubscription,
+                              latency_us=net.spine_latency_us / 2)
+                self._add_link(f"n{n}/rail{k}", "spine", up, "net", both=False)
+                self._add_link("spine", f"n{n}/rail{k}-in", up, "net", both=False)
 
     def _finish_links(self) -> None:
         cap, lat, cls_, flow = zip(*self._attrs)
@@ -153,10 +159,45 @@ class Topology:
             if ns == nd:
                 hit = self._template(ls, ld) + ns * L
             else:
-                up, down = self._template(ls, "net"), self._template("net", ld)
+                up, down = self._cross(ls, ld)
                 hit = np.concatenate([up + ns * L, down + nd * L])
             self._route_cache[key] = hit
         return hit
+
+    def rail_of(self, local: int) -> int:
+        """The rail (NIC index) of a device's local index in its node."""
+        nics = self.spec.node.nics
+        return local * nics.count // self.gpus_per_node
+
+    def _cross(self, ls: int, ld: int) -> tuple[np.ndarray, np.ndarray]:
+        """(links in the source node, links in the destination node), node-0 numbering, from local device ``ls``
+        to local device ``ld`` of another node: up to the network and down, by the network's routing."""
+        key = ("x", ls, ld)
+        if key not in self._route_cache:
+            net = self.spec.network
+            up, down = self._template(ls, "net"), self._template("net", ld)
+            rs, rd = self.rail_of(ls), self.rail_of(ld)
+            if net.kind == "rail" and rs != rd:
+                if net.cross_rail == "pxn":    # NVLink to this node's GPU on the destination's rail, then its NIC
+                    per = self.gpus_per_node // self.spec.node.nics.count
+                    proxy = rd * per + ls % per
+                    up = np.concatenate([self._template(ls, proxy), self._template(proxy, "net")])
+                else:                          # through the spine: up from rail rs, down to rail rd
+                    sid = self._spine_links()
+                    up = np.r_[up, sid[("up", rs)]]
+                    down = np.r_[sid[("down", rd)], down]
+            self._route_cache[key] = (up.astype(np.int64), down.astype(np.int64))
+        return self._route_cache[key]
+
+    def _spine_links(self) -> dict[tuple[str, int], int]:
+        """Node 0's leaf-uplink link ids per rail (``('up', k)``, ``('down', k)``)."""
+        out = {}
+        for i, (u, v) in enumerate(self._links[: self.links_per_node]):
+            if v == "spine":
+                out[("up", int(u.split("/rail")[1]))] = i
+            elif u == "spine":
+                out[("down", int(v.split("/rail")[1].split("-")[0]))] = i
+        return out
 
     def _template(self, a, b) -> np.ndarray:
         key = ("tpl", a, b)
@@ -179,6 +220,10 @@ class Topology:
                         nxt.append(v)
             frontier = nxt
         if t not in parent:
+            if "net" in (s, t):
+                raise UserError("topology", f"{self.name}: no route from {s} to {t}: its nodes have no NICs",
+                                "add a nics: block to the file (meshplan topo import: give --nic-GBps), or use "
+                                "one node's GPUs")
             raise UserError("topology", f"{self.name}: no route from {s} to {t}")
         path, v = [], t
         while parent[v] is not None:
@@ -197,8 +242,8 @@ class Topology:
         (ns, ls), (nd, ld) = np.divmod(src, g), np.divmod(dst, g)
         t = self._stat_tables()
         same = ns == nd
-        lat = np.where(same, t["lat"][ls, ld], t["up_lat"][ls] + t["down_lat"][ld])
-        bw = np.where(same, t["bw"][ls, ld], np.minimum(t["up_bw"][ls], t["down_bw"][ld]))
+        lat = np.where(same, t["lat"][ls, ld], t["x_lat"][ls, ld])
+        bw = np.where(same, t["bw"][ls, ld], t["x_bw"][ls, ld])
         overhead = self.spec.p2p_overhead_us * 1e-6
         lat = np.where(src == dst, 0.0, lat + overhead)
         return lat, bw
@@ -216,12 +261,12 @@ class Topology:
         for a in range(g):
             for b in range(g):
                 lat[a, b], bw[a, b] = stats(self._template(a, b))
-        up_lat, up_bw, down_lat, down_bw = (np.zeros(g), np.full(g, np.inf), np.zeros(g), np.full(g, np.inf))
+        x_lat, x_bw = np.zeros((g, g)), np.full((g, g), np.inf)
         if self.n_nodes > 1:
             for a in range(g):
-                up_lat[a], up_bw[a] = stats(self._template(a, "net"))
-                down_lat[a], down_bw[a] = stats(self._template("net", a))
-        return {"lat": lat, "bw": bw, "up_lat": up_lat, "up_bw": up_bw, "down_lat": down_lat, "down_bw": down_bw}
+                for b in range(g):
+                    x_lat[a, b], x_bw[a, b] = stats(np.concatenate(self._cross(a, b)))
+        return {"lat": lat, "bw": bw, "x_lat": x_lat, "x_bw": x_bw}
 
     def link_loads(self, src, dst, size_bytes) -> np.ndarray:
         """[n_links] bytes crossing every link when each (src, dst) pair moves ``size_bytes`` (vectorised)."""
@@ -235,8 +280,8 @@ class Topology:
         same = moving & (ns == nd)
         parts = [(same, ls * g + ld, ns, lambda k: self._template(*divmod(k, g)))]
         if self.n_nodes > 1:
-            parts += [(moving & ~same, ls, ns, lambda k: self._template(k, "net")),
-                      (moving & ~same, ld, nd, lambda k: self._template("net", k))]
+            parts += [(moving & ~same, ls * g + ld, ns, lambda k: self._cross(*divmod(k, g))[0]),
+                      (moving & ~same, ls * g + ld, nd, lambda k: self._cross(*divmod(k, g))[1])]
         for sel, key, node, template in parts:
             idx = np.flatnonzero(sel)
             if len(idx) == 0:

@@ -141,10 +141,22 @@ class NodeSpec(_Strict):
 
 
 class NetworkSpec(_Strict):
-    """Between nodes: a non-blocking switch (full bisection) with a per-traversal latency."""
+    """Between nodes: a non-blocking switch (full bisection), or a rail-optimised fabric, with a per-traversal
+    latency.
 
-    kind: Literal["nonblocking"] = "nonblocking"
+    ``rail`` (NVIDIA's rail-optimised DGX SuperPOD design): NIC k of every node sits on leaf switch k (rail k).
+    Traffic between the same rails stays in that leaf; cross-rail traffic goes up to the spine
+    (``cross_rail: spine``) through a leaf uplink of the NIC port's rate / ``spine_oversubscription`` (each
+    NIC's share of its leaf's uplinks), or first over NVLink to the source node's GPU on the destination's
+    rail and out of that GPU's NIC (``pxn``, NCCL's PXN: ``NCCL_PXN_DISABLE=0``), never touching the spine.
+    """
+
+    kind: Literal["nonblocking", "rail"] = "nonblocking"
     latency_us: NonNegFloat = 0.0
+    cross_rail: Literal["spine", "pxn"] = Field("spine", description="rail: how cross-rail traffic travels")
+    spine_oversubscription: Annotated[float, Field(ge=1)] = Field(
+        1.0, description="rail: leaf downlink / uplink capacity (1: non-blocking; 2: a 2:1 oversubscribed spine)")
+    spine_latency_us: NonNegFloat = Field(0.0, description="rail: extra latency of the leaf -> spine -> leaf hops")
 
 
 class OverlapSpec(_Strict):

@@ -40,6 +40,13 @@ def trace_events(sched: Schedule, start_s: np.ndarray, end_s: np.ndarray, label:
 
 
 def write_trace(path: str | Path, events: list[dict]) -> None:
-    """Write ``{"traceEvents": [...]}`` atomically."""
+    """Write ``{"traceEvents": [...]}`` atomically.
+
+    Raises:
+        UserError: ``path`` is a directory or not a ``.json`` name (``--trace``).
+    """
+    from meshplan.errors import UserError
     from meshplan.fileio import write_atomic
+    if Path(path).is_dir() or not str(path).endswith(".json"):
+        raise UserError("--trace", f"{str(path)!r} is not a .json file name", "name the trace file *.json")
     write_atomic(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}).encode())

@@ -324,6 +324,8 @@ def resolve(*, model: str | None = None, seq_len: str | int | None = None, batch
     if name not in table:
         raise UserError("--model", f"unknown preset {name!r}", f"use one of {', '.join(table)}")
     base = {**DEFAULTS, **table[name]}
+    if seq_len is None and mask is not None and str(mask).startswith(("docs:", "cu_seqlens:")):
+        seq_len = sum(Mask.parse(mask).doc_lens)       # packed documents: the sequence is their slots
     pick = lambda given, key: given if given is not None else base[key]  # noqa: E731
     return Workload(
         batch=pick(batch, "batch"),

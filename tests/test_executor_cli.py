@@ -118,6 +118,9 @@ def test_run_then_compare_writes_the_contracts_files(ring2, tmp_path):
     assert body["comparable"] and body["end_to_end"]["total"]["measured_s"] == pytest.approx(meas["makespan_s"])
     assert {r["kind"] for r in body["per_kind"]} >= {"compute", "transfer"}
     assert body["peak_memory"]["predicted_bytes"] == pytest.approx(body["peak_memory"]["measured_bytes"], rel=0.05)
+    rise = body["memory_rise"]                   # the process's RSS rise: the buffers are a lower bound of it
+    assert rise["kind"] == "rss" and rise["measured_rise_bytes"] >= rise["predicted_buffers_bytes"] > 0
+    assert rise["measured_rise_bytes"] == max(r["peak_rise_bytes"] for r in meas["ranks"])
     probe, speed = meas["env"]["probe_ms"], body["host_speed"]        # the host-speed probe against calibration's
     from meshplan.topology import Topology
     calibrated = Topology.load("cpu-local").calibration.host_probe_ms

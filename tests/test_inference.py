@@ -136,3 +136,13 @@ def test_files_without_doc_layout_read_as_packed(tmp_path):
     path.write_text(json.dumps(doc))
     back = read_schedule(path)
     assert back.workload.doc_layout == "packed" and verify(back).ok
+
+
+@pytest.mark.parametrize("name", ["ring", "pass-q", "ulysses", "usp", "mesh", "loongtrain", "startrail", "merge"])
+@pytest.mark.parametrize("seq,prefix,batch", [(65536 + 8192, 65536, 1), (65536 + 1, 65536, 4)])
+def test_closed_forms_bound_inference(name, seq, prefix, batch):
+    """The closed-form bound prunes the search: it must stay below the simulation with a cached prefix too."""
+    t = Topology.load("h100x16", gpus=16)
+    w = wl(seq_len=seq, prefix_len=prefix, batch=batch)
+    c = predict(name, w, t, 16, {"ulysses_degree": "4"} if name == "usp" else {})
+    assert c.bound_s <= c.predicted["makespan_s"] * (1 + 1e-9), (c.bound_s, c.predicted["makespan_s"])

@@ -122,3 +122,22 @@ def test_ablation_directions_and_cli_json():
     r = runner.invoke(app, ["reproduce", "charm-ablation", "--json"])
     assert r.exit_code == 0, r.stderr
     assert json.loads(r.stdout)["directions_total"] == 14
+
+
+def test_charm_memory_table():
+    """Peak memory of the CHARM+ table: every row predicts CHARM+ above Ring (as measured); the published file is
+    read with its source; a file without a column is refused with one line."""
+    from meshplan.reproduce import reproduce_memory
+
+    body = reproduce_memory()
+    assert body["directions_right"] == body["directions_total"] == 8
+    for r in body["rows"]:
+        assert r["ratio"]["measured"] == pytest.approx(r["measured_MB"]["charm"] / r["measured_MB"]["ring"])
+        assert r["difference_MB"]["predicted"] > 0
+
+
+def test_charm_memory_bad_file(tmp_path):
+    bad = tmp_path / "m.csv"
+    bad.write_text("B,S,heads,ring_MB\n16,1024,32,2179\n")
+    res = CliRunner().invoke(app, ["reproduce", "charm-memory", "--data", str(bad)])
+    assert res.exit_code == 2 and "charm_MB" in res.output and "Traceback" not in res.output

@@ -302,12 +302,12 @@ def _mapping(grid: Grid, topo: Topology, mapping: str, workload: Workload, knobs
 
 
 def _sizes(workload: Workload, n: int, knobs) -> dict[str, float]:
-    c = workload.seq_len // n
+    c, cq = workload.seq_len // n, workload.n_queries // n
     h = workload.n_heads
     pd = knobs.get("partial_dtype") or workload.dtype
     dt = workload.dtype
-    return {"q": tensor_bytes(workload, "q", c, h, dt), "kv": tensor_bytes(workload, "kv", c, h, dt),
-            "o": tensor_bytes(workload, "out", c, h, pd)}
+    return {"q": tensor_bytes(workload, "q", cq, h, dt), "kv": tensor_bytes(workload, "kv", c, h, dt),
+            "o": tensor_bytes(workload, "out", cq, h, pd)}
 
 
 def _comm_estimate(grid: Grid, workload: Workload, topo: Topology, knobs) -> float:
@@ -324,14 +324,14 @@ def _comm_estimate(grid: Grid, workload: Workload, topo: Topology, knobs) -> flo
 def _tile_costs(plan: Plan, topo: Topology, pass_: str) -> TileCosts:
     """Mean uncontended costs over ranks: one fetch of each kind, one return, one block."""
     w, m = plan.workload, plan.matrix
-    c = m.tokens_per_chunk
+    c, cq = m.tokens_per_chunk, m.q_tokens_per_chunk
     geo = geometry(plan, topo)
     row, col = geo[("row", "in")], geo[("col", "in")]
     keep = pass_ == "bwd" and plan.knobs["bwd_inputs"] == "keep"
     q_kind, o_kind = ("q", "out") if pass_ == "fwd" else ("dside" if keep else "qside", "dq")
     o_dtype = (plan.knobs["partial_dtype"] or w.dtype) if pass_ == "fwd" else plan.knobs["dkv_dtype"]
-    size_q = tensor_bytes(w, q_kind, c, w.n_heads, w.dtype)
-    size_o = tensor_bytes(w, o_kind, c, w.n_heads, o_dtype)
+    size_q = tensor_bytes(w, q_kind, cq, w.n_heads, w.dtype)
+    size_o = tensor_bytes(w, o_kind, cq, w.n_heads, o_dtype)
     size_kv = tensor_bytes(w, "kv", c, w.n_heads, w.dtype)
     mean = lambda f, size: float((f["lat"].sum() + size * f["inv_bw"].sum()) / f["count"].sum()) \
         if f["count"].sum() else 0.0  # noqa: E731

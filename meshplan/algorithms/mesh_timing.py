@@ -104,18 +104,18 @@ def overhead(plan: Plan, topo: Topology, pass_: str, tile) -> float:
     if tile is None or not m.permitted.all():
         return 0.0
     cost = CostModel(topo)
-    c, h = m.tokens_per_chunk, w.n_heads
-    acc = {"row": tensor_bytes(w, "out" if pass_ == "fwd" else "dq", c, h, "fp32"),
+    c, cq, h = m.tokens_per_chunk, m.q_tokens_per_chunk, w.n_heads
+    acc = {"row": tensor_bytes(w, "out" if pass_ == "fwd" else "dq", cq, h, "fp32"),
            "col": tensor_bytes(w, "dkv", c, h, "fp32")}
     per_op = [cost.kernel.launch_s + 3 * (len(rows) * acc["row"] + (len(cols) * acc["col"] if pass_ == "bwd" else 0))
               / cost.merge_rate for rows, cols, _ in tile.groups]
     grid = plan.extra["grid"]
     if pass_ == "fwd":
-        wire = tensor_bytes(w, "out", c, h, plan.knobs["partial_dtype"] or w.dtype)
+        wire = tensor_bytes(w, "out", cq, h, plan.knobs["partial_dtype"] or w.dtype)
         folds = (grid.a - 1) * float(cost.merge_time_s(2 * acc["row"] + wire))
     else:
         wd = plan.knobs["dkv_dtype"]
-        folds = (grid.a - 1) * float(cost.merge_time_s(2 * acc["row"] + tensor_bytes(w, "dq", c, h, wd))) \
+        folds = (grid.a - 1) * float(cost.merge_time_s(2 * acc["row"] + tensor_bytes(w, "dq", cq, h, wd))) \
             + (grid.b - 1) * float(cost.merge_time_s(2 * acc["col"] + tensor_bytes(w, "dkv", c, h, wd)))
     return float(sum(per_op)) + folds
 
@@ -124,8 +124,8 @@ def cheap_timing(plan: Plan, topo: Topology, pass_: str, tile=None) -> PassTimin
     """Compute and link bounds of one pass of a Mesh plan (``tile``: its TilePlan, for the op overheads)."""
     grid: Grid = plan.extra["grid"]
     w, m = plan.workload, plan.matrix
-    n, c, h = grid.n, m.tokens_per_chunk, w.n_heads
-    size = lambda kind, dtype=w.dtype: float(tensor_bytes(w, kind, c, h, dtype))  # noqa: E731
+    n, h = grid.n, w.n_heads
+    size = lambda kind, dtype=w.dtype: float(tensor_bytes(w, kind, m.chunk_tokens(kind), h, dtype))  # noqa: E731
     largest = max(tile.groups, key=lambda g: len(g[0]) * len(g[1])) if tile is not None and tile.groups else None
     compute, cheapest = rank_compute(plan, topo, pass_, (len(largest[0]), len(largest[1])) if largest else None)
     compute = compute + overhead(plan, topo, pass_, tile)

@@ -23,7 +23,7 @@ from meshplan.topology import Topology
 def size_of(plan: Plan, kind: str, dtype: str) -> float:
     """Bytes of one chunk's tensor of ``kind`` in ``dtype`` (all query heads)."""
     w = plan.workload
-    return float(tensor_bytes(w, kind, plan.matrix.tokens_per_chunk, w.n_heads, dtype))
+    return float(tensor_bytes(w, kind, plan.matrix.chunk_tokens(kind), w.n_heads, dtype))
 
 
 class Rotation:

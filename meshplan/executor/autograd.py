@@ -119,9 +119,12 @@ def _check(q, k, v, prog: Program, group, needs_grad: bool) -> None:
                             "[B, c, H or Hkv, D]", "cut the sequence with meshplan.executor.shard")
         if x.dtype != TORCH_DTYPE[w.dtype]:
             raise UserError(label, f"is {x.dtype}, the schedule's workload is {w.dtype}",
-                            f"cast to {TORCH_DTYPE[w.dtype]} or plan with --dtype {str(x.dtype)[6:]}")
+                            f"cast to {TORCH_DTYPE[w.dtype]} or plan with --dtype {_FLAG_DTYPE.get(x.dtype, x.dtype)}")
         if x.device != q.device:
             raise UserError(label, f"is on {x.device}, q on {q.device}", "put q, k and v on one device")
+
+
+_FLAG_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 def communicators(prog: Program, group) -> dict[int, object]:
@@ -131,7 +134,8 @@ def communicators(prog: Program, group) -> dict[int, object]:
     pool = _POOLS.setdefault(group, [])
     if len(pool) < len(comms):
         ranks, backend = dist.get_process_group_ranks(group), dist.get_backend(group)
-        pool.extend(dist.new_group(ranks, backend=backend, use_local_synchronization=True)
+        local = len(ranks) < dist.get_world_size()       # a subgroup: only its members take part in creating it
+        pool.extend(dist.new_group(ranks, backend=backend, use_local_synchronization=local)
                     for _ in range(len(comms) - len(pool)))
     return dict(zip(comms, pool))
 

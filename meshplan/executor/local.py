@@ -78,9 +78,9 @@ def local_chunk(prog: Program, rank: int) -> Chunk:
     q = sorted({c for t in mine if t.pass_ == "fwd" and t.kind == "q" for c in t.chunks})
     kv = sorted({c for t in mine if t.pass_ == "fwd" and t.kind == "kv" for c in t.chunks})
     where = f"the {prog.doc.algorithm} schedule, rank {rank}"
-    if getattr(prog.workload, "prefix_len", 0):
-        raise UserError(where, "has a cached prefix (inference): its Q and K/V chunks hold different tokens",
-                        "plan without --prefix-len to train")
+    if prog.workload.prefix_len:
+        raise UserError(where, "has a cached prefix (inference): its Q and K/V chunks hold different tokens, "
+                        "which attention() does not take yet", "run it with meshplan run, or plan without --prefix-len")
     if q != kv:
         raise UserError(where, f"starts from Q of chunks {q} but K/V of chunks {kv}",
                         "the drop-in attention needs each rank's Q and K/V on the same tokens")

@@ -7,6 +7,10 @@ reused memory 10 ms (a 1 MiB one 0.6 vs 0.07 ms). :func:`reuse_freed_memory` rai
 thresholds (``mallopt``, M_MMAP_THRESHOLD and M_TRIM_THRESHOLD) so freed blocks stay in the heap for the next
 op — what PyTorch's CPU performance guide gets by preloading jemalloc or tcmalloc. Executor ranks and
 calibration call it at start; elsewhere (macOS, musl) it does nothing.
+
+:func:`reset_peak_rss` and :func:`peak_rss` measure how far a rank's resident memory rises while it runs its
+passes (Linux ``/proc``; the kernel's ``clear_refs`` documentation, value 5), which ``compare`` sets against
+the predicted peak of the schedule's buffers.
 """
 
 from __future__ import annotations
@@ -17,6 +21,33 @@ import sys
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _THRESHOLD_BYTES = 1 << 30
+
+
+def reset_peak_rss() -> int | None:
+    """Reset this process's resident-set high-water mark (Linux: ``5`` into ``/proc/self/clear_refs``, which
+    sets VmHWM to the current RSS) and return the current RSS in bytes; None where that cannot be done."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _status_bytes("VmRSS")
+    except OSError:
+        return None
+
+
+def peak_rss() -> int | None:
+    """This process's resident-set high-water mark in bytes since the last :func:`reset_peak_rss` (VmHWM)."""
+    try:
+        return _status_bytes("VmHWM")
+    except OSError:
+        return None
+
+
+def _status_bytes(key: str) -> int | None:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024          # the kernel reports kB
+    return None
 
 
 def reuse_freed_memory() -> bool:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from meshplan.executor.data import Inputs, attention_rows, load_inputs, make_inputs
 from meshplan.executor.kernels import TORCH_DTYPE, row_delta
-from meshplan.executor.memory import reuse_freed_memory
+from meshplan.executor.memory import peak_rss, reset_peak_rss, reuse_freed_memory
 from meshplan.executor.numerics import assemble, dump, judge, local_results
 from meshplan.executor.probe import probe_ms
 from meshplan.executor.program import Program
@@ -83,6 +83,12 @@ def _iterate(rank, world, prog: Program, cfg: RunConfig, groups, inputs: Inputs,
     stores: dict[str, Store] = {}
     probes: list[float] = []
     raw: list[dict[str, tuple[int, dict]]] = []      # per timed iteration: pass -> (pass start ns, op times)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    else:
+        base = reset_peak_rss()
     for it in range(cfg.warmup + cfg.iters):
         if it >= cfg.warmup and rank == 0:          # the host's speed now (the others wait in the pass barrier)
             probes.append(probe_ms(device))
@@ -110,9 +116,14 @@ def _iterate(rank, world, prog: Program, cfg: RunConfig, groups, inputs: Inputs,
     dist.all_reduce(ends, op=dist.ReduceOp.MAX)       # a pass's makespan: its latest op end over all ranks
     ends = ends.cpu()
     if device.type == "cuda":
-        peak = max(peak, torch.cuda.max_memory_allocated(device))
+        top = torch.cuda.max_memory_allocated(device)
+        peak = max(peak, top)
+    else:
+        top = peak_rss()
+    rise = None if base is None or top is None else max(int(top) - int(base), 0)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    mine = {"rank": rank, "ops": _medians(per_iter), "peak_memory_bytes": int(peak), "peak_rss_bytes": int(rss)}
+    mine = {"rank": rank, "ops": _medians(per_iter), "peak_memory_bytes": int(peak), "peak_rss_bytes": int(rss),
+            "peak_rise_bytes": rise}
     pieces = local_results(prog, rank, stores, TORCH_DTYPE[prog.workload.dtype]) if cfg.check or cfg.dump_dir else []
     gathered = [None] * world if rank == 0 else None
     dist.gather_object((mine, pieces), gathered, dst=0)
@@ -223,6 +234,8 @@ def _measurement(prog: Program, cfg: RunConfig, inputs: Inputs, gathered, ends_s
         "numerics": numerics.model_dump(), "ranks": ranks, "passes": passes,
         "makespan_s": float(np.median(total)), "makespan_spread": _spread(total),
         "peak_memory_bytes": max(r["peak_memory_bytes"] for r in ranks),
+        "peak_rise_bytes": max((r["peak_rise_bytes"] for r in ranks if r["peak_rise_bytes"] is not None),
+                               default=None),
         "peak_memory_kind": "cuda-allocator" if device.type == "cuda" else "live-tensors", "wall_s": wall_s,
     }
 

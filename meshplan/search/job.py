@@ -1,11 +1,12 @@
 """``search --tp T --dp D [--rank-order ORDER]``: rank a CP group's plans by the whole job's time.
 
 The search itself runs for one CP group (``--gpus`` ranks, heads / TP, on that many devices of the topology);
-then its ``top`` best candidates (simulated here if the group search left them at their bound, since sharing
-the job's links can reorder plans whose group times are close) are laid onto every CP group's GPUs of the job
-(:func:`meshplan.job.job_schedule`) and simulated together on the job's topology, where the groups share NICs and
-links. Those candidates are re-ranked by that time (``job.together_s``); the others keep their group order
-after them. A written schedule is group 0's on its job GPUs (simulating the file gives ``job.alone_s``).
+then its ``top`` best candidates and each method's best (simulated here if the group search left them at their
+bound, since sharing the job's links can reorder plans whose group times are close) are laid onto every CP
+group's GPUs of the job (:func:`meshplan.job.job_schedule`) and simulated together on the job's topology,
+where the groups share NICs and links. Those candidates are re-ranked by that time (``job.together_s``); the
+others keep their group order after them. A written schedule is group 0's on its job GPUs (simulating the
+file gives ``job.alone_s``).
 
 The plans themselves are still made for ``cp`` devices of the topology, not for the group's GPUs (a group that
 TP spreads over nodes is planned as if it sat in one): the job simulation times them where they really run.
@@ -33,7 +34,12 @@ def rerank_for_job(result: SearchResult, shape: JobShape, job_topo: Topology, to
     from meshplan.predict import simulate_candidate
 
     groups = shape.cp_groups()
-    timed = [c for c in result.candidates if not c.forward_only][:top]
+    eligible = [c for c in result.candidates if not c.forward_only]
+    timed = eligible[:top]
+    for name in dict.fromkeys(c.algorithm for c in eligible):        # and each method's best: sharing the job's
+        first = next(c for c in eligible if c.algorithm == name)     # links can reorder methods whose group
+        if first not in timed:                                       # times are close or tied
+            timed.append(first)
     for k, c in enumerate(timed):
         if progress:
             progress(k, len(timed), f"the job: {c.algorithm} {c.workload.layout}")
