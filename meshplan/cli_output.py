@@ -133,7 +133,12 @@ def print_frameworks(frameworks: list[dict[str, Any]], console: Console) -> None
     if left:
         console.print(f"{left} framework settings the search does not list were not evaluated at this size (--json "
                       "lists them, each with the simulate command that times it)", soft_wrap=True)
-    if any(f["settings"] is not None and f["vs_best"] is not None and f["vs_best"] < 1 for f in frameworks):
+    faster = [f for f in frameworks if f["settings"] is not None and f["vs_best"] is not None and f["vs_best"] < 1]
+    lossy = [f for f in faster if (f.get("knobs") or {}).get("dkv_dtype") not in (None, "fp32")]
+    for f in lossy:
+        console.print(f"vs best < 1 for {f['framework']}: its plan sends dK/dV in {f['knobs']['dkv_dtype']} (lossy); "
+                      "the search keeps fp32 gradients on the wire unless given --dkv-dtype bf16", soft_wrap=True)
+    if any(f not in lossy for f in faster):
         console.print("vs best < 1: that setting's plan is outside what search enumerates (knobs it keeps at their "
                       "defaults); pin them with the knob flags to rank it", soft_wrap=True)
 

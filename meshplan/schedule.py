@@ -388,9 +388,11 @@ class ScheduleBuilder:
         tids = np.asarray(tids, dtype=np.int64)
         block = self._tensors[bisect.bisect_right(self._tensor_starts, int(tids[0])) - 1]
         if not (block["ids"][0] <= tids).all() or not (tids <= block["ids"][-1]).all():
-            blocks = [self._tensors[bisect.bisect_right(self._tensor_starts, int(t)) - 1] for t in tids]
-            tokens = np.array([int(self.m.tokens_of(b["kind"], b["chunks"][int(t - b["ids"][0])][None])[0])
-                               for b, t in zip(blocks, tids)])
+            which = np.searchsorted(np.asarray(self._tensor_starts), tids, side="right") - 1
+            tokens = np.zeros(len(tids), dtype=np.int64)
+            for b in np.unique(which).tolist():                  # one lookup per builder block they come from
+                sel, blk = which == b, self._tensors[b]
+                tokens[sel] = self.m.tokens_of(blk["kind"], blk["chunks"][tids[sel] - blk["ids"][0]])
         else:
             tokens = self.m.tokens_of(block["kind"], block["chunks"][tids - block["ids"][0]])
         return int(tokens[0]) if (tokens == tokens[0]).all() else tokens
