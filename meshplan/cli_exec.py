@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -26,6 +27,8 @@ def run_command(schedule: str, nproc, backend, iters, warmup, check, serialize, 
             raise UserError(name, f"{flag!r} is not a .json name", "name the file *.json")
     if iters < 1 or warmup < 0 or timeout_s <= 0:
         raise UserError("--iters/--warmup/--timeout-s", "need iters ≥ 1, warmup ≥ 0, timeout > 0", "fix the value")
+    if dump_dir is not None and Path(dump_dir).exists() and not Path(dump_dir).is_dir():
+        raise UserError("--dump", f"{dump_dir!r} is a file, not a folder", "give a folder for the .npy files")
     cfg = RunConfig(backend=backend, iters=iters, warmup=warmup, check=check, serialize=serialize,
                     timeout_s=timeout_s, dump_dir=dump_dir, seed=seed, inputs_path=inputs)
     try:

@@ -71,6 +71,7 @@ def test_world_size_and_backend_are_checked_first(ring2):
     if not torch.cuda.is_available():
         one_line_error(run("run", ring2, "--backend", "nccl"), "--backend", "gloo")
     one_line_error(run("run", ring2, "--out", "m.txt"), "--out")
+    one_line_error(run("run", ring2, "--dump", ring2), "--dump", "not a folder")    # refused before running
 
 
 def test_a_lost_message_times_out_naming_rank_op_and_peer(ring2, tmp_path):
