@@ -104,12 +104,7 @@ def search(gpus: o.Gpus = None, topo: o.Topo = None, model: o.Model = None, seq_
                "--memory-limit", help="bytes per GPU (80GiB, 64GB, ...)")] = None,
            prune_slack: Annotated[float, typer.Option(
                "--prune-slack", help="prune within this fraction of the best (0: exact)")] = 0.01,
-           tp: Annotated[int, typer.Option("--tp", help="tensor-parallel size around the CP group (heads / TP)",
-                                           rich_help_panel="Job")] = 1,
-           dp: Annotated[int, typer.Option("--dp", help="data-parallel size (CP groups x TP run at once)",
-                                           rich_help_panel="Job")] = 1,
-           rank_order: Annotated[str, typer.Option("--rank-order", help="job rank order, innermost first "
-                                                   "(Megatron-LM: tp-cp-dp)", rich_help_panel="Job")] = "tp-cp-dp",
+           tp: o.Tp = 1, dp: o.Dp = 1, rank_order: o.RankOrder = "tp-cp-dp",
            sensitivity: sv.Sensitivity = None, sensitivity_samples: sv.Samples = 20, sensitivity_top: sv.Top = 5,
            sensitivity_seed: sv.Seed = 0, pick: sv.Pick = "nominal",
            as_json: o.Json = False) -> None:
@@ -118,6 +113,64 @@ def search(gpus: o.Gpus = None, topo: o.Topo = None, model: o.Model = None, seq_
     from meshplan.errors import UserError
     from meshplan.search import run_search, search_json, write_best
     from meshplan.units import parse_bytes
+
+    _check_search_flags(gpus, scheduler, ilp_time_limit_s, ilp_workers, write, top, map_search, prune_slack)
+    from meshplan.search.sensitivity import check_args, run_sensitivity
+    check_args(sensitivity, sensitivity_samples, sensitivity_top, pick, job=o.is_job(tp, dp, rank_order))
+    topology = o.topology(topo, gpus, "search")
+    base = o.workload(model, seq_len, batch, heads, kv_heads, head_dim, dtype, mask, layout, passes, valid_len,
+                    prefix_len, doc_layout)
+    job = None
+    if o.is_job(tp, dp, rank_order):
+        from meshplan.cli_job import job_setup
+        job, base, job_topo = job_setup(gpus, topo, base, tp, dp, rank_order, scheduler, map_search)
+    filters = o.knobs(tile, mapping, partial_dtype, dkv_dtype, ulysses_degree, inner_ring, team_size, domains, knob)
+    names = [a.strip() for a in algos.split(",")] if algos else None
+    limit = parse_bytes(memory_limit, "--memory-limit") if memory_limit else None
+    progress = _progress()
+    with progress:
+        task = progress.add_task("simulating", total=None)
+        step = lambda k, n, label: progress.update(task, total=n, completed=k, description=label)  # noqa: E731
+        result = run_search(base, topology, gpus, algos=names, filters=filters, layout_pinned=layout is not None,
+                            memory_limit=limit, prune_slack=prune_slack, progress=step)
+        from meshplan.search.frameworks import framework_bests, frameworks_json
+        progress.update(task, description="the frameworks' settings")
+        bests = framework_bests(result, names, filters)
+        if map_search:
+            from meshplan.search.improve import improve_mapping
+            improve_mapping(result, map_search, write=write, progress=step)
+        if scheduler != "greedy":
+            from meshplan.search.improve import improve
+            improve(result, scheduler, time_limit_s=ilp_time_limit_s, workers=ilp_workers, write=write,
+                    memory_limit=limit, progress=step)
+        sens = None if sensitivity is None else run_sensitivity(
+            result, sensitivity, samples=sensitivity_samples, top=sensitivity_top, seed=sensitivity_seed, pick=pick,
+            progress=step)
+        job_body = None
+        if job is not None:
+            from meshplan.search.job import best_group_s, rerank_for_job
+            group_best_s = best_group_s(result)          # before the job re-ranks the candidates
+            job_body = rerank_for_job(result, job, job_topo, max(top, write), progress=step)
+        from meshplan.inference import rule_report
+        inference = rule_report(result)
+        if write > 0:
+            progress.update(task, description=f"verifying and writing {write} schedule(s)")
+            write_best(result, write, out)
+    if not result.candidates:
+        raise UserError("--algos" if names else "--gpus", "no candidate can run this workload",
+                        "see the skipped reasons with --json, or change the filters")
+    body = search_json(result, scheduler)
+    # the frameworks' plans are timed as one CP group: compare them with the best group time (not a job time)
+    best_s = group_best_s if job is not None else body["candidates"][0]["predicted"].get("makespan_s")
+    body["frameworks"] = frameworks_json(bests, best_s)
+    body |= {k: v for k, v in (("inference", inference), ("job", job_body), ("sensitivity", sens)) if v is not None}
+    from meshplan.cli_output import print_search
+    _emit(body, as_json, lambda c: (print_search(body, c, top), sv.print_sensitivity(body, c)))
+
+
+def _check_search_flags(gpus, scheduler, ilp_time_limit_s, ilp_workers, write, top, map_search, prune_slack) -> None:
+    """``search``'s own flags, before anything runs (UserError: one line naming the flag)."""
+    from meshplan.errors import UserError
 
     if gpus is None:
         raise UserError("--gpus", "search needs a GPU count", "give --gpus N")
@@ -137,67 +190,6 @@ def search(gpus: o.Gpus = None, topo: o.Topo = None, model: o.Model = None, seq_
         raise UserError("--map-search", f"placement search is for up to 64 ranks, not {gpus}", "drop --map-search")
     if not 0 <= prune_slack < 1:
         raise UserError("--prune-slack", f"{prune_slack} is outside [0, 1)", "give a fraction such as 0.01")
-    from meshplan.search.sensitivity import check_args, run_sensitivity
-    check_args(sensitivity, sensitivity_samples, sensitivity_top, pick,
-               job=tp != 1 or dp != 1 or rank_order != "tp-cp-dp")
-    topology = o.topology(topo, gpus, "search")
-    base = o.workload(model, seq_len, batch, heads, kv_heads, head_dim, dtype, mask, layout, passes, valid_len,
-                    prefix_len, doc_layout)
-    job = None
-    if tp != 1 or dp != 1 or rank_order != "tp-cp-dp":
-        from meshplan.cli_job import job_setup
-        job, base, job_topo = job_setup(gpus, topo, base, tp, dp, rank_order, scheduler, map_search)
-    filters = o.knobs(tile, mapping, partial_dtype, dkv_dtype, ulysses_degree, inner_ring, team_size, domains, knob)
-    names = [a.strip() for a in algos.split(",")] if algos else None
-    limit = parse_bytes(memory_limit, "--memory-limit") if memory_limit else None
-    progress = _progress()
-    with progress:
-        task = progress.add_task("simulating", total=None)
-        result = run_search(base, topology, gpus, algos=names, filters=filters, layout_pinned=layout is not None,
-                            memory_limit=limit, prune_slack=prune_slack,
-                            progress=lambda k, n, label: progress.update(task, total=n, completed=k, description=label))
-        from meshplan.search.frameworks import framework_bests, frameworks_json
-        progress.update(task, description="the frameworks' settings")
-        bests = framework_bests(result, names, filters)
-        if map_search:
-            from meshplan.search.improve import improve_mapping
-            improve_mapping(result, map_search, write=write,
-                            progress=lambda k, n, label: progress.update(task, total=n, completed=k, description=label))
-        if scheduler != "greedy":
-            from meshplan.search.improve import improve
-            improve(result, scheduler, time_limit_s=ilp_time_limit_s, workers=ilp_workers, write=write,
-                    memory_limit=limit,
-                    progress=lambda k, n, label: progress.update(task, total=n, completed=k, description=label))
-        sens = None if sensitivity is None else run_sensitivity(
-            result, sensitivity, samples=sensitivity_samples, top=sensitivity_top, seed=sensitivity_seed, pick=pick,
-            progress=lambda k, n, label: progress.update(task, total=n, completed=k, description=label))
-        job_body = None
-        if job is not None:
-            from meshplan.search.job import rerank_for_job
-            group_best_s = min((c.predicted["makespan_s"] for c in result.candidates
-                                if c.model_level == "simulated" and c.predicted.get("makespan_s")), default=None)
-            job_body = rerank_for_job(result, job, job_topo, max(top, write), progress=lambda k, n, label:
-                                      progress.update(task, total=n, completed=k, description=label))
-        from meshplan.inference import rule_report
-        inference = rule_report(result)
-        if write > 0:
-            progress.update(task, description=f"verifying and writing {write} schedule(s)")
-            write_best(result, write, out)
-    if not result.candidates:
-        raise UserError("--algos" if names else "--gpus", "no candidate can run this workload",
-                        "see the skipped reasons with --json, or change the filters")
-    body = search_json(result, scheduler)
-    # the frameworks' plans are timed as one CP group: compare them with the best group time (not a job time)
-    best_s = group_best_s if job is not None else body["candidates"][0]["predicted"].get("makespan_s")
-    body["frameworks"] = frameworks_json(bests, best_s)
-    if inference is not None:
-        body["inference"] = inference
-    if job_body is not None:
-        body["job"] = job_body
-    if sens is not None:
-        body["sensitivity"] = sens
-    from meshplan.cli_output import print_search
-    _emit(body, as_json, lambda c: (print_search(body, c, top), sv.print_sensitivity(body, c)))
 
 
 def _progress():
@@ -217,12 +209,7 @@ def simulate(schedule: Annotated[Optional[str], typer.Argument(help="a schedule 
              partial_dtype: o.PartialDtype = None, dkv_dtype: o.DkvDtype = None,
              ulysses_degree: o.UlyssesDegree = None, inner_ring: o.InnerRing = None, team_size: o.TeamSize = None,
              domains: o.Domains = None, knob: o.KnobKV = None,
-             tp: Annotated[int, typer.Option("--tp", help="tensor-parallel size around the CP group (heads / TP)",
-                                             rich_help_panel="Job")] = 1,
-             dp: Annotated[int, typer.Option("--dp", help="data-parallel size (CP groups x TP run at once)",
-                                             rich_help_panel="Job")] = 1,
-             rank_order: Annotated[str, typer.Option("--rank-order", help="job rank order, innermost first "
-                                                     "(Megatron-LM: tp-cp-dp)", rich_help_panel="Job")] = "tp-cp-dp",
+             tp: o.Tp = 1, dp: o.Dp = 1, rank_order: o.RankOrder = "tp-cp-dp",
              out: Annotated[Optional[str], typer.Option("--out", help="write the schedule (.json or .json.gz)")] = None,
              trace: Annotated[Optional[str], typer.Option("--trace", help="write a Chrome/Perfetto trace")] = None,
              as_json: o.Json = False) -> None:
@@ -231,7 +218,7 @@ def simulate(schedule: Annotated[Optional[str], typer.Argument(help="a schedule 
     from meshplan.cli_run import simulate_file, simulate_named
     from meshplan.errors import UserError
     if schedule is not None:
-        if tp != 1 or dp != 1 or rank_order != "tp-cp-dp":
+        if o.is_job(tp, dp, rank_order):
             raise UserError("--tp", "--tp, --dp and --rank-order plan a job with --algo, not a schedule file",
                             "drop them, or give --algo NAME")
         simulate_file(schedule, topo, trace, as_json, _emit)
@@ -239,7 +226,7 @@ def simulate(schedule: Annotated[Optional[str], typer.Argument(help="a schedule 
     wl = o.workload(model, seq_len, batch, heads, kv_heads, head_dim, dtype, mask, layout, passes, valid_len,
                     prefix_len, doc_layout)
     kn = o.knobs(tile, mapping, partial_dtype, dkv_dtype, ulysses_degree, inner_ring, team_size, domains, knob)
-    if tp != 1 or dp != 1 or rank_order != "tp-cp-dp":
+    if o.is_job(tp, dp, rank_order):
         from meshplan.cli_job import simulate_job
         simulate_job(algo, gpus, topo, wl, kn, tp, dp, rank_order, out, trace, as_json, _emit)
         return

@@ -68,6 +68,18 @@ Seed = Annotated[int, typer.Option("--seed", help="seed of the random inputs")]
 Inputs = Annotated[Optional[str], typer.Option("--inputs", help=".npz with q, k, v (and dout) in (B, S, H, D)")]
 
 
+Tp = Annotated[int, typer.Option("--tp", help="tensor-parallel size around the CP group (heads / TP)",
+                                 rich_help_panel="Job")]
+Dp = Annotated[int, typer.Option("--dp", help="data-parallel size (CP groups x TP run at once)", rich_help_panel="Job")]
+RankOrder = Annotated[str, typer.Option("--rank-order", help="job rank order, innermost first (Megatron-LM: "
+                                        "tp-cp-dp)", rich_help_panel="Job")]
+
+
+def is_job(tp: int, dp: int, rank_order: str) -> bool:
+    """Whether the job flags ask for more than one CP group alone (``--tp``, ``--dp`` or ``--rank-order`` given)."""
+    return tp != 1 or dp != 1 or rank_order != "tp-cp-dp"
+
+
 def workload(model, seq_len, batch, heads, kv_heads, head_dim, dtype, mask, layout, passes, valid_len,
              prefix_len=None, doc_layout=None):
     """A Workload from the flags (explicit > preset > defaults)."""

@@ -96,18 +96,19 @@ class Chunking:
     holds_q: np.ndarray
     real_end: np.ndarray
 
-    @property
+    @cached_property
     def tokens(self) -> np.ndarray:
         """[n] tokens per chunk (KV side: every token the chunk holds)."""
         return self.count.sum(axis=1)
 
-    @property
+    @cached_property
     def q_tokens(self) -> np.ndarray:
         """[n] query tokens per chunk (its tokens outside a cached prefix)."""
         return (self.count * self.holds_q[None, :]).sum(axis=1)
 
-    @property
+    @cached_property
     def q_offset(self) -> np.ndarray:
+        """[n, n_seg] where each segment starts among its chunk's query tokens (see the class docstring)."""
         qc = self.count * self.holds_q[None, :]
         return np.cumsum(qc, axis=1) - qc
 

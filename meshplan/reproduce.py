@@ -133,12 +133,12 @@ def reproduce_memory(data: str | None = None) -> dict[str, Any]:
     the schedule's buffers, so its absolute value is not comparable."""
     from meshplan.predict import predict
     from meshplan.published import MemoryRow
+    from meshplan.workload import resolve
 
     rows: list[MemoryRow] = load_rows("charm-memory", data)
     topo = Topology.load("l20x8", gpus=8)
     out = []
     for row in rows:
-        from meshplan.workload import resolve
         w = resolve(batch=row.B, seq_len=row.S, heads=row.heads, kv_heads=row.heads, head_dim=MEMORY_HEAD_DIM,
                     mask="full", passes="fwd+bwd", layout="zigzag")
         pred = {m: predict(m, w, topo, 8, {}).predicted["peak_memory_bytes"] / MiB for m in ("ring", "charm")}

@@ -99,6 +99,11 @@ class Streams:
         return len(self.names) - 1
 
 
+def _one_or_each(tokens: np.ndarray):
+    """An int when every entry is equal (the usual case: one size for the whole builder call), else the array."""
+    return int(tokens[0]) if (tokens == tokens[0]).all() else tokens
+
+
 def expand_blocks(o: OpTable, ops: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The (op, query chunk, KV chunk) triples of compute ops ``ops`` (cartesian products expanded)."""
     nq, nk = np.diff(o.qc_ptr)[ops], np.diff(o.kvc_ptr)[ops]
@@ -285,8 +290,7 @@ class ScheduleBuilder:
         ch = np.asarray(chunks, dtype=np.int64).reshape(len(ranks), -1)
         h0, h1, width = self._heads(heads, len(ranks))
         dt = dtype or self.w.dtype
-        tokens = self.m.tokens_of(kind, ch)
-        size = tensor_bytes(self.w, kind, int(tokens[0]) if (tokens == tokens[0]).all() else tokens, width, dt)
+        size = tensor_bytes(self.w, kind, _one_or_each(self.m.tokens_of(kind, ch)), width, dt)
         ids = np.arange(self._n_tensors, self._n_tensors + len(ranks))
         self._n_tensors += len(ranks)
         self._tensor_starts.append(int(ids[0]))
@@ -383,19 +387,14 @@ class ScheduleBuilder:
         return block["kind"], block["width"], block["chunks"].shape[1], block["dtype"]
 
     def _tokens(self, tids: np.ndarray):
-        """Tokens of each tensor in ``tids`` (one builder call's): an int when they agree, else an array."""
-        import bisect
+        """Tokens of each tensor in ``tids``: an int when they agree, else an array (:func:`_one_or_each`)."""
         tids = np.asarray(tids, dtype=np.int64)
-        block = self._tensors[bisect.bisect_right(self._tensor_starts, int(tids[0])) - 1]
-        if not (block["ids"][0] <= tids).all() or not (tids <= block["ids"][-1]).all():
-            which = np.searchsorted(np.asarray(self._tensor_starts), tids, side="right") - 1
-            tokens = np.zeros(len(tids), dtype=np.int64)
-            for b in np.unique(which).tolist():                  # one lookup per builder block they come from
-                sel, blk = which == b, self._tensors[b]
-                tokens[sel] = self.m.tokens_of(blk["kind"], blk["chunks"][tids[sel] - blk["ids"][0]])
-        else:
-            tokens = self.m.tokens_of(block["kind"], block["chunks"][tids - block["ids"][0]])
-        return int(tokens[0]) if (tokens == tokens[0]).all() else tokens
+        which = np.searchsorted(np.asarray(self._tensor_starts), tids, side="right") - 1
+        tokens = np.zeros(len(tids), dtype=np.int64)
+        for b in np.unique(which).tolist():                  # one lookup per builder block they come from
+            sel, blk = which == b, self._tensors[b]
+            tokens[sel] = self.m.tokens_of(blk["kind"], blk["chunks"][tids[sel] - blk["ids"][0]])
+        return _one_or_each(tokens)
 
     def _heads(self, heads, k: int):
         """(h0, h1, width) of a call's ``heads``: scalars or [k] arrays of one width."""
