@@ -317,15 +317,34 @@ def block_charm_memory(r) -> str:
     return "\n".join(out) + "\n"
 
 
+def block_memory_cpu(r) -> str:
+    d = r["memory_cpu"]
+    if not d:
+        return "`python benchmarks/memory_cpu.py` has not been run.\n"
+    out = [f"`benchmarks/memory_cpu.py` ({d['date']}; CPU ranks, gloo; per rank, MB; measured = the largest "
+           "per-pass memory rise):\n",
+           "| method | ranks | S | dtype | pass | buffers | predicted | measured | error |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for x in d["rows"]:
+        w = x["workload"]
+        out.append(f"| {x['method']} | {x['ranks']} | {w['seq_len']} | {w['dtype']} | {w['passes']} | "
+                   f"{x['buffers_bytes'] / 1e6:.1f} | {x['predicted_bytes'] / 1e6:.1f} | "
+                   f"{x['measured_bytes'] / 1e6:.1f} | {x['error_pct']:+.1f}% |")
+    out.append(f"\nMAPE {d['mape_pct']:.1f}%, max {d['max_pct']:.1f}% over {len(d['rows'])} runs (the buffers alone: "
+               f"MAPE {d['buffers_mape_pct']:.1f}%).")
+    return "\n".join(out) + "\n"
+
+
 BLOCKS = {"stamp": block_stamp, "main-job": block_main_job, "cli-examples": block_cli_examples,
           "run-example": block_run_example, "reproduce": block_reproduce, "validate-cpu": block_validate_cpu,
           "mesh-seed": block_mesh_seed, "mesh-greedy": block_mesh_greedy, "baselines": block_baselines,
           "speed": block_speed, "executor-overhead": block_executor_overhead, "ilp-gap": block_ilp_gap,
           "mapping-search": block_mapping_search, "job-tp": block_job_tp,
-          "inference": block_inference, "docs-balance": block_docs_balance, "charm-memory": block_charm_memory}
+          "inference": block_inference, "docs-balance": block_docs_balance, "charm-memory": block_charm_memory,
+          "memory-cpu": block_memory_cpu}
 SOURCES = ("readme_cli", "reproduce_charm_h100", "reproduce_charm_ablation", "validate_cpu", "mesh_seed",
            "mesh_greedy", "baselines_table", "planner_speed", "executor_overhead", "ilp_gap",
-           "mapping_search", "job_tp", "workload_shapes")
+           "mapping_search", "job_tp", "workload_shapes", "memory_cpu")
 
 
 def render(text: str, stamp: str | None = None) -> str:

@@ -15,6 +15,7 @@ import numpy as np
 
 from meshplan.cost import CostModel
 from meshplan.dataflow import build_items, evaluate, peak_memory
+from meshplan.memory_model import op_workspace_bytes
 from meshplan.schedule import COMPUTE, KIND, PASS_NAMES, RECV, SEND, Schedule
 from meshplan.symmetry import find_reduction
 from meshplan.topology import Topology
@@ -39,6 +40,7 @@ class PassTiming:
     flops_total: float
     recv_bytes_total: float
     peak_memory_bytes: float
+    peak_memory_total_bytes: float | None = None   # the memory model's peak (None: closed forms without it)
     estimate_s: float | None = None      # best guess of the simulated makespan (default: makespan_s)
     extra: dict[str, float] = field(default_factory=dict)
 
@@ -65,6 +67,7 @@ def schedule_timing(sched: Schedule, topo: Topology) -> dict[str, PassTiming]:
     partner = sched.match_transfers()[0]
     dur = CostModel(topo).op_durations(sched)
     tr = transfer_seconds(sched, topo, partner)
+    workspace = op_workspace_bytes(sched, topo.memory_model)
     red = find_reduction(sched, topo, dur, partner, 0.0)  # evaluate one node's ranks when the rest are alike
     rep_partner = np.where(partner >= 0, red.rep_op[np.maximum(partner, 0)], -1)
     out = {}
@@ -97,5 +100,7 @@ def schedule_timing(sched: Schedule, topo: Topology) -> dict[str, PassTiming]:
             compute_s=float(dur[mine & np.isin(o.kind, _BUSY)].sum()), comm_s=float(tr[mine & (o.kind == RECV)].sum()),
             recv_bytes_max=float(by_rank.max()), inter_node_bytes_max=float(cross_rank.max()),
             flops_total=float(o.flops[in_pass & (o.kind == COMPUTE)].sum()), recv_bytes_total=float(by_rank.sum()),
-            peak_memory_bytes=float(peak_memory(sched, phase, start, end).max()))
+            peak_memory_bytes=float(peak_memory(sched, phase, start, end).max()),
+            peak_memory_total_bytes=float(peak_memory(sched, phase, start, end, workspace).max())
+            + topo.memory_model.runtime_bytes)
     return out

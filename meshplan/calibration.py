@@ -17,11 +17,12 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, PositiveInt
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 
 from meshplan import fit
 from meshplan.errors import UserError
 from meshplan.kernels import KernelTableSpec
+from meshplan.memory_model import MemorySpec, fit_memory
 from meshplan.topology_spec import TopologySpec
 
 LinkClass = Literal["loopback", "nvlink", "pcie", "socket", "net"]
@@ -86,6 +87,21 @@ class OverlapSample(_Strict):
     comm_alone_s: PositiveFloat | None = Field(None, description="how long the same transfers take without the kernel")
 
 
+class MemorySample(_Strict):
+    """One op run alone and how far memory rose meanwhile (:mod:`meshplan.executor.calibrate_memory`)."""
+
+    kind: Literal["compute", "merge", "transfer"]
+    dtype: Literal["bf16", "fp16", "fp32"] | None = None
+    pass_: Literal["fwd", "bwd"] | None = Field(None, alias="pass")
+    s_q: PositiveInt | None = None
+    s_kv: PositiveInt | None = None
+    batch: PositiveInt | None = None
+    heads: PositiveInt | None = None
+    head_dim: PositiveInt | None = None
+    size_bytes: PositiveInt | None = Field(None, description="merges: bytes merged; transfers: wire bytes")
+    rise_bytes: NonNegativeInt
+
+
 class Raw(_Strict):
     """The micro-measurements the fit used."""
 
@@ -115,6 +131,7 @@ class Raw(_Strict):
     sharing: list[tuple[PositiveInt, PositiveFloat]] = Field(
         [], description="(ranks running one kernel each at once, seconds of one rank's kernel), a row per rank; "
         "the fit takes the slowest rank of each count: the pool model has them all end together")
+    memory: list[MemorySample] = Field([], description="ops run alone, their memory rise: the memory model's fit")
 
 
 class LinkFit(_Strict):
@@ -151,6 +168,7 @@ class CalibrationSpec(_Strict):
     compute_pool: PoolFit | None = None
     host_probe_ms: PositiveFloat | None = Field(None, description="median of raw.probe_ms: the host's speed when "
                                                 "calibrated (a run's env.probe_ms against it says how it drifted)")
+    memory: MemorySpec | None = Field(None, description="the memory model's coefficients (meshplan.memory_model)")
     raw: Raw
 
 
@@ -180,6 +198,8 @@ def fit_calibration(raw: Raw, device: HostFacts, name: str, wall_s: float = 0.0,
             "peak_fp16_tflops": _r(peaks["fp16"] / 1e12) if "fp16" in peaks else None,
             "peak_fp32_tflops": _r(peaks["fp32"] / 1e12),
             "hbm_GBps": _r(merge_rate / kernel.merge_hbm_fraction / 1e9), "kernel": kernel, "raw": raw}
+    if raw.memory:
+        body["memory"] = fit_memory([m.model_dump(by_alias=True) for m in raw.memory])
     if raw.probe_ms:
         body["host_probe_ms"] = _r(float(np.median(raw.probe_ms)))
     one = [s for s in raw.p2p if s.flows == 1]

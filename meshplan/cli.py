@@ -312,12 +312,21 @@ def calibrate(topo: Annotated[str, typer.Option("--topo", help="the topology to 
               from_nccl_tests: Annotated[Optional[list[str]], typer.Option(
                   "--from-nccl-tests", help="fit the link classes from nccl-tests output instead of measuring (no "
                   "torch): FILE or CLASS:FILE (CLASS intra, nvlink or net), comma-separated or repeated")] = None,
+              memory_only: Annotated[bool, typer.Option(
+                  "--memory-only", help="measure only the memory model and update it in --out (an existing "
+                  "calibration file), keeping the rest")] = False,
               as_json: o.Json = False) -> None:
     """Measure this host's kernels, transfers, overlap and core sharing (or, with --from-nccl-tests, fit the link
     classes from nccl-tests output); write a calibration file."""
     from meshplan import cli_calibrate
+    if from_nccl_tests and memory_only:
+        from meshplan.errors import UserError
+        raise UserError("--memory-only", "cannot be combined with --from-nccl-tests",
+                        "fit the links and measure memory in two calls")
     if from_nccl_tests:
         raise typer.Exit(cli_calibrate.calibrate_from_nccl_tests(topo, from_nccl_tests, out, as_json))
+    if memory_only:
+        raise typer.Exit(cli_calibrate.calibrate_memory_only(topo, backend, quick, out, as_json))
     raise typer.Exit(cli_calibrate.calibrate_command(topo, backend, quick, out, as_json))
 
 

@@ -61,6 +61,70 @@ def calibrate_command(topo: str, backend: str, quick: bool, out: str, as_json: b
     return 0
 
 
+def calibrate_memory_only(topo: str, backend: str, quick: bool, out: str, as_json: bool) -> int:
+    """``--memory-only``: measure the memory model's samples again and replace ``memory`` (and ``raw.memory``) of
+    the existing calibration file ``out``, keeping everything else; print the fitted coefficients."""
+    from meshplan.calibration import CalibrationSpec, dump_yaml, load_calibration
+    from meshplan.fileio import write_atomic
+    from meshplan.topology import Topology
+
+    if not Path(out).is_file():
+        raise UserError("--out", f"{out} does not exist; --memory-only updates a calibration file",
+                        "run meshplan calibrate without --memory-only first")
+    old = load_calibration(Path(out))
+    if not isinstance(old, CalibrationSpec):
+        raise UserError("--out", f"{out} is a nccl-tests calibration, which holds no memory model",
+                        "give a file written by meshplan calibrate")
+    topology = Topology.load(topo)
+    if old.name != topology.name:
+        raise UserError("--out", f"{out} calibrates {old.name}, not {topology.name}", f"pass --topo {old.name}")
+    if importlib.util.find_spec("torch") is None:
+        raise UserError("calibrate", "the micro-benchmarks need torch, which is not installed",
+                        "install the [exec] extra: pip install -e '.[exec]'")
+    import torch
+
+    from meshplan.executor.calibrate import _threads, memory_samples
+    from meshplan.executor.launch import resolve_backend
+    from meshplan.executor.memory import reuse_freed_memory
+    from meshplan.memory_model import fit_memory
+
+    cuda = resolve_backend(backend) == "nccl"
+    reuse_freed_memory()
+    with _threads(None if cuda else 1):
+        samples = memory_samples(torch.device("cuda", 0) if cuda else torch.device("cpu"), quick)
+    body = old.model_dump(mode="json", by_alias=True)
+    body["raw"]["memory"] = samples
+    body["memory"] = fit_memory(samples).model_dump(mode="json")
+    calib = CalibrationSpec.model_validate(body)
+    write_atomic(out, dump_yaml(calib).encode())
+    rows = memory_rows(calib)
+    if as_json:
+        sys.stdout.write(json.dumps({"calibration": out, "topology": topology.name, "fitted": rows}, indent=1) + "\n")
+    else:
+        _print(calib, rows, out, Console(width=200 if not sys.stdout.isatty() else None))
+    return 0
+
+
+def memory_rows(calib) -> list[dict[str, Any]]:
+    """Rows of the memory model's fitted coefficients (``replaces``: the uncalibrated default's)."""
+    from meshplan.memory_model import DEFAULTS
+
+    m = calib.memory
+    if m is None:
+        return []
+    default = DEFAULTS["gpu" if calib.device.gpu else "cpu"]
+    rows = []
+    for dtype, c in m.compute.items():
+        d = default.coefficients(dtype)
+        for key in ("fwd_q_bytes_per_elem", "fwd_kv_bytes_per_elem", "bwd_q_bytes_per_elem", "bwd_kv_bytes_per_elem"):
+            rows.append((f"memory {dtype} {key.removesuffix('_bytes_per_elem')}", "B per element", getattr(c, key),
+                         getattr(d, key)))
+    rows += [("memory merge", "B per byte merged", m.merge_bytes_per_byte, default.merge_bytes_per_byte),
+             ("memory transfer", "B per wire byte", m.transfer_bytes_per_byte, default.transfer_bytes_per_byte),
+             ("memory fit max error", "% on its samples", m.tolerance_pct, None)]
+    return [{"name": n, "unit": u, "fitted": v, "replaces": w} for n, u, v, w in rows]
+
+
 def summary(calib, topology) -> list[dict[str, Any]]:
     """Rows ``{"name", "unit", "fitted", "replaces"}``: each fitted number and the topology file's own value."""
     from meshplan.kernels import load_kernel_table
@@ -95,7 +159,7 @@ def summary(calib, topology) -> list[dict[str, Any]]:
     if calib.compute_pool is not None:
         was = None if pool is None else (pool.capacity_ranks or pool.cores / pool.threads_per_rank)
         rows.append(("compute pool capacity", "ranks at full speed", calib.compute_pool.capacity_ranks, was))
-    return [{"name": n, "unit": u, "fitted": v, "replaces": w} for n, u, v, w in rows]
+    return [{"name": n, "unit": u, "fitted": v, "replaces": w} for n, u, v, w in rows] + memory_rows(calib)
 
 
 def _span(table: list[list[float]]) -> str:

@@ -111,8 +111,9 @@ def print_run(meas, cmp: dict[str, Any] | None, console: Console) -> None:
         mem += f", {fmt_bytes(cmp['peak_memory']['predicted_bytes'])} predicted"
         rise = cmp.get("memory_rise")
         if rise:
-            mem += (f"; the process rose {fmt_bytes(rise['measured_rise_bytes'])} ({rise['kind']}): "
-                    f"{rise['rise_over_buffers']:.3g}x the buffers, the rest kernel workspace and runtime")
+            mem += (f" (the buffers); a pass's memory rose at most {fmt_bytes(rise['measured_rise_bytes'])} "
+                    f"({rise['kind']}), the memory model (buffers, workspace, runtime) predicts "
+                    f"{fmt_bytes(rise['predicted_bytes'])}, error {_pct(rise['error_pct'])}")
         if cmp["note"]:
             mem += f"\nnote: {cmp['note']}"
     console.print(mem, soft_wrap=True)
@@ -167,8 +168,9 @@ def compare_command(schedule: str, measurement: str, topo: str | None, as_json: 
                   f"{fmt_bytes(m['measured_bytes'])} ({m['measured_kind']}), error {_pct(m['error_pct'])}")
     rise = body.get("memory_rise")
     if rise:
-        console.print(f"memory rise while running: {fmt_bytes(rise['measured_rise_bytes'])} ({rise['kind']}), "
-                      f"{rise['rise_over_buffers']:.3g}x the predicted buffers (not modelled: kernel workspace, "
-                      "the runtime)")
+        console.print(f"memory rise of a pass: measured {fmt_bytes(rise['measured_rise_bytes'])} ({rise['kind']}), "
+                      f"predicted {fmt_bytes(rise['predicted_bytes'])} (buffers + workspace + runtime: "
+                      f"{rise['model']}), error {_pct(rise['error_pct'])}; the buffers alone "
+                      f"{fmt_bytes(rise['predicted_buffers_bytes'])}")
     over = ", ".join(f"{p} {o['overhead_pct']:.1f}%" for p, o in body["executor_overhead"].items())
     console.print(f"executor overhead (makespan − critical path of measured ops): {over}")

@@ -69,7 +69,9 @@ def compare(sched, ids: list[int], meas: MeasurementJSON, topo: str | None = Non
         for op in r.ops:
             if op.id in index:
                 m_start[index[op.id]], m_end[index[op.id]] = op.start_s, op.end_s
-    peak_pred = max(pass_metrics(sched, topo_obj, sim, p)["peak_memory_bytes"] for p in sched.passes)
+    metrics = [pass_metrics(sched, topo_obj, sim, p) for p in sched.passes]
+    peak_pred = max(m["peak_memory_bytes"] for m in metrics)
+    total_pred = max(m["peak_memory_total_bytes"] for m in metrics)
     speed = host_speed(topo_obj, meas)
     gpu_run = meas.env.get("backend") == "nccl"
     comparable = gpu_run == (topo_obj.name != "cpu-local")
@@ -85,20 +87,22 @@ def compare(sched, ids: list[int], meas: MeasurementJSON, topo: str | None = Non
         "executor_overhead": executor_overhead(sched, m_start, m_end),
         "peak_memory": _row({"predicted_bytes": float(peak_pred), "measured_bytes": float(meas.peak_memory_bytes)},
                             "predicted_bytes", "measured_bytes") | {"measured_kind": meas.peak_memory_kind},
-        "memory_rise": _memory_rise(float(peak_pred), meas),
+        "memory_rise": _memory_rise(float(peak_pred), total_pred, topo_obj.memory_model.source, meas),
     }
 
 
-def _memory_rise(peak_pred: float, meas: MeasurementJSON) -> dict[str, Any] | None:
-    """The predicted buffer peak against how far the ranks' memory rose while running (RSS on CPU, the CUDA
-    allocator's peak on GPUs): the buffers are a lower bound; the rest is kernel workspace and the runtime's own
-    memory, which the model does not hold. None for measurements without the rise."""
+def _memory_rise(peak_pred: float, total_pred: float, source: str, meas: MeasurementJSON) -> dict[str, Any] | None:
+    """The memory model's peak (buffers + workspace + runtime, :mod:`meshplan.memory_model`) against how far the
+    ranks' memory rose during a pass (RSS from a trimmed heap on CPU, the CUDA allocator's peak on GPUs), with
+    the buffers alone beside it (a lower bound). None for measurements without the rise."""
     rise = meas.peak_rise_bytes
     if rise is None:
         return None
-    return {"predicted_buffers_bytes": peak_pred, "measured_rise_bytes": float(rise),
+    return {"predicted_bytes": total_pred, "measured_rise_bytes": float(rise),
+            "error_pct": _err_pct(total_pred, float(rise)), "model": source,
+            "predicted_buffers_bytes": peak_pred,
             "kind": "cuda-allocator" if meas.peak_memory_kind == "cuda-allocator" else "rss",
-            "unmodelled_bytes": float(rise) - peak_pred,
+            "unmodelled_bytes": float(rise) - total_pred,
             "rise_over_buffers": float(rise) / peak_pred if peak_pred else None}
 
 

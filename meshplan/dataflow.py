@@ -172,11 +172,14 @@ def _pair_up(items, comm, was_started, started, start, pending, t_end, transfer_
     return np.unique(e_items)
 
 
-def peak_memory(sched: Schedule, phase: int, op_start: np.ndarray, op_end: np.ndarray) -> np.ndarray:
+def peak_memory(sched: Schedule, phase: int, op_start: np.ndarray, op_end: np.ndarray,
+                transient: np.ndarray | None = None) -> np.ndarray:
     """[n_ranks] peak bytes of live tensors of one pass along an execution (op start/end times).
 
     A tensor lives from its ``alloc_op``'s start (pass start if −1) until every op of ``free_after``
-    has ended (pass end if none). At equal times frees come before allocations.
+    has ended (pass end if none). ``transient`` ([n_ops] bytes, :func:`meshplan.memory_model.op_workspace_bytes`):
+    each op of the pass also holds that much from its start to its end. At equal times frees come before
+    allocations.
     """
     t = sched.tensors
     sel = np.flatnonzero(t.phase == phase)
@@ -196,6 +199,11 @@ def peak_memory(sched: Schedule, phase: int, op_start: np.ndarray, op_end: np.nd
     ev_rank = np.r_[rank, rank]
     ev_time = np.r_[alloc, free]
     ev_delta = np.r_[size, -size]
+    if transient is not None:
+        ops = np.flatnonzero((sched.ops.phase == phase) & (transient > 0) & np.isfinite(op_start) & np.isfinite(op_end))
+        ev_rank = np.r_[ev_rank, sched.ops.rank[ops], sched.ops.rank[ops]]
+        ev_time = np.r_[ev_time, op_start[ops], op_end[ops]]
+        ev_delta = np.r_[ev_delta, transient[ops], -transient[ops]]
     order = np.lexsort((ev_delta, ev_time, ev_rank))
     cum = np.cumsum(ev_delta[order])
     ranks_sorted = ev_rank[order]

@@ -9,7 +9,9 @@ last:
 * ``comm_bytes_per_gpu_max``: max over ranks of bytes received; ``inter_node_bytes_per_gpu_max``: the same
   for transfers whose peer is on another node;
 * ``compute_to_comm`` = compute_s / comm_busy_s; ``bytes_per_flop`` = bytes received / FLOPs, over all
-  ranks; ``peak_memory_bytes``: max over ranks of live tensor bytes; ``ring_ccr``: given by the caller
+  ranks; ``peak_memory_bytes``: max over ranks of live tensor bytes (the buffers); ``peak_memory_total_bytes``:
+  max over ranks of buffers + the workspace of the ops running + the runtime's own (:mod:`meshplan.memory_model`,
+  the topology's calibrated coefficients); ``ring_ccr``: given by the caller
   (Ring's Σ compute / Σ communication for this workload and topology, the CHARM+ definition).
 
 ``total`` sums times over passes (the passes are separated by a barrier) and takes the max of peaks.
@@ -20,13 +22,14 @@ from __future__ import annotations
 import numpy as np
 
 from meshplan.dataflow import peak_memory
+from meshplan.memory_model import op_workspace_bytes
 from meshplan.schedule import COMPUTE, KIND, PASS_NAMES, RECV, SEND, Schedule
 from meshplan.simulate import SimResult
 from meshplan.topology import Topology
 
 KEYS = ("makespan_s", "compute_s", "exposed_comm_s", "comm_busy_s", "comm_bytes_per_gpu_max",
         "inter_node_bytes_per_gpu_max", "ring_ccr", "compute_to_comm", "bytes_per_flop", "peak_memory_bytes",
-        "work_imbalance")
+        "peak_memory_total_bytes", "work_imbalance")
 
 
 def imbalance(flops_by_rank: np.ndarray) -> float | None:
@@ -82,9 +85,17 @@ def pass_metrics(sched: Schedule, topo: Topology, sim: SimResult, phase: int) ->
         "compute_to_comm": compute_s / comm_s if comm_s > 0 else None,
         "bytes_per_flop": float(by_rank.sum()) / flops if flops else None,
         "peak_memory_bytes": float(peak_memory(sched, phase, start, end).max()),
+        "peak_memory_total_bytes": total_peak_memory(sched, topo, phase, start, end),
         "work_imbalance": imbalance(flops_rank),
         "_recv_by_rank": by_rank, "_cross_by_rank": cross_rank, "_flops": flops, "_flops_by_rank": flops_rank,
     }
+
+
+def total_peak_memory(sched: Schedule, topo: Topology, phase: int, start: np.ndarray, end: np.ndarray) -> float:
+    """Max over ranks of the memory model's peak of one pass along an execution (bytes)."""
+    spec = topo.memory_model
+    ws = op_workspace_bytes(sched, spec)
+    return float(peak_memory(sched, phase, start, end, ws).max(initial=0.0)) + spec.runtime_bytes
 
 
 def predicted(sched: Schedule, topo: Topology, sim: SimResult, ring_ccr: float | None) -> dict:
@@ -109,5 +120,6 @@ def combine(parts: dict[str, dict], ring_ccr: float | None) -> dict:
                ring_ccr=ring_ccr, compute_to_comm=tot["compute_s"] / tot["comm_busy_s"] if tot["comm_busy_s"] else None,
                bytes_per_flop=float(np.sum(recv)) / flops if flops else None,
                peak_memory_bytes=max(p["peak_memory_bytes"] for p in ps),
+               peak_memory_total_bytes=max(p["peak_memory_total_bytes"] for p in ps),
                work_imbalance=imbalance(sum(p["_flops_by_rank"] for p in ps)))
     return {**tot, **out, "total": tot}

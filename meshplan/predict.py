@@ -133,6 +133,8 @@ def closed_form_predicted(cand: Candidate, ccr: float | None) -> dict[str, Any]:
             "compute_to_comm": t.compute_s / comm if comm else None,
             "bytes_per_flop": t.recv_bytes_total / t.flops_total if t.flops_total else None,
             "peak_memory_bytes": t.peak_memory_bytes,
+            "peak_memory_total_bytes": t.peak_memory_bytes if t.peak_memory_total_bytes is None
+            else t.peak_memory_total_bytes,
             "_recv_by_rank": np.array([t.recv_bytes_max]), "_cross_by_rank": np.array([t.inter_node_bytes_max]),
             "_flops": t.flops_total, "work_imbalance": None if by_rank is None else imbalance(by_rank),
             "_flops_by_rank": np.zeros(cand.n_ranks) if by_rank is None else by_rank,

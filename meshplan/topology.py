@@ -25,6 +25,8 @@ import numpy as np
 from meshplan.calibration import calibrated
 from meshplan.errors import UserError
 from meshplan.kernels import KernelTable, load_kernel_table
+from meshplan.memory_model import DEFAULTS as MEMORY_DEFAULTS
+from meshplan.memory_model import MemorySpec
 from meshplan.topology_spec import LinkSpec, TopologySpec
 
 LINK_CLASSES = ("loopback", "nvlink", "pcie", "socket", "net")
@@ -313,6 +315,15 @@ class Topology:
             return KernelTable(self.calibration.kernel)
         base = str(Path(self.source).parent) if self.source else None
         return load_kernel_table(self.spec.node.device.kernel, base)
+
+    @functools.cached_property
+    def memory_model(self) -> MemorySpec:
+        """The memory model's coefficients: the calibration's, else the default for the device kind (a CPU rank
+        when the node has a compute pool or its model names a CPU, else a GPU)."""
+        if self.calibration is not None and self.calibration.memory is not None:
+            return self.calibration.memory
+        cpu = self.spec.node.compute_pool is not None or self.spec.node.device.model.lower().startswith("cpu")
+        return MEMORY_DEFAULTS["cpu" if cpu else "gpu"]
 
     def peak_flops(self, dtype: str) -> float:
         """Peak FLOP/s of one device for attention in ``dtype``."""

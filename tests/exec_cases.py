@@ -47,7 +47,7 @@ def run_cases(cases: list[Case], folder: Path, timeout_s: float = 90.0) -> dict[
     from meshplan.executor.launch import run_batch
     from meshplan.executor.worker import RunConfig
 
-    jobs = [(str(c.write(folder)), RunConfig(iters=1, warmup=0, check=True, timeout_s=timeout_s, **c.run))
+    jobs = [(str(c.write(folder)), RunConfig(iters=1, warmup=0, check=True, timeout_s=timeout_s, memory=False, **c.run))
             for c in cases]
     return {c.name: r for c, r in zip(cases, run_batch(jobs))}
 

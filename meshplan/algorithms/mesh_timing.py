@@ -22,6 +22,7 @@ import numpy as np
 from meshplan.algorithms.mesh_grid import Grid
 from meshplan.bounds import PassTiming, pool_bound
 from meshplan.cost import CostModel
+from meshplan.memory_model import closed_form_peak_bytes
 from meshplan.plan import Plan
 from meshplan.schedule import tensor_bytes
 from meshplan.topology import Topology
@@ -168,4 +169,5 @@ def cheap_timing(plan: Plan, topo: Topology, pass_: str, tile=None) -> PassTimin
     return PassTiming(makespan_s=bound, bound_s=bound, compute_s=float(compute[crit]), comm_s=float(comm[crit]),
                       recv_bytes_max=float(recv.max()), inter_node_bytes_max=float(cross.max()),
                       flops_total=float(m.flops(pass_).sum()), recv_bytes_total=float(recv.sum()),
-                      peak_memory_bytes=own + held)
+                      peak_memory_bytes=own + held,
+                      peak_memory_total_bytes=closed_form_peak_bytes(topo.memory_model, plan, pass_, own + held))

@@ -15,6 +15,7 @@ import numpy as np
 from meshplan.algorithms.base import PassTiming
 from meshplan.bounds import pool_bound
 from meshplan.cost import CostModel
+from meshplan.memory_model import closed_form_peak_bytes
 from meshplan.plan import Plan
 from meshplan.schedule import tensor_bytes
 from meshplan.topology import Topology
@@ -88,7 +89,9 @@ class Rotation:
                           bound_s=max(float(makespan[crit]), self.link_bound(loads), pool_bound(self.topo, compute)),
                           compute_s=float(compute[crit]), comm_s=float(comm[crit]), recv_bytes_max=float(recv.max()),
                           inter_node_bytes_max=float(cross.max()), flops_total=flops,
-                          recv_bytes_total=float(recv.sum()), peak_memory_bytes=float(peak))
+                          recv_bytes_total=float(recv.sum()), peak_memory_bytes=float(peak),
+                          peak_memory_total_bytes=closed_form_peak_bytes(self.topo.memory_model, self.plan, pass_,
+                                                                         float(peak)))
 
 
 def forward(rot: Rotation, travel_kind: str, combine_bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

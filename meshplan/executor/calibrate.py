@@ -107,7 +107,7 @@ def measure(backend: str = "auto", quick: bool = False, link_class: str | None =
                "kernels": _kernels(sweep, device, probes), "head_dim_kernels": _head_dim_kernels(sweep, device),
                "dtype_kernels": _dtype_kernels(sweep, device),
                "recurrence": _recurrence(sweep, device),
-               "merges": _merges(sweep, device)}
+               "merges": _merges(sweep, device), "memory": memory_samples(device, quick)}
         probes.append(probe_ms(device))
     world = (2 if torch.cuda.device_count() >= 2 else 0) if cuda else max(sweep.sharing_ranks)
     if world >= 2:
@@ -320,6 +320,14 @@ def _recurrence(sweep: Sweep, device) -> list:
         rows.append((s, t_rec, t_flash))
         log(f"backward {s}x{s}: from D {t_rec / t_flash:.2f}x from O")
     return rows
+
+
+def memory_samples(device, quick: bool) -> list[dict]:
+    """The memory model's samples (:mod:`meshplan.executor.calibrate_memory`)."""
+    from meshplan.executor.calibrate_memory import measure_memory
+
+    log("memory: each executor op alone")
+    return measure_memory(device, quick)
 
 
 def _merges(sweep: Sweep, device) -> list:

@@ -6,6 +6,7 @@ success. Errors raise :class:`~meshplan.executor.runner.RunError` with one line 
 
 from __future__ import annotations
 
+import gc
 import os
 import platform
 import resource
@@ -21,7 +22,7 @@ import torch.distributed as dist
 
 from meshplan.executor.data import Inputs, attention_rows, load_inputs, make_inputs
 from meshplan.executor.kernels import TORCH_DTYPE, row_delta
-from meshplan.executor.memory import peak_rss, reset_peak_rss, reuse_freed_memory
+from meshplan.executor.memory import peak_rss, reset_peak_rss, reuse_freed_memory, trim_heap
 from meshplan.executor.numerics import assemble, dump, judge, local_results
 from meshplan.executor.probe import probe_ms
 from meshplan.executor.program import Program
@@ -45,6 +46,7 @@ class RunConfig:
     inputs_path: str | None = None
     init_method: str = "env://"
     schedule_path: str = ""
+    memory: bool = True            # one more, untimed iteration that measures each pass's memory rise
 
 
 def rank_main(rank: int, world: int, jobs: list[tuple[Program, RunConfig]]) -> list[dict | None]:
@@ -75,6 +77,39 @@ def rank_main(rank: int, world: int, jobs: list[tuple[Program, RunConfig]]) -> l
         dist.destroy_process_group()
 
 
+def _one_iteration(prog: Program, rank: int, cfg: RunConfig, groups, inputs: Inputs, device, memory: bool = False):
+    """Every pass once: (stores, pass -> (start ns, op times), pass -> (memory rise, peak) in bytes). With
+    ``memory`` each pass starts from a trimmed heap with the high-water mark reset (the CUDA allocator's peak
+    reset), and its rise is how far the rank's memory rose during it, its peak the high-water mark (None where
+    they cannot be read); that costs page faults, so it is an extra, untimed iteration."""
+    stores, passes, rises = {}, {}, {}
+    for p in prog.passes:
+        stores[p] = Store(device)
+        runner = PassRunner(prog, rank, p, stores[p], groups, _Filler(prog, rank, stores, inputs), cfg.timeout_s,
+                            cfg.serialize)
+        runner.prepare()
+        base = _memory_mark(device) if memory else None
+        dist.barrier()                              # every rank starts the pass together
+        got = runner.run()
+        passes[p] = (runner.t0, got)
+        if memory:
+            top = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss()
+            rises[p] = (None, top) if base is None or top is None else (max(int(top) - int(base), 0), int(top))
+    dist.barrier()
+    return stores, passes, rises
+
+
+def _memory_mark(device) -> int | None:
+    """Start measuring a memory rise: the bytes in use now, after freed memory went back (None: unreadable)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device)
+    trim_heap()
+    return reset_peak_rss()
+
+
 def _iterate(rank, world, prog: Program, cfg: RunConfig, groups, inputs: Inputs, device) -> dict | None:
     t_start = time.perf_counter()
     per_iter: list[dict[int, tuple[int, int]]] = []
@@ -83,28 +118,17 @@ def _iterate(rank, world, prog: Program, cfg: RunConfig, groups, inputs: Inputs,
     stores: dict[str, Store] = {}
     probes: list[float] = []
     raw: list[dict[str, tuple[int, dict]]] = []      # per timed iteration: pass -> (pass start ns, op times)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-    else:
-        base = reset_peak_rss()
     for it in range(cfg.warmup + cfg.iters):
         if it >= cfg.warmup and rank == 0:          # the host's speed now (the others wait in the pass barrier)
             probes.append(probe_ms(device))
-        stores, passes = {}, {}
-        for p in prog.passes:
-            stores[p] = Store(device)
-            runner = PassRunner(prog, rank, p, stores[p], groups, _Filler(prog, rank, stores, inputs), cfg.timeout_s,
-                                cfg.serialize)
-            runner.prepare()
-            dist.barrier()                              # every rank starts the pass together
-            got = runner.run()
-            passes[p] = (runner.t0, got)
-            peak = max(peak, stores[p].peak_bytes)
-        dist.barrier()
+        stores, passes, _ = _one_iteration(prog, rank, cfg, groups, inputs, device)
+        peak = max([peak] + [st.peak_bytes for st in stores.values()])
         if it >= cfg.warmup:
             raw.append(passes)
+    rises = {}
+    if cfg.memory:
+        stores = {}
+        stores, _, rises = _one_iteration(prog, rank, cfg, groups, inputs, device, memory=True)   # untimed
     for passes, shift in zip(raw, _clock_offsets(raw, prog.passes, world, device)):
         times, spans = {}, {}
         for p, (_, got) in passes.items():
@@ -115,12 +139,10 @@ def _iterate(rank, world, prog: Program, cfg: RunConfig, groups, inputs: Inputs,
     ends = torch.tensor([[s[p] for p in prog.passes] for s in pass_ms], dtype=torch.float64, device=device)
     dist.all_reduce(ends, op=dist.ReduceOp.MAX)       # a pass's makespan: its latest op end over all ranks
     ends = ends.cpu()
-    if device.type == "cuda":
-        top = torch.cuda.max_memory_allocated(device)
-        peak = max(peak, top)
-    else:
-        top = peak_rss()
-    rise = None if base is None or top is None else max(int(top) - int(base), 0)
+    got_rise = [r for r, _ in rises.values()]
+    rise = max(got_rise) if got_rise and None not in got_rise else None
+    if device.type == "cuda":                          # the allocator's peak of the memory iteration
+        peak = max([peak] + [top for _, top in rises.values() if top is not None])
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
     mine = {"rank": rank, "ops": _medians(per_iter), "peak_memory_bytes": int(peak), "peak_rss_bytes": int(rss),
             "peak_rise_bytes": rise}

@@ -20,6 +20,7 @@ from typing import Any, Callable
 from meshplan import algorithms
 from meshplan.errors import SkipCandidate, UserError
 from meshplan.matrix import attn_matrix
+from meshplan.memory_model import estimated_peak_bytes
 from meshplan.predict import (
     Candidate,
     closed_form_predicted,
@@ -120,22 +121,9 @@ def run_search(base: Workload, topo: Topology, n: int, *, algos: list[str] | Non
     cands, skipped = enumerate_candidates(base, topo, n, algos, filters or {}, layout_pinned)
     ccr_w = base if layout_pinned else base.with_(layout="zigzag")
     ccr = ring_ccr(ccr_w, topo, n)
-    rejected = []
+    rejected: list[str] = []
     if memory_limit is not None:
-        keep, smallest = [], None
-        for c in cands:
-            peak = max(t.peak_memory_bytes for t in c.timing.values())
-            if peak > memory_limit:
-                skipped["over --memory-limit"] += 1
-                rejected.append(f"{_label(c)}: peak memory {peak / 1e9:.3g} GB > {memory_limit / 1e9:.3g} GB")
-                smallest = min(smallest or (peak, c), (peak, c), key=lambda x: x[0])
-            else:
-                keep.append(c)
-        if cands and not keep:
-            peak, c = smallest
-            raise UserError("--memory-limit", f"no plan fits in {memory_limit / 1e9:.3g} GB per GPU",
-                            f"the smallest needs {peak / 1e9:.3g} GB ({_label(c)}); raise the limit or add GPUs")
-        cands = keep
+        cands = _within_memory(cands, topo, memory_limit, skipped, rejected)
     fwd_only = [c for c in cands if c.forward_only]       # listed after the others with bwd: null
     cands = [c for c in cands if not c.forward_only]
     cands.sort(key=lambda c: (c.estimate_s, c.bound_s))   # likely winners first: pruning bites early
@@ -143,6 +131,7 @@ def run_search(base: Workload, topo: Topology, n: int, *, algos: list[str] | Non
     beaten = lambda c: c.bound_s > best * (1 - prune_slack) * (1 + 1e-12)  # noqa: E731
     leader = None
     unsimulated: Counter = Counter()
+    over: list[tuple[float, str]] = []
     for k, c in enumerate(cands):
         if progress:
             progress(k, len(cands), _label(c))
@@ -160,6 +149,13 @@ def run_search(base: Workload, topo: Topology, n: int, *, algos: list[str] | Non
             _forget(c)
             continue
         simulate_candidate(c, topo, ccr)
+        if memory_limit is not None and c.predicted["peak_memory_total_bytes"] > memory_limit:
+            skipped["over --memory-limit"] += 1                 # the simulated total: wire images included
+            rejected.append(_over(c, c.predicted["peak_memory_total_bytes"], memory_limit, "simulated"))
+            over.append((c.predicted["peak_memory_total_bytes"], _label(c)))
+            c.predicted, c.model_level = None, "over-memory"
+            _forget(c)
+            continue
         if c.predicted["makespan_s"] < best:
             if leader is not None:
                 _forget(leader)
@@ -167,14 +163,48 @@ def run_search(base: Workload, topo: Topology, n: int, *, algos: list[str] | Non
         else:
             _forget(c)
     algorithms.get("mesh").forget_builds()
+    cands = [c for c in cands if c.model_level != "over-memory"]
     sim = sorted((c for c in cands if c.model_level == "simulated"), key=lambda c: c.predicted["makespan_s"])
     cf = sorted((c for c in cands if c.model_level != "simulated"), key=lambda c: c.bound_s)
     _rank_forward_only(fwd_only, topo, ccr)
+    if over and not sim and not cf and not fwd_only:
+        peak, label = min(over)
+        raise UserError("--memory-limit", f"no plan fits in {memory_limit / 1e9:.3g} GB per GPU",
+                        f"the smallest needs {peak / 1e9:.3g} GB ({label}, simulated); raise the limit or add GPUs")
     counts = {"enumerated": len(cands) + len(fwd_only) + skipped["over --memory-limit"], "pruned": len(cf),
               "simulated": len(sim) + len(fwd_only), "skipped": dict(skipped), "not_simulated": dict(unsimulated),
               "prune_slack": prune_slack}
     return SearchResult(base, topo, n, sim + cf + fwd_only, counts, time.perf_counter() - t0, ccr, rejected,
                         layout_pinned)
+
+
+def _within_memory(cands: list[Candidate], topo: Topology, limit: float, skipped: Counter,
+                   rejected: list[str]) -> list[Candidate]:
+    """The candidates whose memory-model peak before simulation (:func:`~meshplan.memory_model.estimated_peak_bytes`)
+    fits ``limit`` bytes per GPU; the others counted and listed.
+
+    Raises:
+        UserError: none fits (naming the smallest and what it needs).
+    """
+    keep, smallest = [], None
+    for c in cands:
+        peak = estimated_peak_bytes(c.timing)
+        if peak > limit:
+            skipped["over --memory-limit"] += 1
+            rejected.append(_over(c, peak, limit, "estimated"))
+            smallest = min(smallest or (peak, c), (peak, c), key=lambda x: x[0])
+        else:
+            keep.append(c)
+    if cands and not keep:
+        peak, c = smallest
+        raise UserError("--memory-limit", f"no plan fits in {limit / 1e9:.3g} GB per GPU",
+                        f"the smallest needs {peak / 1e9:.3g} GB ({_label(c)}); raise the limit or add GPUs")
+    return keep
+
+
+def _over(c: Candidate, peak: float, limit: float, how: str) -> str:
+    return (f"{_label(c)}: peak memory {peak / 1e9:.3g} GB ({how}: buffers, workspace, runtime) > "
+            f"{limit / 1e9:.3g} GB")
 
 
 def _rank_forward_only(cands: list[Candidate], topo: Topology, ccr: float | None) -> None:
