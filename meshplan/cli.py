@@ -105,8 +105,8 @@ def search(gpus: o.Gpus = None, topo: o.Topo = None, model: o.Model = None, seq_
            prune_slack: Annotated[float, typer.Option(
                "--prune-slack", help="prune within this fraction of the best (0: exact)")] = 0.01,
            tp: o.Tp = 1, dp: o.Dp = 1, rank_order: o.RankOrder = "tp-cp-dp",
-           sensitivity: sv.Sensitivity = None, sensitivity_samples: sv.Samples = 20, sensitivity_top: sv.Top = 5,
-           sensitivity_seed: sv.Seed = 0, pick: sv.Pick = "nominal",
+           sensitivity: sv.Sensitivity = None, sensitivity_samples: sv.Samples = None, sensitivity_top: sv.Top = None,
+           sensitivity_seed: sv.Seed = None, pick: sv.Pick = "nominal",
            as_json: o.Json = False) -> None:
     """Rank every algorithm, layout and knob setting for a workload on a cluster; write the best schedules.
     With --tp/--dp, --gpus is the CP group size and the best plans are re-ranked by the whole job's time."""
@@ -116,7 +116,8 @@ def search(gpus: o.Gpus = None, topo: o.Topo = None, model: o.Model = None, seq_
 
     _check_search_flags(gpus, scheduler, ilp_time_limit_s, ilp_workers, write, top, map_search, prune_slack)
     from meshplan.search.sensitivity import check_args, run_sensitivity
-    check_args(sensitivity, sensitivity_samples, sensitivity_top, pick, job=o.is_job(tp, dp, rank_order))
+    sensitivity_samples, sensitivity_top, sensitivity_seed = check_args(
+        sensitivity, sensitivity_samples, sensitivity_top, sensitivity_seed, pick, job=o.is_job(tp, dp, rank_order))
     topology = o.topology(topo, gpus, "search")
     base = o.workload(model, seq_len, batch, heads, kv_heads, head_dim, dtype, mask, layout, passes, valid_len,
                     prefix_len, doc_layout)

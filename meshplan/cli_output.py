@@ -17,6 +17,7 @@ _ROWS = [("makespan_s", "makespan", fmt_seconds), ("compute_s", "compute (critic
          ("ring_ccr", "Ring CCR (CHARM+ definition)", lambda x: f"{x:.3g}"),
          ("bytes_per_flop", "bytes / FLOP", lambda x: f"{x:.3g}"),
          ("peak_memory_bytes", "peak buffer memory / GPU", fmt_bytes),
+         ("peak_memory_total_bytes", "peak memory / GPU (+ workspace)", fmt_bytes),
          ("work_imbalance", "work imbalance (max / mean rank)", lambda x: f"{x:.3g}")]
 
 
@@ -54,7 +55,7 @@ def print_search(body: dict[str, Any], console: Console, top: int) -> None:
     for col, just in (("#", "right"), ("algorithm", "left"), ("layout", "left"), ("knobs", "left"),
                       ("level", "left"), ("time", "right"), ("fwd", "right"), ("bwd", "right"),
                       ("exposed comm", "right"), ("bytes/GPU", "right"), ("inter-node/GPU", "right"),
-                      ("comp/comm", "right"), ("peak mem", "right")):
+                      ("comp/comm", "right"), ("peak mem (+ws)", "right")):
         table.add_column(col, justify=just)
     solver = any(c["scheduler"]["requested"] != "greedy" for c in body["candidates"])
     if solver:
@@ -73,7 +74,7 @@ def print_search(body: dict[str, Any], console: Console, top: int) -> None:
                       "sim" if sim else "bound", _fmt(p["makespan_s"], t), _fmt(part("fwd"), t), _fmt(part("bwd"), t),
                       _fmt(p["exposed_comm_s"], fmt_seconds), _fmt(p["comm_bytes_per_gpu_max"], fmt_bytes),
                       _fmt(p["inter_node_bytes_per_gpu_max"], fmt_bytes),
-                      _fmt(p["compute_to_comm"], lambda x: f"{x:.3g}"), _fmt(p["peak_memory_bytes"], fmt_bytes),
+                      _fmt(p["compute_to_comm"], lambda x: f"{x:.3g}"), _fmt(p.get("peak_memory_total_bytes"), fmt_bytes),
                       *([_order_text(c["scheduler"])] if solver else []),
                       *([_fmt((c.get("job") or {}).get("together_s"), fmt_seconds)] if job else []))
     console.print(table)

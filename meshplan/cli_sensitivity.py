@@ -15,12 +15,13 @@ Sensitivity = Annotated[Optional[float], typer.Option(
     "--sensitivity", rich_help_panel=PANEL, metavar="P",
     help="re-simulate the best plans with bandwidths (per link class), latencies (per link class) and kernel "
          "efficiencies (per pass) each scaled by a factor uniform in [1 - P/100, 1 + P/100]; 0 <= P < 100")]
-Samples = Annotated[int, typer.Option("--sensitivity-samples", rich_help_panel=PANEL,
-                                      help="perturbed samples drawn")]
-Top = Annotated[int, typer.Option("--sensitivity-top", rich_help_panel=PANEL,
-                                  help="best candidates judged (those left at their bound are simulated)")]
-Seed = Annotated[int, typer.Option("--sensitivity-seed", rich_help_panel=PANEL,
-                                   help="seed of the samples (the same seed, the same samples)")]
+Samples = Annotated[Optional[int], typer.Option("--sensitivity-samples", rich_help_panel=PANEL,
+                                                help="perturbed samples drawn [default: 20]")]
+Top = Annotated[Optional[int], typer.Option("--sensitivity-top", rich_help_panel=PANEL,
+                                            help="best candidates judged (those left at their bound are simulated) "
+                                                 "[default: 5]")]
+Seed = Annotated[Optional[int], typer.Option("--sensitivity-seed", rich_help_panel=PANEL,
+                                             help="seed of the samples (the same seed, the same samples) [default: 0]")]
 Pick = Annotated[str, typer.Option(
     "--pick", rich_help_panel=PANEL,
     help="nominal: rank by the nominal prediction | robust: put first the judged plan with the smallest "

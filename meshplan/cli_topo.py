@@ -14,6 +14,16 @@ import typer
 
 from meshplan import cli_options as o
 
+_NET = "Network (the dumps do not see it)"
+
+
+def _choice(*values: str):
+    def check(value: str | None) -> str | None:
+        if value is not None and value not in values:
+            raise typer.BadParameter(f"{value!r} is not one of {', '.join(values)}")
+        return value
+    return check
+
 
 def _positive(value: float | None) -> float | None:
     if value is not None and value <= 0:
@@ -52,6 +62,19 @@ def topo_import(
         = None,
         p2p_overhead_us: Annotated[Optional[float], _opt("--p2p-overhead-us", "software cost per message", False)]
         = None,
+        network: Annotated[str, typer.Option("--network", help="nonblocking | rail (NIC k of every node on leaf k)",
+                                             callback=_choice("nonblocking", "rail"), rich_help_panel=_NET)]
+        = "nonblocking",
+        cross_rail: Annotated[Optional[str], typer.Option("--cross-rail", help="rail: spine | pxn (an NVLink hop to "
+                                                          "the destination's rail first)",
+                                                          callback=_choice("spine", "pxn"), rich_help_panel=_NET)]
+        = None,
+        spine_oversubscription: Annotated[Optional[float], typer.Option(
+            "--spine-oversubscription", min=1.0, help="rail: leaf downlink / uplink (1: non-blocking)",
+            rich_help_panel=_NET)] = None,
+        spine_latency_us: Annotated[Optional[float], typer.Option(
+            "--spine-latency-us", min=0.0, help="rail: extra latency through the spine", rich_help_panel=_NET)]
+        = None,
         as_json: o.Json = False) -> None:
     """Build a topology YAML from `nvidia-smi topo -m` and/or an NCCL topology dump, plus flags."""
     from meshplan.errors import UserError
@@ -65,7 +88,8 @@ def topo_import(
                         device_from=device_from, nvlink_GBps=nvlink_gbps, pcie_GBps=pcie_gbps, socket_GBps=socket_gbps,
                         nic_GBps=nic_gbps, nic_latency_us=nic_latency_us, per_flow_GBps=per_flow_gbps,
                         node_aggregate_GBps=node_aggregate_gbps, network_latency_us=network_latency_us,
-                        p2p_overhead_us=p2p_overhead_us)
+                        p2p_overhead_us=p2p_overhead_us, network=network, cross_rail=cross_rail,
+                        spine_oversubscription=spine_oversubscription, spine_latency_us=spine_latency_us)
     result = import_topology(flags, name or Path(out).stem)
     path = write_topology(result, out, force)
     from meshplan.cli_run import topology_info

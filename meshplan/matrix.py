@@ -135,7 +135,8 @@ def _granularity_error(workload: Workload, n: int, unit: int, bad: list[tuple[in
         real = w.mask.doc_real_lens()
         spec = ",".join(f"{r}+{pad(sl) - r}" if pad(sl) != r else str(r) for r, sl in zip(real, w.mask.doc_lens))
         k, size = bad[0]
-        return UserError("--mask", f"document {k + 1} has {size} tokens, not a multiple of {what} for the per-document "
+        tokens = f"{size} token{'s' if size != 1 else ''}"
+        return UserError("--mask", f"document {k + 1} has {tokens}, not a multiple of {what} for the per-document "
                          f"{layout} layout", f"pad each document: --mask docs:{spec} --seq-len "
                          f"{sum(pad(sl) for sl in w.mask.doc_lens)} (or --doc-layout packed)")
     if w.prefix_len:

@@ -173,13 +173,17 @@ def _check_columns(source: str, collective: str, n: int, size, time_us, alg, bus
     if not big.any():
         return
     expect = size[big] / (time_us[big] * 1e3)
-    if np.any(np.abs(alg[big] - expect) > 0.01 * expect + 0.01):
-        raise UserError(source, "its algbw column is not size / time", EXPECTED)
+    off = np.abs(alg[big] - expect) > 0.01 * expect + 0.01
+    if off.any():
+        raise UserError(source, f"its algbw column is not size / time (the row of {int(size[big][off][0])} B)",
+                        EXPECTED)
     f = busbw_factor(collective, n)
     ratio = bus[big] / alg[big]
-    if np.any(np.abs(bus[big] - f * alg[big]) > 0.005 * f * alg[big] + 0.011):
-        raise UserError(source, f"busbw / algbw is {np.median(ratio):.3f}, but {collective} over the {n} ranks "
-                        f"listed gives {f:.3f}", f"the '# Rank' lines must list every rank; {EXPECTED}")
+    off = np.abs(bus[big] - f * alg[big]) > 0.005 * f * alg[big] + 0.011
+    if off.any():
+        raise UserError(source, f"busbw / algbw is {np.median(ratio):.3f} (first off: the row of "
+                        f"{int(size[big][off][0])} B), but {collective} over the {n} ranks listed gives {f:.3f}",
+                        f"the '# Rank' lines must list every rank; {EXPECTED}")
 
 
 def fit_run(run: NcclTestsRun) -> CollectiveFit:

@@ -39,6 +39,10 @@ class ImportFlags:
     node_aggregate_GBps: float | None = None
     network_latency_us: float | None = None
     p2p_overhead_us: float | None = None
+    network: str = "nonblocking"             # or rail (NIC k of every node on leaf k)
+    cross_rail: str | None = None            # rail: spine | pxn
+    spine_oversubscription: float | None = None
+    spine_latency_us: float | None = None
 
 
 @dataclass(frozen=True)
@@ -76,9 +80,7 @@ def import_topology(flags: ImportFlags, name: str) -> Imported:
     tree = {"name": S(name, "flag --name (default: the --out file's name)"),
             "description": S(_describe(dump, lay, nics), "by meshplan topo import"),
             "nodes": S(flags.nodes, "flag --nodes (default 1; --gpus N scales it)"), "node": node,
-            "network": {"kind": S("nonblocking", "the format's network model: a non-blocking switch"),
-                        "latency_us": _pick(flags.network_latency_us, "--network-latency-us",
-                                            dflt["latency_us"]["network"])},
+            "network": _network(flags, dflt),
             "p2p_overhead_us": _pick(flags.p2p_overhead_us, "--p2p-overhead-us", dflt["p2p_overhead_us"]),
             "overlap_kappa": {c: _cited(dflt["overlap_kappa"][c]) for c in kappa}}
     if lay.left_out:
@@ -87,6 +89,28 @@ def import_topology(flags: ImportFlags, name: str) -> Imported:
             "from: the dump, a flag, or a cited default (meshplan/data/topo_import.yaml)."] + notes
     text = render(tree, head)
     return Imported(text, validate(text), tuple(notes))
+
+
+def _network(flags: ImportFlags, dflt: dict) -> dict:
+    """The network block: non-blocking (the dumps say nothing of the network), or rail-optimised from the flags."""
+    rail_flags = {"--cross-rail": flags.cross_rail, "--spine-oversubscription": flags.spine_oversubscription,
+                  "--spine-latency-us": flags.spine_latency_us}
+    given = [f for f, v in rail_flags.items() if v is not None]
+    if flags.network != "rail":
+        if given:
+            raise UserError(given[0], "applies to rail-optimised networks only", "add --network rail, or drop it")
+        return {"kind": S("nonblocking", "flag --network (default): a non-blocking switch"),
+                "latency_us": _pick(flags.network_latency_us, "--network-latency-us", dflt["latency_us"]["network"])}
+    if flags.nodes < 2:
+        raise UserError("--network", "a rail-optimised network joins nodes; --nodes is 1", "add --nodes N (N ≥ 2)")
+    return {"kind": S("rail", "flag --network: NIC k of every node on leaf switch k"),
+            "latency_us": _pick(flags.network_latency_us, "--network-latency-us", dflt["latency_us"]["network"]),
+            "cross_rail": S(flags.cross_rail or "spine", "flag --cross-rail" if flags.cross_rail else
+                            "default: cross-rail traffic through the spine (pxn: an NVLink hop to the right rail)"),
+            "spine_oversubscription": S(flags.spine_oversubscription or 1.0, "flag --spine-oversubscription"
+                                        if flags.spine_oversubscription else "default: a non-blocking spine"),
+            "spine_latency_us": S(flags.spine_latency_us or 0.0, "flag --spine-latency-us"
+                                  if flags.spine_latency_us is not None else "default: no extra spine latency")}
 
 
 def _describe(d: NodeDump, lay: Layout, nics: dict | None) -> str:

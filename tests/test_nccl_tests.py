@@ -133,7 +133,7 @@ def _bad_inputs(tmp_path) -> list[tuple[Path, str]]:
          "no '# Avg bus bandwidth' line"),
         (_variant(tmp_path, "sendrecv_edited.txt", "".join(cut_row)), "5 fields, expected 13 (size count type"),
         (_variant(tmp_path, "run.txt", sr.replace("sendrecv_perf", "all_gather_perf")),   # mislabelled
-         "busbw / algbw is 1.000, but all_gather over the 8 ranks listed gives 0.875"),
+         "busbw / algbw is 1.000 (first off: the row of 8192 B), but all_gather over the 8 ranks listed gives 0.875"),
         (_variant(tmp_path, "sendrecv_norank.txt", "".join(x for x in lines if "Rank" not in x)), "'# Rank R Group"),
         (_variant(tmp_path, "sendrecv_small.txt", "".join(lines[:row] + lines[-4:])),
          "cannot fit alpha and bandwidth"),

@@ -119,6 +119,8 @@ def test_a_hair_win_is_not_stable_and_robust_pick_reorders(close_call):
     (["--sensitivity", 10, "--sensitivity-top", 0], ["--sensitivity-top"]),
     (["--pick", "robust"], ["--pick", "--sensitivity P"]),
     (["--sensitivity", 10, "--pick", "best"], ["--pick", "nominal or robust"]),
+    (["--sensitivity-samples", 5], ["--sensitivity-samples", "applies with --sensitivity only"]),
+    (["--sensitivity-seed", 1], ["--sensitivity-seed", "add --sensitivity P"]),
 ])
 def test_bad_input_is_one_line_exit_2(args, needles):
     res = run(*SMALL, *args)

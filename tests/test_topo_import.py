@@ -93,6 +93,34 @@ def test_dgx_xml_agrees_with_nvidia_smi_and_with_the_shipped_dgx_h100():
     assert ours.spec.overlap_kappa == shipped.spec.overlap_kappa
 
 
+@pytest.mark.parametrize("cross", ["spine", "pxn"])
+def test_rail_flags_give_the_shipped_rail_fabric(cross):
+    """--network rail with the shipped file's spine numbers routes 32 GPUs exactly as dgx-h100-rail (cross-rail
+    through the spine, or PXN: an NVLink hop to the destination's rail first)."""
+    ours = imported(nvidia_smi=DGX_SMI, nccl_xml=DGX_XML, gpu_model="H100-SXM", nodes=4, network="rail",
+                    cross_rail=cross, spine_oversubscription=2.0, spine_latency_us=1.0)
+    spec = Topology.load("dgx-h100-rail").file_spec
+    shipped = Topology(spec.model_copy(update={"network": spec.network.model_copy(update={"cross_rail": cross})}), 32)
+    assert ours.spec.network == shipped.spec.network
+    src, dst = np.meshgrid(np.arange(32), np.arange(32))
+    for got, want in zip(ours.pair_stats(src, dst), shipped.pair_stats(src, dst)):
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+    for a, b in ((0, 8), (0, 9), (3, 30)):
+        assert vertices(ours, a, b) == vertices(shipped, a, b)
+    assert ("n0/gpu1" in vertices(ours, 0, 9)) == (cross == "pxn")
+
+
+def test_rail_flags_are_checked():
+    base = ["topo", "import", "--nvidia-smi", DGX_SMI, "--gpu-model", "H100-SXM", "--nic-GBps", "45", "--out"]
+    r = runner.invoke(app, base + ["x.yaml", "--cross-rail", "pxn"])
+    one_line_error(r, "--cross-rail", "add --network rail")
+    r = runner.invoke(app, base + ["x.yaml", "--network", "rail"])
+    one_line_error(r, "--network", "--nodes N")
+    r = runner.invoke(app, base + ["x.yaml", "--network", "ring"])
+    one_line_error(r, "--network", "nonblocking, rail")
+    assert not Path("x.yaml").exists()
+
+
 # ------------------------------------------------------------------------------------------ PCIe box
 @pytest.mark.parametrize("dump", [{"nvidia_smi": L20_SMI}, {"nccl_xml": L20_XML}, {"nvidia_smi": L20_SMI,
                                                                                      "nccl_xml": L20_XML}])

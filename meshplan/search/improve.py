@@ -80,7 +80,8 @@ def improve(result, scheduler: str, *, time_limit_s: float, workers: int = 0, wr
         if size > ILP_MAX_INTERVALS:
             c.scheduler = not_run(scheduler, f"{size} intervals > {ILP_MAX_INTERVALS}")
             continue
-        res = ilp.solve(sched, topo, time_limit_s=time_limit_s, workers=workers, memory_bytes=memory_limit)
+        res = ilp.solve(sched, topo, time_limit_s=time_limit_s, workers=workers,
+                        memory_bytes=_buffer_budget(sched, topo, memory_limit))
         body = {"requested": scheduler, "kept": "greedy", "status": res.status, "objective_s": res.objective_s,
                 "bound_s": res.bound_s, "gap": res.gap, "solve_s": res.solve_s, "greedy_model_s": res.greedy_s,
                 "intervals": res.n_intervals, "greedy_makespan_s": greedy_s, "ilp_makespan_s": None}
@@ -145,3 +146,13 @@ def _rerank(result, sim: list[Candidate]) -> None:
     ids = {id(c) for c in sim}
     result.candidates[:] = sorted(sim, key=lambda c: c.predicted["makespan_s"]) + \
         [c for c in result.candidates if id(c) not in ids]
+
+
+def _buffer_budget(sched, topo, memory_limit: float | None) -> float:
+    """What ``--memory-limit`` (default: the device's memory) leaves the buffers once the largest op's workspace
+    and the runtime's memory are set aside (:mod:`meshplan.memory_model`): the CP-SAT reservoir bounds buffers
+    only (never below the greedy order's level)."""
+    from meshplan.memory_model import op_workspace_bytes
+    spec = topo.memory_model
+    limit = topo.memory_bytes if memory_limit is None else memory_limit
+    return max(limit - float(op_workspace_bytes(sched, spec).max(initial=0.0)) - spec.runtime_bytes, 0.0)

@@ -54,19 +54,25 @@ class Factors:
     eff: dict[str, float]   # attention kernel efficiency, by pass
 
 
-def check_args(percent: float | None, samples: int, top: int, pick: str, *, job: bool = False) -> None:
-    """Refuse bad ``search --sensitivity`` input (one line each, naming the flag and the fix).
+def check_args(percent: float | None, samples: int | None, top: int | None, seed: int | None, pick: str, *,
+               job: bool = False) -> tuple[int, int, int]:
+    """Refuse bad ``search --sensitivity`` input (one line each, naming the flag and the fix); returns (samples,
+    top, seed) with the defaults (20, 5, 0) for those not given.
 
     Raises:
-        UserError: P outside [0, 100), fewer than one sample or candidate, an unknown pick, ``robust`` without P,
-            or P with a job re-rank (``--tp/--dp``).
+        UserError: P outside [0, 100), fewer than one sample or candidate, an unknown pick, ``robust`` or a
+            sample flag without P, or P with a job re-rank (``--tp/--dp``).
     """
     if pick not in PICKS:
         raise UserError("--pick", f"unknown pick {pick!r}", "use nominal or robust")
     if percent is None:
         if pick == "robust":
             raise UserError("--pick", "robust needs samples to judge by", "add --sensitivity P (e.g. 10)")
-        return
+        for flag, v in (("--sensitivity-samples", samples), ("--sensitivity-top", top), ("--sensitivity-seed", seed)):
+            if v is not None:
+                raise UserError(flag, "applies with --sensitivity only", "add --sensitivity P (e.g. 10), or drop it")
+        return 20, 5, 0
+    samples, top, seed = (20 if samples is None else samples, 5 if top is None else top, 0 if seed is None else seed)
     if not (math.isfinite(percent) and 0 <= percent < 100):
         raise UserError("--sensitivity", f"{percent:g} is outside [0, 100)",
                         "give a perturbation in percent, at least 0 and below 100 (e.g. 10)")
@@ -77,6 +83,7 @@ def check_args(percent: float | None, samples: int, top: int, pick: str, *, job:
     if job:
         raise UserError("--sensitivity", "not combined with --tp/--dp yet (the job re-rank comes after it)",
                         "drop --sensitivity or run it on the CP group alone")
+    return samples, top, seed
 
 
 def draw_factors(percent: float, samples: int, seed: int = 0) -> list[Factors]:
@@ -187,7 +194,7 @@ def run_sensitivity(result, percent: float, *, samples: int = 20, top: int = 5, 
     Raises:
         UserError: bad arguments (:func:`check_args`).
     """
-    check_args(percent, samples, top, pick)
+    check_args(percent, samples, top, seed, pick)
     t0 = time.perf_counter()
     cands, fresh = _eligible(result, top, progress)
     body = {"percent": percent, "samples": samples, "seed": seed, "top": top, "perturbed": list(PERTURBED),
