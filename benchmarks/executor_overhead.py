@@ -40,7 +40,8 @@ def main() -> None:
             path = case.write(Path(tmp))
             for serialize in (False, True):
                 t0 = time.perf_counter()
-                meas = run(str(path), None, RunConfig(iters=5, warmup=2, check=False, serialize=serialize))
+                meas = run(str(path), None, RunConfig(iters=5, warmup=2, check=False, serialize=serialize,
+                                                      memory=False))
                 m = Path(tmp, "m.json")
                 m.write_text(json.dumps(meas))
                 body = compare_files(str(path), str(m))

@@ -91,7 +91,7 @@ def measure_interleaved(paths: list[str], rounds: int, timeout_s: float = 600.0)
     from meshplan.executor.launch import run_batch
     from meshplan.executor.worker import RunConfig
 
-    cfg = RunConfig(backend="gloo", iters=1, warmup=1, check=False, timeout_s=timeout_s)
+    cfg = RunConfig(backend="gloo", iters=1, warmup=1, check=False, timeout_s=timeout_s, memory=False)
     bodies = run_batch([(p, cfg) for _ in range(rounds) for p in paths])
     return [[(b["makespan_s"], b["env"]["probe_ms"]) for b in bodies[i::len(paths)]] for i in range(len(paths))]
 
@@ -106,7 +106,7 @@ def serialized_ccr(path: str) -> float:
     from meshplan.schedule_io import from_json, read_document
 
     body = run(path, None, RunConfig(backend="gloo", iters=3, warmup=1, check=False, serialize=True,
-                                     timeout_s=600.0))
+                                     timeout_s=600.0, memory=False))
     doc, _ = read_document(path)
     sched = from_json(doc)
     index = {op.id: i for i, op in enumerate(op for r in doc.ranks for op in r.ops)}

@@ -74,7 +74,8 @@ def print_search(body: dict[str, Any], console: Console, top: int) -> None:
                       "sim" if sim else "bound", _fmt(p["makespan_s"], t), _fmt(part("fwd"), t), _fmt(part("bwd"), t),
                       _fmt(p["exposed_comm_s"], fmt_seconds), _fmt(p["comm_bytes_per_gpu_max"], fmt_bytes),
                       _fmt(p["inter_node_bytes_per_gpu_max"], fmt_bytes),
-                      _fmt(p["compute_to_comm"], lambda x: f"{x:.3g}"), _fmt(p.get("peak_memory_total_bytes"), fmt_bytes),
+                      _fmt(p["compute_to_comm"], lambda x: f"{x:.3g}"),
+                      _fmt(p.get("peak_memory_total_bytes"), fmt_bytes),
                       *([_order_text(c["scheduler"])] if solver else []),
                       *([_fmt((c.get("job") or {}).get("together_s"), fmt_seconds)] if job else []))
     console.print(table)
