@@ -101,7 +101,8 @@ def search(gpus: o.Gpus = None, topo: o.Topo = None, model: o.Model = None, seq_
            map_search: Annotated[int, typer.Option(
                "--map-search", help="rank -> GPU placement search: simulations per written candidate (0: off)")] = 0,
            memory_limit: Annotated[Optional[str], typer.Option(
-               "--memory-limit", help="bytes per GPU (80GiB, 64GB, ...)")] = None,
+               "--memory-limit", help="bytes per GPU the memory model must fit (80GiB, 64GB, ...; default: the "
+               "device's memory)")] = None,
            prune_slack: Annotated[float, typer.Option(
                "--prune-slack", help="prune within this fraction of the best (0: exact)")] = 0.01,
            tp: o.Tp = 1, dp: o.Dp = 1, rank_order: o.RankOrder = "tp-cp-dp",

@@ -69,7 +69,8 @@ def calibrate_memory_only(topo: str, backend: str, quick: bool, out: str, as_jso
     from meshplan.topology import Topology
 
     if not Path(out).is_file():
-        raise UserError("--out", f"{out} does not exist; --memory-only updates a calibration file",
+        what = "is not a file" if Path(out).exists() else "does not exist"
+        raise UserError("--out", f"{out} {what}; --memory-only updates a calibration file",
                         "run meshplan calibrate without --memory-only first")
     old = load_calibration(Path(out))
     if not isinstance(old, CalibrationSpec):
@@ -83,12 +84,18 @@ def calibrate_memory_only(topo: str, backend: str, quick: bool, out: str, as_jso
                         "install the [exec] extra: pip install -e '.[exec]'")
     import torch
 
-    from meshplan.executor.calibrate import _threads, memory_samples
+    from meshplan.executor.calibrate import _cpu_name, _threads, cpu_isa, memory_samples
     from meshplan.executor.launch import resolve_backend
     from meshplan.executor.memory import reuse_freed_memory
     from meshplan.memory_model import fit_memory
 
     cuda = resolve_backend(backend) == "nccl"
+    here = (torch.cuda.get_device_name(0) if cuda else None, _cpu_name(), cpu_isa())
+    there = (old.device.gpu, old.device.cpu, old.device.isa)
+    if here != there:
+        raise UserError("--out", f"{out} was measured on {' / '.join(str(x) for x in there if x)}, this host is "
+                        f"{' / '.join(str(x) for x in here if x)}", "calibrate afresh without --memory-only")
+    t0 = time.perf_counter()
     reuse_freed_memory()
     with _threads(None if cuda else 1):
         samples = memory_samples(torch.device("cuda", 0) if cuda else torch.device("cpu"), quick)
@@ -97,22 +104,29 @@ def calibrate_memory_only(topo: str, backend: str, quick: bool, out: str, as_jso
     body["memory"] = fit_memory(samples).model_dump(mode="json")
     calib = CalibrationSpec.model_validate(body)
     write_atomic(out, dump_yaml(calib).encode())
-    rows = memory_rows(calib)
+    rows = memory_rows(calib, old.memory)
+    wall_s = time.perf_counter() - t0
     if as_json:
-        sys.stdout.write(json.dumps({"calibration": out, "topology": topology.name, "fitted": rows}, indent=1) + "\n")
-    else:
-        _print(calib, rows, out, Console(width=200 if not sys.stdout.isatty() else None))
+        sys.stdout.write(json.dumps({"calibration": out, "topology": topology.name, "wall_s": round(wall_s, 1),
+                                     "fitted": rows}, indent=1) + "\n")
+        return 0
+    console = Console(width=200 if not sys.stdout.isatty() else None)
+    console.print(f"{calib.name}: memory model re-measured in {wall_s:.0f} s; the rest of {out} kept", soft_wrap=True)
+    t = Table("parameter", "fitted", "replaces", "unit")
+    for r in rows:
+        t.add_row(r["name"], _fmt(r["fitted"]), _fmt(r["replaces"]), r["unit"])
+    console.print(t)
     return 0
 
 
-def memory_rows(calib) -> list[dict[str, Any]]:
-    """Rows of the memory model's fitted coefficients (``replaces``: the uncalibrated default's)."""
+def memory_rows(calib, before=None) -> list[dict[str, Any]]:
+    """Rows of the memory model's fitted coefficients (``replaces``: ``before``'s, else the uncalibrated default's)."""
     from meshplan.memory_model import DEFAULTS
 
     m = calib.memory
     if m is None:
         return []
-    default = DEFAULTS["gpu" if calib.device.gpu else "cpu"]
+    default = before or DEFAULTS["gpu" if calib.device.gpu else "cpu"]
     rows = []
     for dtype, c in m.compute.items():
         d = default.coefficients(dtype)
@@ -121,7 +135,7 @@ def memory_rows(calib) -> list[dict[str, Any]]:
                          getattr(d, key)))
     rows += [("memory merge", "B per byte merged", m.merge_bytes_per_byte, default.merge_bytes_per_byte),
              ("memory transfer", "B per wire byte", m.transfer_bytes_per_byte, default.transfer_bytes_per_byte),
-             ("memory fit max error", "% on its samples", m.tolerance_pct, None)]
+             ("memory fit max error", "% on its samples", m.tolerance_pct, default.tolerance_pct)]
     return [{"name": n, "unit": u, "fitted": v, "replaces": w} for n, u, v, w in rows]
 
 

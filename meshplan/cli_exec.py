@@ -168,9 +168,10 @@ def compare_command(schedule: str, measurement: str, topo: str | None, as_json: 
                   f"{fmt_bytes(m['measured_bytes'])} ({m['measured_kind']}), error {_pct(m['error_pct'])}")
     rise = body.get("memory_rise")
     if rise:
+        calibrated = "calibrated" if rise["model"].startswith("meshplan calibrate") else "uncalibrated default"
         console.print(f"memory rise of a pass: measured {fmt_bytes(rise['measured_rise_bytes'])} ({rise['kind']}), "
-                      f"predicted {fmt_bytes(rise['predicted_bytes'])} (buffers + workspace + runtime: "
-                      f"{rise['model']}), error {_pct(rise['error_pct'])}; the buffers alone "
-                      f"{fmt_bytes(rise['predicted_buffers_bytes'])}")
+                      f"predicted {fmt_bytes(rise['predicted_bytes'])} (the memory model, {calibrated}: buffers + "
+                      f"workspace + runtime), error {_pct(rise['error_pct'])}; the buffers alone "
+                      f"{fmt_bytes(rise['predicted_buffers_bytes'])}", soft_wrap=True)
     over = ", ".join(f"{p} {o['overhead_pct']:.1f}%" for p, o in body["executor_overhead"].items())
     console.print(f"executor overhead (makespan − critical path of measured ops): {over}")

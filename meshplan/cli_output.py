@@ -87,6 +87,9 @@ def print_search(body: dict[str, Any], console: Console, top: int) -> None:
                           f"rank -> device {m['device_of_rank']}", soft_wrap=True)
         if c["schedule_path"]:
             console.print(f"#{i} written to {c['schedule_path']}", soft_wrap=True)
+    for r in body.get("rejected", []):
+        if r.startswith("not written:"):
+            console.print(r, soft_wrap=True)
     skipped = ", ".join(f"{v} {k}" for k, v in counts["skipped"].items()) or "none"
     unsim = "".join(f", {v} not simulated: {k}" for k, v in counts.get("not_simulated", {}).items())
     console.print(f"{counts['enumerated']} enumerated, {counts['simulated']} simulated, {counts['pruned']} left at "
@@ -178,8 +181,9 @@ def print_topology(info: dict[str, Any], console: Console) -> None:
         if net["kind"] == "rail":
             how = ("NVLink to the source node's GPU on the destination's rail, then that GPU's NIC (PXN)"
                    if net["cross_rail"] == "pxn" else
-                   f"leaf -> spine -> leaf, {net['spine_oversubscription']:g}:1 oversubscribed "
-                   f"(+{net['spine_latency_us']:g} us)")
+                   "leaf -> spine -> leaf, " + (f"{net['spine_oversubscription']:g}:1 oversubscribed"
+                                                  if net['spine_oversubscription'] > 1 else "non-blocking")
+                   + f" (+{net['spine_latency_us']:g} us)")
             console.print(f"network: rail-optimised, {net['rails']} rails (NIC k on leaf k); same-rail traffic stays "
                           f"in its leaf; cross-rail: {how}", soft_wrap=True)
         else:

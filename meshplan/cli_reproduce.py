@@ -68,8 +68,9 @@ def _print_memory(body: dict[str, Any], console) -> None:
 
     t = Table(title=f"CHARM+ peak memory, 8 L20, fwd+bwd (D = {body['head_dim_assumed']} assumed): per rank, MB "
                     "(pred: the schedule's buffers; total: + workspace and runtime, the memory model)")
-    for col in ("B", "S", "heads", "Ring pred", "total", "Ring meas", "CHARM+ pred", "total", "CHARM+ meas",
-                "CHARM+/Ring pred", "meas", "CHARM+ - Ring pred", "total", "meas"):
+    for col in ("B", "S", "heads", "Ring pred", "Ring total", "Ring meas", "CHARM+ pred", "CHARM+ total",
+                "CHARM+ meas", "CHARM+/Ring pred", "CHARM+/Ring meas", "CHARM+ - Ring pred", "CHARM+ - Ring total",
+                "CHARM+ - Ring meas"):
         t.add_column(col, justify="right")
     for r in body["rows"]:
         p, m, tot = r["predicted_MB"], r["measured_MB"], r["predicted_total_MB"]
@@ -82,4 +83,4 @@ def _print_memory(body: dict[str, Any], console) -> None:
     console.print(f"direction (CHARM+ needs more than Ring) right in {body['directions_right']} of "
                   f"{body['directions_total']}; predicted extra / measured extra: median "
                   f"{body['difference_ratio_median']:.1f}x (buffers), {body['total_difference_ratio_median']:.1f}x "
-                  f"(memory model). Missing: {body['missing']}", soft_wrap=True)
+                  f"(memory model). Not modelled: {body['missing']}", soft_wrap=True)

@@ -36,6 +36,15 @@ def simulate_named(algo, gpus, topo, workload, knobs, out, trace, as_json, emit)
     if trace is not None:
         _write_trace(cand.schedule, cand.sim, trace)
     emit(body, as_json, lambda c: print_simulation(body, c, _title(cand.algorithm, cand.knobs, topo_obj, n, workload)))
+    _warn_memory(body["predicted"]["peak_memory_total_bytes"], topo_obj)
+
+
+def _warn_memory(peak: float, topo) -> None:
+    """A note on stderr when the memory model's peak exceeds the device's memory."""
+    if peak > topo.memory_bytes:
+        from meshplan.units import fmt_bytes
+        sys.stderr.write(f"note: the plan needs {fmt_bytes(peak)} per GPU by the memory model (buffers, workspace, "
+                         f"runtime), more than the device's {fmt_bytes(topo.memory_bytes)}\n")
 
 
 def _title(algo, knobs, topo, n, w) -> str:
@@ -49,8 +58,10 @@ def _write_verified(sched, topo, path: str) -> None:
     from meshplan.verify import verify
     report = verify(sched, topo.memory_bytes)
     if not report.ok:
+        memory = "more than the device" in report.violations[0]
         raise UserError("--out", f"the schedule fails verification: {report.violations[0]}",
-                        "this is a planner bug or a memory limit; nothing was written")
+                        "the plan does not fit the device: add GPUs, or shorten --seq-len or --batch; nothing was "
+                        "written" if memory else "this is a planner bug; nothing was written")
     write_schedule(sched, path)
 
 

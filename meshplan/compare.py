@@ -102,7 +102,6 @@ def _memory_rise(peak_pred: float, total_pred: float, source: str, meas: Measure
             "error_pct": _err_pct(total_pred, float(rise)), "model": source,
             "predicted_buffers_bytes": peak_pred,
             "kind": "cuda-allocator" if meas.peak_memory_kind == "cuda-allocator" else "rss",
-            "unmodelled_bytes": float(rise) - total_pred,
             "rise_over_buffers": float(rise) / peak_pred if peak_pred else None}
 
 

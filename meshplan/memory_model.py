@@ -111,14 +111,16 @@ def kernel_workspace_bytes(spec: MemorySpec, dtype: str, pass_: str, batch: int,
     return c.fixed_bytes + batch * heads * head_dim * (cq * s_q + ckv * s_kv)
 
 
-def closed_form_peak_bytes(spec: MemorySpec, plan, pass_: str, buffers_bytes: float) -> float:
+def closed_form_peak_bytes(spec: MemorySpec, plan, pass_: str, buffers_bytes: float, wire_bytes: float) -> float:
     """The memory-model peak of a closed form (Ring, pass-Q and Mesh timings, which run one block per op): its
-    buffer peak + the largest block's kernel workspace + the runtime's. Transfers' wire images are left out,
-    so ``search --memory-limit`` re-checks every simulated candidate against its simulated total."""
+    buffer peak + the largest block's kernel workspace + the wire images of ``wire_bytes`` in flight + the
+    runtime's. An estimate: ``search`` checks simulated candidates on their simulated total, and the schedules
+    it writes on their own."""
     w, m = plan.workload, plan.matrix
     ok = m.permitted
     ws = kernel_workspace_bytes(spec, w.dtype, pass_, w.batch, w.n_heads, w.head_dim, m.s_q[ok], m.s_kv[ok])
-    return float(buffers_bytes) + float(np.max(ws, initial=0.0)) + spec.runtime_bytes
+    return (float(buffers_bytes) + float(np.max(ws, initial=0.0)) + spec.transfer_bytes_per_byte * wire_bytes
+            + spec.runtime_bytes)
 
 
 def estimated_peak_bytes(timing: dict) -> float:

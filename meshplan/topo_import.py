@@ -69,6 +69,9 @@ def import_topology(flags: ImportFlags, name: str) -> Imported:
     fabric = _fabric(lay, dump, flags, model, dflt)
     notes = list(lay.notes)
     nics = _nics(lay, dump, flags, dflt, lambda: _pcie_rate(flags, dump, model, dflt), notes)
+    if flags.cross_rail == "pxn" and not lay.nvlinks:
+        raise UserError("--cross-rail", f"PXN relays cross-rail traffic over NVLink; {dump.source} shows none",
+                        "use --cross-rail spine")
     if flags.nodes > 1 and nics is None:
         raise UserError("--nodes", f"{flags.nodes} nodes need NICs; {dump.source} lists none", "import a dump "
                         "that lists the node's NICs, or --nodes 1")
@@ -103,6 +106,11 @@ def _network(flags: ImportFlags, dflt: dict) -> dict:
                 "latency_us": _pick(flags.network_latency_us, "--network-latency-us", dflt["latency_us"]["network"])}
     if flags.nodes < 2:
         raise UserError("--network", "a rail-optimised network joins nodes; --nodes is 1", "add --nodes N (N ≥ 2)")
+    if flags.cross_rail == "pxn":
+        spine = [f for f in ("--spine-oversubscription", "--spine-latency-us") if rail_flags[f] is not None]
+        if spine:
+            raise UserError(spine[0], "applies to cross-rail traffic through the spine; PXN never touches it",
+                            "drop it, or use --cross-rail spine")
     return {"kind": S("rail", "flag --network: NIC k of every node on leaf switch k"),
             "latency_us": _pick(flags.network_latency_us, "--network-latency-us", dflt["latency_us"]["network"]),
             "cross_rail": S(flags.cross_rail or "spine", "flag --cross-rail" if flags.cross_rail else

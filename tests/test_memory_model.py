@@ -114,6 +114,30 @@ def test_memory_limit_filters_on_the_model_not_the_buffers():
                if c.model_level == "simulated")
 
 
+def test_plans_are_held_to_the_device_memory_and_written_files_to_the_limit(tmp_path):
+    """Without --memory-limit the device's 80 GB holds (12M tokens on 8 H100s fits no plan: refused naming the
+    smallest); with one, every written file simulates within it and so does each framework's best setting."""
+    from meshplan.errors import UserError
+    from meshplan.metrics import predicted
+    from meshplan.schedule_io import read_schedule
+    from meshplan.search import write_best
+    from meshplan.search.frameworks import framework_bests
+    from meshplan.simulate import simulate
+
+    topo = Topology.load("h100x8")
+    with pytest.raises(UserError, match=r"^--gpus: no plan fits in the device's 80 GB; the smallest needs 1\d\d GB"):
+        run_search(resolve(seq_len="12M"), topo, 8)
+    result = run_search(resolve(seq_len="1M"), topo, 8, memory_limit=16e9)
+    write_best(result, 4, str(tmp_path))
+    files = sorted(tmp_path.iterdir())
+    assert files
+    for f in files:
+        sched = read_schedule(str(f))
+        assert predicted(sched, topo, simulate(sched, topo), None)["peak_memory_total_bytes"] <= 16e9, f.name
+    refused = [why for fb in framework_bests(result) for _, why in fb.refused]
+    assert any(why.endswith("by the memory model, more than 16 GB") for why in refused)   # torchtitan's Ring
+
+
 def test_calibrate_memory_only_updates_the_memory_model_and_keeps_the_rest(tmp_path):
     import yaml
     src = ROOT / "meshplan" / "topologies" / "calibration" / "cpu-local.yaml"
@@ -130,6 +154,11 @@ def test_calibrate_memory_only_updates_the_memory_model_and_keeps_the_rest(tmp_p
     assert missing.exit_code == 2 and "run meshplan calibrate without --memory-only first" in missing.output
     both = CliRunner().invoke(app, ["calibrate", "--memory-only", "--from-nccl-tests", "x", "--out", str(out)])
     assert both.exit_code == 2 and "cannot be combined with --from-nccl-tests" in both.output
+    folder = CliRunner().invoke(app, ["calibrate", "--memory-only", "--out", str(tmp_path)])
+    assert folder.exit_code == 2 and "is not a file" in folder.output
+    out.write_text(out.read_text().replace(f"cpu: {before['device']['cpu']}", "cpu: Another CPU"))
+    other = CliRunner().invoke(app, ["calibrate", "--memory-only", "--out", str(out)])
+    assert other.exit_code == 2 and "was measured on Another CPU" in other.output and "calibrate afresh" in other.output
 
 
 @pytest.mark.timeout(600)

@@ -97,11 +97,13 @@ def test_dgx_xml_agrees_with_nvidia_smi_and_with_the_shipped_dgx_h100():
 def test_rail_flags_give_the_shipped_rail_fabric(cross):
     """--network rail with the shipped file's spine numbers routes 32 GPUs exactly as dgx-h100-rail (cross-rail
     through the spine, or PXN: an NVLink hop to the destination's rail first)."""
+    spine = dict(spine_oversubscription=2.0, spine_latency_us=1.0) if cross == "spine" else {}
     ours = imported(nvidia_smi=DGX_SMI, nccl_xml=DGX_XML, gpu_model="H100-SXM", nodes=4, network="rail",
-                    cross_rail=cross, spine_oversubscription=2.0, spine_latency_us=1.0)
+                    cross_rail=cross, **spine)
     spec = Topology.load("dgx-h100-rail").file_spec
     shipped = Topology(spec.model_copy(update={"network": spec.network.model_copy(update={"cross_rail": cross})}), 32)
-    assert ours.spec.network == shipped.spec.network
+    assert (ours.spec.network == shipped.spec.network) == (cross == "spine")     # PXN: no spine numbers
+    assert (ours.spec.network.kind, ours.spec.network.cross_rail) == ("rail", cross)
     src, dst = np.meshgrid(np.arange(32), np.arange(32))
     for got, want in zip(ours.pair_stats(src, dst), shipped.pair_stats(src, dst)):
         np.testing.assert_allclose(got, want, rtol=1e-12)
@@ -118,6 +120,12 @@ def test_rail_flags_are_checked():
     one_line_error(r, "--network", "--nodes N")
     r = runner.invoke(app, base + ["x.yaml", "--network", "ring"])
     one_line_error(r, "--network", "nonblocking, rail")
+    r = runner.invoke(app, base + ["x.yaml", "--nodes", "2", "--network", "rail", "--cross-rail", "pxn",
+                                   "--spine-oversubscription", "2"])
+    one_line_error(r, "--spine-oversubscription", "PXN never touches it")
+    pcie = ["topo", "import", "--nvidia-smi", L20_SMI, "--nccl-xml", L20_XML, "--gpu-model", "L20", "--nodes", "2",
+            "--network", "rail", "--cross-rail", "pxn", "--out", "x.yaml"]
+    one_line_error(runner.invoke(app, pcie), "--cross-rail", "over NVLink", "--cross-rail spine")
     assert not Path("x.yaml").exists()
 
 

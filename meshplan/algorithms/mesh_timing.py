@@ -170,4 +170,5 @@ def cheap_timing(plan: Plan, topo: Topology, pass_: str, tile=None) -> PassTimin
                       recv_bytes_max=float(recv.max()), inter_node_bytes_max=float(cross.max()),
                       flops_total=float(m.flops(pass_).sum()), recv_bytes_total=float(recv.sum()),
                       peak_memory_bytes=own + held,
-                      peak_memory_total_bytes=closed_form_peak_bytes(topo.memory_model, plan, pass_, own + held))
+                      peak_memory_total_bytes=closed_form_peak_bytes(topo.memory_model, plan, pass_, own + held,
+                                                                     float(recv.max())))   # every fetch at once

@@ -90,8 +90,9 @@ class Rotation:
                           compute_s=float(compute[crit]), comm_s=float(comm[crit]), recv_bytes_max=float(recv.max()),
                           inter_node_bytes_max=float(cross.max()), flops_total=flops,
                           recv_bytes_total=float(recv.sum()), peak_memory_bytes=float(peak),
-                          peak_memory_total_bytes=closed_form_peak_bytes(self.topo.memory_model, self.plan, pass_,
-                                                                         float(peak)))
+                          peak_memory_total_bytes=closed_form_peak_bytes(
+                              self.topo.memory_model, self.plan, pass_, float(peak),
+                              2 * float(recv.max()) / max(self.n - 1, 1)))     # one step's send and receive
 
 
 def forward(rot: Rotation, travel_kind: str, combine_bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

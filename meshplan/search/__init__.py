@@ -30,6 +30,7 @@ from meshplan.predict import (
     simulate_candidate,
 )
 from meshplan.topology import Topology
+from meshplan.units import fmt_bytes
 from meshplan.workload import LAYOUTS, Workload
 
 PRUNE_SLACK = 0.01
@@ -56,6 +57,7 @@ class SearchResult:
     ring_ccr: float | None = None
     rejected: list[str] = field(default_factory=list)
     layout_pinned: bool = False
+    memory_limit: float | None = None      # bytes per GPU the plans were held to (default: the device's memory)
 
 
 def enumerate_candidates(base: Workload, topo: Topology, n: int, algos: list[str] | None,
@@ -116,14 +118,21 @@ def run_search(base: Workload, topo: Topology, n: int, *, algos: list[str] | Non
                filters: dict[str, Any] | None = None, layout_pinned: bool = False,
                memory_limit: float | None = None, prune_slack: float = PRUNE_SLACK,
                progress: Callable[[int, int, str], None] | None = None) -> SearchResult:
-    """Enumerate, prune and simulate; returns the candidates best first (simulated, then closed-form)."""
+    """Enumerate, prune and simulate; returns the candidates best first (simulated, then closed-form). Every plan
+    must fit ``memory_limit`` bytes per GPU (default: the device's memory) by the memory model
+    (:mod:`meshplan.memory_model`): its estimate before simulation, its simulated total after.
+
+    Raises:
+        UserError: no plan fits.
+    """
     t0 = time.perf_counter()
+    given = memory_limit is not None
+    memory_limit = memory_limit if given else topo.memory_bytes
     cands, skipped = enumerate_candidates(base, topo, n, algos, filters or {}, layout_pinned)
     ccr_w = base if layout_pinned else base.with_(layout="zigzag")
     ccr = ring_ccr(ccr_w, topo, n)
     rejected: list[str] = []
-    if memory_limit is not None:
-        cands = _within_memory(cands, topo, memory_limit, skipped, rejected)
+    cands = _within_memory(cands, topo, memory_limit, given, skipped, rejected)
     fwd_only = [c for c in cands if c.forward_only]       # listed after the others with bwd: null
     cands = [c for c in cands if not c.forward_only]
     cands.sort(key=lambda c: (c.estimate_s, c.bound_s))   # likely winners first: pruning bites early
@@ -149,8 +158,8 @@ def run_search(base: Workload, topo: Topology, n: int, *, algos: list[str] | Non
             _forget(c)
             continue
         simulate_candidate(c, topo, ccr)
-        if memory_limit is not None and c.predicted["peak_memory_total_bytes"] > memory_limit:
-            skipped["over --memory-limit"] += 1                 # the simulated total: wire images included
+        if c.predicted["peak_memory_total_bytes"] > memory_limit:
+            skipped[_OVER[given]] += 1                          # the simulated total: wire images included
             rejected.append(_over(c, c.predicted["peak_memory_total_bytes"], memory_limit, "simulated"))
             over.append((c.predicted["peak_memory_total_bytes"], _label(c)))
             c.predicted, c.model_level = None, "over-memory"
@@ -169,19 +178,21 @@ def run_search(base: Workload, topo: Topology, n: int, *, algos: list[str] | Non
     _rank_forward_only(fwd_only, topo, ccr)
     if over and not sim and not cf and not fwd_only:
         peak, label = min(over)
-        raise UserError("--memory-limit", f"no plan fits in {memory_limit / 1e9:.3g} GB per GPU",
-                        f"the smallest needs {peak / 1e9:.3g} GB ({label}, simulated); raise the limit or add GPUs")
-    counts = {"enumerated": len(cands) + len(fwd_only) + skipped["over --memory-limit"], "pruned": len(cf),
+        raise _no_fit(memory_limit, given, f"{fmt_bytes(peak)} ({label}, simulated)")
+    counts = {"enumerated": len(cands) + len(fwd_only) + skipped[_OVER[given]], "pruned": len(cf),
               "simulated": len(sim) + len(fwd_only), "skipped": dict(skipped), "not_simulated": dict(unsimulated),
               "prune_slack": prune_slack}
     return SearchResult(base, topo, n, sim + cf + fwd_only, counts, time.perf_counter() - t0, ccr, rejected,
-                        layout_pinned)
+                        layout_pinned, memory_limit)
 
 
-def _within_memory(cands: list[Candidate], topo: Topology, limit: float, skipped: Counter,
+_OVER = {True: "over --memory-limit", False: "over the device's memory"}
+
+
+def _within_memory(cands: list[Candidate], topo: Topology, limit: float, given: bool, skipped: Counter,
                    rejected: list[str]) -> list[Candidate]:
     """The candidates whose memory-model peak before simulation (:func:`~meshplan.memory_model.estimated_peak_bytes`)
-    fits ``limit`` bytes per GPU; the others counted and listed.
+    fits ``limit`` bytes per GPU (``given``: from --memory-limit, else the device's); the others counted and listed.
 
     Raises:
         UserError: none fits (naming the smallest and what it needs).
@@ -190,21 +201,27 @@ def _within_memory(cands: list[Candidate], topo: Topology, limit: float, skipped
     for c in cands:
         peak = estimated_peak_bytes(c.timing)
         if peak > limit:
-            skipped["over --memory-limit"] += 1
+            skipped[_OVER[given]] += 1
             rejected.append(_over(c, peak, limit, "estimated"))
             smallest = min(smallest or (peak, c), (peak, c), key=lambda x: x[0])
         else:
             keep.append(c)
     if cands and not keep:
         peak, c = smallest
-        raise UserError("--memory-limit", f"no plan fits in {limit / 1e9:.3g} GB per GPU",
-                        f"the smallest needs {peak / 1e9:.3g} GB ({_label(c)}); raise the limit or add GPUs")
+        raise _no_fit(limit, given, f"{fmt_bytes(peak)} ({_label(c)})")
     return keep
 
 
+def _no_fit(limit: float, given: bool, smallest: str) -> UserError:
+    if given:
+        return UserError("--memory-limit", f"no plan fits in {fmt_bytes(limit)} per GPU",
+                         f"the smallest needs {smallest}; raise the limit or add GPUs")
+    return UserError("--gpus", f"no plan fits in the device's {fmt_bytes(limit)}",
+                     f"the smallest needs {smallest}; add GPUs, or shorten --seq-len or --batch")
+
+
 def _over(c: Candidate, peak: float, limit: float, how: str) -> str:
-    return (f"{_label(c)}: peak memory {peak / 1e9:.3g} GB ({how}: buffers, workspace, runtime) > "
-            f"{limit / 1e9:.3g} GB")
+    return f"{_label(c)}: peak memory {fmt_bytes(peak)} ({how}: buffers, workspace, runtime) > {fmt_bytes(limit)}"
 
 
 def _rank_forward_only(cands: list[Candidate], topo: Topology, ccr: float | None) -> None:
@@ -232,6 +249,7 @@ def write_best(result: SearchResult, k: int, out_dir: str) -> None:
     """Verify and write the ``k`` best schedules (``.json``, or ``.json.gz`` past 50k ops)."""
     from pathlib import Path
 
+    from meshplan.bounds import schedule_timing
     from meshplan.schedule_io import write_schedule
     from meshplan.verify import verify
 
@@ -239,7 +257,15 @@ def write_best(result: SearchResult, k: int, out_dir: str) -> None:
     for rank, c in enumerate(result.candidates[:k], start=1):
         if c.schedule is None:
             c.schedule = algorithms.get(c.algorithm).schedule(c.plan, topo)
+        if c.model_level != "simulated" and result.memory_limit is not None:    # its estimate fitted: check it
+            peak = max(t.peak_memory_total_bytes for t in schedule_timing(c.schedule, topo).values())
+            if peak > result.memory_limit:
+                result.rejected.append(f"not written: {_over(c, peak, result.memory_limit, 'its schedule')}")
+                continue
         report = verify(c.schedule, topo.memory_bytes)
+        if not report.ok and "more than the device" in report.violations[0]:    # a --memory-limit above it
+            result.rejected.append(f"not written: {_label(c)}: {report.violations[0]}")
+            continue
         if not report.ok:
             raise RuntimeError(f"internal error: the {c.algorithm} schedule fails verification: {report.violations[0]}")
         defaults = {k: kn.default for k, kn in algorithms.get(c.algorithm).knobs.items()}

@@ -23,8 +23,10 @@ from meshplan import algorithms
 from meshplan.algorithms.base import BuiltTiming, knob_flag
 from meshplan.errors import SkipCandidate, UserError
 from meshplan.frameworks import BWD_KNOBS, FRAMEWORKS, Choice, NotExpressible, express
+from meshplan.memory_model import estimated_peak_bytes
 from meshplan.predict import Candidate, make_candidate, simulate_candidate
 from meshplan.search import SearchResult
+from meshplan.units import fmt_bytes
 
 #: Every setting a framework offers is evaluated up to this many ranks.
 FULL_RANKS = 16
@@ -132,18 +134,30 @@ def _evaluate(fb: FrameworkBest, entries: list, result: SearchResult, listed: di
         except (SkipCandidate, UserError) as e:
             fb.refused.append((s.cli(), getattr(e, "detail", "") or str(e)))
             continue
+        if _too_big(fb, s, estimated_peak_bytes(cand.timing), result.memory_limit):
+            continue
         staged.append((cand.bound_s, s, ch, k, cand))
     for bound, s, ch, k, cand in sorted(staged, key=lambda e: e[0]):
         if bound > best_t * (1 - slack) * (1 + 1e-12):
             continue
         if k not in times:
             simulate_candidate(cand, topo, result.ring_ccr)
-            times[k] = cand.predicted["makespan_s"]
             fb.simulated += 1
             if cand.plan is not None:
                 cand.plan.extra.pop("schedule", None)
+            if _too_big(fb, s, cand.predicted["peak_memory_total_bytes"], result.memory_limit):
+                continue
+            times[k] = cand.predicted["makespan_s"]
         if times[k] < best_t:
             best_t = _keep(fb, s, ch, times[k], k in listed)
+
+
+def _too_big(fb: FrameworkBest, s, peak: float, limit: float | None) -> bool:
+    """Whether a setting's memory-model peak exceeds the search's limit (then it is refused, with the numbers)."""
+    if limit is None or peak <= limit:
+        return False
+    fb.refused.append((s.cli(), f"needs {fmt_bytes(peak)} per GPU by the memory model, more than {fmt_bytes(limit)}"))
+    return True
 
 
 def _keep(fb: FrameworkBest, s, ch: Choice, t: float, in_search: bool) -> float:
