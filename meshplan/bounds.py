@@ -101,6 +101,6 @@ def schedule_timing(sched: Schedule, topo: Topology) -> dict[str, PassTiming]:
             recv_bytes_max=float(by_rank.max()), inter_node_bytes_max=float(cross_rank.max()),
             flops_total=float(o.flops[in_pass & (o.kind == COMPUTE)].sum()), recv_bytes_total=float(by_rank.sum()),
             peak_memory_bytes=float(peak_memory(sched, phase, start, end).max()),
-            peak_memory_total_bytes=float(peak_memory(sched, phase, start, end, workspace).max())
-            + topo.memory_model.runtime_bytes)
+            peak_memory_total_bytes=topo.memory_model.overhead_factor
+            * float(peak_memory(sched, phase, start, end, workspace).max()) + topo.memory_model.runtime_bytes)
     return out

@@ -90,7 +90,8 @@ class OverlapSample(_Strict):
 class MemorySample(_Strict):
     """One op run alone and how far memory rose meanwhile (:mod:`meshplan.executor.calibrate_memory`)."""
 
-    kind: Literal["compute", "merge", "transfer"]
+    kind: Literal["compute", "merge", "transfer", "declared-run"] = Field(
+        description="an op alone, or the declared run (meshplan.memory_model.DECLARED_RUN) for overhead_factor")
     dtype: Literal["bf16", "fp16", "fp32"] | None = None
     pass_: Literal["fwd", "bwd"] | None = Field(None, alias="pass")
     s_q: PositiveInt | None = None

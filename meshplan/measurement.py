@@ -52,9 +52,10 @@ class RankTimes(_Strict):
     peak_rss_bytes: NonNegativeInt = Field(0, description="the process's peak resident set (interpreter and torch "
                                                           "included)")
     peak_rise_bytes: NonNegativeInt | None = Field(
-        None, description="how far the rank's memory rose during a pass (the largest over its passes, in an extra "
-        "untimed iteration): the resident set's high-water mark minus the resident set at the pass start, the freed "
-        "heap returned first (CPU, Linux), or the CUDA allocator's peak minus what was allocated at the pass start")
+        None, description="the rank's memory for a pass (the largest over its passes, in an extra untimed "
+        "iteration): the bytes of the tensors alive at the pass start plus how far memory rose during it — the "
+        "resident set's high-water mark over the resident set at the start, the freed heap returned first (CPU, "
+        "Linux), or the CUDA allocator's peak over what was allocated at the start")
 
 
 class TensorError(_Strict):

@@ -10,17 +10,21 @@ wire images), and a pass's runtime takes some of its own. The model adds, per op
 * a merge or accumulate op: ``merge · size_bytes``;
 * a send or recv: ``transfer · size_bytes`` (the executor's wire image or receive buffer);
 
-and per pass and rank ``runtime_bytes``. ``peak_memory_total_bytes`` of a prediction is the peak of that sum
-over the execution; ``meshplan search --memory-limit`` filters on it.
+and per pass and rank ``runtime_bytes``. ``peak_memory_total_bytes`` of a prediction is ``overhead_factor`` x the
+peak of that sum over the execution + ``runtime_bytes``; ``meshplan search --memory-limit`` filters on it.
 
 Coefficients come from ``meshplan calibrate`` (``memory`` of the calibration file: each op of a few small
 schedules run alone on this host, its memory rise measured — micro-level, never the end-to-end runs compared
-against). Without a calibration a device gets :data:`DEFAULTS`, not measured: for GPUs what FlashAttention-2
-allocates (``csrc/flash_attn/flash_api.cpp``: the forward only O and LSE, held until merged, 2 B per query
-element in bf16; the backward ``dq_accum`` in fp32 plus dQ, 6 B per query element, and dK, dV before they are
-accumulated — ``dk_expanded``/``dv_expanded`` under GQA —, 4 B per key element); meshplan's own CUDA backward
-(an fp32 recurrence) takes more, which ``meshplan calibrate`` on the GPU measures. For CPU ranks, coefficients
-measured once on the AVX2 host these tools were built on.
+against), except ``overhead_factor``: the allocator's fragmentation is not seen by one op alone, so it is fitted
+on one declared run (:data:`DECLARED_RUN`, a small Mesh, run by the executor during calibration) and that run
+is not among those the model is judged on.
+
+Without a calibration a device gets :data:`DEFAULTS`, not measured: for GPUs what FlashAttention-2 allocates
+(``csrc/flash_attn/flash_api.cpp``: the forward only O and LSE, held until merged, 2 B per query element in bf16;
+the backward ``dq_accum`` in fp32 plus dQ, 6 B per query element, and dK, dV before they are accumulated —
+``dk_expanded``/``dv_expanded`` under GQA —, 4 B per key element); meshplan's own CUDA backward (an fp32
+recurrence) takes more, which ``meshplan calibrate`` on the GPU measures. For CPU ranks, coefficients measured once
+on the AVX2 host these tools were built on.
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ class MemorySpec(BaseModel):
     merge_bytes_per_byte: NonNegativeFloat = Field(description="merge/accumulate ops, per byte merged")
     transfer_bytes_per_byte: NonNegativeFloat = Field(description="sends and recvs, per wire byte")
     runtime_bytes: NonNegativeFloat = Field(description="per pass and rank: the runtime's own rise")
+    overhead_factor: float = Field(1.0, ge=1.0, description="the allocator's overhead (fragmentation): a declared "
+                                   "run's measured memory over the model's peak without it; multiplies the peak")
     tolerance_pct: NonNegativeFloat | None = Field(
         None, description="the largest error of the fit on its own samples (calibrated models)")
 
@@ -83,6 +89,10 @@ DEFAULTS = {
                                                       bwd_q_bytes_per_elem=16.0, bwd_kv_bytes_per_elem=12.0)},
                       merge_bytes_per_byte=4.0, transfer_bytes_per_byte=1.0, runtime_bytes=0.0),
 }
+
+
+DECLARED_RUN = {"algorithm": "mesh", "ranks": 4, "seq_len": 4096, "heads": 4, "head_dim": 64, "dtype": "bf16",
+                "passes": "fwd+bwd"}
 
 
 def op_workspace_bytes(sched: Schedule, spec: MemorySpec) -> np.ndarray:
@@ -119,8 +129,8 @@ def closed_form_peak_bytes(spec: MemorySpec, plan, pass_: str, buffers_bytes: fl
     w, m = plan.workload, plan.matrix
     ok = m.permitted
     ws = kernel_workspace_bytes(spec, w.dtype, pass_, w.batch, w.n_heads, w.head_dim, m.s_q[ok], m.s_kv[ok])
-    return (float(buffers_bytes) + float(np.max(ws, initial=0.0)) + spec.transfer_bytes_per_byte * wire_bytes
-            + spec.runtime_bytes)
+    peak = float(buffers_bytes) + float(np.max(ws, initial=0.0)) + spec.transfer_bytes_per_byte * wire_bytes
+    return spec.overhead_factor * peak + spec.runtime_bytes
 
 
 def estimated_peak_bytes(timing: dict) -> float:
@@ -128,6 +138,29 @@ def estimated_peak_bytes(timing: dict) -> float:
     ``peak_memory_total_bytes`` (its buffer peak where it has none)."""
     return max(t.peak_memory_bytes if t.peak_memory_total_bytes is None else t.peak_memory_total_bytes
                for t in timing.values())
+
+
+def declared_workload():
+    """The Workload of :data:`DECLARED_RUN`."""
+    from meshplan.workload import resolve
+    d = DECLARED_RUN
+    return resolve(seq_len=d["seq_len"], heads=d["heads"], kv_heads=d["heads"], head_dim=d["head_dim"],
+                   dtype=d["dtype"], passes=d["passes"])
+
+
+def fit_overhead(spec: MemorySpec, measured_bytes: float) -> float:
+    """``overhead_factor``: the declared run's measured memory over ``spec``'s peak for it (at least 1)."""
+    from meshplan.predict import predict
+    from meshplan.topology import Topology
+
+    topo = Topology.load("cpu-local", DECLARED_RUN["ranks"])
+    cand = predict(DECLARED_RUN["algorithm"], declared_workload(), topo, DECLARED_RUN["ranks"], {})
+    from meshplan.dataflow import peak_memory
+    ws = op_workspace_bytes(cand.schedule, spec)
+    off = cand.sim.pass_offset
+    peak = max(float(peak_memory(cand.schedule, p, cand.sim.start - off[p], cand.sim.end - off[p], ws).max())
+               for p in cand.schedule.passes)
+    return _r(max(1.0, (measured_bytes - spec.runtime_bytes) / peak))
 
 
 def fit_memory(samples: list[dict], runtime_bytes: float = 0.0) -> MemorySpec:
@@ -165,11 +198,15 @@ def fit_memory(samples: list[dict], runtime_bytes: float = 0.0) -> MemorySpec:
         r = [s["rise_bytes"] / s["size_bytes"] for s in samples if s["kind"] == kind and s["size_bytes"]]
         return _r(float(np.median(r))) if r else 0.0
 
-    return MemorySpec(source="meshplan calibrate: each executor op run alone, its memory rise measured "
+    spec = MemorySpec(source="meshplan calibrate: each executor op run alone, its memory rise measured "
                              "(meshplan.executor.calibrate_memory); NNLS fit",
                       compute=compute, merge_bytes_per_byte=ratio("merge"),
                       transfer_bytes_per_byte=ratio("transfer"), runtime_bytes=round(runtime_bytes),
                       tolerance_pct=_r(worst))
+    runs = [s["rise_bytes"] for s in samples if s["kind"] == "declared-run"]
+    if runs:
+        spec = spec.model_copy(update={"overhead_factor": fit_overhead(spec, float(np.median(runs)))})
+    return spec
 
 
 def _r(x: float) -> float:

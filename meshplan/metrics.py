@@ -95,7 +95,7 @@ def total_peak_memory(sched: Schedule, topo: Topology, phase: int, start: np.nda
     """Max over ranks of the memory model's peak of one pass along an execution (bytes)."""
     spec = topo.memory_model
     ws = op_workspace_bytes(sched, spec)
-    return float(peak_memory(sched, phase, start, end, ws).max(initial=0.0)) + spec.runtime_bytes
+    return spec.overhead_factor * float(peak_memory(sched, phase, start, end, ws).max(initial=0.0)) + spec.runtime_bytes
 
 
 def predicted(sched: Schedule, topo: Topology, sim: SimResult, ring_ccr: float | None) -> dict:

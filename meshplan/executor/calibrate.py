@@ -324,10 +324,10 @@ def _recurrence(sweep: Sweep, device) -> list:
 
 def memory_samples(device, quick: bool) -> list[dict]:
     """The memory model's samples (:mod:`meshplan.executor.calibrate_memory`)."""
-    from meshplan.executor.calibrate_memory import measure_memory
+    from meshplan.executor.calibrate_memory import declared_run_samples, measure_memory
 
-    log("memory: each executor op alone")
-    return measure_memory(device, quick)
+    log("memory: each executor op alone" + ("" if device.type == "cuda" else ", then the declared run"))
+    return measure_memory(device, quick) + ([] if device.type == "cuda" else declared_run_samples())
 
 
 def _merges(sweep: Sweep, device) -> list:

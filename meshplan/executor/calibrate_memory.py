@@ -115,8 +115,32 @@ def wire_samples(sizes_bytes: tuple[int, ...], device: torch.device) -> list:
     return rows
 
 
+def declared_run_samples() -> list[dict]:
+    """The declared run (:data:`meshplan.memory_model.DECLARED_RUN`) by the executor on gloo ranks: its memory (the
+    largest over ranks and passes of ``peak_rise_bytes``), for ``overhead_factor`` (CPU calibrations only: on GPUs
+    the factor stays 1 until a GPU run is declared)."""
+    import tempfile
+    from pathlib import Path
+
+    from meshplan.executor.launch import run
+    from meshplan.executor.worker import RunConfig
+    from meshplan.memory_model import DECLARED_RUN, declared_workload
+    from meshplan.predict import predict
+    from meshplan.schedule_io import write_schedule
+    from meshplan.topology import Topology
+
+    n = DECLARED_RUN["ranks"]
+    topo = Topology.load("cpu-local", n)
+    cand = predict(DECLARED_RUN["algorithm"], declared_workload(), topo, n, {})
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_schedule(cand.schedule, Path(tmp) / "declared.json")
+        meas = run(str(path), None, RunConfig(backend="gloo", iters=1, warmup=1, check=False))
+    rise = meas.get("peak_rise_bytes") if meas else None
+    return [] if rise is None else [{"kind": "declared-run", "rise_bytes": int(rise)}]
+
+
 def measure_memory(device: torch.device, quick: bool = False) -> list[dict]:
-    """Every memory sample (the ``raw.memory`` of a calibration file)."""
+    """Every memory sample but the declared run's (the ``raw.memory`` of a calibration file)."""
     tokens = (256, 1024) if quick else (512, 1024, 2048)
     dtypes = ("bf16", "fp32")
     heads, head_dim = (4, 64) if device.type != "cuda" else (16, 128)

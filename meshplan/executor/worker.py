@@ -80,21 +80,25 @@ def rank_main(rank: int, world: int, jobs: list[tuple[Program, RunConfig]]) -> l
 def _one_iteration(prog: Program, rank: int, cfg: RunConfig, groups, inputs: Inputs, device, memory: bool = False):
     """Every pass once: (stores, pass -> (start ns, op times), pass -> (memory rise, peak) in bytes). With
     ``memory`` each pass starts from a trimmed heap with the high-water mark reset (the CUDA allocator's peak
-    reset), and its rise is how far the rank's memory rose during it, its peak the high-water mark (None where
-    they cannot be read); that costs page faults, so it is an extra, untimed iteration."""
+    reset) once its start tensors exist; its rise is their bytes plus how far the rank's memory rose during the
+    pass (what the memory model predicts: the schedule's buffers from the pass start on, with the workspace), its
+    peak the high-water mark (None where they cannot be read); that costs page faults, so it is an extra,
+    untimed iteration."""
     stores, passes, rises = {}, {}, {}
     for p in prog.passes:
         stores[p] = Store(device)
         runner = PassRunner(prog, rank, p, stores[p], groups, _Filler(prog, rank, stores, inputs), cfg.timeout_s,
                             cfg.serialize)
         runner.prepare()
+        held = stores[p].live_bytes                 # the pass-start tensors (their filling's scratch left out)
         base = _memory_mark(device) if memory else None
         dist.barrier()                              # every rank starts the pass together
         got = runner.run()
         passes[p] = (runner.t0, got)
         if memory:
             top = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss()
-            rises[p] = (None, top) if base is None or top is None else (max(int(top) - int(base), 0), int(top))
+            rises[p] = (None, top) if base is None or top is None else (held + max(int(top) - int(base), 0),
+                                                                        int(top))
     dist.barrier()
     return stores, passes, rises
 

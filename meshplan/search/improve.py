@@ -155,4 +155,5 @@ def _buffer_budget(sched, topo, memory_limit: float | None) -> float:
     from meshplan.memory_model import op_workspace_bytes
     spec = topo.memory_model
     limit = topo.memory_bytes if memory_limit is None else memory_limit
-    return max(limit - float(op_workspace_bytes(sched, spec).max(initial=0.0)) - spec.runtime_bytes, 0.0)
+    usable = (limit - spec.runtime_bytes) / spec.overhead_factor
+    return max(usable - float(op_workspace_bytes(sched, spec).max(initial=0.0)), 0.0)
