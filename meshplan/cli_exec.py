@@ -111,9 +111,9 @@ def print_run(meas, cmp: dict[str, Any] | None, console: Console) -> None:
         mem += f", {fmt_bytes(cmp['peak_memory']['predicted_bytes'])} predicted"
         rise = cmp.get("memory_rise")
         if rise:
-            mem += (f" (the buffers); a pass's memory rose at most {fmt_bytes(rise['measured_rise_bytes'])} "
-                    f"({rise['kind']}), the memory model (buffers, workspace, runtime) predicts "
-                    f"{fmt_bytes(rise['predicted_bytes'])}, error {_pct(rise['error_pct'])}")
+            mem += (f" (the buffers); the largest pass took {fmt_bytes(rise['measured_rise_bytes'])} "
+                    f"({rise['kind']}: its start tensors and the rise), the memory model (buffers, workspace, "
+                    f"runtime) predicts {fmt_bytes(rise['predicted_bytes'])}, error {_pct(rise['error_pct'])}")
         if cmp["note"]:
             mem += f"\nnote: {cmp['note']}"
     console.print(mem, soft_wrap=True)
@@ -169,7 +169,8 @@ def compare_command(schedule: str, measurement: str, topo: str | None, as_json: 
     rise = body.get("memory_rise")
     if rise:
         calibrated = "calibrated" if rise["model"].startswith("meshplan calibrate") else "uncalibrated default"
-        console.print(f"memory rise of a pass: measured {fmt_bytes(rise['measured_rise_bytes'])} ({rise['kind']}), "
+        console.print(f"memory of the largest pass: measured {fmt_bytes(rise['measured_rise_bytes'])} "
+                      f"({rise['kind']}), "
                       f"predicted {fmt_bytes(rise['predicted_bytes'])} (the memory model, {calibrated}: buffers + "
                       f"workspace + runtime), error {_pct(rise['error_pct'])}; the buffers alone "
                       f"{fmt_bytes(rise['predicted_buffers_bytes'])}", soft_wrap=True)

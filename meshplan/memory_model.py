@@ -91,6 +91,7 @@ DEFAULTS = {
 }
 
 
+# the one end-to-end run calibration fits overhead_factor on (benchmarks/memory_cpu.py's runs differ from it)
 DECLARED_RUN = {"algorithm": "mesh", "ranks": 4, "seq_len": 4096, "heads": 4, "head_dim": 64, "dtype": "bf16",
                 "passes": "fwd+bwd"}
 
@@ -169,6 +170,7 @@ def fit_memory(samples: list[dict], runtime_bytes: float = 0.0) -> MemorySpec:
     Compute ops, per dtype: non-negative least squares of the rise on ``[1, fwd q elems, fwd kv elems, bwd q
     elems, bwd kv elems]`` (scipy's NNLS; one ``fixed_bytes`` for both passes). Merges and wire images: the
     median of rise / bytes. ``tolerance_pct``: the largest relative error of the fit on its compute samples.
+    ``overhead_factor``: from the ``declared-run`` sample, where there is one (:func:`fit_overhead`).
 
     Raises:
         ValueError: no compute samples.
@@ -205,7 +207,8 @@ def fit_memory(samples: list[dict], runtime_bytes: float = 0.0) -> MemorySpec:
                       tolerance_pct=_r(worst))
     runs = [s["rise_bytes"] for s in samples if s["kind"] == "declared-run"]
     if runs:
-        spec = spec.model_copy(update={"overhead_factor": fit_overhead(spec, float(np.median(runs)))})
+        spec = spec.model_copy(update={"overhead_factor": fit_overhead(spec, float(np.median(runs))),
+                                       "source": spec.source + "; overhead_factor from the declared run"})
     return spec
 
 
