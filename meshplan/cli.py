@@ -129,6 +129,9 @@ def search(gpus: o.Gpus = None, topo: o.Topo = None, model: o.Model = None, seq_
     filters = o.knobs(tile, mapping, partial_dtype, dkv_dtype, ulysses_degree, inner_ring, team_size, domains, knob)
     names = [a.strip() for a in algos.split(",")] if algos else None
     limit = parse_bytes(memory_limit, "--memory-limit") if memory_limit else None
+    if limit is not None and limit < 1e6:
+        raise UserError("--memory-limit", f"{memory_limit} is {limit:g} bytes, less than 1 MB per GPU",
+                        f"give a unit: --memory-limit {memory_limit}GB or {memory_limit}GiB")
     progress = _progress()
     with progress:
         task = progress.add_task("simulating", total=None)
