@@ -15,7 +15,7 @@ import numpy as np
 
 from meshplan.cost import CostModel
 from meshplan.dataflow import build_items, evaluate, peak_memory
-from meshplan.memory_model import op_workspace_bytes
+from meshplan.memory_model import model_peak_bytes, op_workspace_bytes
 from meshplan.schedule import COMPUTE, KIND, PASS_NAMES, RECV, SEND, Schedule
 from meshplan.symmetry import find_reduction
 from meshplan.topology import Topology
@@ -101,6 +101,5 @@ def schedule_timing(sched: Schedule, topo: Topology) -> dict[str, PassTiming]:
             recv_bytes_max=float(by_rank.max()), inter_node_bytes_max=float(cross_rank.max()),
             flops_total=float(o.flops[in_pass & (o.kind == COMPUTE)].sum()), recv_bytes_total=float(by_rank.sum()),
             peak_memory_bytes=float(peak_memory(sched, phase, start, end).max()),
-            peak_memory_total_bytes=topo.memory_model.overhead_factor
-            * float(peak_memory(sched, phase, start, end, workspace).max()) + topo.memory_model.runtime_bytes)
+            peak_memory_total_bytes=model_peak_bytes(sched, topo.memory_model, phase, start, end, workspace))
     return out

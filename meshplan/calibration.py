@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, PositiveInt
 
 from meshplan import fit
 from meshplan.errors import UserError
 from meshplan.kernels import KernelTableSpec
-from meshplan.memory_model import MemorySpec, fit_memory
+from meshplan.memory_model import MemorySample, MemorySpec, fit_memory
 from meshplan.topology_spec import TopologySpec
 
 LinkClass = Literal["loopback", "nvlink", "pcie", "socket", "net"]
@@ -85,22 +85,6 @@ class OverlapSample(_Strict):
     overlap_s: NonNegativeFloat
     comm_s: PositiveFloat | None = Field(None, description="how long the transfers took during the run")
     comm_alone_s: PositiveFloat | None = Field(None, description="how long the same transfers take without the kernel")
-
-
-class MemorySample(_Strict):
-    """One op run alone and how far memory rose meanwhile (:mod:`meshplan.executor.calibrate_memory`)."""
-
-    kind: Literal["compute", "merge", "transfer", "declared-run"] = Field(
-        description="an op alone, or the declared run (meshplan.memory_model.DECLARED_RUN) for overhead_factor")
-    dtype: Literal["bf16", "fp16", "fp32"] | None = None
-    pass_: Literal["fwd", "bwd"] | None = Field(None, alias="pass")
-    s_q: PositiveInt | None = None
-    s_kv: PositiveInt | None = None
-    batch: PositiveInt | None = None
-    heads: PositiveInt | None = None
-    head_dim: PositiveInt | None = None
-    size_bytes: PositiveInt | None = Field(None, description="merges: bytes merged; transfers: wire bytes")
-    rise_bytes: NonNegativeInt
 
 
 class Raw(_Strict):

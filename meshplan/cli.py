@@ -113,7 +113,6 @@ def search(gpus: o.Gpus = None, topo: o.Topo = None, model: o.Model = None, seq_
     With --tp/--dp, --gpus is the CP group size and the best plans are re-ranked by the whole job's time."""
     from meshplan.errors import UserError
     from meshplan.search import run_search, search_json, write_best
-    from meshplan.units import parse_bytes
 
     _check_search_flags(gpus, scheduler, ilp_time_limit_s, ilp_workers, write, top, map_search, prune_slack)
     from meshplan.search.sensitivity import check_args, run_sensitivity
@@ -128,10 +127,7 @@ def search(gpus: o.Gpus = None, topo: o.Topo = None, model: o.Model = None, seq_
         job, base, job_topo = job_setup(gpus, topo, base, tp, dp, rank_order, scheduler, map_search)
     filters = o.knobs(tile, mapping, partial_dtype, dkv_dtype, ulysses_degree, inner_ring, team_size, domains, knob)
     names = [a.strip() for a in algos.split(",")] if algos else None
-    limit = parse_bytes(memory_limit, "--memory-limit") if memory_limit else None
-    if limit is not None and limit < 1e6:
-        raise UserError("--memory-limit", f"{memory_limit} is {limit:g} bytes, less than 1 MB per GPU",
-                        f"give a unit: --memory-limit {memory_limit}GB or {memory_limit}GiB")
+    limit = _memory_limit(memory_limit)
     progress = _progress()
     with progress:
         task = progress.add_task("simulating", total=None)
@@ -171,6 +167,20 @@ def search(gpus: o.Gpus = None, topo: o.Topo = None, model: o.Model = None, seq_
     body |= {k: v for k, v in (("inference", inference), ("job", job_body), ("sensitivity", sens)) if v is not None}
     from meshplan.cli_output import print_search
     _emit(body, as_json, lambda c: (print_search(body, c, top), sv.print_sensitivity(body, c)))
+
+
+def _memory_limit(text: str | None) -> float | None:
+    """``--memory-limit`` in bytes (None: not given); a bare number under 1 MB is refused as a missing unit."""
+    from meshplan.errors import UserError
+    from meshplan.units import parse_bytes
+
+    if not text:
+        return None
+    limit = parse_bytes(text, "--memory-limit")
+    if limit < 1e6:
+        raise UserError("--memory-limit", f"{text} is {limit:g} bytes, less than 1 MB per GPU",
+                        f"give a unit: --memory-limit {text}GB or {text}GiB")
+    return limit
 
 
 def _check_search_flags(gpus, scheduler, ilp_time_limit_s, ilp_workers, write, top, map_search, prune_slack) -> None:

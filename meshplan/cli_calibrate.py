@@ -112,10 +112,7 @@ def calibrate_memory_only(topo: str, backend: str, quick: bool, out: str, as_jso
         return 0
     console = Console(width=200 if not sys.stdout.isatty() else None)
     console.print(f"{calib.name}: memory model re-measured in {wall_s:.0f} s; the rest of {out} kept", soft_wrap=True)
-    t = Table("parameter", "fitted", "replaces", "unit")
-    for r in rows:
-        t.add_row(r["name"], _fmt(r["fitted"]), _fmt(r["replaces"]), r["unit"])
-    console.print(t)
+    console.print(_fitted_table(rows))
     return 0
 
 
@@ -187,14 +184,18 @@ def _fmt(x) -> str:
     return x if isinstance(x, str) else f"{x:.4g}"
 
 
+def _fitted_table(rows: list[dict]) -> Table:
+    t = Table("parameter", "fitted", "replaces", "unit")
+    for r in rows:
+        t.add_row(r["name"], _fmt(r["fitted"]), _fmt(r["replaces"]), r["unit"])
+    return t
+
+
 def _print(calib, rows: list[dict], out: str, console: Console) -> None:
     d = calib.device
     console.print(f"{calib.name}: measured on {d.cpu} ({d.cores} CPUs{', ' + d.gpu if d.gpu else ''}, torch "
                   f"{d.torch}, {d.backend}) in {calib.wall_s:.0f} s; wrote {out}", soft_wrap=True)
-    t = Table("parameter", "fitted", "replaces", "unit")
-    for r in rows:
-        t.add_row(r["name"], _fmt(r["fitted"]), _fmt(r["replaces"]), r["unit"])
-    console.print(t)
+    console.print(_fitted_table(rows))
     console.print(f"use it: add `calibration: {out}` to the topology file (a path relative to it)", soft_wrap=True)
 
 
@@ -243,10 +244,7 @@ def calibrate_from_nccl_tests(topo: str, files: list[str], out: str, as_json: bo
         t.add_row(r["file"], r["collective"], str(r["ranks"]), str(r["hosts"]), r["link_class"], _fmt(r["alpha_us"]),
                   _fmt(r["busbw_GBps"]), _fmt(r["rate_GBps"]), f"{r['max_error']:.1%}")
     console.print(t)
-    t = Table("parameter", "fitted", "replaces", "unit")
-    for r in rows:
-        t.add_row(r["name"], _fmt(r["fitted"]), _fmt(r["replaces"]), r["unit"])
-    console.print(t)
+    console.print(_fitted_table(rows))
     console.print(f"wrote {out}; use it: add `calibration: {out}` to the topology file (a path relative to it)",
                   soft_wrap=True)
     return 0

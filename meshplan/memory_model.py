@@ -32,11 +32,30 @@ from __future__ import annotations
 from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveInt
 
 from meshplan.schedule import COMPUTE, KIND, RECV, SEND, Schedule
 
 Dtype = Literal["bf16", "fp16", "fp32"]
+
+
+class MemorySample(BaseModel):
+    """One op run alone and how far memory rose meanwhile (:mod:`meshplan.executor.calibrate_memory`); the
+    ``raw.memory`` rows of a calibration file."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    kind: Literal["compute", "merge", "transfer", "declared-run"] = Field(
+        description="an op alone, or the declared run (meshplan.memory_model.DECLARED_RUN) for overhead_factor")
+    dtype: Literal["bf16", "fp16", "fp32"] | None = None
+    pass_: Literal["fwd", "bwd"] | None = Field(None, alias="pass")
+    s_q: PositiveInt | None = None
+    s_kv: PositiveInt | None = None
+    batch: PositiveInt | None = None
+    heads: PositiveInt | None = None
+    head_dim: PositiveInt | None = None
+    size_bytes: PositiveInt | None = Field(None, description="merges: bytes merged; transfers: wire bytes")
+    rise_bytes: NonNegativeInt
 
 
 class OpCoefficients(BaseModel):
@@ -113,6 +132,18 @@ def op_workspace_bytes(sched: Schedule, spec: MemorySpec) -> np.ndarray:
     return ws
 
 
+def model_peak_bytes(sched: Schedule, spec: MemorySpec, phase: int, start: np.ndarray, end: np.ndarray,
+                     workspace: np.ndarray | None = None) -> float:
+    """The memory model's peak of one pass along an execution (op start/end times), max over ranks:
+    ``overhead_factor`` x (buffers + each op's workspace while it runs) + ``runtime_bytes``. ``workspace``:
+    :func:`op_workspace_bytes` when the caller has it already."""
+    from meshplan.dataflow import peak_memory
+
+    ws = op_workspace_bytes(sched, spec) if workspace is None else workspace
+    return spec.overhead_factor * float(peak_memory(sched, phase, start, end, ws).max(initial=0.0)) \
+        + spec.runtime_bytes
+
+
 def kernel_workspace_bytes(spec: MemorySpec, dtype: str, pass_: str, batch: int, heads: int, head_dim: int,
                            s_q: float, s_kv: float) -> float:
     """The workspace of one compute op of kernel shape s_q × s_kv tokens over ``heads`` query heads."""
@@ -150,16 +181,16 @@ def declared_workload():
 
 
 def fit_overhead(spec: MemorySpec, measured_bytes: float) -> float:
-    """``overhead_factor``: the declared run's measured memory over ``spec``'s peak for it (at least 1)."""
+    """``overhead_factor``: the declared run's measured memory over ``spec``'s peak for it without the factor (at
+    least 1)."""
     from meshplan.predict import predict
     from meshplan.topology import Topology
 
     topo = Topology.load("cpu-local", DECLARED_RUN["ranks"])
     cand = predict(DECLARED_RUN["algorithm"], declared_workload(), topo, DECLARED_RUN["ranks"], {})
-    from meshplan.dataflow import peak_memory
-    ws = op_workspace_bytes(cand.schedule, spec)
-    off = cand.sim.pass_offset
-    peak = max(float(peak_memory(cand.schedule, p, cand.sim.start - off[p], cand.sim.end - off[p], ws).max())
+    plain = spec.model_copy(update={"overhead_factor": 1.0, "runtime_bytes": 0.0})
+    ws, off = op_workspace_bytes(cand.schedule, plain), cand.sim.pass_offset
+    peak = max(model_peak_bytes(cand.schedule, plain, p, cand.sim.start - off[p], cand.sim.end - off[p], ws)
                for p in cand.schedule.passes)
     return _r(max(1.0, (measured_bytes - spec.runtime_bytes) / peak))
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from meshplan.dataflow import peak_memory
-from meshplan.memory_model import op_workspace_bytes
+from meshplan.memory_model import model_peak_bytes
 from meshplan.schedule import COMPUTE, KIND, PASS_NAMES, RECV, SEND, Schedule
 from meshplan.simulate import SimResult
 from meshplan.topology import Topology
@@ -85,17 +85,10 @@ def pass_metrics(sched: Schedule, topo: Topology, sim: SimResult, phase: int) ->
         "compute_to_comm": compute_s / comm_s if comm_s > 0 else None,
         "bytes_per_flop": float(by_rank.sum()) / flops if flops else None,
         "peak_memory_bytes": float(peak_memory(sched, phase, start, end).max()),
-        "peak_memory_total_bytes": total_peak_memory(sched, topo, phase, start, end),
+        "peak_memory_total_bytes": model_peak_bytes(sched, topo.memory_model, phase, start, end),
         "work_imbalance": imbalance(flops_rank),
         "_recv_by_rank": by_rank, "_cross_by_rank": cross_rank, "_flops": flops, "_flops_by_rank": flops_rank,
     }
-
-
-def total_peak_memory(sched: Schedule, topo: Topology, phase: int, start: np.ndarray, end: np.ndarray) -> float:
-    """Max over ranks of the memory model's peak of one pass along an execution (bytes)."""
-    spec = topo.memory_model
-    ws = op_workspace_bytes(sched, spec)
-    return spec.overhead_factor * float(peak_memory(sched, phase, start, end, ws).max(initial=0.0)) + spec.runtime_bytes
 
 
 def predicted(sched: Schedule, topo: Topology, sim: SimResult, ring_ccr: float | None) -> dict:

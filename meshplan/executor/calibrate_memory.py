@@ -11,12 +11,10 @@ coefficients to them, and the end-to-end runs the model is judged on are never a
 
 from __future__ import annotations
 
-import gc
-
 import torch
 
 from meshplan.executor.kernels import TORCH_DTYPE
-from meshplan.executor.memory import peak_rss, reset_peak_rss, trim_heap
+from meshplan.executor.memory import memory_mark, memory_top
 from meshplan.executor.ops import OpRunner
 from meshplan.executor.store import Store, pack
 
@@ -30,18 +28,9 @@ def _rise(fn, device: torch.device, repeats: int = 2) -> int:
 
 
 def _rise_once(fn, device: torch.device) -> int:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        fn()
-        torch.cuda.synchronize(device)
-        return max(int(torch.cuda.max_memory_allocated(device)) - int(base), 0)
-    trim_heap()
-    base = reset_peak_rss()
+    base = memory_mark(device)
     fn()
-    top = peak_rss()
+    top = memory_top(device)
     return max(int(top) - int(base), 0) if base is not None and top is not None else 0
 
 

@@ -81,3 +81,30 @@ def trim_heap() -> None:
             libc.malloc_trim(0)
     except AttributeError:
         pass
+
+
+def memory_mark(device) -> int | None:
+    """Start measuring a memory rise on ``device`` (a torch device): garbage collected, then the CUDA allocator's
+    peak reset (returns what is allocated), or on CPU the freed heap returned and the high-water mark reset
+    (returns the resident set); None where it cannot be read."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device)
+    trim_heap()
+    return reset_peak_rss()
+
+
+def memory_top(device) -> int | None:
+    """The high-water mark since :func:`memory_mark`: the CUDA allocator's peak, or on CPU the resident set's."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return int(torch.cuda.max_memory_allocated(device))
+    return peak_rss()

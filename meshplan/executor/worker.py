@@ -6,7 +6,6 @@ success. Errors raise :class:`~meshplan.executor.runner.RunError` with one line 
 
 from __future__ import annotations
 
-import gc
 import os
 import platform
 import resource
@@ -22,7 +21,7 @@ import torch.distributed as dist
 
 from meshplan.executor.data import Inputs, attention_rows, load_inputs, make_inputs
 from meshplan.executor.kernels import TORCH_DTYPE, row_delta
-from meshplan.executor.memory import peak_rss, reset_peak_rss, reuse_freed_memory, trim_heap
+from meshplan.executor.memory import memory_mark, memory_top, reuse_freed_memory
 from meshplan.executor.numerics import assemble, dump, judge, local_results
 from meshplan.executor.probe import probe_ms
 from meshplan.executor.program import Program
@@ -91,27 +90,16 @@ def _one_iteration(prog: Program, rank: int, cfg: RunConfig, groups, inputs: Inp
                             cfg.serialize)
         runner.prepare()
         held = stores[p].live_bytes                 # the pass-start tensors (their filling's scratch left out)
-        base = _memory_mark(device) if memory else None
+        base = memory_mark(device) if memory else None
         dist.barrier()                              # every rank starts the pass together
         got = runner.run()
         passes[p] = (runner.t0, got)
         if memory:
-            top = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss()
+            top = memory_top(device)
             rises[p] = (None, top) if base is None or top is None else (held + max(int(top) - int(base), 0),
                                                                         int(top))
     dist.barrier()
     return stores, passes, rises
-
-
-def _memory_mark(device) -> int | None:
-    """Start measuring a memory rise: the bytes in use now, after freed memory went back (None: unreadable)."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        return torch.cuda.memory_allocated(device)
-    trim_heap()
-    return reset_peak_rss()
 
 
 def _iterate(rank, world, prog: Program, cfg: RunConfig, groups, inputs: Inputs, device) -> dict | None:
