@@ -101,7 +101,7 @@ def block_reproduce(r) -> str:
         f"e = {f['e_fwd']:.3f} · (g(s_q)·g(s_kv))^{f['exponent']:.3f} with g(s) = s / (s + {f['s_half']:.0f}) "
         f"under transfer (backward × {f['kernel_bwd_factor']:.3f}); declared, on the rows "
         f"{', '.join(rep['declared_rows'])} (excluded above) — node aggregate {f['node_aggregate_GBps']:.0f} GB/s, "
-        f"κ = {f['kappa']:.2f}.\n")
+        f"κ = {f['kappa']:.2f}, CHARM+ `query_order={f.get('query_order', 'fused')}`.\n")
     if abl:
         text += (f"\nAblation (`charm_plus_ablation_fwd.csv`, B = {abl['batch_assumed']} assumed): the direction of "
                  f"RM+/Ring and CHARM+/Ring is right in {abl['directions_right']} of {abl['directions_total']} "

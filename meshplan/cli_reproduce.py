@@ -45,7 +45,8 @@ def _print_h100(body: dict[str, Any], console) -> None:
         console.print(f"fitted: alpha {f['alpha_s'] * 1e6:.1f} us, cross-node flow {f['flow_bw_GBps']:.2f} GB/s, "
                       f"kernel launch {f['launch_s'] * 1e6:.1f} us, e_fwd {f['e_fwd']:.3f} (under transfer), "
                       f"s_half {f['s_half']:.0f}, a {f['exponent']:.3f}, bwd factor {f['kernel_bwd_factor']:.3f}; "
-                      f"declared: node aggregate {f['node_aggregate_GBps']:.0f} GB/s, kappa {f['kappa']:.2f}")
+                      f"declared: node aggregate {f['node_aggregate_GBps']:.0f} GB/s, kappa {f['kappa']:.2f}, "
+                      f"CHARM+ query order {f['query_order']}")
 
 
 def _print_ablation(body: dict[str, Any], console) -> None:

@@ -30,16 +30,19 @@ def _workload(row, passes: str, batch: int | None = None):
                    passes=passes)
 
 
-def predict_rows(rows: list[H100Row], topo: Topology) -> list[tuple[H100Row, str, float]]:
-    """``[(row, method, predicted makespan_s)]`` for every measured (row, method)."""
+def predict_rows(rows: list[H100Row], topo: Topology, methods=METHODS,
+                 query_order: str | None = None) -> list[tuple[H100Row, str, float]]:
+    """``[(row, method, predicted makespan_s)]`` for every measured (row, method) of ``methods``; CHARM+ with
+    ``query_order`` (default: the algorithm's)."""
     from meshplan.predict import predict
 
+    knobs = {"charm": {} if query_order is None else {"query_order": query_order}}
     out = []
     for row in rows:
         w = _workload(row, row.pass_name)
-        for m in METHODS:
+        for m in methods:
             if row.measured_ms(m) is not None:
-                out.append((row, m, predict(m, w, topo, row.gpus, {}).predicted["makespan_s"]))
+                out.append((row, m, predict(m, w, topo, row.gpus, knobs.get(m, {})).predicted["makespan_s"]))
     return out
 
 
@@ -61,11 +64,12 @@ def reproduce_h100(data: str | None = None, fit: bool = False, progress=None) ->
             peak = Topology.load("h100x16", gpus=16).peak_flops("bf16")
             micro = fit_micro(rows, peak)
 
-            def evaluate(p: FittedParams, sub):
-                return predict_rows(sub, calibrated_topology("h100x16", p, 16, tmp))
+            def evaluate(p: FittedParams, sub, methods):
+                return predict_rows(sub, calibrated_topology("h100x16", p, 16, tmp), methods, p.query_order)
 
             fitted, grid = fit_declared(rows, micro, evaluate)
-            results = predict_rows(rows, calibrated_topology("h100x16", fitted, 16, tmp))
+            results = predict_rows(rows, calibrated_topology("h100x16", fitted, 16, tmp),
+                                   query_order=fitted.query_order)
     else:
         results = predict_rows(rows, Topology.load("h100x16", gpus=16))
     return _report(results, fitted, grid)

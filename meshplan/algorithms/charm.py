@@ -6,6 +6,13 @@ Partner lists: :mod:`meshplan.algorithms.charm_lists`; lowering: :mod:`meshplan.
 from the topology (nodes, else NUMA sockets) or ``--domains M``, each a power of two; KV never leaves its
 domain. Whether same-level transfers run concurrently (NVSwitch) or contend (PCIe) is the simulator's call.
 
+Cross-domain order (``query_order``). ``fused``, as the paper describes it: the counterpart's Q joins the
+own Q in one pipeline (2c × c kernels), so the Q transfer is exposed until it lands and the returned partial
+after the last block. ``foreign-first`` (the default): the own Q's first levels run while the foreign Q is in
+flight, then the foreign Q's whole pipeline, then the own Q's last level (half its blocks) as filler behind
+the returning partial. On the CHARM+ 2×8 H100 table the published times fit it better (its forward at
+S = 215040 is within 1% of its compute alone); the fit's declared grid picks it (:mod:`meshplan.reproduce_fit`).
+
 Bytes received per rank (forward; KVc, Qc, Oc + Lc per ALGORITHMS.md, Oc in ``partial_dtype``), p ranks
 per domain, m domains, P_Q = number of Q-peers = p/2 − 1 for RM+ (0 for merge), P_KV = p − 1 − P_Q:
     P_KV·KVc  +  m·P_Q·(Qc + Oc + Lc)  +  (m − 1)·(Qc + Oc + Lc)
@@ -35,6 +42,7 @@ COMMON = {
     "level_order": Knob("level_order", "ascending", ("ascending", "descending"),
                         "levels in Algorithm 1's order, or the Figure's (last level first)"),
 }
+QUERY_ORDERS = ("foreign-first", "fused")
 
 
 class Merge(BuiltTiming):
@@ -96,8 +104,17 @@ class Charm(Merge):
     name = "charm"
     mechanism = "rmplus"
     summary = "CHARM+: RM+ inside NUMA/node domains, cross-domain query parallelism (KV stays in its domain)"
-    knobs = dict(COMMON) | {"domains": Knob("domains", "auto", None, "number of domains (auto: nodes, else NUMA "
-                                             "sockets)", parse=positive_int_or_auto)}
+    knobs = dict(COMMON) | {
+        "domains": Knob("domains", "auto", None, "number of domains (auto: nodes, else NUMA sockets)",
+                        parse=positive_int_or_auto),
+        "query_order": Knob("query_order", "foreign-first", QUERY_ORDERS,
+                            "foreign Q as it lands, the own Q's last level held back as filler; or fused with the "
+                            "own Q (2c x c kernels, the paper's description)")}
+
+    def knob_space(self, workload, topo, n_ranks, filters) -> list[dict]:
+        """Both query orders (or the one given)."""
+        orders = [filters["query_order"]] if "query_order" in filters else list(QUERY_ORDERS)
+        return [filters | {"query_order": o} for o in orders]
 
     def domain(self, workload, topo, n, knobs, device_of_rank) -> int:
         """Ranks per domain, from ``--domains`` or the topology."""

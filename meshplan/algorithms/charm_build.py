@@ -1,11 +1,13 @@
 """Lowering CHARM+ (merge, RM+, cross-domain query parallelism) to ops, forward and backward.
 
-Ranks are domain-major: rank x = d·p + l. A *pipeline* is one pass of the partner lists inside the domain
-over a set of Q *slots*: pipeline 0 holds the rank's own Q (and, with two or more domains, the Q of its
-counterpart in domain d + 1); pipeline k ≥ 1 the Q of the counterpart in domain d + k + 1. Foreign Q
-arrives on the ``x`` stream (all pipelines' swaps posted in order, so the next pipeline's Q lands while the
-current one runs); each foreign slot's accumulated partial goes back to its owner on ``x`` at the end of
-its pipeline. KV is fetched once (pipeline 0) and kept, so KV never crosses a domain.
+Ranks are domain-major: rank x = d·p + l. A *pipeline* is one pass of (some of) the partner lists' levels
+inside the domain over a set of Q *slots*. ``query_order=fused``: pipeline 0 holds the rank's own Q (and,
+with two or more domains, the Q of its counterpart in domain d + 1); pipeline k ≥ 1 the Q of the counterpart
+in domain d + k + 1. ``foreign-first``: the own Q's levels but the last, then one pipeline per foreign Q (all
+levels), then the own Q's last level. Foreign Q arrives on the ``x`` stream (all swaps posted in order, so
+the next pipeline's Q lands while the current one runs); each foreign slot's accumulated partial goes back
+to its owner on ``x`` at the end of its pipeline and is folded there after the rank's last block. KV is
+fetched once (at its first use) and kept, so KV never crosses a domain.
 
 Per pipeline, per level in ``level_order``, per offset j: KV-peers swap KV (``kv`` stream), Q-peers swap
 the pipeline's Q slots (``q`` stream, one batch). Compute order (the paper's Figure 3): the slots against
@@ -58,6 +60,7 @@ class Lowering:
         self.combine = "merge" if self.fwd else "accumulate"
         order = levels(p)
         self.levels = order[::-1] if k.get("level_order") == "descending" else order
+        self.query_order = k.get("query_order", "fused")       # merge and rmplus have one domain
 
     def partner(self, j: int) -> np.ndarray:
         return self.d * self.p + (self.l ^ j)
@@ -79,16 +82,26 @@ class Lowering:
         self.dkv = None if self.fwd else b.tensor(x, "dkv", x, role="output", dtype="fp32")
         self.kv_from: dict[int, tuple[np.ndarray, np.ndarray]] = {}     # offset -> (tensor, recv op) per rank
         self.dkv_part: dict[int, np.ndarray] = {}
+        self.homecoming: list = []                                      # foreign partials on their way home
         self.kv_last: dict[int, np.ndarray] = {}
         own = Slot(own_q, x, own_acc, np.full(self.n, -1), last=np.full(self.n, -1))
         foreign = [self._foreign(k, own_q) for k in range(self.m - 1)]
-        pipelines = [[own] + foreign[:1]] + [[f] for f in foreign[1:]] if self.m > 1 else [[own]]
-        for k, slots in enumerate(pipelines):
-            returns = self._pipeline(slots, k)
+        if self.m > 1 and self.query_order == "foreign-first":
+            held = max(len(self.levels) - 1, 0)
+            parts = [([own], self.levels[:held], True)] + [([f], self.levels, True) for f in foreign] \
+                + [([own], self.levels[held:], False)]
+        else:
+            pipelines = [[own] + foreign[:1]] + [[f] for f in foreign[1:]] if self.m > 1 else [[own]]
+            parts = [(slots, self.levels, True) for slots in pipelines]
+        for k, (slots, lv, first) in enumerate(parts):
+            returns = self._pipeline(slots, k, lv, first)
             self._fold(returns)
             for s in slots:
                 if s.owner is not None:
-                    self._return_foreign(s, own_acc, step=1000 + k)
+                    self._return_foreign(s, step=1000 + k)
+        for ranks, land, rcv in self.homecoming:        # folded last: the own Q's blocks never wait on them
+            fold = b.combine_op(ranks, self.combine, src=land, dst=own_acc[ranks], deps=[rcv])
+            b.free_after(land, fold)
         if not self.fwd:
             self._return_dkv()
         self._free_fetched_kv()
@@ -104,20 +117,21 @@ class Lowering:
         acc = b.tensor(x, self.acc_kind, src, dtype="fp32")
         return Slot(land, src, acc, ready, owner=src, last=np.full(self.n, -1))
 
-    def _pipeline(self, slots: list[Slot], k: int) -> list:
-        """One pipeline: own-KV blocks, then per level the fetches, the Q-peers' blocks (returned at once) and
-        the own slots against the level's fetched KV — each group one kernel (CHARM+ runs 2c × c kernels)."""
+    def _pipeline(self, slots: list[Slot], k: int, lv: list[list[int]], first: bool = True) -> list:
+        """Pipeline ``k`` over levels ``lv``: the own-KV blocks (when ``first``), then per level the fetches,
+        the Q-peers' blocks (returned at once) and the own slots against the level's fetched KV — each group one
+        kernel (CHARM+ runs 2c × c kernels)."""
         x = self.x
-        for s in slots:            # the own Q first (its inputs are present), the foreign one as it lands
+        for s in slots if first else []:   # the own Q first (its inputs are present), the foreign one as it lands
             op = self._op(np.ones(self.n, bool), [s.q], [s.chunk], [self.kv], [x], [s.acc],
                           None if self.fwd else [self.dkv], self.combine, [s.ready])
             self._mark([s], op)
         returns = []
-        for offs in self.levels:
+        for offs in lv:
             landed = {}
             for j in offs:
                 role = self.role[self.l, j]
-                if k == 0 and (role == KV).any():
+                if j not in self.kv_from and (role == KV).any():
                     self._fetch_kv(j, role == KV)
                 if (role == Q).any():
                     landed[j] = self._swap_q(j, role == Q, slots, step=k * self.p + j)
@@ -255,15 +269,14 @@ class Lowering:
             self.b.free_after(land, op)
             slot.last[ranks] = op
 
-    def _return_foreign(self, s: Slot, own_acc: np.ndarray, step: int) -> None:
-        """The foreign slot's accumulated partial goes home on ``x`` and is merged/accumulated there."""
+    def _return_foreign(self, s: Slot, step: int) -> None:
+        """The foreign slot's accumulated partial goes home on ``x``; its fold there waits for the pass's end."""
         b, x = self.b, self.x
         land = b.tensor(s.owner, self.acc_kind, s.owner, dtype=self.part_dtype)
         snd, rcv = b.transfer(x, s.owner, s.acc, land, stream="x", step=step, dtype=self.part_dtype,
                               send_deps=[s.last])
         b.free_after(s.acc, snd)
-        fold = b.combine_op(s.owner, self.combine, src=land, dst=own_acc[s.owner], deps=[rcv])
-        b.free_after(land, fold)
+        self.homecoming.append((s.owner, land, rcv))
 
     def _return_dkv(self) -> None:
         """Each fetched KV's partial dK/dV goes back to its owner (``dkv_dtype``) and is accumulated."""
