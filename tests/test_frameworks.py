@@ -168,3 +168,21 @@ def test_search_prints_the_framework_table():
     assert r.exit_code == 0, r.stderr
     assert "Megatron-LM / TransformerEngine" in r.stdout and "--context-parallel-size 8" in r.stdout
     assert "ring_impl_type=" in r.stdout and "context_parallel_rotate_method" in r.stdout
+
+
+def test_above_the_full_simulation_size_only_the_searchs_simulated_plans_are_timed(monkeypatch):
+    """Above FULL_SIM_MAX_RANKS a framework setting the search did not simulate is listed as not evaluated, with the
+    simulate command, and nothing is simulated (a 1024-rank plan takes up to a minute and GBs to simulate)."""
+    import meshplan.search.frameworks as fwmod
+
+    topo = Topology.load("h100x8", gpus=8)
+    result = run_search(resolve(seq_len="16K", passes="fwd"), topo, 8, algos=["ring", "ulysses"])
+    monkeypatch.setattr(fwmod, "FULL_SIM_MAX_RANKS", 4)
+    monkeypatch.setattr(fwmod, "simulate_candidate", lambda *a, **k: pytest.fail("simulated a framework plan"))
+    simulated = {Choice.of(c).key(result.workload) for c in result.candidates if c.model_level == "simulated"}
+    for fb in framework_bests(result, ["ring", "ulysses"]):
+        assert fb.simulated == 0
+        assert fb.choice is None or fb.choice.key(result.workload) in simulated
+        for _cli, why in fb.not_evaluated:
+            assert why.startswith("not simulated above 4 ranks") and "meshplan simulate --algo" in why
+    assert any(fb.not_evaluated for fb in framework_bests(result, ["ring", "ulysses"]))

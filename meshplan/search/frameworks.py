@@ -11,6 +11,8 @@ builds its schedule (USP, Ulysses), is evaluated only when the search listed a *
 layout and knobs but for the backward's wire knobs (``dkv_dtype``, ``dkv_hops``: TransformerEngine's dK/dV in
 the input dtype over N−1 hops) — and at most ``EXTRA_BUILT`` of them per framework, in the order of their
 siblings' bounds; the others are listed as not evaluated, with the ``simulate`` command that times them.
+Above ``FULL_SIM_MAX_RANKS`` ranks only the plans the search simulated are timed (one plan there takes up to a
+minute and GBs to build and simulate); the others are listed as not evaluated.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from meshplan.errors import SkipCandidate, UserError
 from meshplan.frameworks import BWD_KNOBS, FRAMEWORKS, Choice, NotExpressible, express
 from meshplan.memory_model import estimated_peak_bytes
 from meshplan.predict import Candidate, make_candidate, simulate_candidate
-from meshplan.search import SearchResult
+from meshplan.search import FULL_SIM_MAX_RANKS, SearchResult
 from meshplan.units import fmt_bytes
 
 #: Every setting a framework offers is evaluated up to this many ranks.
@@ -121,6 +123,11 @@ def _evaluate(fb: FrameworkBest, entries: list, result: SearchResult, listed: di
             pending.append((s, ch, k, c))
     staged, built = [], 0
     for s, ch, k, c in sorted(pending, key=lambda e: _order(e, listed)):
+        if n > FULL_SIM_MAX_RANKS:             # a schedule takes up to a minute and GBs to build and simulate
+            fb.not_evaluated.append((s.cli(), f"not simulated above {FULL_SIM_MAX_RANKS} ranks unless the search "
+                                     f"simulated it; time it: meshplan simulate --algo {ch.algorithm} "
+                                     f"{_knob_flags(ch)}"))
+            continue
         if c is None and n > FULL_RANKS and isinstance(algorithms.get(ch.algorithm), BuiltTiming):
             if listed.get(_sibling(k)) is None or built >= EXTRA_BUILT:
                 fb.not_evaluated.append((s.cli(), f"not evaluated above {FULL_RANKS} ranks (search does "
