@@ -177,5 +177,7 @@ def test_search_tries_both_query_orders_unless_one_is_given():
     assert [charm.normalize(k)["query_order"] for k in charm.knob_space(w, topo, 16, {})] == \
         ["foreign-first", "fused"]
     assert [k["query_order"] for k in charm.knob_space(w, topo, 16, {"query_order": "fused"})] == ["fused"]
+    big = Topology.load("h100x16", gpus=128)
+    assert [charm.normalize(k)["query_order"] for k in charm.knob_space(w, big, 128, {})] == ["foreign-first"]
     with pytest.raises(UserError, match="query_order"):
         charm.normalize({"query_order": "sideways"})
