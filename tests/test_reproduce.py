@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from meshplan.algorithms import get
 from meshplan.cli import app
 from meshplan.errors import UserError
 from meshplan.published import H100Row, kv_step_bytes, load_rows, ring_block_flops
@@ -89,6 +90,8 @@ def fresh_fit():
 def test_shipped_h100_topologies_carry_the_fitted_values(fresh_fit):
     fitted = FittedParams(**{k: v for k, v in fresh_fit["fitted"].items() if k in FittedParams.__dataclass_fields__})
     want = topology_values(fitted)
+    # the declared CHARM+ order is the algorithm's default, so the shipped prediction uses it
+    assert fitted.query_order == get("charm").knobs["query_order"].default
     for name in ("h100x16", "h100x32"):
         spec = Topology.load(name).spec
         nics = spec.node.nics

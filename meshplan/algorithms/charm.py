@@ -10,8 +10,9 @@ Cross-domain order (``query_order``). ``fused``, as the paper describes it: the 
 own Q in one pipeline (2c × c kernels), so the Q transfer is exposed until it lands and the returned partial
 after the last block. ``foreign-first`` (the default): the own Q's first levels run while the foreign Q is in
 flight, then the foreign Q's whole pipeline, then the own Q's last level (half its blocks) as filler behind
-the returning partial. On the CHARM+ 2×8 H100 table the published times fit it better (its forward at
-S = 215040 is within 1% of its compute alone); the fit's declared grid picks it (:mod:`meshplan.reproduce_fit`).
+the returning partial. The CHARM+ 2×8 H100 table fits it better (the published forward at B = 1, S = 215040,
+66.74 ms, is the predicted compute alone, 66.6 ms: nothing exposed); the fit's declared grid picks it
+(:mod:`meshplan.reproduce_fit`).
 
 Bytes received per rank (forward; KVc, Qc, Oc + Lc per ALGORITHMS.md, Oc in ``partial_dtype``), p ranks
 per domain, m domains, P_Q = number of Q-peers = p/2 − 1 for RM+ (0 for merge), P_KV = p − 1 − P_Q:
