@@ -180,14 +180,19 @@ def declared_workload():
                    dtype=d["dtype"], passes=d["passes"])
 
 
-def fit_overhead(spec: MemorySpec, measured_bytes: float) -> float:
-    """``overhead_factor``: the declared run's measured memory over ``spec``'s peak for it without the factor (at
-    least 1)."""
+def declared_candidate():
+    """:data:`DECLARED_RUN` planned and simulated on ``cpu-local`` (a :class:`meshplan.predict.Candidate`)."""
     from meshplan.predict import predict
     from meshplan.topology import Topology
 
-    topo = Topology.load("cpu-local", DECLARED_RUN["ranks"])
-    cand = predict(DECLARED_RUN["algorithm"], declared_workload(), topo, DECLARED_RUN["ranks"], {})
+    n = DECLARED_RUN["ranks"]
+    return predict(DECLARED_RUN["algorithm"], declared_workload(), Topology.load("cpu-local", n), n, {})
+
+
+def fit_overhead(spec: MemorySpec, measured_bytes: float) -> float:
+    """``overhead_factor``: the declared run's measured memory over ``spec``'s peak for it without the factor (at
+    least 1)."""
+    cand = declared_candidate()
     plain = spec.model_copy(update={"overhead_factor": 1.0, "runtime_bytes": 0.0})
     ws, off = op_workspace_bytes(cand.schedule, plain), cand.sim.pass_offset
     peak = max(model_peak_bytes(cand.schedule, plain, p, cand.sim.start - off[p], cand.sim.end - off[p], ws)

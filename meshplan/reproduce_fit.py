@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from meshplan.algorithms.charm import QUERY_ORDERS
 from meshplan.published import H100Row, kv_step_bytes, ring_block_flops
 from meshplan.topology import Topology
 
@@ -37,7 +38,6 @@ TOKENS = [2 ** k for k in range(6, 18)]  # the kernel table's grid, 64 .. 131072
 DECLARED = (("fwd", 1, 215040), ("fwd", 16, 26880), ("bwd", 1, 215040), ("bwd", 16, 26880))
 AGG_GRID_GBPS = (24.0, 32.0, 40.0, 44.0, 48.0, 52.0, 56.0, 64.0, 96.0)
 KAPPA_GRID = (0.0, 0.1, 0.2, 0.3, 0.35, 0.4, 0.45, 0.5)
-QUERY_ORDER_GRID = ("fused", "foreign-first")     # meshplan.algorithms.charm.QUERY_ORDERS
 
 
 @dataclass(frozen=True)
@@ -159,7 +159,7 @@ def fit_declared(rows: list[H100Row], micro: FittedParams, evaluate) -> tuple[Fi
     """
     declared = [r for r in rows if is_declared(r)]
     scores, best = [], None
-    for order in QUERY_ORDER_GRID:
+    for order in QUERY_ORDERS:
         for agg in AGG_GRID_GBPS:
             for kappa in KAPPA_GRID:
                 p = FittedParams(**{**asdict(micro), "node_aggregate_GBps": agg, "kappa": kappa,

@@ -134,6 +134,9 @@ class BuiltTiming(Algorithm):
     """
 
     search_max_ranks = 256
+    #: above this many ranks search enumerates one variant of each (the zigzag layout, the default knobs that
+    #: only reorder a schedule): each bound builds a schedule of up to seconds
+    search_variants_max_ranks = 64
 
     def build(self, plan: Plan, topo: Topology) -> Schedule:
         """Lower a plan to ops (the subclass's work)."""

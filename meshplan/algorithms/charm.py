@@ -113,12 +113,11 @@ class Charm(Merge):
                             "own Q (2c x c kernels, the paper's description)")}
 
     def knob_space(self, workload, topo, n_ranks, filters) -> list[dict]:
-        """Both query orders (or the one given); above 64 ranks, where each bound builds a schedule of up to
-        seconds, the default only (as search's layouts)."""
+        """Both query orders (or the one given); the default only above ``search_variants_max_ranks``."""
         if "query_order" in filters:
             orders = [filters["query_order"]]
         else:
-            orders = list(QUERY_ORDERS) if n_ranks <= 64 else [QUERY_ORDERS[0]]
+            orders = list(QUERY_ORDERS) if n_ranks <= self.search_variants_max_ranks else [QUERY_ORDERS[0]]
         return [filters | {"query_order": o} for o in orders]
 
     def domain(self, workload, topo, n, knobs, device_of_rank) -> int:

@@ -113,14 +113,10 @@ def declared_run_samples() -> list[dict]:
 
     from meshplan.executor.launch import run
     from meshplan.executor.worker import RunConfig
-    from meshplan.memory_model import DECLARED_RUN, declared_workload
-    from meshplan.predict import predict
+    from meshplan.memory_model import declared_candidate
     from meshplan.schedule_io import write_schedule
-    from meshplan.topology import Topology
 
-    n = DECLARED_RUN["ranks"]
-    topo = Topology.load("cpu-local", n)
-    cand = predict(DECLARED_RUN["algorithm"], declared_workload(), topo, n, {})
+    cand = declared_candidate()
     with tempfile.TemporaryDirectory() as tmp:
         path = write_schedule(cand.schedule, Path(tmp) / "declared.json")
         meas = run(str(path), None, RunConfig(backend="gloo", iters=1, warmup=1, check=False))

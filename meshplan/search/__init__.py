@@ -38,7 +38,6 @@ PRUNE_SLACK = 0.01
 #: 1024 ranks took 750 s) is left at its closed-form bound once another candidate has been simulated.
 FULL_SIM_MAX_RANKS = 256
 #: Above this many ranks, methods whose closed form builds the schedule are searched in zigzag only.
-BUILT_LAYOUTS_RANKS = 64
 #: Knobs search varies by default (numerically neutral); others stay at their defaults unless given.
 SEARCHED = {"ring": {"dkv_hops": ("n", "n-1")}, "pass-q": {"dq_hops": ("n", "n-1")}}
 #: Algorithms whose knob space the algorithm enumerates itself (tiles x mappings).
@@ -81,8 +80,9 @@ def enumerate_candidates(base: Workload, topo: Topology, n: int, algos: list[str
             skipped[f"{foreign[0]} does not apply"] += 1
             continue
         layouts = [base.layout] if layout_pinned else list(LAYOUTS)
-        if limit is not None and n > BUILT_LAYOUTS_RANKS and not layout_pinned:   # their bounds build schedules:
-            skipped["only zigzag searched above 64 ranks"] += len(layouts) - 1       # the balanced layout only
+        few = getattr(alg, "search_variants_max_ranks", None)      # their bounds build schedules:
+        if few is not None and n > few and not layout_pinned:       # the balanced layout only
+            skipped[f"only zigzag searched above {few} ranks"] += len(layouts) - 1
             layouts = ["zigzag"]
         for layout in layouts:
             w = base.with_(layout=layout)
