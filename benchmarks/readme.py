@@ -127,6 +127,8 @@ def block_validate_cpu(r) -> str:
     ccr = []
     for n, s in v["summary"].items():
         lines += [row(n, "wall clock", s), row(n, "at calibration speed", s["adjusted"])]
+        if "best" in s:
+            lines.append(row(n, "best of the rounds", s["best"]))
         if s.get("ccr_mape_pct") is not None:
             ccr.append(f"{n} ranks mean {s['ccr_mape_pct']:.0f}%, max {s['ccr_max_abs_error_pct']:.0f}%")
     probes = [x for s in v["summary"].values() for x in (s["probe_ms_min"], s["probe_ms_max"])]

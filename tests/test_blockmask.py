@@ -14,8 +14,8 @@ from meshplan.workload import Mask
 
 torch = pytest.importorskip("torch")
 
-from meshplan.executor.blockmask import MAX_PIECES, KeyRanges, Piece, pieces  # noqa: E402
-from meshplan.executor.kernels import block_backward, block_backward_from_out, block_forward  # noqa: E402
+from meshplan.executor.blockmask import MAX_PIECES, Blocks, KeyRanges, Piece, pieces, rows_overlap  # noqa: E402
+from meshplan.executor.kernels import block_backward, block_backward_from_out, block_forward, cover  # noqa: E402
 
 MASKS = [Mask("full"), Mask("causal"), Mask("window", window=5), Mask("docs", doc_lens=(7, 20, 13))]
 
@@ -112,3 +112,56 @@ def test_a_window_inside_a_block_falls_back_to_the_dense_bias():
     o, lse = block_forward(q, k, v, 0.5, ranges)
     o2, lse2 = block_forward(q, k, v, 0.5, ranges.dense("cpu"))
     assert torch.equal(o, o2) and torch.equal(lse, lse2)
+
+
+def _reference(q, k, v, do, allowed, scale):
+    """float64 attention over a dense mask: O, LSE and (dQ, dK, dV) (GQA: K/V heads expanded, grads summed)."""
+    group = q.shape[1] // k.shape[1]
+    kx, vx = k.repeat_interleave(group, 1).double(), v.repeat_interleave(group, 1).double()
+    s = (q.double() @ kx.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse.nan_to_num(neginf=0.0)[..., None]).masked_fill(~allowed, 0.0)
+    o = p @ vx
+    ds = p * (do.double() @ vx.transpose(-1, -2) - (do.double() * o).sum(-1, keepdim=True))
+    grads = (ds @ kx * scale, (ds.transpose(-1, -2) @ q.double() * scale).unflatten(1, (-1, group)).sum(2),
+             (p.transpose(-1, -2) @ do.double()).unflatten(1, (-1, group)).sum(2))
+    return o, lse, grads
+
+
+def test_an_op_over_interleaved_striped_chunks_runs_block_by_block_and_matches_float64():
+    """A 2 x 2 op of a 4-rank striped causal layout (query chunks 1 and 0, KV chunks 3 and 0): in position order
+    its key runs grow by 2 every 2 rows (no short cover); chunk by chunk, :class:`Blocks` covers it with one
+    causal kernel per block, rows shared by kernels with different row spans (rows 1.. of chunk 1 against chunk
+    3, all its rows against chunk 0), which must merge by LSE. Forward and both backward paths against float64
+    on the dense rule."""
+    causal, n, S = Mask("causal"), 4, 48
+    strip = [np.arange(r, S, n) for r in range(n)]
+    q_chunks, kv_chunks = (1, 0), (3, 0)
+    pos = np.concatenate([strip[c] for c in q_chunks])
+    kpos = np.concatenate([strip[c] for c in kv_chunks])
+    merged = KeyRanges(*causal.key_ranges(np.sort(pos), np.sort(kpos)), len(kpos))
+    assert pieces(merged) is None
+    parts, c = [], len(strip[0])
+    for a, qc in enumerate(q_chunks):
+        for b, kc in enumerate(kv_chunks):
+            parts.append((a * c, (a + 1) * c, b * c, (b + 1) * c,
+                          KeyRanges(*causal.key_ranges(strip[qc], strip[kc]), c)))
+    blocks = Blocks(tuple(parts), 2 * c, 2 * c)
+    plan = cover(blocks, 2 * c, 2 * c)
+    assert plan == [Piece(1, 12, 0, 11, True), Piece(0, 12, 12, 24, True),
+                    Piece(13, 24, 0, 11, True), Piece(12, 24, 12, 24, True)]
+    assert rows_overlap(plan) and not rows_overlap([plan[0], plan[2]])
+    allowed = blocks.dense("cpu")
+    assert np.array_equal(allowed.numpy(), causal.permits(pos, kpos)) and blocks.pairs == int(allowed.sum())
+    g = torch.Generator().manual_seed(9)
+    q, do = (torch.randn(1, 4, 2 * c, 16, generator=g) for _ in range(2))
+    k, v = (torch.randn(1, 2, 2 * c, 16, generator=g) for _ in range(2))       # GQA 2:1
+    scale = 0.25
+    o_ref, lse_ref, refs = _reference(q, k, v, do, allowed, scale)
+    o, lse = block_forward(q, k, v, scale, blocks)
+    assert torch.allclose(o.double(), o_ref, atol=1e-5) and torch.allclose(lse.double(), lse_ref, atol=1e-5)
+    delta = (do * o_ref.float()).sum(-1)
+    for grads in (block_backward_from_out(q, k, v, o_ref.float(), do, lse_ref.float(), scale, blocks),
+                  block_backward(q, k, v, do, lse_ref.float(), delta, scale, blocks)):
+        for got, ref in zip(grads, refs):
+            assert torch.allclose(got.double(), ref, atol=1e-4 * ref.abs().max().item())

@@ -3,7 +3,8 @@
 Shapes: q, o, do [B, H, Sq, D]; k, v [B, Hkv, Skv, D] (GQA: Hkv = H / g, expanded to H only right
 before the kernel, so KV never travels replicated); lse, delta [B, H, Sq] fp32. ``mask``: None (every
 pair), a :class:`~meshplan.executor.blockmask.KeyRanges` (row i attends keys lo[i] … hi[i] − 1, what the
-executor passes), or a dense [Sq, Skv] bool tensor (converted to key runs when its rows are contiguous).
+executor passes), a :class:`~meshplan.executor.blockmask.Blocks` (key runs per rectangle: an op over
+interleaved chunks), or a dense [Sq, Skv] bool tensor (converted to key runs when its rows are contiguous).
 
 Forward (``block_forward``): on CPU, torch's ``_scaled_dot_product_flash_attention_for_cpu`` on each kernel of
 the mask's cover (:func:`~meshplan.executor.blockmask.pieces`: full rectangles without a mask, causal squares
@@ -31,7 +32,7 @@ import functools
 
 import torch
 
-from meshplan.executor.blockmask import KeyRanges, Piece, pieces
+from meshplan.executor.blockmask import Blocks, KeyRanges, Piece, block_pieces, pieces, rows_overlap
 
 TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _HEAD_BLOCK_ELEMS = 1 << 24   # backward score matrices are built this many elements at a time (64 MiB fp32)
@@ -76,6 +77,8 @@ def cover(mask, n_q: int, n_k: int) -> list[Piece] | None:
     (a dense mask whose rows are not runs of keys, or one that needs too many kernels)."""
     if mask is None:
         return [Piece(0, n_q, 0, n_k, False)]
+    if isinstance(mask, Blocks):
+        return block_pieces(mask)
     ranges = mask if isinstance(mask, KeyRanges) else KeyRanges.from_allowed(mask)
     return None if ranges is None else pieces(ranges)
 
@@ -103,7 +106,7 @@ def block_forward(q, k, v, scale: float, mask) -> tuple[torch.Tensor, torch.Tens
     if len(plan) == 1 and (plan[0].r0, plan[0].r1, plan[0].c0, plan[0].c1) == (0, q.shape[2], 0, k.shape[2]):
         o, lse = _CPU_FWD(qc, kc, vc, 0.0, plan[0].causal, scale=scale)
         return o.to(q.dtype), lse.float()
-    shared = len({(p.r0, p.r1) for p in plan}) < len(plan)       # two kernels on the same rows: merge by LSE
+    shared = rows_overlap(plan)                             # two kernels on some same rows: merge by LSE
     o = q.new_zeros(q.shape, dtype=torch.float32 if shared else q.dtype)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
     for p in plan:

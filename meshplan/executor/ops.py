@@ -13,8 +13,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from meshplan.executor.blockmask import KeyRanges
-from meshplan.executor.kernels import block_backward, block_backward_from_out, block_forward, merge_into, row_delta
+from meshplan.executor.blockmask import Blocks, KeyRanges
+from meshplan.executor.kernels import (
+    block_backward,
+    block_backward_from_out,
+    block_forward,
+    cover,
+    merge_into,
+    row_delta,
+)
 from meshplan.executor.program import FP32_PARTS, KV_PARTS, PARTS, Program
 from meshplan.executor.store import Store
 
@@ -62,6 +69,9 @@ class OpRunner:
         rows, cols = rows[np.argsort(q_pos[rows], kind="stable")], cols[np.argsort(k_pos[cols], kind="stable")]
         mask = p.mask_of(op)
         allowed = None if mask is None else KeyRanges(*mask.key_ranges(q_pos[rows], k_pos[cols]), len(cols))
+        if allowed is not None and cover(allowed, len(rows), len(cols)) is None \
+                and len(op.q_chunks) * len(op.kv_chunks) > 1:     # interleaved chunks: block by block
+            rows, cols, allowed = _by_chunk(mask, p, op, rows, cols)
         dev = self.store.device
         r_idx, c_idx = _index(rows, len(q_pos), dev), _index(cols, len(k_pos), dev)
         kv_map = [h // self.group - h0 // self.group for h in range(h0, h1)]
@@ -142,6 +152,28 @@ class OpRunner:
             return
         for part in PARTS[kind]:
             self._part(dst, part, h0, h1).add_(self._part(src, part, h0, h1).float())
+
+
+def _by_chunk(mask, prog, op, rows: np.ndarray, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray, Blocks]:
+    """The op's rows and keys ordered chunk by chunk (each in position order) and its mask as one
+    :class:`~meshplan.executor.blockmask.Blocks` rectangle per (query chunk, KV chunk) with permitted pairs."""
+    def grouped(kind: str, chunks, sel: np.ndarray):
+        sizes = [len(prog.tokens_of(kind, [c])) for c in chunks]
+        owner = np.repeat(np.arange(len(chunks)), sizes)[sel]         # sel is in position order already
+        order = np.argsort(owner, kind="stable")
+        bounds = np.searchsorted(owner[order], np.arange(len(chunks) + 1))
+        return sel[order], bounds
+
+    q_all, k_all = prog.tokens_of("q", op.q_chunks), prog.tokens_of("kv", op.kv_chunks)
+    rows, rb = grouped("q", op.q_chunks, rows)
+    cols, cb = grouped("kv", op.kv_chunks, cols)
+    parts = []
+    for r0, r1 in zip(rb[:-1], rb[1:]):
+        for c0, c1 in zip(cb[:-1], cb[1:]):
+            ranges = KeyRanges(*mask.key_ranges(q_all[rows[r0:r1]], k_all[cols[c0:c1]]), int(c1 - c0))
+            if ranges.pairs:
+                parts.append((int(r0), int(r1), int(c0), int(c1), ranges))
+    return rows, cols, Blocks(tuple(parts), len(rows), len(cols))
 
 
 def _index(sel: np.ndarray, n: int, device) -> torch.Tensor | None:
