@@ -131,6 +131,7 @@ def block_validate_cpu(r) -> str:
             lines.append(row(n, "best of the rounds", s["best"]))
         if s.get("ccr_mape_pct") is not None:
             ccr.append(f"{n} ranks mean {s['ccr_mape_pct']:.0f}%, max {s['ccr_max_abs_error_pct']:.0f}%")
+    spread = [_validate_spread(v["workloads"], int(n)) for n in v["summary"]]
     probes = [x for s in v["summary"].values() for x in (s["probe_ms_min"], s["probe_ms_max"])]
     cal = v.get("calibration") or {}
     tail = (f"\nThe host-speed probe ranged {min(probes):.1f}–{max(probes):.1f} ms during the runs "
@@ -139,7 +140,26 @@ def block_validate_cpu(r) -> str:
         tail += ("Ring's CCR (zigzag, forward) predicted vs measured from a `--serialize` run, transfers counted "
                  "from when both sides had posted: " + "; ".join(ccr) + ".")
     return (f"`python benchmarks/validate_cpu.py` ({v['date']}, {v['rounds']} interleaved rounds per candidate, "
-            f"{v['wall_s'] / 60:.0f} min):\n\n" + "\n".join(lines) + "\n" + tail + "\n")
+            f"{v['wall_s'] / 60:.0f} min):\n\n" + "\n".join(lines) + "\n" + tail + "\n\n" + "\n".join(spread) + "\n")
+
+
+def _validate_spread(workloads: list[dict], n: int) -> str:
+    """One line: the mean signed error at calibration speed per workload and per method (their ranges), and the
+    rows beyond ±25%."""
+    import numpy as np
+
+    rows = [(w["workload"], r) for w in workloads if w["ranks"] == n for r in w["rows"]]
+    by_wl, by_method = {}, {}
+    for wl, r in rows:
+        by_wl.setdefault(wl, []).append(r["adjusted_error_pct"])
+        by_method.setdefault(r["algorithm"], []).append(r["adjusted_error_pct"])
+    wl_mean = {k: float(np.mean(x)) for k, x in by_wl.items()}
+    m_mean = {k: float(np.mean(x)) for k, x in by_method.items()}
+    lo_m, hi_m = min(m_mean, key=m_mean.get), max(m_mean, key=m_mean.get)
+    far = [r for _, r in rows if abs(r["adjusted_error_pct"]) > 25]
+    return (f"- {n} ranks, signed error at calibration speed: mean per workload {min(wl_mean.values()):+.1f}% to "
+            f"{max(wl_mean.values()):+.1f}%; per method {m_mean[lo_m]:+.1f}% ({lo_m}) to {m_mean[hi_m]:+.1f}% "
+            f"({hi_m}); {len(far)} of {len(rows)} rows beyond ±25%.")
 
 
 def block_mesh_seed(r) -> str:

@@ -84,7 +84,7 @@ def search(gpus: o.Gpus = None, topo: o.Topo = None, model: o.Model = None, seq_
            batch: o.Batch = None, heads: o.Heads = None, kv_heads: o.KvHeads = None, head_dim: o.HeadDim = None,
            dtype: o.Dtype = None, mask: o.MaskOpt = None, layout: o.Layout = None, passes: o.Pass = None,
            valid_len: o.ValidLen = None, prefix_len: o.PrefixLen = None,
-             doc_layout: o.DocLayout = None, tile: o.Tile = None, mapping: o.Mapping = None,
+           doc_layout: o.DocLayout = None, tile: o.Tile = None, mapping: o.Mapping = None,
            partial_dtype: o.PartialDtype = None, dkv_dtype: o.DkvDtype = None, ulysses_degree: o.UlyssesDegree = None,
            inner_ring: o.InnerRing = None, team_size: o.TeamSize = None, domains: o.Domains = None,
            knob: o.KnobKV = None,
@@ -112,10 +112,11 @@ def search(gpus: o.Gpus = None, topo: o.Topo = None, model: o.Model = None, seq_
     """Rank every algorithm, layout and knob setting for a workload on a cluster; write the best schedules.
     With --tp/--dp, --gpus is the CP group size and the best plans are re-ranked by the whole job's time."""
     from meshplan.errors import UserError
-    from meshplan.search import run_search, search_json, write_best
+    from meshplan.search import search_json
+    from meshplan.search.frameworks import frameworks_json
 
     _check_search_flags(gpus, scheduler, ilp_time_limit_s, ilp_workers, write, top, map_search, prune_slack)
-    from meshplan.search.sensitivity import check_args, run_sensitivity
+    from meshplan.search.sensitivity import check_args
     sensitivity_samples, sensitivity_top, sensitivity_seed = check_args(
         sensitivity, sensitivity_samples, sensitivity_top, sensitivity_seed, pick, job=o.is_job(tp, dp, rank_order))
     topology = o.topology(topo, gpus, "search")
@@ -128,35 +129,10 @@ def search(gpus: o.Gpus = None, topo: o.Topo = None, model: o.Model = None, seq_
     filters = o.knobs(tile, mapping, partial_dtype, dkv_dtype, ulysses_degree, inner_ring, team_size, domains, knob)
     names = [a.strip() for a in algos.split(",")] if algos else None
     limit = _memory_limit(memory_limit)
-    progress = _progress()
-    with progress:
-        task = progress.add_task("simulating", total=None)
-        step = lambda k, n, label: progress.update(task, total=n, completed=k, description=label)  # noqa: E731
-        result = run_search(base, topology, gpus, algos=names, filters=filters, layout_pinned=layout is not None,
-                            memory_limit=limit, prune_slack=prune_slack, progress=step)
-        from meshplan.search.frameworks import framework_bests, frameworks_json
-        progress.update(task, description="the frameworks' settings")
-        bests = framework_bests(result, names, filters)
-        if map_search:
-            from meshplan.search.improve import improve_mapping
-            improve_mapping(result, map_search, write=write, progress=step)
-        if scheduler != "greedy":
-            from meshplan.search.improve import improve
-            improve(result, scheduler, time_limit_s=ilp_time_limit_s, workers=ilp_workers, write=write,
-                    memory_limit=limit, progress=step)
-        sens = None if sensitivity is None else run_sensitivity(
-            result, sensitivity, samples=sensitivity_samples, top=sensitivity_top, seed=sensitivity_seed, pick=pick,
-            progress=step)
-        job_body = None
-        if job is not None:
-            from meshplan.search.job import best_group_s, rerank_for_job
-            group_best_s = best_group_s(result)          # before the job re-ranks the candidates
-            job_body = rerank_for_job(result, job, job_topo, max(top, write), progress=step)
-        from meshplan.inference import rule_report
-        inference = rule_report(result)
-        if write > 0:
-            progress.update(task, description=f"verifying and writing {write} schedule(s)")
-            write_best(result, write, out)
+    steps = _SearchSteps(names, filters, limit, prune_slack, write, top, map_search, scheduler, ilp_time_limit_s,
+                         ilp_workers, (sensitivity, sensitivity_samples, sensitivity_top, sensitivity_seed, pick))
+    result, bests, sens, job_body, group_best_s, inference = steps.run(
+        base, topology, gpus, layout is not None, out, None if job is None else (job, job_topo))
     if not result.candidates:
         raise UserError("--algos" if names else "--gpus", "no candidate can run this workload",
                         "see the skipped reasons with --json, or change the filters")
@@ -167,6 +143,59 @@ def search(gpus: o.Gpus = None, topo: o.Topo = None, model: o.Model = None, seq_
     body |= {k: v for k, v in (("inference", inference), ("job", job_body), ("sensitivity", sens)) if v is not None}
     from meshplan.cli_output import print_search
     _emit(body, as_json, lambda c: (print_search(body, c, top), sv.print_sensitivity(body, c)))
+
+
+class _SearchSteps:
+    """search's pipeline under one progress bar: candidates, the frameworks' settings, mapping search, CP-SAT,
+    sensitivity, the job re-rank, the inference rules, writing the best schedules."""
+
+    def __init__(self, names, filters, limit, prune_slack, write, top, map_search, scheduler, ilp_time_limit_s,
+                 ilp_workers, sensitivity) -> None:
+        self.names, self.filters, self.limit, self.prune_slack = names, filters, limit, prune_slack
+        self.write, self.top = write, top
+        self.map_search, self.scheduler, self.ilp = map_search, scheduler, (ilp_time_limit_s, ilp_workers)
+        self.sensitivity = sensitivity
+
+    def run(self, base, topology, gpus, layout_pinned: bool, out: str, job):
+        """(result, framework bests, sensitivity body, job body, best group time, inference report)."""
+        from meshplan.inference import rule_report
+        from meshplan.search import run_search, write_best
+        from meshplan.search.frameworks import framework_bests
+
+        progress = _progress()
+        with progress:
+            task = progress.add_task("simulating", total=None)
+            step = lambda k, n, label: progress.update(task, total=n, completed=k, description=label)  # noqa: E731
+            result = run_search(base, topology, gpus, algos=self.names, filters=self.filters,
+                                layout_pinned=layout_pinned, memory_limit=self.limit, prune_slack=self.prune_slack,
+                                progress=step)
+            progress.update(task, description="the frameworks' settings")
+            bests = framework_bests(result, self.names, self.filters)
+            if self.map_search:
+                from meshplan.search.improve import improve_mapping
+                improve_mapping(result, self.map_search, write=self.write, progress=step)
+            if self.scheduler != "greedy":
+                from meshplan.search.improve import improve
+                improve(result, self.scheduler, time_limit_s=self.ilp[0], workers=self.ilp[1], write=self.write,
+                        memory_limit=self.limit, progress=step)
+            sens = self._sensitivity(result, step)
+            job_body = group_best_s = None
+            if job is not None:
+                from meshplan.search.job import best_group_s, rerank_for_job
+                group_best_s = best_group_s(result)          # before the job re-ranks the candidates
+                job_body = rerank_for_job(result, *job, max(self.top, self.write), progress=step)
+            inference = rule_report(result)
+            if self.write > 0:
+                progress.update(task, description=f"verifying and writing {self.write} schedule(s)")
+                write_best(result, self.write, out)
+        return result, bests, sens, job_body, group_best_s, inference
+
+    def _sensitivity(self, result, step):
+        kind, samples, top, seed, pick = self.sensitivity
+        if kind is None:
+            return None
+        from meshplan.search.sensitivity import run_sensitivity
+        return run_sensitivity(result, kind, samples=samples, top=top, seed=seed, pick=pick, progress=step)
 
 
 def _memory_limit(text: str | None) -> float | None:
@@ -220,7 +249,7 @@ def simulate(schedule: Annotated[Optional[str], typer.Argument(help="a schedule 
              batch: o.Batch = None, heads: o.Heads = None, kv_heads: o.KvHeads = None, head_dim: o.HeadDim = None,
              dtype: o.Dtype = None, mask: o.MaskOpt = None, layout: o.Layout = None, passes: o.Pass = None,
              valid_len: o.ValidLen = None, prefix_len: o.PrefixLen = None,
-             doc_layout: o.DocLayout = None, tile: o.Tile = None, mapping: o.Mapping = None,
+           doc_layout: o.DocLayout = None, tile: o.Tile = None, mapping: o.Mapping = None,
              partial_dtype: o.PartialDtype = None, dkv_dtype: o.DkvDtype = None,
              ulysses_degree: o.UlyssesDegree = None, inner_ring: o.InnerRing = None, team_size: o.TeamSize = None,
              domains: o.Domains = None, knob: o.KnobKV = None,
