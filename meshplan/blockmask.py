@@ -18,8 +18,9 @@ An op over several chunks whose tokens interleave (a striped layout's chunks: ch
 orders the op's tokens chunk by chunk and passes :class:`Blocks`: one :class:`KeyRanges` per (query chunk,
 KV chunk) rectangle, each covered on its own (a striped block is one causal kernel), so such an op runs as
 its blocks' kernels merged by LSE instead of one dense masked kernel (which on CPU ran 3–4x slower).
-The cost model asks :func:`runs_by_block` which ops those are, and prices them block by block (torch-free:
-this module imports torch only to build dense masks).
+The cost model asks :func:`runs_by_block` (:func:`striped_runs_by_block`, its closed form for causal
+striped ops) which ops those are, and prices them block by block (torch-free: this module imports torch only
+to build dense masks).
 """
 
 from __future__ import annotations
@@ -177,6 +178,19 @@ def runs_by_block(mask, q_segments: list[tuple[int, int, int]], k_segments: list
 
     q, k = positions(q_segments), positions(k_segments)
     return pieces(KeyRanges(*mask.key_ranges(q, k), len(k))) is None
+
+
+def striped_runs_by_block(q_residues, k_residues) -> bool:
+    """:func:`runs_by_block` for a causal striped op in closed form: query chunks = residues A, KV chunks =
+    residues B of the period N, each chunk at least ``PERIODS`` tokens. In position order row (a, t) sees
+    |B|·t + #{b ∈ B : b ≤ a} keys, so the rows form one staircase (a cover of two kernels) exactly when every
+    step between consecutive rows, the period's wrap included, adds one key: |A| = |B| and A, B alternate.
+    Otherwise the pattern needs new kernels every period. Depends on A and B only up to a common cyclic shift."""
+    a, b = np.sort(np.asarray(q_residues)), np.sort(np.asarray(k_residues))
+    if len(a) != len(b):
+        return True
+    seen = np.searchsorted(b, a, side="right")
+    return not bool((np.diff(np.r_[seen, seen[0] + len(b)]) == 1).all())
 
 
 def _next(breaks: np.ndarray, i: int, n: int) -> int:

@@ -170,10 +170,11 @@ def test_an_op_over_interleaved_striped_chunks_runs_block_by_block_and_matches_f
 @settings(max_examples=150, deadline=None)
 @given(n=st.sampled_from([4, 6, 8]), data=st.data())
 def test_the_models_by_block_rule_is_the_executors_cover(n, data):
-    """:func:`runs_by_block` (what the cost model asks, on segments cut to ``PERIODS`` tokens) says "by block"
-    exactly when the op's whole position-ordered key runs have no short cover — the executor's own test
+    """The model's :func:`runs_by_block` (on segments cut to ``PERIODS`` tokens) and its closed form
+    :func:`striped_runs_by_block` (also after a common cyclic shift of the residues) say "by block" exactly
+    when the op's whole position-ordered key runs have no short cover — the executor's own test
     (:mod:`meshplan.executor.ops`) — for causal striped ops over any chunk sets, 40 tokens a chunk."""
-    from meshplan.blockmask import PERIODS, runs_by_block
+    from meshplan.blockmask import PERIODS, runs_by_block, striped_runs_by_block
     a = data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=n, unique=True))
     b = data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=n, unique=True))
     mask = Mask("causal")
@@ -183,3 +184,6 @@ def test_the_models_by_block_rule_is_the_executors_cover(n, data):
     k = np.sort(np.concatenate([np.arange(j, n * c, n) for j in b]))
     whole = pieces(KeyRanges(*mask.key_ranges(q, k), len(k))) is None
     assert runs_by_block(mask, [(i, n, c) for i in a], [(j, n, c) for j in b]) == whole
+    assert striped_runs_by_block(a, b) == whole
+    shift = data.draw(st.integers(1, n - 1))                # the closed form holds up to a common cyclic shift
+    assert striped_runs_by_block([(i + shift) % n for i in a], [(j + shift) % n for j in b]) == whole
