@@ -9,7 +9,10 @@ All times in seconds, sizes in bytes, rates in bytes/s.
   take part: Ulysses runs the whole sequence, USP u·c × u·c, CHARM+ 2c × c, TASP c × c from N − 1
   sub-chunks): one launch, every block's FLOPs at the efficiency of its shape grown by √(a·b) for an op
   over a × b chunks, the elementwise factor on the blocks that need a mask (COSTMODEL.md: ``e`` is keyed
-  by the kernel's shape, not by FLOPs).
+  by the kernel's shape, not by FLOPs). Except where the op's tokens interleave so that its mask has no
+  short cover by kernels (a striped op over chunks that are not alternate residues,
+  :func:`meshplan.blockmask.runs_by_block`): the executor runs such an op block by block, so it is priced
+  as its blocks, each at its own shape with its own launch.
 * Combining a result into an accumulator (LSE merge or gradient add) is memory bound:
   ``t = t_launch + bytes_touched / (f · HBM bandwidth)`` with f = the table's ``merge_hbm_fraction``
   (0.8, COSTMODEL.md). A compute op with ``combine`` merge/accumulate pays it for each output:
@@ -27,6 +30,46 @@ from meshplan.csr import csr_sum
 from meshplan.matrix import attn_matrix
 from meshplan.schedule import COMBINES, COMPUTE, KIND, PASS_NAMES, TENSOR_KIND_NAMES, Schedule, expand_blocks
 from meshplan.topology import Topology
+
+
+def _runs_by_block(sched: Schedule, m, ops: np.ndarray) -> np.ndarray:
+    """[len(ops)] whether the executor runs each multi-block compute op block by block (only striped layouts
+    interleave chunks; one check per distinct pair of chunk sets, :func:`meshplan.blockmask.runs_by_block`).
+    Causal masks only: a window or document mask inside a striped block has no short cover in either order
+    (the executor's dense fallback, which the model does not price)."""
+    w, o = sched.workload, sched.ops
+    out = np.zeros(len(ops), dtype=bool)
+    if w.layout != "striped" or w.mask.kind != "causal":    # windows and documents cut blocks: dense anyway
+        return out
+    from meshplan.blockmask import PERIODS, runs_by_block, striped_runs_by_block
+
+    ch, n, seen = m.chunks, sched.n_chunks, {}
+    # one strided segment per chunk, of stride N and >= PERIODS tokens: chunk i is residue start[i] (closed form)
+    plain = (ch.count.shape[1] == 1) and bool((ch.stride == n).all() and (ch.count >= PERIODS).all()
+                                               and ch.holds_q.all())
+
+    def segments(chunks, query: bool):
+        counts = ch.count * ch.holds_q[None, :] if query else ch.count
+        return [(int(a), int(b), int(c)) for i in chunks for a, b, c in zip(ch.start[i], ch.stride[i], counts[i])]
+
+    if plain:               # plain Python on lists: ~10⁴ ops at 256 ranks, mostly a few chunks each
+        residue, qs, ks = ch.start[:, 0].tolist(), o.q_chunks.tolist(), o.kv_chunks.tolist()
+        qp, kp = o.qc_ptr.tolist(), o.kvc_ptr.tolist()
+        for k, op in enumerate(ops.tolist()):
+            a, b = [residue[i] for i in qs[qp[op]:qp[op + 1]]], [residue[j] for j in ks[kp[op]:kp[op + 1]]]
+            lo = min(a)
+            key = (tuple(sorted((x - lo) % n for x in a)), tuple(sorted((x - lo) % n for x in b)))  # a common shift
+            if key not in seen:
+                seen[key] = striped_runs_by_block(*key)
+            out[k] = seen[key]
+        return out
+    for k, op in enumerate(ops):
+        qc, kc = o.q_chunks[o.qc_ptr[op]:o.qc_ptr[op + 1]], o.kv_chunks[o.kvc_ptr[op]:o.kvc_ptr[op + 1]]
+        key = (tuple(qc), tuple(kc))
+        if key not in seen:
+            seen[key] = runs_by_block(w.mask, segments(qc, True), segments(kc, False))
+        out[k] = seen[key]
+    return out
 
 
 class CostModel:
@@ -83,13 +126,17 @@ class CostModel:
         o = sched.ops
         op_of, qi, kj = expand_blocks(o, ops)
         heads = (o.h1 - o.h0)[op_of] / sched.workload.n_heads
-        grow = np.sqrt(np.diff(o.qc_ptr) * np.diff(o.kvc_ptr))[op_of]
+        by_block = np.zeros(len(o), dtype=bool)
+        by_block[ops] = _runs_by_block(sched, m, ops)
+        grow = np.where(by_block[op_of], 1.0, np.sqrt(np.diff(o.qc_ptr) * np.diff(o.kvc_ptr))[op_of])
         eff = self.kernel.efficiency(m.s_q[qi, kj] * grow, m.s_kv[qi, kj] * grow, pass_, m.elementwise[qi, kj],
                                      sched.workload.head_dim)
-        t = m.flops(pass_)[qi, kj] * heads / (self.topo.peak_flops(sched.workload.dtype) * eff)
-        total = np.zeros(len(o))
+        flops = m.flops(pass_)[qi, kj]
+        t = flops * heads / (self.topo.peak_flops(sched.workload.dtype) * eff)
+        total, launches = np.zeros(len(o)), np.zeros(len(o))
         np.add.at(total, op_of, t)
-        return self.kernel.launch_s + total[ops]
+        np.add.at(launches, op_of, flops > 0)
+        return self.kernel.launch_s * np.where(by_block[ops], launches[ops], 1.0) + total[ops]
 
     @staticmethod
     def _bwd_without_out(sched: Schedule) -> np.ndarray:

@@ -14,7 +14,7 @@ from meshplan.workload import Mask
 
 torch = pytest.importorskip("torch")
 
-from meshplan.executor.blockmask import MAX_PIECES, Blocks, KeyRanges, Piece, pieces, rows_overlap  # noqa: E402
+from meshplan.blockmask import MAX_PIECES, Blocks, KeyRanges, Piece, pieces, rows_overlap  # noqa: E402
 from meshplan.executor.kernels import block_backward, block_backward_from_out, block_forward, cover  # noqa: E402
 
 MASKS = [Mask("full"), Mask("causal"), Mask("window", window=5), Mask("docs", doc_lens=(7, 20, 13))]
@@ -165,3 +165,25 @@ def test_an_op_over_interleaved_striped_chunks_runs_block_by_block_and_matches_f
                   block_backward(q, k, v, do, lse_ref.float(), delta, scale, blocks)):
         for got, ref in zip(grads, refs):
             assert torch.allclose(got.double(), ref, atol=1e-4 * ref.abs().max().item())
+
+
+@settings(max_examples=150, deadline=None)
+@given(n=st.sampled_from([4, 6, 8]), data=st.data())
+def test_the_models_by_block_rule_is_the_executors_cover(n, data):
+    """The model's :func:`runs_by_block` (on segments cut to ``PERIODS`` tokens) and its closed form
+    :func:`striped_runs_by_block` (also after a common cyclic shift of the residues) say "by block" exactly
+    when the op's whole position-ordered key runs have no short cover — the executor's own test
+    (:mod:`meshplan.executor.ops`) — for causal striped ops over any chunk sets, 40 tokens a chunk."""
+    from meshplan.blockmask import PERIODS, runs_by_block, striped_runs_by_block
+    a = data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=n, unique=True))
+    b = data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=n, unique=True))
+    mask = Mask("causal")
+    c = 40
+    assert c > PERIODS
+    q = np.sort(np.concatenate([np.arange(i, n * c, n) for i in a]))
+    k = np.sort(np.concatenate([np.arange(j, n * c, n) for j in b]))
+    whole = pieces(KeyRanges(*mask.key_ranges(q, k), len(k))) is None
+    assert runs_by_block(mask, [(i, n, c) for i in a], [(j, n, c) for j in b]) == whole
+    assert striped_runs_by_block(a, b) == whole
+    shift = data.draw(st.integers(1, n - 1))                # the closed form holds up to a common cyclic shift
+    assert striped_runs_by_block([(i + shift) % n for i in a], [(j + shift) % n for j in b]) == whole

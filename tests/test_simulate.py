@@ -196,3 +196,31 @@ def test_block_time_matrix_equals_the_per_block_formula(layout, mask):
         g = np.sqrt(chunks[0] * chunks[1])
         ref = cost.block_time_s(m.flops(pass_), m.s_q * g, m.s_kv * g, m.elementwise, pass_, w.dtype, w.head_dim)
         assert np.array_equal(cost.matrix_block_times(m, pass_, chunks), ref)
+
+
+def test_an_op_the_executor_runs_block_by_block_is_priced_as_its_blocks():
+    """A striped Mesh 2 x 2 op (one query chunk x two KV chunks, e.g. 1 x {0, 2}: not alternate residues) costs
+    the sum of its blocks' own times, each with its launch (the executor runs it block by block); a zigzag one
+    the blocks' FLOPs at the efficiency of the op's shape grown by √(a·b), one launch (COSTMODEL.md)."""
+    from meshplan.cost import CostModel
+    from meshplan.matrix import attn_matrix
+    from meshplan.schedule import COMPUTE, expand_blocks
+    topo = Topology.load("cpu-local", gpus=4)
+    cost = CostModel(topo)
+    for layout, by_block in (("striped", True), ("zigzag", False)):
+        w = resolve(seq_len=4096, heads=2, kv_heads=2, head_dim=64, mask="causal", dtype="fp32", passes="fwd",
+                    layout=layout)
+        sched = predict("mesh", w, topo, 4, {"tile": "2x2"}).schedule
+        o, m = sched.ops, attn_matrix(w, 4)
+        multi = np.flatnonzero((o.kind == COMPUTE) & (np.diff(o.qc_ptr) * np.diff(o.kvc_ptr) > 1))
+        assert len(multi)
+        dur = np.zeros(len(o))
+        dur[multi] = cost._one_kernel(sched, multi, "fwd")       # the kernels alone (no merge into an output)
+        for op in multi:
+            _, qi, kj = expand_blocks(o, np.array([op]))
+            g = 1.0 if by_block else np.sqrt(len(np.unique(qi)) * len(np.unique(kj)))
+            t = cost.block_time_s(m.flops("fwd")[qi, kj], m.s_q[qi, kj] * g, m.s_kv[qi, kj] * g,
+                                  m.elementwise[qi, kj], "fwd", w.dtype, w.head_dim)
+            launch = cost.kernel.launch_s
+            expect = t.sum() if by_block else t.sum() - (len(t) - 1) * launch
+            assert dur[op] == pytest.approx(expect, rel=1e-12)

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from meshplan.executor.blockmask import KeyRanges
+from meshplan.blockmask import KeyRanges
 from meshplan.executor.kernels import TORCH_DTYPE, block_backward, block_backward_from_out, block_forward
 from meshplan.executor.launch import resolve_backend
 from meshplan.executor.memory import reuse_freed_memory

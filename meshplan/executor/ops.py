@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from meshplan.executor.blockmask import Blocks, KeyRanges
+from meshplan.blockmask import Blocks, KeyRanges
 from meshplan.executor.kernels import (
     block_backward,
     block_backward_from_out,
@@ -156,7 +156,7 @@ class OpRunner:
 
 def _by_chunk(mask, prog, op, rows: np.ndarray, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray, Blocks]:
     """The op's rows and keys ordered chunk by chunk (each in position order) and its mask as one
-    :class:`~meshplan.executor.blockmask.Blocks` rectangle per (query chunk, KV chunk) with permitted pairs."""
+    :class:`~meshplan.blockmask.Blocks` rectangle per (query chunk, KV chunk) with permitted pairs."""
     def grouped(kind: str, chunks, sel: np.ndarray):
         sizes = [len(prog.tokens_of(kind, [c])) for c in chunks]
         owner = np.repeat(np.arange(len(chunks)), sizes)[sel]         # sel is in position order already

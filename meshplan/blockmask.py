@@ -18,14 +18,20 @@ An op over several chunks whose tokens interleave (a striped layout's chunks: ch
 orders the op's tokens chunk by chunk and passes :class:`Blocks`: one :class:`KeyRanges` per (query chunk,
 KV chunk) rectangle, each covered on its own (a striped block is one causal kernel), so such an op runs as
 its blocks' kernels merged by LSE instead of one dense masked kernel (which on CPU ran 3–4x slower).
+The cost model asks :func:`runs_by_block` (:func:`striped_runs_by_block`, its closed form for causal
+striped ops) which ops those are, and prices them block by block (torch-free: this module imports torch only
+to build dense masks).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 MAX_PIECES = 4
 
@@ -60,6 +66,8 @@ class KeyRanges:
 
     def dense(self, device) -> torch.Tensor:
         """[Sq, Skv] bool: the mask as a matrix (the fallback for masks :func:`pieces` does not cover)."""
+        import torch
+
         j = torch.arange(self.n_keys, device=device)[None, :]
         lo, hi = torch.from_numpy(self.lo).to(device)[:, None], torch.from_numpy(self.hi).to(device)[:, None]
         return (j >= lo) & (j < hi)
@@ -81,6 +89,8 @@ class Blocks:
 
     def dense(self, device) -> torch.Tensor:
         """[n_q, n_k] bool: the mask as a matrix (CUDA's masked kernels take it whole)."""
+        import torch
+
         out = torch.zeros(self.n_q, self.n_k, dtype=torch.bool, device=device)
         for r0, r1, c0, c1, ranges in self.parts:
             out[r0:r1, c0:c1] = ranges.dense(device)
@@ -150,6 +160,37 @@ def rows_overlap(plan: list[Piece]) -> bool:
     """Whether two kernels of ``plan`` write some row in common (their partial results must then merge)."""
     spans = sorted((p.r0, p.r1) for p in plan)
     return any(b0 < a1 for (_, a1), (b0, _) in zip(spans, spans[1:]))
+
+
+PERIODS = 8   # tokens per strided segment that decide the cover of a periodic (striped) op: past MAX_PIECES
+
+
+def runs_by_block(mask, q_segments: list[tuple[int, int, int]], k_segments: list[tuple[int, int, int]]) -> bool:
+    """Whether the executor runs an op over several chunks block by block: its tokens in position order have no
+    short cover under ``mask`` (a :class:`meshplan.workload.Mask`). ``*_segments``: the op's chunks' segments
+    (start, stride, count) of global positions. Strided segments are cut to their first ``PERIODS`` tokens
+    (a striped op repeats every period, and a pattern that is not a staircase needs a kernel per period:
+    more than ``MAX_PIECES`` within ``PERIODS``), so the cost is O(PERIODS · segments). Exact for causal
+    masks; a window or document boundary wider than the cut is not seen."""
+    def positions(segments):
+        parts = [a + b * np.arange(min(c, PERIODS) if b > 1 else c) for a, b, c in segments if c]
+        return np.sort(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.int64)
+
+    q, k = positions(q_segments), positions(k_segments)
+    return pieces(KeyRanges(*mask.key_ranges(q, k), len(k))) is None
+
+
+def striped_runs_by_block(q_residues, k_residues) -> bool:
+    """:func:`runs_by_block` for a causal striped op in closed form: query chunks = residues A, KV chunks =
+    residues B of the period N, each chunk at least ``PERIODS`` tokens. In position order row (a, t) sees
+    |B|·t + #{b ∈ B : b ≤ a} keys, so the rows form one staircase (a cover of two kernels) exactly when every
+    step between consecutive rows, the period's wrap included, adds one key: |A| = |B| and A, B alternate.
+    Otherwise the pattern needs new kernels every period. Depends on A and B only up to a common cyclic shift."""
+    a, b = np.sort(np.asarray(q_residues)), np.sort(np.asarray(k_residues))
+    if len(a) != len(b):
+        return True
+    seen = np.searchsorted(b, a, side="right")
+    return not bool((np.diff(np.r_[seen, seen[0] + len(b)]) == 1).all())
 
 
 def _next(breaks: np.ndarray, i: int, n: int) -> int:
