@@ -249,7 +249,7 @@ def simulate(schedule: Annotated[Optional[str], typer.Argument(help="a schedule 
              batch: o.Batch = None, heads: o.Heads = None, kv_heads: o.KvHeads = None, head_dim: o.HeadDim = None,
              dtype: o.Dtype = None, mask: o.MaskOpt = None, layout: o.Layout = None, passes: o.Pass = None,
              valid_len: o.ValidLen = None, prefix_len: o.PrefixLen = None,
-           doc_layout: o.DocLayout = None, tile: o.Tile = None, mapping: o.Mapping = None,
+             doc_layout: o.DocLayout = None, tile: o.Tile = None, mapping: o.Mapping = None,
              partial_dtype: o.PartialDtype = None, dkv_dtype: o.DkvDtype = None,
              ulysses_degree: o.UlyssesDegree = None, inner_ring: o.InnerRing = None, team_size: o.TeamSize = None,
              domains: o.Domains = None, knob: o.KnobKV = None,
