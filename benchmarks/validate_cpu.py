@@ -74,8 +74,7 @@ def candidates(w, topo, n: int) -> list:
         pass
     seen, out = set(), []
     for c in found:
-        knobs = {k: v for k, v in c.knobs.items()
-                 if v is not None and not (k == "order" and str(v).startswith("auto:"))}
+        knobs = _explicit_knobs(c.knobs)
         wl = c.workload
         key = (c.algorithm, wl.layout, json.dumps(knobs, sort_keys=True, default=str))
         if key in seen or c.forward_only and wl.passes != "fwd":
@@ -86,6 +85,16 @@ def candidates(w, topo, n: int) -> list:
         except (UserError, SkipCandidate) as err:
             print(f"  skipped {c.algorithm} {wl.layout} {knobs}: {err}", file=sys.stderr)
     return out
+
+
+def _explicit_knobs(knobs: dict) -> dict:
+    """A candidate's knobs as ``predict`` takes them again: set ones only, an ``auto:`` order left to choose."""
+    return {k: v for k, v in knobs.items() if v is not None and not (k == "order" and str(v).startswith("auto:"))}
+
+
+def _ccr_ring(w, topo, n: int):
+    """Ring on the forward pass in zigzag: the schedule whose CCR is predicted and measured."""
+    return predict("ring", w.with_(layout="zigzag", passes="fwd"), topo, n, {})
 
 
 def measure_interleaved(paths: list[str], rounds: int, timeout_s: float = 600.0) -> list[list[tuple[float, float]]]:
@@ -178,7 +187,7 @@ def run_workload(label: str, flags: dict, n: int, rounds: int, tmp: Path) -> dic
               f"{r['adjusted_error_pct']:+6.1f}%", file=sys.stderr)
     ccr = None
     try:        # Ring's CCR on the forward pass (a serialized backward ring can deadlock: refused)
-        ring = predict("ring", w.with_(layout="zigzag", passes="fwd"), topo, n, {})
+        ring = _ccr_ring(w, topo, n)
         path = tmp / f"{n}-ring-serial.json"
         write_schedule(ring.schedule, path)
         ccr = {"predicted": ring.predicted.get("ring_ccr"), "measured": serialized_ccr(str(path))}
@@ -213,14 +222,11 @@ def repredict(results: dict) -> dict:
         topo = Topology.load("cpu-local", gpus=n)
         w = resolve(**flags[wl["workload"]])
         for r in wl["rows"]:
-            knobs = {k: v for k, v in r["knobs"].items()
-                     if v is not None and not (k == "order" and str(v).startswith("auto:"))}
-            r["predicted_s"] = predict(r["algorithm"], w.with_(layout=r["layout"]), topo, n, knobs
-                                       ).predicted["makespan_s"]
+            r["predicted_s"] = predict(r["algorithm"], w.with_(layout=r["layout"]), topo, n,
+                                       _explicit_knobs(r["knobs"])).predicted["makespan_s"]
             _errors(r)
         if wl.get("ring_ccr"):
-            wl["ring_ccr"]["predicted"] = predict("ring", w.with_(layout="zigzag", passes="fwd"), topo, n,
-                                                  {}).predicted.get("ring_ccr")
+            wl["ring_ccr"]["predicted"] = _ccr_ring(w, topo, n).predicted.get("ring_ccr")
         wl |= rankings(wl["rows"])
     results["summary"] = summary(results["workloads"])
     results["repredicted"] = time.strftime("%Y-%m-%d %H:%M")

@@ -14,6 +14,8 @@ from meshplan.workload import Mask
 
 torch = pytest.importorskip("torch")
 
+from test_executor_kernels import _reference  # noqa: E402
+
 from meshplan.blockmask import MAX_PIECES, Blocks, KeyRanges, Piece, pieces, rows_overlap  # noqa: E402
 from meshplan.executor.kernels import block_backward, block_backward_from_out, block_forward, cover  # noqa: E402
 
@@ -79,15 +81,10 @@ def test_kernels_over_a_cover_of_several_pieces_match_float64(dtype):
     ranges = KeyRanges(np.zeros(Sq, dtype=np.int64), hi, Skv)
     assert pieces(ranges) == [Piece(4, 10, 0, 5, False), Piece(4, 10, 5, 11, True), Piece(10, 16, 0, 14, False)]
     allowed = ranges.dense("cpu")
-    kx, vx = k.repeat_interleave(2, 1).double(), v.repeat_interleave(2, 1).double()
     scale = 1 / math.sqrt(D)
-    s = (q.double() @ kx.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
-    lse_ref = torch.logsumexp(s, -1)
-    p = torch.exp(s - lse_ref.nan_to_num(neginf=0.0)[..., None]).masked_fill(~allowed, 0.0)
-    o_ref = p @ vx
-    ds = p * (do.double() @ vx.transpose(-1, -2) - (do.double() * o_ref).sum(-1, keepdim=True))
-    refs = (ds @ kx * scale, (ds.transpose(-1, -2) @ q.double() * scale).sum(1, keepdim=True),
-            (p.transpose(-1, -2) @ do.double()).sum(1, keepdim=True))
+    o_ref, lse_ref, dq_ref, dk_ref, dv_ref = _reference(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                                        do, scale, allowed)
+    refs = (dq_ref, dk_ref.sum(1, keepdim=True), dv_ref.sum(1, keepdim=True))
     tol = {torch.bfloat16: 2e-2, torch.float32: 1e-5}[dtype]
     o, lse = block_forward(q, k, v, scale, ranges)
     assert o.dtype == dtype
@@ -112,20 +109,6 @@ def test_a_window_inside_a_block_falls_back_to_the_dense_bias():
     o, lse = block_forward(q, k, v, 0.5, ranges)
     o2, lse2 = block_forward(q, k, v, 0.5, ranges.dense("cpu"))
     assert torch.equal(o, o2) and torch.equal(lse, lse2)
-
-
-def _reference(q, k, v, do, allowed, scale):
-    """float64 attention over a dense mask: O, LSE and (dQ, dK, dV) (GQA: K/V heads expanded, grads summed)."""
-    group = q.shape[1] // k.shape[1]
-    kx, vx = k.repeat_interleave(group, 1).double(), v.repeat_interleave(group, 1).double()
-    s = (q.double() @ kx.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
-    lse = torch.logsumexp(s, -1)
-    p = torch.exp(s - lse.nan_to_num(neginf=0.0)[..., None]).masked_fill(~allowed, 0.0)
-    o = p @ vx
-    ds = p * (do.double() @ vx.transpose(-1, -2) - (do.double() * o).sum(-1, keepdim=True))
-    grads = (ds @ kx * scale, (ds.transpose(-1, -2) @ q.double() * scale).unflatten(1, (-1, group)).sum(2),
-             (p.transpose(-1, -2) @ do.double()).unflatten(1, (-1, group)).sum(2))
-    return o, lse, grads
 
 
 def test_an_op_over_interleaved_striped_chunks_runs_block_by_block_and_matches_float64():
@@ -157,7 +140,9 @@ def test_an_op_over_interleaved_striped_chunks_runs_block_by_block_and_matches_f
     q, do = (torch.randn(1, 4, 2 * c, 16, generator=g) for _ in range(2))
     k, v = (torch.randn(1, 2, 2 * c, 16, generator=g) for _ in range(2))       # GQA 2:1
     scale = 0.25
-    o_ref, lse_ref, refs = _reference(q, k, v, do, allowed, scale)
+    o_ref, lse_ref, dq_ref, dk_ref, dv_ref = _reference(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                                        do, scale, allowed)
+    refs = (dq_ref, dk_ref.unflatten(1, (-1, 2)).sum(2), dv_ref.unflatten(1, (-1, 2)).sum(2))  # per KV head
     o, lse = block_forward(q, k, v, scale, blocks)
     assert torch.allclose(o.double(), o_ref, atol=1e-5) and torch.allclose(lse.double(), lse_ref, atol=1e-5)
     delta = (do * o_ref.float()).sum(-1)

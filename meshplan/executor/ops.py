@@ -69,9 +69,9 @@ class OpRunner:
         rows, cols = rows[np.argsort(q_pos[rows], kind="stable")], cols[np.argsort(k_pos[cols], kind="stable")]
         mask = p.mask_of(op)
         allowed = None if mask is None else KeyRanges(*mask.key_ranges(q_pos[rows], k_pos[cols]), len(cols))
-        if allowed is not None and cover(allowed, len(rows), len(cols)) is None \
-                and len(op.q_chunks) * len(op.kv_chunks) > 1:     # interleaved chunks: block by block
-            rows, cols, allowed = _by_chunk(mask, p, op, rows, cols)
+        if len(op.q_chunks) * len(op.kv_chunks) > 1 and allowed is not None \
+                and cover(allowed, len(rows), len(cols)) is None:   # interleaved chunks: block by block
+            rows, cols, allowed = _by_chunk(mask, p, op, q_pos, k_pos, rows, cols)
         dev = self.store.device
         r_idx, c_idx = _index(rows, len(q_pos), dev), _index(cols, len(k_pos), dev)
         kv_map = [h // self.group - h0 // self.group for h in range(h0, h1)]
@@ -154,9 +154,11 @@ class OpRunner:
             self._part(dst, part, h0, h1).add_(self._part(src, part, h0, h1).float())
 
 
-def _by_chunk(mask, prog, op, rows: np.ndarray, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray, Blocks]:
+def _by_chunk(mask, prog, op, q_pos: np.ndarray, k_pos: np.ndarray, rows: np.ndarray,
+              cols: np.ndarray) -> tuple[np.ndarray, np.ndarray, Blocks]:
     """The op's rows and keys ordered chunk by chunk (each in position order) and its mask as one
-    :class:`~meshplan.blockmask.Blocks` rectangle per (query chunk, KV chunk) with permitted pairs."""
+    :class:`~meshplan.blockmask.Blocks` rectangle per (query chunk, KV chunk) with permitted pairs.
+    ``q_pos``/``k_pos``: the positions of the op's query and key tokens in their concatenation order."""
     def grouped(kind: str, chunks, sel: np.ndarray):
         sizes = [len(prog.tokens_of(kind, [c])) for c in chunks]
         owner = np.repeat(np.arange(len(chunks)), sizes)[sel]         # sel is in position order already
@@ -164,13 +166,12 @@ def _by_chunk(mask, prog, op, rows: np.ndarray, cols: np.ndarray) -> tuple[np.nd
         bounds = np.searchsorted(owner[order], np.arange(len(chunks) + 1))
         return sel[order], bounds
 
-    q_all, k_all = prog.tokens_of("q", op.q_chunks), prog.tokens_of("kv", op.kv_chunks)
     rows, rb = grouped("q", op.q_chunks, rows)
     cols, cb = grouped("kv", op.kv_chunks, cols)
     parts = []
     for r0, r1 in zip(rb[:-1], rb[1:]):
         for c0, c1 in zip(cb[:-1], cb[1:]):
-            ranges = KeyRanges(*mask.key_ranges(q_all[rows[r0:r1]], k_all[cols[c0:c1]]), int(c1 - c0))
+            ranges = KeyRanges(*mask.key_ranges(q_pos[rows[r0:r1]], k_pos[cols[c0:c1]]), int(c1 - c0))
             if ranges.pairs:
                 parts.append((int(r0), int(r1), int(c0), int(c1), ranges))
     return rows, cols, Blocks(tuple(parts), len(rows), len(cols))
