@@ -10,11 +10,15 @@ once after one warm-up iteration, so the host's speed drift (±15% over tens of 
 falls on all candidates alike; a candidate's measured time is the median of its R rounds and σ their
 standard deviation. Reported: end-to-end makespan error (MAPE, max), Kendall τ over the pairs of one workload
 whose measured medians differ by more than 2σ (the larger σ of the two), top-1 regret per workload (also
-counting only candidates faster than the pick by more than 2σ: the fastest of many noisy medians is biased
-low), and the
-host's drift: the executor times a fixed probe kernel before every timed iteration
-(:mod:`meshplan.executor.probe`), and the same metrics are given again ("adjusted") against each round's
-makespan rescaled to the calibration's host speed (× calibration probe / that round's probe).
+counting only candidates faster than the pick by more than 2σ), and the host's drift: the executor times a fixed
+probe kernel before every timed iteration (:mod:`meshplan.executor.probe`), and the same metrics are given again
+("adjusted") against each round's makespan rescaled to the calibration's host speed (× calibration probe / that
+round's probe).
+
+The fastest of ~30 noisy medians is the luckiest one, so plain regret is biased upwards; a **race** measures the
+pick's regret instead (:mod:`validate_stats`): the candidates stage 1 cannot tell from the fastest (within 2σ,
+at most 8) and the pick run ``--race-rounds`` more interleaved rounds, and the pick is compared with them paired
+by round, plainly and held out (the fastest on half the rounds timed against the pick on the other half).
 
 Ring's CCR (CHARM+ definition, zigzag, forward) is predicted by ``ring_ccr`` and measured from a
 ``--serialize`` run of that Ring schedule: max over ranks of Σ compute over max over ranks of Σ transfer time,
@@ -41,6 +45,8 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "validate_cpu.json"
 sys.path.insert(0, str(HERE.parent))
+
+import validate_stats  # noqa: E402  (beside this file)
 
 from meshplan.errors import SkipCandidate, UserError  # noqa: E402
 from meshplan.fileio import write_atomic  # noqa: E402
@@ -90,6 +96,13 @@ def candidates(w, topo, n: int) -> list:
 def _explicit_knobs(knobs: dict) -> dict:
     """A candidate's knobs as ``predict`` takes them again: set ones only, an ``auto:`` order left to choose."""
     return {k: v for k, v in knobs.items() if v is not None and not (k == "order" and str(v).startswith("auto:"))}
+
+
+def _as_run(knobs: dict) -> dict:
+    """A stored candidate's knobs with an ``auto:`` order resolved to the order that ran (``--repredict``: a
+    changed model must price the schedule that was measured, not choose another)."""
+    return {k: str(v).removeprefix("auto:") if k == "order" else v
+            for k, v in knobs.items() if v is not None}
 
 
 def _ccr_ring(w, topo, n: int):
@@ -157,8 +170,9 @@ def probe_ms() -> float:
     return float(np.median(times) * 1e3)
 
 
-def run_workload(label: str, flags: dict, n: int, rounds: int, tmp: Path) -> dict:
-    """All candidates of one workload on n ranks: predicted, measured, errors, τ and regret."""
+def run_workload(label: str, flags: dict, n: int, rounds: int, race_rounds: int, tmp: Path) -> dict:
+    """All candidates of one workload on n ranks: predicted, measured, errors, τ and regret; then the race (the
+    contenders of stage 1 and the pick, ``race_rounds`` more interleaved rounds) for the pick's regret."""
     topo = Topology.load("cpu-local", gpus=n)
     w = resolve(**flags)
     cands = candidates(w, topo, n)
@@ -169,22 +183,18 @@ def run_workload(label: str, flags: dict, n: int, rounds: int, tmp: Path) -> dic
     probes = [probe_ms()]
     measured = measure_interleaved(paths, rounds)
     probes.append(probe_ms())
-    rows = []
     ref = topo.calibration.host_probe_ms if topo.calibration is not None else None
-    for c, got in zip(cands, measured):
-        t, probe = np.asarray([m for m, _ in got]), np.asarray([p for _, p in got])
-        adj = t * (ref / probe) if ref else t          # each round at the calibration's host speed
-        rows.append(_errors({"algorithm": c.algorithm, "layout": c.workload.layout, "knobs": c.knobs,
-                             "predicted_s": c.predicted["makespan_s"], "measured_s": float(np.median(t)),
-                             "rounds_s": [float(x) for x in t], "probe_ms": [float(x) for x in probe],
-                             "sigma_s": float(t.std(ddof=1)) if len(t) > 1 else 0.0,
-                             "adjusted_s": float(np.median(adj)),
-                             "adjusted_sigma_s": float(adj.std(ddof=1)) if len(t) > 1 else 0.0,
-                             "best_s": float(t.min())}))
-        r = rows[-1]
+    rows = [_row(c, got, ref) for c, got in zip(cands, measured)]
+    for c, r in zip(cands, rows):
         print(f"  {n} ranks  {label:30s} {c.algorithm:10s} {c.workload.layout:10s} pred {r['predicted_s'] * 1e3:8.2f}"
               f" ms  meas {r['measured_s'] * 1e3:8.2f} ms  {r['error_pct']:+6.1f}%  at calibration speed "
               f"{r['adjusted_error_pct']:+6.1f}%", file=sys.stderr)
+    race = None
+    if race_rounds:
+        idx = validate_stats.contenders(rows)
+        got = measure_interleaved([paths[i] for i in idx], race_rounds)
+        race = {"candidates": idx, "rounds_s": [[m for m, _ in g] for g in got],
+                "probe_ms": [[p for _, p in g] for g in got]}
     ccr = None
     try:        # Ring's CCR on the forward pass (a serialized backward ring can deadlock: refused)
         ring = _ccr_ring(w, topo, n)
@@ -193,7 +203,25 @@ def run_workload(label: str, flags: dict, n: int, rounds: int, tmp: Path) -> dic
         ccr = {"predicted": ring.predicted.get("ring_ccr"), "measured": serialized_ccr(str(path))}
     except UserError as err:
         print(f"  no CCR for {label} on {n} ranks: {err}", file=sys.stderr)
-    return {"workload": label, "ranks": n, "rows": rows, "ring_ccr": ccr, "probe_ms": probes} | rankings(rows)
+    out = {"workload": label, "ranks": n, "rows": rows, "ring_ccr": ccr, "probe_ms": probes, "race": race}
+    out |= rankings(rows, race)
+    print(f"  {n} ranks  {label}: pick's regret {out['regret_pct']:.1f}% (fastest median), race "
+          f"{out['race_regret']['regret_pct']:.1f}%, held out {out['race_regret']['heldout_regret_pct']}",
+          file=sys.stderr)
+    return out
+
+
+def _row(c, got: list[tuple[float, float]], ref: float | None) -> dict:
+    """One candidate's row: predicted, its rounds (and their probes), median, σ, speed-adjusted, best; errors."""
+    t, probe = np.asarray([m for m, _ in got]), np.asarray([p for _, p in got])
+    adj = t * (ref / probe) if ref else t          # each round at the calibration's host speed
+    return _errors({"algorithm": c.algorithm, "layout": c.workload.layout, "knobs": c.knobs,
+                    "predicted_s": c.predicted["makespan_s"], "measured_s": float(np.median(t)),
+                    "rounds_s": [float(x) for x in t], "probe_ms": [float(x) for x in probe],
+                    "sigma_s": float(t.std(ddof=1)) if len(t) > 1 else 0.0,
+                    "adjusted_s": float(np.median(adj)),
+                    "adjusted_sigma_s": float(adj.std(ddof=1)) if len(t) > 1 else 0.0,
+                    "best_s": float(t.min())})
 
 
 def _errors(r: dict) -> dict:
@@ -204,10 +232,12 @@ def _errors(r: dict) -> dict:
     return r
 
 
-def rankings(rows: list[dict]) -> dict:
-    """τ and regret against the median (top level), the speed-adjusted median and the best round."""
-    return ranking(rows) | {"adjusted": ranking(rows, "adjusted_s", "adjusted_sigma_s"),
-                            "best": ranking(rows, "best_s", "sigma_s")}
+def rankings(rows: list[dict], race: dict | None) -> dict:
+    """τ and regret against the median (top level), the speed-adjusted median and the best round; the race's
+    paired regret of the pick (:func:`validate_stats.race_regret`)."""
+    rank = validate_stats.ranking
+    return rank(rows) | {"adjusted": rank(rows, "adjusted_s", "adjusted_sigma_s"), "best": rank(rows, "best_s"),
+                         "race_regret": validate_stats.race_regret(rows, race)}
 
 
 def repredict(results: dict) -> dict:
@@ -223,72 +253,22 @@ def repredict(results: dict) -> dict:
         w = resolve(**flags[wl["workload"]])
         for r in wl["rows"]:
             r["predicted_s"] = predict(r["algorithm"], w.with_(layout=r["layout"]), topo, n,
-                                       _explicit_knobs(r["knobs"])).predicted["makespan_s"]
+                                       _as_run(r["knobs"])).predicted["makespan_s"]
             _errors(r)
         if wl.get("ring_ccr"):
             wl["ring_ccr"]["predicted"] = _ccr_ring(w, topo, n).predicted.get("ring_ccr")
-        wl |= rankings(wl["rows"])
-    results["summary"] = summary(results["workloads"])
+        wl |= rankings(wl["rows"], wl.get("race"))
+    results["summary"] = validate_stats.summary(results["workloads"])
     results["repredicted"] = time.strftime("%Y-%m-%d %H:%M")
     return results
-
-
-def ranking(rows: list[dict], key: str = "measured_s", sigma: str = "sigma_s") -> dict:
-    """Kendall τ over pairs whose measured medians differ by more than 2σ, and top-1 regret."""
-    agree = disagree = 0
-    for i in range(len(rows)):
-        for j in range(i + 1, len(rows)):
-            a, b = rows[i], rows[j]
-            if abs(a[key] - b[key]) <= 2 * max(a[sigma], b[sigma]):
-                continue
-            same = (a[key] < b[key]) == (a["predicted_s"] < b["predicted_s"])
-            agree, disagree = agree + same, disagree + (not same)
-    pick = min(rows, key=lambda r: r["predicted_s"])
-    best = min(r[key] for r in rows)
-    # only candidates measurably faster than the pick (by more than 2σ, the τ rule): the fastest of ~30 noisy
-    # medians is the luckiest one, which biases plain regret upwards by about 2σ even for a perfect model
-    faster = [r[key] for r in rows if pick[key] - r[key] > 2 * max(pick[sigma], r[sigma])]
-    return {"pairs": agree + disagree, "concordant": agree, "discordant": disagree,
-            "regret_pct": 100 * (pick[key] - best) / best,
-            "regret_2sigma_pct": 100 * (pick[key] - min(faster)) / min(faster) if faster else 0.0}
-
-
-def summary(results: list[dict]) -> dict:
-    """Per rank count: MAPE and max of makespan, τ over the pooled pairs, worst and mean regret, CCR errors,
-    the host's drift (probe kernel, max over min); ``adjusted``: the same against the measurements rescaled to
-    the calibration's host speed (each round × calibration probe / the probe just before it); ``best``: against
-    each candidate's fastest round (best of R, timeit's estimator: a shared host's interference only ever slows
-    a run down), the pairs' 2σ still from the rounds' spread."""
-    out = {}
-    for n in sorted({r["ranks"] for r in results}):
-        sub = [r for r in results if r["ranks"] == n]
-        ccr = [100 * (r["ring_ccr"]["predicted"] / r["ring_ccr"]["measured"] - 1) for r in sub
-               if r["ring_ccr"] and np.isfinite(r["ring_ccr"]["measured"])]
-        probes = [p for r in sub for row in r["rows"] for p in row["probe_ms"]]
-        out[str(n)] = _accuracy(sub, "error_pct", lambda r: r) | {
-            "ccr_mape_pct": float(np.mean(np.abs(ccr))) if ccr else None,
-            "ccr_max_abs_error_pct": float(np.max(np.abs(ccr))) if ccr else None,
-            "probe_ms_min": min(probes), "probe_ms_max": max(probes),
-            "adjusted": _accuracy(sub, "adjusted_error_pct", lambda r: r["adjusted"]),
-            "best": _accuracy(sub, "best_error_pct", lambda r: r["best"])}
-    return out
-
-
-def _accuracy(sub: list[dict], err_key: str, rank_of) -> dict:
-    errs = np.abs([row[err_key] for r in sub for row in r["rows"]])
-    c, d = sum(rank_of(r)["concordant"] for r in sub), sum(rank_of(r)["discordant"] for r in sub)
-    return {"pairs_run": int(len(errs)), "mape_pct": float(errs.mean()), "max_abs_error_pct": float(errs.max()),
-            "kendall_tau": (c - d) / (c + d) if c + d else None, "tau_pairs": c + d,
-            "regret_pct_max": max(rank_of(r)["regret_pct"] for r in sub),
-            "regret_pct_mean": float(np.mean([rank_of(r)["regret_pct"] for r in sub])),
-            "regret_2sigma_pct_max": max(rank_of(r)["regret_2sigma_pct"] for r in sub),
-            "regret_2sigma_pct_mean": float(np.mean([rank_of(r)["regret_2sigma_pct"] for r in sub]))}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="two workloads, 2 ranks, 2 rounds (results not written)")
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per candidate (default 3)")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds per candidate (default 5)")
+    ap.add_argument("--race-rounds", type=int, default=10,
+                    help="more interleaved rounds of the contenders and the pick, for the regret (default 10; 0: none)")
     ap.add_argument("--ranks", default="2,4", help="rank counts (default 2,4)")
     ap.add_argument("--repredict", action="store_true",
                     help="no runs: the stored measurements against this code's predictions (rewrites the results)")
@@ -301,14 +281,15 @@ def main() -> None:
     t0 = time.perf_counter()
     ranks = [int(x) for x in args.ranks.split(",")]
     plan = [(2, WORKLOADS[:2])] if args.quick else [(n, WORKLOADS) for n in ranks]
-    rounds = 2 if args.quick else args.rounds
+    rounds, race_rounds = (2, 4) if args.quick else (args.rounds, args.race_rounds)
     results = []
     with tempfile.TemporaryDirectory() as d:
         for n, wls in plan:
             for label, flags in wls:
-                results.append(run_workload(label, flags, n, rounds, Path(d)))
+                results.append(run_workload(label, flags, n, rounds, race_rounds, Path(d)))
     body = {"date": time.strftime("%Y-%m-%d"), "topology": "cpu-local", "rounds": rounds,
-            "calibration": _calibration_stamp(), "summary": summary(results), "workloads": results,
+            "race_rounds": race_rounds, "calibration": _calibration_stamp(),
+            "summary": validate_stats.summary(results), "workloads": results,
             "wall_s": time.perf_counter() - t0}
     if not args.quick:
         write_atomic(RESULTS, json.dumps(_merged(body, ranks), indent=1, default=str).encode())

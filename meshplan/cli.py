@@ -329,7 +329,7 @@ def topo_show(topo: Annotated[str, typer.Argument(help="topology file or shipped
 @topo_app.command("list")
 def topo_list() -> None:
     """List the shipped topologies."""
-    from meshplan.topology import shipped_topologies
+    from meshplan.topo_files import shipped_topologies
     sys.stdout.write("\n".join(shipped_topologies()) + "\n")
 
 
@@ -359,14 +359,20 @@ def calibrate(topo: Annotated[str, typer.Option("--topo", help="the topology to 
               memory_only: Annotated[bool, typer.Option(
                   "--memory-only", help="measure only the memory model and update it in --out (an existing "
                   "calibration file), keeping the rest")] = False,
+              refit: Annotated[bool, typer.Option(
+                  "--refit", help="measure nothing: fit every parameter again from --out's own raw measurements "
+                  "(after meshplan's fits changed) and rewrite it")] = False,
               as_json: o.Json = False) -> None:
     """Measure this host's kernels, transfers, overlap and core sharing (or, with --from-nccl-tests, fit the link
     classes from nccl-tests output); write a calibration file."""
     from meshplan import cli_calibrate
-    if from_nccl_tests and memory_only:
-        from meshplan.errors import UserError
-        raise UserError("--memory-only", "cannot be combined with --from-nccl-tests",
-                        "fit the links and measure memory in two calls")
+    from meshplan.errors import UserError
+    given = [flag for flag, on in (("--from-nccl-tests", bool(from_nccl_tests)), ("--memory-only", memory_only),
+                                   ("--refit", refit)) if on]
+    if len(given) > 1:
+        raise UserError(given[1], f"cannot be combined with {given[0]}", "run them as two calls")
+    if refit:
+        raise typer.Exit(cli_calibrate.calibrate_refit(topo, out, as_json))
     if from_nccl_tests:
         raise typer.Exit(cli_calibrate.calibrate_from_nccl_tests(topo, from_nccl_tests, out, as_json))
     if memory_only:

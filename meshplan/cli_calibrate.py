@@ -61,36 +61,65 @@ def calibrate_command(topo: str, backend: str, quick: bool, out: str, as_json: b
     return 0
 
 
-def calibrate_memory_only(topo: str, backend: str, quick: bool, out: str, as_json: bool) -> int:
-    """``--memory-only``: measure the memory model's samples again and replace ``memory`` (and ``raw.memory``) of
-    the existing calibration file ``out``, keeping everything else; print the fitted coefficients."""
-    from meshplan.calibration import CalibrationSpec, dump_yaml, load_calibration
+def calibrate_refit(topo: str, out: str, as_json: bool) -> int:
+    """``--refit``: every parameter of the calibration file ``out`` fitted again from its own ``raw`` measurements
+    (the same host facts, date and wall time), written back atomically; nothing is measured and torch is not
+    needed. For a file measured before meshplan's fits changed."""
+    from meshplan.calibration import dump_yaml, fit_calibration
     from meshplan.fileio import write_atomic
+
+    old, topology = _existing(out, topo, "--refit")
+    calib = fit_calibration(old.raw, old.device, old.name, old.wall_s, old.measured_at)
+    write_atomic(out, dump_yaml(calib).encode())
+    rows = summary(calib, topology)
+    if as_json:
+        sys.stdout.write(json.dumps({"calibration": out, "topology": topology.name, "refit": True,
+                                     "fitted": rows}, indent=1) + "\n")
+    else:
+        _print(calib, rows, out, Console(width=200 if not sys.stdout.isatty() else None))
+    return 0
+
+
+def _existing(out: str, topo: str, flag: str):
+    """(the calibration file ``out``, the topology ``topo``) for an update of ``out`` in place; refused with one
+    line when it is missing, another kind of file, or for another topology."""
+    from meshplan.calibration import CalibrationSpec, load_calibration
     from meshplan.topology import Topology
 
     if not Path(out).is_file():
-        what = "is not a file" if Path(out).exists() else "does not exist"
-        raise UserError("--out", f"{out} {what}; --memory-only updates a calibration file",
-                        "run meshplan calibrate without --memory-only first")
+        how = "is not a file" if Path(out).exists() else "does not exist"
+        raise UserError("--out", f"{out} {how}; {flag} updates a calibration file",
+                        f"run meshplan calibrate without {flag} first")
     old = load_calibration(Path(out))
     if not isinstance(old, CalibrationSpec):
-        raise UserError("--out", f"{out} is a nccl-tests calibration, which holds no memory model",
+        raise UserError("--out", f"{out} is a nccl-tests calibration, which holds no raw micro-benchmarks",
                         "give a file written by meshplan calibrate")
     topology = Topology.load(topo)
     if old.name != topology.name:
         raise UserError("--out", f"{out} calibrates {old.name}, not {topology.name}", f"pass --topo {old.name}")
+    return old, topology
+
+
+def calibrate_memory_only(topo: str, backend: str, quick: bool, out: str, as_json: bool) -> int:
+    """``--memory-only``: measure the memory model's samples again and replace ``memory`` (and ``raw.memory``) of
+    the existing calibration file ``out``, keeping everything else; print the fitted coefficients."""
+    from meshplan.calibration import CalibrationSpec, dump_yaml
+    from meshplan.fileio import write_atomic
+
+    old, topology = _existing(out, topo, "--memory-only")
     if importlib.util.find_spec("torch") is None:
         raise UserError("calibrate", "the micro-benchmarks need torch, which is not installed",
                         "install the [exec] extra: pip install -e '.[exec]'")
     import torch
 
-    from meshplan.executor.calibrate import _cpu_name, _threads, cpu_isa, memory_samples
+    from meshplan.executor.calibrate import _threads, memory_samples
+    from meshplan.executor.host import cpu_isa, cpu_name
     from meshplan.executor.launch import resolve_backend
     from meshplan.executor.memory import reuse_freed_memory
     from meshplan.memory_model import fit_memory
 
     cuda = resolve_backend(backend) == "nccl"
-    here = (torch.cuda.get_device_name(0) if cuda else None, _cpu_name(), cpu_isa())
+    here = (torch.cuda.get_device_name(0) if cuda else None, cpu_name(), cpu_isa())
     there = (old.device.gpu, old.device.cpu, old.device.isa)
     if here != there:
         raise UserError("--out", f"{out} was measured on {' / '.join(str(x) for x in there if x)}, this host is "

@@ -117,6 +117,8 @@ def print_run(meas, cmp: dict[str, Any] | None, console: Console) -> None:
         if cmp["note"]:
             mem += f"\nnote: {cmp['note']}"
     console.print(mem, soft_wrap=True)
+    from meshplan.compare import stream_cpu
+    _print_stream_cpu(stream_cpu(meas), console)
 
 
 def _print_speed(speed: dict | None, e2e: dict, console: Console) -> None:
@@ -129,6 +131,14 @@ def _print_speed(speed: dict | None, e2e: dict, console: Console) -> None:
     console.print(f"host speed: probe {speed['probe_ms']:.1f} ms, {how} at calibration "
                   f"({speed['calibrated_probe_ms']:.1f} ms); total error with that drift taken out: {_pct(adj)}",
                   soft_wrap=True)
+
+
+def _print_stream_cpu(cpu: dict[str, float] | None, console: Console) -> None:
+    """One line: each stream thread's CPU time per iteration (median over ranks)."""
+    if cpu:
+        each = ", ".join(f"{s} {fmt_seconds(v)}" for s, v in cpu.items())
+        console.print(f"thread CPU per iteration (median over ranks; the backend's own threads not counted): {each}",
+                      soft_wrap=True)
 
 
 def _pct(x) -> str:
@@ -176,3 +186,4 @@ def compare_command(schedule: str, measurement: str, topo: str | None, as_json: 
                       f"{fmt_bytes(rise['predicted_buffers_bytes'])}", soft_wrap=True)
     over = ", ".join(f"{p} {o['overhead_pct']:.1f}%" for p, o in body["executor_overhead"].items())
     console.print(f"executor overhead (makespan − critical path of measured ops): {over}")
+    _print_stream_cpu(body.get("stream_cpu_s"), console)

@@ -78,13 +78,16 @@ def compare(sched, ids: list[int], meas: MeasurementJSON, topo: str | None = Non
     return {
         "schedule": meas.schedule, "topology": topo_obj.name, "backend": meas.env.get("backend"),
         "comparable": comparable,
-        "note": "" if comparable else (f"planned for {topo_obj.name} but run with {meas.env.get('backend')}: "
-                                       "errors say nothing about the model"),
+        "note": "; ".join(x for x in (
+            "" if comparable else (f"planned for {topo_obj.name} but run with {meas.env.get('backend')}: "
+                                   "errors say nothing about the model"),
+            host_match(topo_obj, meas)) if x),
         "host_speed": speed,
         "end_to_end": _end_to_end(sched, sim, meas, speed["ratio"] if speed else None),
         "per_kind": _per_kind(sched, p_start, p_end, m_start, m_end),
         "per_step": _per_step(sched, p_end, m_end),
         "executor_overhead": executor_overhead(sched, m_start, m_end),
+        "stream_cpu_s": stream_cpu(meas),
         "peak_memory": _row({"predicted_bytes": float(peak_pred), "measured_bytes": float(meas.peak_memory_bytes)},
                             "predicted_bytes", "measured_bytes") | {"measured_kind": meas.peak_memory_kind},
         "memory_rise": _memory_rise(float(peak_pred), total_pred, topo_obj.memory_model.source, meas),
@@ -122,6 +125,33 @@ def host_speed(topo, meas: MeasurementJSON) -> dict | None:
         return None
     return {"probe_ms": float(now), "calibrated_probe_ms": calib.host_probe_ms,
             "ratio": float(now) / calib.host_probe_ms}
+
+
+def stream_cpu(meas: MeasurementJSON) -> dict[str, float] | None:
+    """Per stream, the median over ranks of the CPU seconds its thread used in one iteration
+    (``RankTimes.stream_cpu_s``); None for measurements without it. Against the measured makespan it says whether
+    a stream was busy or waiting for a core (CPU ranks sharing cores)."""
+    got = [r.stream_cpu_s for r in meas.ranks if r.stream_cpu_s]
+    if not got:
+        return None
+    return {s: float(np.median([g.get(s, 0.0) for g in got])) for s in sorted(set().union(*got))}
+
+
+def host_match(topo, meas: MeasurementJSON) -> str:
+    """'' when a CPU run's host is the one the topology's calibration was measured on (CPU name, vector unit and
+    core count; or when either side does not record them), else one line naming both: another host's kernel rates
+    (e.g. bf16 with and without native bf16 units, 20x apart) make the errors say little about the model."""
+    calib = getattr(topo, "calibration", None)
+    env = meas.env
+    if calib is None or env.get("backend") != "gloo" or not env.get("cpu") or not calib.device.cpu:
+        return ""
+    here = (env.get("cpu"), env.get("isa"), env.get("cpu_count"))
+    there = (calib.device.cpu, calib.device.isa, calib.device.cores)
+    if here == there:
+        return ""
+    name = lambda h: f"{h[0]} ({h[1]}, {h[2]} cores)"  # noqa: E731
+    return (f"the prediction uses a calibration measured on {name(there)}, this run's host is {name(here)}: "
+            "run `meshplan calibrate` on this host for a meaningful error")
 
 
 def _end_to_end(sched, sim, meas: MeasurementJSON, ratio: float | None) -> dict:

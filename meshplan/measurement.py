@@ -56,6 +56,10 @@ class RankTimes(_Strict):
         "iteration): the bytes of the tensors alive at the pass start plus how far memory rose during it — the "
         "resident set's high-water mark over the resident set at the start, the freed heap returned first (CPU, "
         "Linux), or the CUDA allocator's peak over what was allocated at the start")
+    stream_cpu_s: dict[str, NonNegativeFloat] | None = Field(
+        None, description="per stream, the CPU seconds its thread used in one iteration (all passes; the median "
+        "over the timed iterations; time.thread_time): on CPU ranks, whether a stream was slow for want of a core "
+        "or busy; the backend's own threads (gloo's) are not counted; on CUDA only the host side")
 
 
 class TensorError(_Strict):

@@ -1,8 +1,9 @@
 """Topology: devices, switches, NICs and sockets as a networkx graph of directed links.
 
 Loaded from a YAML file (:mod:`meshplan.topology_spec`), by path or by the bare name of a shipped file
-(``h100x32`` or ``h100x32.yaml``). ``gpus`` picks the device count as the CLI contract says: a multiple of
-the GPUs per node (that many nodes), or a divisor of it (placed inside one node, NUMA domain first).
+(``h100x32`` or ``h100x32.yaml``; :mod:`meshplan.topo_files`). ``gpus`` picks the device count as the CLI
+contract says: a multiple of the GPUs per node (that many nodes), or a divisor of it (placed inside one node,
+NUMA domain first).
 
 Every directed link has a usable capacity (bytes/s), a latency (s), a class (``nvlink``, ``pcie``,
 ``socket``, ``net``, ``loopback``) and a per-flow cap (bytes/s; the NIC's, on network links).
@@ -16,7 +17,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from importlib import resources
 from pathlib import Path
 
 import networkx as nx
@@ -27,10 +27,10 @@ from meshplan.errors import UserError
 from meshplan.kernels import KernelTable, load_kernel_table
 from meshplan.memory_model import DEFAULTS as MEMORY_DEFAULTS
 from meshplan.memory_model import MemorySpec
+from meshplan.topo_files import find_topology, parse_topology, place_devices
 from meshplan.topology_spec import LinkSpec, TopologySpec
 
 LINK_CLASSES = ("loopback", "nvlink", "pcie", "socket", "net")
-MAX_DEVICES = 65536
 
 
 class Topology:
@@ -40,7 +40,7 @@ class Topology:
         self.file_spec = spec                     # as written; ``spec`` has the calibration's values applied
         spec, self.calibration = calibrated(spec, source)
         self.spec, self.source, self.name = spec, source, spec.name
-        self.gpus_per_node, self.n_nodes, self.n_devices = _place(spec, gpus)
+        self.gpus_per_node, self.n_nodes, self.n_devices = place_devices(spec, gpus)
         self.graph = nx.DiGraph()
         self._links: list[tuple[str, str]] = []
         self._attrs: list[tuple[float, float, str, float]] = []
@@ -62,8 +62,8 @@ class Topology:
         Raises:
             UserError: no such file, invalid YAML or keys, or a device count the topology cannot place.
         """
-        path, text = _find(name_or_path)
-        spec = _parse(text, path)
+        path, text = find_topology(name_or_path)
+        spec = parse_topology(text, path)
         return cls(spec, gpus, source=str(path))
 
     # ---------------------------------------------------------------- building
@@ -384,65 +384,3 @@ class Topology:
     def node_symmetric(self) -> bool:
         """Whether shifting all devices by whole nodes is an automorphism (all nodes full and alike)."""
         return self.n_nodes > 1 and self.n_devices == self.n_nodes * self.gpus_per_node
-
-
-def _place(spec: TopologySpec, gpus: int | None) -> tuple[int, int, int]:
-    """(devices per node, nodes, devices) for a requested device count."""
-    node = spec.node
-    if node.gpus is None:  # a host of CPU ranks: any count up to max_ranks
-        default = node.compute_pool.cores if node.compute_pool is not None else node.max_ranks
-        n = gpus if gpus is not None else default
-        if not 1 <= n <= node.max_ranks:
-            raise UserError("--gpus", f"{spec.name} takes 1..{node.max_ranks} ranks, not {n}",
-                            f"use a rank count from 1 to {node.max_ranks}")
-        return n, 1, n
-    g = node.gpus
-    if gpus is None:
-        return g, spec.nodes, g * spec.nodes
-    if gpus > 0 and gpus % g == 0 and gpus <= MAX_DEVICES:
-        return g, gpus // g, gpus
-    if gpus > 0 and g % gpus == 0:
-        return g, 1, gpus
-    divisors = [d for d in range(1, g + 1) if g % d == 0]
-    raise UserError("--gpus", f"{gpus} GPUs cannot be placed on {spec.name} ({g} GPUs per node)",
-                    f"use a divisor of {g} ({', '.join(map(str, divisors))}) or a multiple of {g} "
-                    f"({g}, {2 * g}, {3 * g}, ...)")
-
-
-def shipped_topologies() -> list[str]:
-    """Names of the topology files shipped with the package."""
-    root = resources.files("meshplan").joinpath("topologies")
-    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml"))
-
-
-def _find(name_or_path: str) -> tuple[Path, str]:
-    path = Path(name_or_path)
-    if path.is_file():
-        return path, path.read_text()
-    stem = path.name[:-5] if path.name.endswith(".yaml") else path.name
-    shipped = resources.files("meshplan").joinpath(f"topologies/{stem}.yaml")
-    if path.parent == Path(".") or str(path.parent).endswith("topologies"):
-        if shipped.is_file():
-            return Path(str(shipped)), shipped.read_text()
-    raise UserError("--topo", f"no topology file {name_or_path!r}",
-                    f"give a path or a shipped name: {', '.join(shipped_topologies())}")
-
-
-def _parse(text: str, path: Path) -> TopologySpec:
-    import yaml
-    from pydantic import ValidationError
-
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise UserError(f"--topo {path.name}", f"invalid YAML{where}", "fix the file's syntax") from None
-    try:
-        return TopologySpec.model_validate(raw)
-    except ValidationError as err:
-        first = err.errors()[0]
-        loc = ".".join(str(p) for p in first["loc"] if not str(p).startswith(("function-", "tagged-union")))
-        msg = first["msg"].replace("Extra inputs are not permitted", "unknown key")
-        fix = "remove or correct it" if first["type"] == "extra_forbidden" else "see the shipped topologies"
-        raise UserError(f"{path.name}: {loc}", msg, fix) from None

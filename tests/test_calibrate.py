@@ -185,6 +185,24 @@ def test_cli_refusals_are_one_line(tmp_path, monkeypatch):
     assert not (tmp_path / "c.yaml").exists()
 
 
+def test_refit_fits_the_files_raw_data_again(tmp_path, calib):
+    """--refit rewrites a file's fitted values from its raw measurements (here: a hand-edited launch, κ and pool),
+    measuring nothing; a missing file and two modes at once are refused in one line."""
+    body = yaml.safe_load(dump_yaml(calib))
+    body["kernel"]["launch_us"] = 999.0
+    body["overlap_kappa"]["loopback"] = 0.9
+    body["compute_pool"]["capacity_ranks"] = 7.0
+    out = tmp_path / "old.yaml"
+    out.write_text(yaml.safe_dump(body))
+    r = _cli("calibrate", "--refit", "--out", out, "--json")
+    assert r.exit_code == 0, r.stderr
+    assert load_calibration(out) == calib and json.loads(r.stdout)["refit"] is True
+    for args in (["--refit", "--out", tmp_path / "none.yaml"], ["--refit", "--memory-only", "--out", out]):
+        r = _cli("calibrate", *args)
+        assert r.exit_code == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "--refit" in r.stderr and "--memory-only" in r.stderr
+
+
 @pytest.mark.timeout(120)
 def test_calibrate_quick_end_to_end(tmp_path):
     out = tmp_path / "cal.yaml"

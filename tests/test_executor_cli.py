@@ -122,6 +122,11 @@ def test_run_then_compare_writes_the_contracts_files(ring2, tmp_path):
     rise = body["memory_rise"]                   # the process's RSS rise: the buffers are a lower bound of it
     assert rise["kind"] == "rss" and rise["measured_rise_bytes"] >= rise["predicted_buffers_bytes"] > 0
     assert rise["measured_rise_bytes"] == max(r["peak_rise_bytes"] for r in meas["ranks"])
+    assert meas["env"]["cpu"] and meas["env"]["isa"]                    # the host, for the calibration's match
+    cpu = meas["ranks"][0]["stream_cpu_s"]                             # each stream thread's CPU per iteration
+    assert set(cpu) == {s["name"] for s in json.loads(ring2.read_text())["streams"]} and cpu["compute"] > 0
+    assert body["stream_cpu_s"] == pytest.approx({s: float(np.median([r["stream_cpu_s"][s] for r in meas["ranks"]]))
+                                                  for s in cpu})
     probe, speed = meas["env"]["probe_ms"], body["host_speed"]        # the host-speed probe against calibration's
     from meshplan.topology import Topology
     calibrated = Topology.load("cpu-local").calibration.host_probe_ms
@@ -129,6 +134,26 @@ def test_run_then_compare_writes_the_contracts_files(ring2, tmp_path):
     tot = body["end_to_end"]["total"]
     assert tot["speed_adjusted_error_pct"] == pytest.approx(
         100 * (tot["predicted_s"] * speed["ratio"] / tot["measured_s"] - 1))
+
+
+def test_compare_notes_a_calibration_from_another_host():
+    """A CPU run on a host other than the calibration's (CPU, vector unit, cores) gets a one-line note; the same
+    host, a GPU run or a run that does not record its host get none."""
+    from types import SimpleNamespace
+
+    from meshplan.compare import host_match
+    from meshplan.topology import Topology
+
+    topo = Topology.load("cpu-local")
+    dev = topo.calibration.device
+    env = {"backend": "gloo", "cpu": dev.cpu, "isa": dev.isa, "cpu_count": dev.cores}
+    assert host_match(topo, SimpleNamespace(env=env)) == ""
+    other = SimpleNamespace(env=env | {"isa": "amx", "cpu_count": 64})
+    note = host_match(topo, other)
+    assert f"measured on {dev.cpu} ({dev.isa}, {dev.cores} cores)" in note and "(amx, 64 cores)" in note
+    assert "meshplan calibrate" in note and "\n" not in note
+    assert host_match(topo, SimpleNamespace(env=env | {"cpu": None, "isa": "amx"})) == ""
+    assert host_match(topo, SimpleNamespace(env=env | {"backend": "nccl", "isa": "amx"})) == ""
 
 
 def test_transfer_spans_count_from_when_both_sides_posted(ring2):

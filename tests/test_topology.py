@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from meshplan.errors import UserError
-from meshplan.topology import Topology, shipped_topologies
+from meshplan.topo_files import shipped_topologies
+from meshplan.topology import Topology
 
 ISSUE_FILES = {"h100x16", "h100x32", "dgx-h100", "h20x16", "l20x8", "a100x8", "h200x8", "cpu-local", "h100x8"}
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-import platform
 import sys
 import time
 from contextlib import contextmanager
@@ -37,6 +36,7 @@ import numpy as np
 import torch
 
 from meshplan.blockmask import KeyRanges
+from meshplan.executor.host import cpu_isa, cpu_name
 from meshplan.executor.kernels import TORCH_DTYPE, block_backward, block_backward_from_out, block_forward
 from meshplan.executor.launch import resolve_backend
 from meshplan.executor.memory import reuse_freed_memory
@@ -126,7 +126,7 @@ def measure(backend: str = "auto", quick: bool = False, link_class: str | None =
     if others is not None and others > 0.1:
         log(f"warning: other processes kept {others:.2f} cores busy during the run; the numbers are noisy, "
             "calibrate again on an idle host")
-    facts = {"cpu": _cpu_name(), "isa": cpu_isa(), "cores": os.cpu_count() or 1,
+    facts = {"cpu": cpu_name(), "isa": cpu_isa(), "cores": os.cpu_count() or 1,
              "gpu": torch.cuda.get_device_name(0) if cuda else None,
              "torch": torch.__version__, "backend": sweep.backend, "threads_per_rank": 1, "load_1min": load,
              "others_busy_cores": others}
@@ -273,19 +273,6 @@ def _head_dim_kernels(sweep: Sweep, device) -> list:
     return rows
 
 
-def cpu_isa() -> str | None:
-    """The CPU's widest vector unit as torch sees it (``amx``, ``avx512_bf16``, ``avx512``, ``avx2``, or
-    torch's own name), which decides how fast half-precision kernels run; None on CUDA-only probes."""
-    try:
-        if torch.cpu._is_amx_tile_supported():
-            return "amx"
-        if torch.cpu._is_avx512_bf16_supported():
-            return "avx512_bf16"
-    except AttributeError:
-        pass
-    return torch.backends.cpu.get_cpu_capability().lower()
-
-
 def _dtype_kernels(sweep: Sweep, device) -> list:
     """(dtype, s, seconds, seconds in the sweep's dtype) of s × s forward + backward in the other dtypes."""
     rows, scale = [], sweep.head_dim ** -0.5
@@ -346,13 +333,3 @@ def _merges(sweep: Sweep, device) -> list:
         t = _time(lambda: combine("merge", views, part, tokens), device, sweep)  # noqa: B023
         rows.append((3 * b * h * s * (d * elem + 4), t))
     return rows
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()

@@ -48,6 +48,7 @@ class PassRunner:
         self.by_id = {op.id: op for us in self.units.values() for u in us for op in u}
         self.done = {i: threading.Event() for i in self.by_id}
         self.times: dict[int, tuple[int, int]] = {}
+        self.cpu_s: dict[str, float] = {}          # per stream thread: CPU seconds in this pass (thread_time)
         self.error: BaseException | None = None
         self._lock = threading.Lock()
         self._comm = {s.name: s.communicator for s in prog.doc.streams}
@@ -86,6 +87,7 @@ class PassRunner:
         return self.times
 
     def _worker(self, stream: str, units: list[list]) -> None:
+        cpu0 = time.thread_time()
         try:
             for unit in units:
                 self._wait_deps(unit)
@@ -103,6 +105,7 @@ class PassRunner:
                 for op in unit:
                     self.times[op.id] = (start - self.t0, end - self.t0)
                     self._ended(op.id)
+            self.cpu_s[stream] = time.thread_time() - cpu0
         except BaseException as err:  # noqa: BLE001 - reported by run() in the main thread
             with self._lock:
                 if self.error is None:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from meshplan.executor.data import Inputs, attention_rows, load_inputs, make_inputs
+from meshplan.executor.host import cpu_isa, cpu_name
 from meshplan.executor.kernels import TORCH_DTYPE, row_delta
 from meshplan.executor.memory import memory_mark, memory_top, reuse_freed_memory
 from meshplan.executor.numerics import assemble, dump, judge, local_results
@@ -77,12 +78,12 @@ def rank_main(rank: int, world: int, jobs: list[tuple[Program, RunConfig]]) -> l
 
 
 def _one_iteration(prog: Program, rank: int, cfg: RunConfig, groups, inputs: Inputs, device, memory: bool = False):
-    """Every pass once: (stores, pass -> (start ns, op times), pass -> (memory rise, peak) in bytes). With
-    ``memory`` each pass starts from a trimmed heap with the high-water mark reset (the CUDA allocator's peak
-    reset) once its start tensors exist; its rise is their bytes plus how far the rank's memory rose during the
-    pass (what the memory model predicts: the schedule's buffers from the pass start on, with the workspace), its
-    peak the high-water mark (None where they cannot be read); that costs page faults, so it is an extra,
-    untimed iteration."""
+    """Every pass once: (stores, pass -> (start ns, op times, stream -> thread CPU s), pass -> (memory rise, peak)
+    in bytes). With ``memory`` each pass starts from a trimmed heap with the high-water mark reset (the CUDA
+    allocator's peak reset) once its start tensors exist; its rise is their bytes plus how far the rank's memory
+    rose during the pass (what the memory model predicts: the schedule's buffers from the pass start on, with the
+    workspace), its peak the high-water mark (None where they cannot be read); that costs page faults, so it is
+    an extra, untimed iteration."""
     stores, passes, rises = {}, {}, {}
     for p in prog.passes:
         stores[p] = Store(device)
@@ -93,7 +94,7 @@ def _one_iteration(prog: Program, rank: int, cfg: RunConfig, groups, inputs: Inp
         base = memory_mark(device) if memory else None
         dist.barrier()                              # every rank starts the pass together
         got = runner.run()
-        passes[p] = (runner.t0, got)
+        passes[p] = (runner.t0, got, runner.cpu_s)
         if memory:
             top = memory_top(device)
             rises[p] = (None, top) if base is None or top is None else (held + max(int(top) - int(base), 0),
@@ -109,7 +110,7 @@ def _iterate(rank, world, prog: Program, cfg: RunConfig, groups, inputs: Inputs,
     peak = 0
     stores: dict[str, Store] = {}
     probes: list[float] = []
-    raw: list[dict[str, tuple[int, dict]]] = []      # per timed iteration: pass -> (pass start ns, op times)
+    raw: list[dict[str, tuple[int, dict, dict]]] = []   # per timed iteration: pass -> (start ns, op times, stream CPU)
     for it in range(cfg.warmup + cfg.iters):
         if it >= cfg.warmup and rank == 0:          # the host's speed now (the others wait in the pass barrier)
             probes.append(probe_ms(device))
@@ -123,7 +124,7 @@ def _iterate(rank, world, prog: Program, cfg: RunConfig, groups, inputs: Inputs,
         stores, _, rises = _one_iteration(prog, rank, cfg, groups, inputs, device, memory=True)   # untimed
     for passes, shift in zip(raw, _clock_offsets(raw, prog.passes, world, device)):
         times, spans = {}, {}
-        for p, (_, got) in passes.items():
+        for p, (_, got, _) in passes.items():
             times.update({i: (s + shift[p], e + shift[p]) for i, (s, e) in got.items()})
             spans[p] = max((e for _, e in got.values()), default=0) + shift[p]
         per_iter.append(times)
@@ -137,7 +138,7 @@ def _iterate(rank, world, prog: Program, cfg: RunConfig, groups, inputs: Inputs,
         peak = max([peak] + [top for _, top in rises.values() if top is not None])
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
     mine = {"rank": rank, "ops": _medians(per_iter), "peak_memory_bytes": int(peak), "peak_rss_bytes": int(rss),
-            "peak_rise_bytes": rise}
+            "peak_rise_bytes": rise, "stream_cpu_s": _stream_cpu(raw)}
     pieces = local_results(prog, rank, stores, TORCH_DTYPE[prog.workload.dtype]) if cfg.check or cfg.dump_dir else []
     gathered = [None] * world if rank == 0 else None
     dist.gather_object((mine, pieces), gathered, dst=0)
@@ -219,6 +220,20 @@ def _medians(per_iter: list[dict[int, tuple[int, int]]]) -> list[dict]:
     return out
 
 
+def _stream_cpu(raw: list[dict]) -> dict[str, float] | None:
+    """Per stream, the CPU seconds its thread used in one timed iteration (all passes), the median over them."""
+    per_iter = []
+    for passes in raw:
+        total: dict[str, float] = {}
+        for _, _, cpu in passes.values():
+            for stream, sec in cpu.items():
+                total[stream] = total.get(stream, 0.0) + sec
+        per_iter.append(total)
+    if not per_iter:
+        return None
+    return {s: float(np.median([it.get(s, 0.0) for it in per_iter])) for s in sorted(set().union(*per_iter))}
+
+
 def _spread(x: np.ndarray) -> dict:
     return {"min_s": float(x.min()), "p25_s": float(np.percentile(x, 25)), "p75_s": float(np.percentile(x, 75)),
             "max_s": float(x.max())}
@@ -262,5 +277,5 @@ def _env(cfg: RunConfig, device, world: int) -> dict:
         has_flash = False
     return {"torch": torch.__version__, "python": platform.python_version(), "backend": cfg.backend,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-            "host": socket.gethostname(), "cpu_count": os.cpu_count(), "world_size": world,
-            "threads_per_rank": torch.get_num_threads(), "flash_attn": has_flash}
+            "host": socket.gethostname(), "cpu": cpu_name(), "isa": cpu_isa(), "cpu_count": os.cpu_count(),
+            "world_size": world, "threads_per_rank": torch.get_num_threads(), "flash_attn": has_flash}
