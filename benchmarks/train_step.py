@@ -90,16 +90,18 @@ def rank_step(rank: int, world: int, payload: dict) -> dict | None:
         dist.all_reduce(total)
         for p in model.parameters():
             dist.all_reduce(p.grad)
-        if rank != 0:
-            return None
-        ref = copy.deepcopy(model).double()
-        ref.zero_grad()
-        ref_loss = F.cross_entropy(ref(tokens, positions, sdpa_causal).flatten(0, 1), targets.flatten(),
-                                   ignore_index=-100)
-        ref_loss.backward()
-        grads = {name: (float((p.grad.double() - r.grad).abs().max()), float(r.grad.abs().max()))
-                 for (name, p), r in zip(model.named_parameters(), ref.parameters())}
-        return {"loss": total.item(), "ref_loss": ref_loss.item(), "grads": grads}
+        result = None
+        if rank == 0:
+            ref = copy.deepcopy(model).double()
+            ref.zero_grad()
+            ref_loss = F.cross_entropy(ref(tokens, positions, sdpa_causal).flatten(0, 1), targets.flatten(),
+                                       ignore_index=-100)
+            ref_loss.backward()
+            grads = {name: (float((p.grad.double() - r.grad).abs().max()), float(r.grad.abs().max()))
+                     for (name, p), r in zip(model.named_parameters(), ref.parameters())}
+            result = {"loss": total.item(), "ref_loss": ref_loss.item(), "grads": grads}
+        dist.barrier()           # tear the process group down together, not while rank 0 still computes
+        return result
     finally:
         dist.destroy_process_group()
 

@@ -297,15 +297,16 @@ def main() -> None:
 
 
 def _merged(body: dict, ranks: list[int]) -> dict:
-    """``body`` with the previous results file's rank counts that this run did not measure (same calibration and
-    rounds only), so ``--ranks 2`` and ``--ranks 4`` can run apart; their dates are kept per rank count."""
+    """``body`` with the previous results file's rank counts that this run did not measure (same calibration,
+    rounds and race rounds only), so ``--ranks 2`` and ``--ranks 4`` can run apart; their dates are kept per rank
+    count."""
     body["dates"] = {str(n): body["date"] for n in ranks}
     body["walls_s"] = {str(n): body["wall_s"] / len(ranks) for n in ranks}
     try:
         old = json.loads(RESULTS.read_text())
     except (OSError, ValueError):
         return body
-    if old.get("calibration") != body["calibration"] or old.get("rounds") != body["rounds"]:
+    if any(old.get(k) != body[k] for k in ("calibration", "rounds", "race_rounds")):
         return body
     for n, s in old.get("summary", {}).items():
         if int(n) not in ranks:

@@ -189,7 +189,13 @@ def test_example_train_step_matches_single_process(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH))          # the spawned ranks import train_step too
     import train_step
 
-    res = train_step.train_step("mesh", 4)
+    for attempt in (1, 2):     # one more try on a native teardown crash only, as _spawn does
+        try:
+            res = train_step.train_step("mesh", 4)
+            break
+        except RunFailed as err:
+            if attempt == 2 or "exited without a reason" not in str(err):
+                raise
     assert res["loss_rel_err"] <= train_step.LOSS_RTOL
     bad = {n: e for n, e in res["grads"].items() if e[0] > train_step.GRAD_RTOL * e[1]}
     assert not bad and res["ok"], f"gradients off: {bad}"
