@@ -141,8 +141,9 @@ def block_validate_cpu(r) -> str:
         tail += ("Ring's CCR (zigzag, forward) predicted vs measured from a `--serialize` run, transfers counted "
                  "from when both sides had posted: " + "; ".join(ccr) + ".")
     race = _validate_race(v)
+    again = f"; predictions re-computed {v['repredicted']} with `--repredict`" if v.get("repredicted") else ""
     return (f"`python benchmarks/validate_cpu.py` ({v['date']}, {v['rounds']} interleaved rounds per candidate, "
-            f"{v['wall_s'] / 60:.0f} min):\n\n" + "\n".join(lines) + "\n" + tail + "\n\n" + race
+            f"{v['wall_s'] / 60:.0f} min{again}):\n\n" + "\n".join(lines) + "\n" + tail + "\n\n" + race
             + "\n".join(spread) + "\n")
 
 

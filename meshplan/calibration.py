@@ -107,6 +107,10 @@ class Raw(_Strict):
     dtype_kernels: list[tuple[Literal["bf16", "fp16", "fp32"], PositiveInt, PositiveFloat, PositiveFloat]] = Field(
         [], description="(dtype, s, seconds in that dtype, seconds in raw.dtype) of an s x s forward + backward "
         "attention kernel: the attention-equivalent peak of another dtype is the raw.dtype peak x the time ratio")
+    dtype_sweep: list[tuple[Literal["bf16", "fp16", "fp32"], Literal["fwd", "bwd"], PositiveInt, PositiveFloat,
+                            PositiveFloat]] = Field(
+        [], description="(dtype, pass, s, seconds in that dtype, seconds in raw.dtype) of an s x s kernel over a "
+        "sweep of sizes: the kernel table's dtype multipliers by size (dtype_fwd, dtype_bwd)")
     recurrence: list[tuple[PositiveInt, PositiveFloat, PositiveFloat]] = Field(
         [], description="(s, seconds of the backward from D (CPU: flash with a surrogate O; CUDA: the fp32 "
         "recurrence), seconds of the flash backward from O) of an s x s block: the kernel table's "
@@ -176,7 +180,8 @@ def fit_calibration(raw: Raw, device: HostFacts, name: str, wall_s: float = 0.0,
         raise ValueError(f"need {raw.dtype} and fp32 matmul timings")
     launch_s = _r(float(np.median(raw.launch_s)) * 1e6) * 1e-6     # as written, so the table fits the file's peak
     peak = _r(peaks[raw.dtype] / 1e12) * 1e12                       # and launch exactly
-    kernel = _kernel_table(raw, peak, launch_s)
+    kernel = _kernel_table(raw, peak, launch_s, {dt: _r(peaks[dt] / 1e12) / _r(peaks[raw.dtype] / 1e12)
+                                                 for dt in peaks})
     merge_rate = fit.fit_throughput([b for b, _ in raw.merges], [t for _, t in raw.merges])
     body = {"name": name, "device": device, "measured_at": measured_at or datetime.date.today(),
             "wall_s": round(wall_s, 1), "peak_bf16_tflops": _r(peaks["bf16"] / 1e12),
@@ -216,7 +221,7 @@ def fit_calibration(raw: Raw, device: HostFacts, name: str, wall_s: float = 0.0,
     return CalibrationSpec.model_validate(body)
 
 
-def _kernel_table(raw: Raw, peak: float, launch_s: float) -> KernelTableSpec:
+def _kernel_table(raw: Raw, peak: float, launch_s: float, peak_ratios: dict[str, float]) -> KernelTableSpec:
     tables = {}
     for p in ("fwd", "bwd"):
         full = [s for s in raw.kernels if s.pass_ == p and not s.causal]
@@ -239,6 +244,7 @@ def _kernel_table(raw: Raw, peak: float, launch_s: float) -> KernelTableSpec:
         "FLOPs / ((time − launch) · peak), symmetric (a cell and its mirror share their mean time)",
         launch_us=_r(launch_s * 1e6), tokens=tokens, fwd=_table(tables["fwd"]), bwd=_table(tables["bwd"]),
         elementwise_factor=_r(ratio), elementwise=by_size, **_head_dim_factors(raw, peak, launch_s),
+        **_dtype_factors(raw, peak_ratios),
         bwd_delta_factor=max(1.0, _r(float(np.median([a / b for _, a, b in raw.recurrence])))) if raw.recurrence
         else 1.0)
 
@@ -258,6 +264,24 @@ def _head_dim_factors(raw: Raw, peak: float, launch_s: float) -> dict:
     for p in ("fwd", "bwd"):
         out[f"head_dim_{p}"] = [_r(float(np.median([eff[(p, d, s)] / eff[(p, d0, s)] for q, dd, s, *_ in rows
                                                      if q == p and dd == d and (p, d0, s) in eff]))) for d in dims]
+    return out
+
+
+def _dtype_factors(raw: Raw, peak_ratios: dict[str, float]) -> dict:
+    """``dtype_tokens``, ``dtype_fwd``, ``dtype_bwd`` of the kernel table: per dtype, pass and size, the median of
+    (seconds in raw.dtype / seconds in that dtype) over that dtype's peak ratio, so ``peak × e × multiplier``
+    gives the measured time at that size; {} without sweep samples."""
+    rows = [r for r in raw.dtype_sweep if r[0] != raw.dtype and r[0] in peak_ratios]
+    sizes = sorted({s for _, _, s, _, _ in rows})
+    if not rows:
+        return {}
+    out: dict = {"dtype_tokens": sizes, "dtype_fwd": {}, "dtype_bwd": {}}
+    for dt in sorted({r[0] for r in rows}):
+        for p in ("fwd", "bwd"):
+            got = [[t_ref / t for d, q, s, t, t_ref in rows if (d, q, s) == (dt, p, size)] for size in sizes]
+            if any(not g for g in got):
+                raise ValueError(f"dtype sweep: {dt} {p} lacks a size of {sizes}")
+            out[f"dtype_{p}"][dt] = [_r(float(np.median(g)) / peak_ratios[dt]) for g in got]
     return out
 
 

@@ -84,7 +84,7 @@ class CostModel:
                      head_dim: int | None = None) -> np.ndarray:
         """Kernel time of attention ops (vectorised): launch + FLOPs / (peak · efficiency). Zero FLOPs -> 0."""
         flops = np.asarray(flops, dtype=np.float64)
-        eff = self.kernel.efficiency(s_q, s_kv, pass_, elementwise, head_dim)
+        eff = self.kernel.efficiency(s_q, s_kv, pass_, elementwise, head_dim, dtype=dtype)
         t = self.kernel.launch_s + flops / (self.topo.peak_flops(dtype) * eff)
         return np.where(flops > 0, t, 0.0)
 
@@ -105,7 +105,8 @@ class CostModel:
             vq, cq = _codes(m.s_q)
             vk, ck = _codes(m.s_kv)
             grid = self.kernel.efficiency(vq[:, None, None] * grow, vk[None, :, None] * grow, pass_,
-                                          np.array([False, True])[None, None, :], m.workload.head_dim, envelope)
+                                          np.array([False, True])[None, None, :], m.workload.head_dim, envelope,
+                                          dtype=m.workload.dtype)
             eff = grid[cq, ck, m.elementwise.astype(np.int64)]
             flops = m.flops(pass_)
             t = self.kernel.launch_s + flops / (self.topo.peak_flops(m.workload.dtype) * eff)
@@ -130,7 +131,7 @@ class CostModel:
         by_block[ops] = _runs_by_block(sched, m, ops)
         grow = np.where(by_block[op_of], 1.0, np.sqrt(np.diff(o.qc_ptr) * np.diff(o.kvc_ptr))[op_of])
         eff = self.kernel.efficiency(m.s_q[qi, kj] * grow, m.s_kv[qi, kj] * grow, pass_, m.elementwise[qi, kj],
-                                     sched.workload.head_dim)
+                                     sched.workload.head_dim, dtype=sched.workload.dtype)
         flops = m.flops(pass_)[qi, kj]
         t = flops * heads / (self.topo.peak_flops(sched.workload.dtype) * eff)
         total, launches = np.zeros(len(o)), np.zeros(len(o))

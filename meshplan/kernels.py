@@ -53,6 +53,26 @@ class KernelTableSpec(BaseModel):
         None, description="forward efficiency multiplier at each of head_dims (1 at the dim the tables were timed at)")
     head_dim_bwd: list[Annotated[float, Field(gt=0)]] | None = Field(
         None, description="backward efficiency multiplier at each of head_dims")
+    dtype_tokens: list[PositiveInt] | None = Field(
+        None, description="kernel sizes (s × s) of dtype_fwd / dtype_bwd, ascending")
+    dtype_fwd: dict[str, list[Annotated[float, Field(gt=0)]]] | None = Field(
+        None, description="per dtype other than the tables', the forward efficiency multiplier at each of "
+        "dtype_tokens (at √(s_q·s_kv), linear in log2 between, the edge value outside), relative to that dtype's "
+        "peak: its measured speed over the tables' dtype at that size divided by the peaks' ratio (a CPU's bf16 "
+        "kernels are not uniformly faster than fp32: slower on small blocks, faster on large backward ones)")
+    dtype_bwd: dict[str, list[Annotated[float, Field(gt=0)]]] | None = Field(
+        None, description="per dtype, the backward efficiency multiplier at each of dtype_tokens")
+
+    def _dtype_shapes(self) -> None:
+        sizes, tables = self.dtype_tokens, (self.dtype_fwd, self.dtype_bwd)
+        if (sizes is None) != (tables[0] is None) or (sizes is None) != (tables[1] is None):
+            raise ValueError("give dtype_tokens, dtype_fwd and dtype_bwd together")
+        if sizes is None:
+            return
+        if any(b <= a for a, b in zip(sizes, sizes[1:])):
+            raise ValueError("dtype_tokens must be ascending")
+        if any(len(v) != len(sizes) for t in tables for v in t.values()):
+            raise ValueError(f"dtype_fwd and dtype_bwd need {len(sizes)} values per dtype (one per dtype_tokens)")
 
     @model_validator(mode="after")
     def _shapes(self) -> KernelTableSpec:
@@ -67,6 +87,7 @@ class KernelTableSpec(BaseModel):
             raise ValueError("give exactly one of bwd (a table) or bwd_factor")
         if self.elementwise is not None and len(self.elementwise) != n:
             raise ValueError(f"elementwise needs {n} values (one per tokens entry)")
+        self._dtype_shapes()
         dims = self.head_dims
         given = [x is not None for x in (dims, self.head_dim_fwd, self.head_dim_bwd)]
         if any(given) and not all(given):
@@ -98,14 +119,15 @@ class KernelTable:
             np.maximum.accumulate(np.asarray(spec.elementwise, dtype=np.float64))
 
     def efficiency(self, s_q, s_kv, pass_: str, elementwise, head_dim: int | None = None,
-                   envelope: bool = False) -> np.ndarray:
+                   envelope: bool = False, dtype: str | None = None) -> np.ndarray:
         """Efficiency for kernels of shape (s_q, s_kv) tokens (arrays broadcast) and head dim ``head_dim``.
 
         ``e = table(s_q, s_kv) · f(D)``, f the table's head-dim multiplier, linear in log2 D between its dims and
         the edge value outside (1 without one: the tables then hold for any D). A symmetric table gives
         bit-identical results for (a, b) and (b, a), which the simulator's symmetry reduction relies on.
         ``envelope``: the largest efficiency at (s_q, s_kv) or any smaller shape (monotone in both sizes), so
-        a bound taken at the largest shape a kernel can have holds for every smaller one.
+        a bound taken at the largest shape a kernel can have holds for every smaller one. ``dtype``: times the
+        table's multiplier for that dtype by size (:meth:`dtype_factor`; 1 for the tables' own dtype).
         """
         s_q = np.asarray(s_q, dtype=np.float64)
         s_kv = np.asarray(s_kv, dtype=np.float64)
@@ -113,7 +135,21 @@ class KernelTable:
             s_q, s_kv = np.minimum(s_q, s_kv), np.maximum(s_q, s_kv)
         tables = self._envelopes if envelope else self._tables
         e = self._bilinear(tables[pass_], s_q, s_kv) * self.head_dim_factor(head_dim, pass_)
+        e = e * self.dtype_factor(dtype, pass_, s_q, s_kv, envelope)
         return np.where(np.asarray(elementwise, dtype=bool), e * self._masked(s_q, s_kv, envelope), e)
+
+    def dtype_factor(self, dtype: str | None, pass_: str, s_q, s_kv, envelope: bool = False):
+        """The efficiency multiplier of ``dtype`` kernels at (s_q, s_kv), by √(s_q·s_kv) (1 for a dtype without
+        one); with ``envelope`` the largest at that size or any smaller one."""
+        spec = self.spec
+        table = (spec.dtype_fwd if pass_ == "fwd" else spec.dtype_bwd) or {}
+        if dtype not in table:
+            return 1.0
+        values = np.asarray(table[dtype], dtype=np.float64)
+        if envelope:
+            values = np.maximum.accumulate(values)
+        size = 0.5 * (np.log2(np.maximum(s_q, 1.0)) + np.log2(np.maximum(s_kv, 1.0)))
+        return np.interp(size, np.log2(spec.dtype_tokens), values)
 
     def _masked(self, s_q: np.ndarray, s_kv: np.ndarray, envelope: bool = False):
         """The elementwise multiplier at kernels of (s_q, s_kv) tokens (symmetric: by √(s_q·s_kv))."""

@@ -54,6 +54,7 @@ class Sweep:
     dtype: str = "fp32"                         # CPU: the dtype the executor computes in (kernels.compute_dtype)
     head_dims: tuple[int, ...] = (32, 64, 128)  # the head-dim multiplier's dims (head_dim among them)
     head_dim_tokens: tuple[int, ...] = (512, 2048)
+    dtype_tokens: tuple[int, ...] = (128, 256, 512, 1024, 2048)   # the dtype multipliers' sizes (s × s)
     samples: int = 5
     min_sample_s: float = 0.005
     gemm_n: int = 2048
@@ -70,7 +71,8 @@ class Sweep:
 FULL = Sweep()
 QUICK = Sweep(tokens=(64, 256), samples=2, gemm_n=512, merge_tokens=(256, 1024),
               p2p_sizes=(4096, 65536, 1 << 20, 4 << 20), overlap_tokens=256, overlap_msg_bytes=1 << 20,
-              sharing_tokens=256, sharing_ranks=(1, 2), head_dims=(64, 128), head_dim_tokens=(256,))
+              sharing_tokens=256, sharing_ranks=(1, 2), head_dims=(64, 128), head_dim_tokens=(256,),
+              dtype_tokens=(64, 256))
 GPU = replace(FULL, tokens=tuple(256 << k for k in range(7)), heads=32, head_dim=128, gemm_n=8192,   # untested here
               dtype="bf16", head_dims=(64, 128, 256), head_dim_tokens=(1024, 8192),
               merge_tokens=(1024, 4096, 16384), p2p_sizes=tuple(1 << k for k in range(10, 29, 2)), overlap_tokens=16384,
@@ -105,7 +107,7 @@ def measure(backend: str = "auto", quick: bool = False, link_class: str | None =
         probes.append(probe_ms(device))
         raw = {"dtype": sweep.dtype, "gemm": _gemm(sweep, device), "launch_s": _launch(sweep, device),
                "kernels": _kernels(sweep, device, probes), "head_dim_kernels": _head_dim_kernels(sweep, device),
-               "dtype_kernels": _dtype_kernels(sweep, device),
+               "dtype_kernels": _dtype_kernels(sweep, device), "dtype_sweep": dtype_sweep(sweep, device),
                "recurrence": _recurrence(sweep, device),
                "merges": _merges(sweep, device), "memory": memory_samples(device, quick)}
         probes.append(probe_ms(device))
@@ -289,6 +291,28 @@ def _dtype_kernels(sweep: Sweep, device) -> list:
         rows += [(name, s, times[name], times[sweep.dtype]) for name in others]
         log(f"attention {s}x{s}: " + ", ".join(f"{n} {times[sweep.dtype] / times[n]:.2f}x {sweep.dtype}"
                                                for n in others))
+    return rows
+
+
+def dtype_sweep(sweep: Sweep, device) -> list:
+    """(dtype, pass, s, seconds, seconds in the sweep's dtype) of s × s forward and backward kernels in the other
+    dtypes, for s in ``sweep.dtype_tokens``: how a dtype's speed over the sweep's varies with the block size."""
+    rows, scale = [], sweep.head_dim ** -0.5
+    others = tuple(d for d in ("bf16", "fp16", "fp32") if d != sweep.dtype)
+    for s in sweep.dtype_tokens:
+        times = {}
+        for name in (sweep.dtype, *others):
+            q, k, v = qkv(replace(sweep, dtype=name), s, s, device)
+            o, lse = block_forward(q, k, v, scale, None)
+            do = torch.randn_like(q)
+            times[name] = (_time(lambda: block_forward(q, k, v, scale, None), device, sweep),            # noqa: B023
+                           _time(lambda: block_backward_from_out(q, k, v, o, do, lse, scale, None),    # noqa: B023
+                                 device, sweep))
+        for name in others:
+            rows += [(name, p, s, times[name][i], times[sweep.dtype][i]) for i, p in enumerate(("fwd", "bwd"))]
+        log(f"dtypes {s}x{s}: " + ", ".join(f"{n} fwd {times[sweep.dtype][0] / times[n][0]:.2f}x, bwd "
+                                            f"{times[sweep.dtype][1] / times[n][1]:.2f}x {sweep.dtype}"
+                                            for n in others))
     return rows
 
 

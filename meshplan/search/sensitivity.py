@@ -106,8 +106,8 @@ class _ScaledKernel:
         self.spec, self.launch_s = base.spec, base.launch_s
 
     def efficiency(self, s_q, s_kv, pass_: str, elementwise, head_dim: int | None = None,
-                   envelope: bool = False) -> np.ndarray:
-        return self._base.efficiency(s_q, s_kv, pass_, elementwise, head_dim, envelope) * self._factor[pass_]
+                   envelope: bool = False, dtype: str | None = None) -> np.ndarray:
+        return self._base.efficiency(s_q, s_kv, pass_, elementwise, head_dim, envelope, dtype) * self._factor[pass_]
 
     def __getattr__(self, name: str):
         return getattr(self._base, name)
