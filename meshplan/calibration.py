@@ -20,6 +20,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, PositiveInt
 
 from meshplan import fit
+from meshplan.calibration_kernel import fitted as _r
+from meshplan.calibration_kernel import kernel_table
 from meshplan.errors import UserError
 from meshplan.kernels import KernelTableSpec
 from meshplan.memory_model import MemorySample, MemorySpec, fit_memory
@@ -180,7 +182,7 @@ def fit_calibration(raw: Raw, device: HostFacts, name: str, wall_s: float = 0.0,
         raise ValueError(f"need {raw.dtype} and fp32 matmul timings")
     launch_s = _r(float(np.median(raw.launch_s)) * 1e6) * 1e-6     # as written, so the table fits the file's peak
     peak = _r(peaks[raw.dtype] / 1e12) * 1e12                       # and launch exactly
-    kernel = _kernel_table(raw, peak, launch_s, {dt: _r(peaks[dt] / 1e12) / _r(peaks[raw.dtype] / 1e12)
+    kernel = kernel_table(raw, peak, launch_s, {dt: _r(peaks[dt] / 1e12) / _r(peaks[raw.dtype] / 1e12)
                                                  for dt in peaks})
     merge_rate = fit.fit_throughput([b for b, _ in raw.merges], [t for _, t in raw.merges])
     body = {"name": name, "device": device, "measured_at": measured_at or datetime.date.today(),
@@ -221,80 +223,6 @@ def fit_calibration(raw: Raw, device: HostFacts, name: str, wall_s: float = 0.0,
     return CalibrationSpec.model_validate(body)
 
 
-def _kernel_table(raw: Raw, peak: float, launch_s: float, peak_ratios: dict[str, float]) -> KernelTableSpec:
-    tables = {}
-    for p in ("fwd", "bwd"):
-        full = [s for s in raw.kernels if s.pass_ == p and not s.causal]
-        tokens, tables[p] = fit.fit_efficiency_table([(s.s_q, s.s_kv) for s in full], [s.time_s for s in full],
-                                                     [s.flops for s in full], peak, launch_s)
-    index = {s: i for i, s in enumerate(tokens)}
-    masked = [s for s in raw.kernels if s.causal and s.s_q in index and s.s_q == s.s_kv]
-    ratio, by_size = 1.0, None
-    if masked:
-        e = fit.efficiencies([s.flops for s in masked], [s.time_s for s in masked], peak, launch_s)
-        full_e = [tables[s.pass_][index[s.s_q]][index[s.s_q]] for s in masked]
-        ratio = fit.fit_ratio(e, full_e)
-        per = {}                        # per size: the median over passes of causal over full efficiency
-        for s, a, b in zip(masked, e, full_e):
-            per.setdefault(s.s_q, []).append(a / b)
-        if set(per) == set(tokens):
-            by_size = [min(1.5, _r(float(np.median(per[t])))) for t in tokens]
-    return KernelTableSpec(
-        name="calibrated", source=f"meshplan calibrate: {raw.dtype} kernels timed on this host; efficiency = "
-        "FLOPs / ((time − launch) · peak), symmetric (a cell and its mirror share their mean time)",
-        launch_us=_r(launch_s * 1e6), tokens=tokens, fwd=_table(tables["fwd"]), bwd=_table(tables["bwd"]),
-        elementwise_factor=_r(ratio), elementwise=by_size, **_head_dim_factors(raw, peak, launch_s),
-        **_dtype_factors(raw, peak_ratios),
-        bwd_delta_factor=max(1.0, _r(float(np.median([a / b for _, a, b in raw.recurrence])))) if raw.recurrence
-        else 1.0)
-
-
-def _head_dim_factors(raw: Raw, peak: float, launch_s: float) -> dict:
-    """``head_dims``, ``head_dim_fwd``, ``head_dim_bwd`` of the kernel table: per pass and head dim, the median over
-    sizes of the efficiency there over the efficiency at the table's own head dim (the same sizes); {} without
-    samples at the table's head dim and another."""
-    own = {s.head_dim for s in raw.kernels}
-    rows = raw.head_dim_kernels
-    dims = sorted({d for _, d, *_ in rows})
-    if len(own) != 1 or len(dims) < 2 or next(iter(own)) not in dims:
-        return {}
-    d0 = next(iter(own))
-    eff = {(p, d, s): float(fit.efficiencies([f], [t], peak, launch_s)[0]) for p, d, s, f, t in rows}
-    out = {"head_dims": dims}
-    for p in ("fwd", "bwd"):
-        out[f"head_dim_{p}"] = [_r(float(np.median([eff[(p, d, s)] / eff[(p, d0, s)] for q, dd, s, *_ in rows
-                                                     if q == p and dd == d and (p, d0, s) in eff]))) for d in dims]
-    return out
-
-
-def _dtype_factors(raw: Raw, peak_ratios: dict[str, float]) -> dict:
-    """``dtype_tokens``, ``dtype_fwd``, ``dtype_bwd`` of the kernel table: per dtype, pass and size, the median of
-    (seconds in raw.dtype / seconds in that dtype) over that dtype's peak ratio, so ``peak × e × multiplier``
-    gives the measured time at that size; {} without sweep samples."""
-    rows = [r for r in raw.dtype_sweep if r[0] != raw.dtype and r[0] in peak_ratios]
-    sizes = sorted({s for _, _, s, _, _ in rows})
-    if not rows:
-        return {}
-    out: dict = {"dtype_tokens": sizes, "dtype_fwd": {}, "dtype_bwd": {}}
-    for dt in sorted({r[0] for r in rows}):
-        for p in ("fwd", "bwd"):
-            got = [[t_ref / t for d, q, s, t, t_ref in rows if (d, q, s) == (dt, p, size)] for size in sizes]
-            if any(not g for g in got):
-                raise ValueError(f"dtype sweep: {dt} {p} lacks a size of {sizes}")
-            out[f"dtype_{p}"][dt] = [_r(float(np.median(g)) / peak_ratios[dt]) for g in got]
-    return out
-
-
-def _r(x: float, digits: int = 4) -> float:
-    """``x`` to ``digits`` significant digits (fitted values; the raw data keep 6)."""
-    return float(f"{x:.{digits}g}")
-
-
-def _table(t: list[list[float]]) -> list[list[float]]:
-    return [[max(_r(x), 1e-4) for x in row] for row in t]
-
-
-# ------------------------------------------------------------------------------------------------ files
 def dump_yaml(calib: CalibrationSpec) -> str:
     """The file text: a header comment, then the fields (flat rows in flow style)."""
     import yaml

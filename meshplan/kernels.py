@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 from importlib import resources
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
@@ -55,12 +55,12 @@ class KernelTableSpec(BaseModel):
         None, description="backward efficiency multiplier at each of head_dims")
     dtype_tokens: list[PositiveInt] | None = Field(
         None, description="kernel sizes (s × s) of dtype_fwd / dtype_bwd, ascending")
-    dtype_fwd: dict[str, list[Annotated[float, Field(gt=0)]]] | None = Field(
+    dtype_fwd: dict[Literal["bf16", "fp16", "fp32"], list[Annotated[float, Field(gt=0)]]] | None = Field(
         None, description="per dtype other than the tables', the forward efficiency multiplier at each of "
         "dtype_tokens (at √(s_q·s_kv), linear in log2 between, the edge value outside), relative to that dtype's "
         "peak: its measured speed over the tables' dtype at that size divided by the peaks' ratio (a CPU's bf16 "
         "kernels are not uniformly faster than fp32: slower on small blocks, faster on large backward ones)")
-    dtype_bwd: dict[str, list[Annotated[float, Field(gt=0)]]] | None = Field(
+    dtype_bwd: dict[Literal["bf16", "fp16", "fp32"], list[Annotated[float, Field(gt=0)]]] | None = Field(
         None, description="per dtype, the backward efficiency multiplier at each of dtype_tokens")
 
     def _dtype_shapes(self) -> None:

@@ -1,0 +1,95 @@
+"""The kernel table's fit from a calibration's raw samples (:func:`kernel_table`, used by
+:func:`meshplan.calibration.fit_calibration`): every form is :mod:`meshplan.fit`'s or a median ratio of timings,
+written to 4 significant digits."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from meshplan import fit
+from meshplan.kernels import KernelTableSpec
+
+if TYPE_CHECKING:
+    from meshplan.calibration import Raw
+
+
+def kernel_table(raw: Raw, peak: float, launch_s: float, peak_ratios: dict[str, float]) -> KernelTableSpec:
+    """The calibrated kernel table of ``raw`` (a :class:`~meshplan.calibration.Raw`): efficiencies of the full
+    s_q × s_kv kernels relative to ``peak`` (FLOP/s of raw.dtype) after ``launch_s``, the causal-piece multiplier
+    by size, the head-dim multipliers, the D-carrying backward's factor, and per other dtype the multipliers by
+    size (``peak_ratios``: each dtype's peak over raw.dtype's, as the topology will use them)."""
+    tables = {}
+    for p in ("fwd", "bwd"):
+        full = [s for s in raw.kernels if s.pass_ == p and not s.causal]
+        tokens, tables[p] = fit.fit_efficiency_table([(s.s_q, s.s_kv) for s in full], [s.time_s for s in full],
+                                                     [s.flops for s in full], peak, launch_s)
+    index = {s: i for i, s in enumerate(tokens)}
+    masked = [s for s in raw.kernels if s.causal and s.s_q in index and s.s_q == s.s_kv]
+    ratio, by_size = 1.0, None
+    if masked:
+        e = fit.efficiencies([s.flops for s in masked], [s.time_s for s in masked], peak, launch_s)
+        full_e = [tables[s.pass_][index[s.s_q]][index[s.s_q]] for s in masked]
+        ratio = fit.fit_ratio(e, full_e)
+        per = {}                        # per size: the median over passes of causal over full efficiency
+        for s, a, b in zip(masked, e, full_e):
+            per.setdefault(s.s_q, []).append(a / b)
+        if set(per) == set(tokens):
+            by_size = [min(1.5, fitted(float(np.median(per[t])))) for t in tokens]
+    return KernelTableSpec(
+        name="calibrated", source=f"meshplan calibrate: {raw.dtype} kernels timed on this host; efficiency = "
+        "FLOPs / ((time − launch) · peak), symmetric (a cell and its mirror share their mean time)",
+        launch_us=fitted(launch_s * 1e6), tokens=tokens, fwd=_table(tables["fwd"]), bwd=_table(tables["bwd"]),
+        elementwise_factor=fitted(ratio), elementwise=by_size, **_head_dim_factors(raw, peak, launch_s),
+        **_dtype_factors(raw, peak_ratios),
+        bwd_delta_factor=max(1.0, fitted(float(np.median([a / b for _, a, b in raw.recurrence])))) if raw.recurrence
+        else 1.0)
+
+
+def _head_dim_factors(raw: Raw, peak: float, launch_s: float) -> dict:
+    """``head_dims``, ``head_dim_fwd``, ``head_dim_bwd`` of the kernel table: per pass and head dim, the median over
+    sizes of the efficiency there over the efficiency at the table's own head dim (the same sizes); {} without
+    samples at the table's head dim and another."""
+    own = {s.head_dim for s in raw.kernels}
+    rows = raw.head_dim_kernels
+    dims = sorted({d for _, d, *_ in rows})
+    if len(own) != 1 or len(dims) < 2 or next(iter(own)) not in dims:
+        return {}
+    d0 = next(iter(own))
+    eff = {(p, d, s): float(fit.efficiencies([f], [t], peak, launch_s)[0]) for p, d, s, f, t in rows}
+    out = {"head_dims": dims}
+    for p in ("fwd", "bwd"):
+        out[f"head_dim_{p}"] = [fitted(float(np.median([eff[(p, d, s)] / eff[(p, d0, s)] for q, dd, s, *_ in rows
+                                                     if q == p and dd == d and (p, d0, s) in eff]))) for d in dims]
+    return out
+
+
+def _dtype_factors(raw: Raw, peak_ratios: dict[str, float]) -> dict:
+    """``dtype_tokens``, ``dtype_fwd``, ``dtype_bwd`` of the kernel table: per dtype, pass and size, the median of
+    (seconds in raw.dtype / seconds in that dtype) over that dtype's peak ratio, so ``peak × e × multiplier``
+    gives the measured time at that size; {} without sweep samples."""
+    rows = [r for r in raw.dtype_sweep if r[0] != raw.dtype and r[0] in peak_ratios]
+    sizes = sorted({s for _, _, s, _, _ in rows})
+    if not rows:
+        return {}
+    out: dict = {"dtype_tokens": sizes, "dtype_fwd": {}, "dtype_bwd": {}}
+    for dt in sorted({r[0] for r in rows}):
+        for p in ("fwd", "bwd"):
+            got = [[t_ref / t for d, q, s, t, t_ref in rows if (d, q, s) == (dt, p, size)] for size in sizes]
+            if any(not g for g in got):
+                raise ValueError(f"dtype sweep: {dt} {p} lacks a size of {sizes}")
+            out[f"dtype_{p}"][dt] = [fitted(float(np.median(g)) / peak_ratios[dt]) for g in got]
+    return out
+
+
+def fitted(x: float, digits: int = 4) -> float:
+    """``x`` to ``digits`` significant digits (fitted values; the raw data keep 6)."""
+    return float(f"{x:.{digits}g}")
+
+
+def _table(t: list[list[float]]) -> list[list[float]]:
+    return [[max(fitted(x), 1e-4) for x in row] for row in t]
+
+
+# ------------------------------------------------------------------------------------------------ files
