@@ -107,10 +107,11 @@ def measure(backend: str = "auto", quick: bool = False, link_class: str | None =
         probes.append(probe_ms(device))
         raw = {"dtype": sweep.dtype, "gemm": _gemm(sweep, device), "launch_s": _launch(sweep, device),
                "kernels": _kernels(sweep, device, probes), "head_dim_kernels": _head_dim_kernels(sweep, device),
-               "dtype_kernels": _dtype_kernels(sweep, device), "dtype_sweep": dtype_sweep(sweep, device),
+               "dtype_sweep": dtype_sweep(sweep, device),
                "recurrence": _recurrence(sweep, device),
                "merges": _merges(sweep, device), "memory": memory_samples(device, quick)}
         probes.append(probe_ms(device))
+    raw["dtype_kernels"] = _dtype_kernels(sweep, raw["dtype_sweep"])
     world = (2 if torch.cuda.device_count() >= 2 else 0) if cuda else max(sweep.sharing_ranks)
     if world >= 2:
         from meshplan.executor.calibrate_ranks import spawn
@@ -275,31 +276,29 @@ def _head_dim_kernels(sweep: Sweep, device) -> list:
     return rows
 
 
-def _dtype_kernels(sweep: Sweep, device) -> list:
-    """(dtype, s, seconds, seconds in the sweep's dtype) of s × s forward + backward in the other dtypes."""
-    rows, scale = [], sweep.head_dim ** -0.5
-    others = tuple(d for d in ("bf16", "fp16", "fp32") if d != sweep.dtype)
-    for s in sweep.tokens[-3:-1] or sweep.tokens[-1:]:
-        times = {}
-        for name in (sweep.dtype, *others):
-            q, k, v = qkv(replace(sweep, dtype=name), s, s, device)
-            o, lse = block_forward(q, k, v, scale, None)
-            do = torch.randn_like(q)
-            times[name] = (_time(lambda: block_forward(q, k, v, scale, None), device, sweep)            # noqa: B023
-                           + _time(lambda: block_backward_from_out(q, k, v, o, do, lse, scale, None),  # noqa: B023
-                                   device, sweep))
-        rows += [(name, s, times[name], times[sweep.dtype]) for name in others]
-        log(f"attention {s}x{s}: " + ", ".join(f"{n} {times[sweep.dtype] / times[n]:.2f}x {sweep.dtype}"
-                                               for n in others))
-    return rows
+def _dtype_kernels(sweep: Sweep, rows: list) -> list:
+    """(dtype, s, seconds, seconds in the sweep's dtype) of s × s forward + backward in the other dtypes, at the
+    sizes the peak ratio is taken at (the table's largest but one or two), from the :func:`dtype_sweep` rows."""
+    sizes = set(_peak_sizes(sweep))
+    total: dict[tuple[str, int], list[float]] = {}
+    for name, _, s, t, t_ref in rows:
+        if s in sizes:
+            acc = total.setdefault((name, s), [0.0, 0.0])
+            acc[0], acc[1] = acc[0] + t, acc[1] + t_ref
+    return [(name, s, t, t_ref) for (name, s), (t, t_ref) in sorted(total.items(), key=lambda kv: (kv[0][1], kv[0][0]))]
+
+
+def _peak_sizes(sweep: Sweep) -> tuple[int, ...]:
+    return sweep.tokens[-3:-1] or sweep.tokens[-1:]
 
 
 def dtype_sweep(sweep: Sweep, device) -> list:
     """(dtype, pass, s, seconds, seconds in the sweep's dtype) of s × s forward and backward kernels in the other
-    dtypes, for s in ``sweep.dtype_tokens``: how a dtype's speed over the sweep's varies with the block size."""
+    dtypes, for s in ``sweep.dtype_tokens`` and the peak ratio's sizes: how a dtype's speed over the sweep's varies
+    with the block size."""
     rows, scale = [], sweep.head_dim ** -0.5
     others = tuple(d for d in ("bf16", "fp16", "fp32") if d != sweep.dtype)
-    for s in sweep.dtype_tokens:
+    for s in sorted(set(sweep.dtype_tokens) | set(_peak_sizes(sweep))):
         times = {}
         for name in (sweep.dtype, *others):
             q, k, v = qkv(replace(sweep, dtype=name), s, s, device)
