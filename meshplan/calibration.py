@@ -109,10 +109,12 @@ class Raw(_Strict):
     dtype_kernels: list[tuple[Literal["bf16", "fp16", "fp32"], PositiveInt, PositiveFloat, PositiveFloat]] = Field(
         [], description="(dtype, s, seconds in that dtype, seconds in raw.dtype) of an s x s forward + backward "
         "attention kernel: the attention-equivalent peak of another dtype is the raw.dtype peak x the time ratio")
-    dtype_sweep: list[tuple[Literal["bf16", "fp16", "fp32"], Literal["fwd", "bwd"], PositiveInt, PositiveFloat,
-                            PositiveFloat]] = Field(
-        [], description="(dtype, pass, s, seconds in that dtype, seconds in raw.dtype) of an s x s kernel over a "
-        "sweep of sizes: the kernel table's dtype multipliers by size (dtype_fwd, dtype_bwd)")
+    dtype_sweep: list[tuple[Literal["bf16", "fp16", "fp32"], Literal["fwd", "bwd"], PositiveInt, PositiveInt,
+                            PositiveFloat, PositiveFloat]] = Field(
+        [], description="(dtype, pass, head dim, s, seconds in that dtype, seconds in raw.dtype) of an s x s kernel "
+        "over a sweep of head dims and sizes, one row per interleaved round (both times from the same round): the "
+        "kernel table's dtype multipliers by head dim and size (dtype_fwd, dtype_bwd) are the median over rows of "
+        "the time ratio")
     recurrence: list[tuple[PositiveInt, PositiveFloat, PositiveFloat]] = Field(
         [], description="(s, seconds of the backward from D (CPU: flash with a surrogate O; CUDA: the fp32 "
         "recurrence), seconds of the flash backward from O) of an s x s block: the kernel table's "

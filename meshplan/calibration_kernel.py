@@ -66,20 +66,29 @@ def _head_dim_factors(raw: Raw, peak: float, launch_s: float) -> dict:
 
 
 def _dtype_factors(raw: Raw, peak_ratios: dict[str, float]) -> dict:
-    """``dtype_tokens``, ``dtype_fwd``, ``dtype_bwd`` of the kernel table: per dtype, pass and size, the median of
-    (seconds in raw.dtype / seconds in that dtype) over that dtype's peak ratio, so ``peak × e × multiplier``
-    gives the measured time at that size; {} without sweep samples."""
+    """``dtype_tokens``, ``dtype_head_dims``, ``dtype_fwd``, ``dtype_bwd`` of the kernel table: per dtype, pass,
+    head dim and size, the median over the sweep's rounds of (seconds in raw.dtype / seconds in that dtype) over
+    that dtype's peak ratio, so ``peak × e × head-dim multiplier × this`` gives the measured time there; {} without
+    sweep samples.
+
+    Raises:
+        ValueError: a dtype, pass and head dim without a sample at one of the sweep's sizes.
+    """
     rows = [r for r in raw.dtype_sweep if r[0] != raw.dtype and r[0] in peak_ratios]
-    sizes = sorted({s for _, _, s, _, _ in rows})
     if not rows:
         return {}
-    out: dict = {"dtype_tokens": sizes, "dtype_fwd": {}, "dtype_bwd": {}}
+    sizes, dims = sorted({r[3] for r in rows}), sorted({r[2] for r in rows})
+    out: dict = {"dtype_tokens": sizes, "dtype_head_dims": dims, "dtype_fwd": {}, "dtype_bwd": {}}
     for dt in sorted({r[0] for r in rows}):
         for p in ("fwd", "bwd"):
-            got = [[t_ref / t for d, q, s, t, t_ref in rows if (d, q, s) == (dt, p, size)] for size in sizes]
-            if any(not g for g in got):
-                raise ValueError(f"dtype sweep: {dt} {p} lacks a size of {sizes}")
-            out[f"dtype_{p}"][dt] = [fitted(float(np.median(g)) / peak_ratios[dt]) for g in got]
+            table = []
+            for d in dims:
+                got = [[t_ref / t for n, q, hd, s, t, t_ref in rows if (n, q, hd, s) == (dt, p, d, size)]
+                       for size in sizes]
+                if any(not g for g in got):
+                    raise ValueError(f"dtype sweep: {dt} {p} at head dim {d} lacks a size of {sizes}")
+                table.append([fitted(float(np.median(g)) / peak_ratios[dt]) for g in got])
+            out[f"dtype_{p}"][dt] = table
     return out
 
 

@@ -184,8 +184,10 @@ def summary(calib, topology) -> list[dict[str, Any]]:
             ("kernel elementwise_factor", "", new.elementwise_factor, old.elementwise_factor),
             ("kernel bwd_delta_factor", "x flash bwd", new.bwd_delta_factor, old.bwd_delta_factor)]
     for dt in sorted(new.dtype_fwd or {}):
-        rows.append((f"kernel {dt} x by size, fwd / bwd", f"{new.dtype_tokens[0]}..{new.dtype_tokens[-1]} tokens",
-                     f"{_span([new.dtype_fwd[dt]])} / {_span([new.dtype_bwd[dt]])}", None))
+        for i, d in enumerate(new.dtype_head_dims or [None]):
+            rows.append((f"kernel {dt} x by size, fwd / bwd" + (f", D={d}" if d else ""),
+                         f"{new.dtype_tokens[0]}..{new.dtype_tokens[-1]} tokens",
+                         f"{_span([new.dtype_fwd[dt][i]])} / {_span([new.dtype_bwd[dt][i]])}", None))
     links = {"loopback": getattr(fab, "link", None), "nvlink": getattr(fab, "port", None)}
     for cls, link in calib.links.items():
         was = links.get(cls)

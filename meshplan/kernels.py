@@ -55,24 +55,34 @@ class KernelTableSpec(BaseModel):
         None, description="backward efficiency multiplier at each of head_dims")
     dtype_tokens: list[PositiveInt] | None = Field(
         None, description="kernel sizes (s × s) of dtype_fwd / dtype_bwd, ascending")
-    dtype_fwd: dict[Literal["bf16", "fp16", "fp32"], list[Annotated[float, Field(gt=0)]]] | None = Field(
+    dtype_head_dims: list[PositiveInt] | None = Field(
+        None, description="head dims of the rows of dtype_fwd / dtype_bwd, ascending (linear in log2 D between, "
+        "the edge row outside; none: one row for any head dim)")
+    dtype_fwd: dict[Literal["bf16", "fp16", "fp32"], list[list[Annotated[float, Field(gt=0)]]]] | None = Field(
         None, description="per dtype other than the tables', the forward efficiency multiplier at each of "
-        "dtype_tokens (at √(s_q·s_kv), linear in log2 between, the edge value outside), relative to that dtype's "
-        "peak: its measured speed over the tables' dtype at that size divided by the peaks' ratio (a CPU's bf16 "
-        "kernels are not uniformly faster than fp32: slower on small blocks, faster on large backward ones)")
-    dtype_bwd: dict[Literal["bf16", "fp16", "fp32"], list[Annotated[float, Field(gt=0)]]] | None = Field(
-        None, description="per dtype, the backward efficiency multiplier at each of dtype_tokens")
+        "dtype_head_dims (one row each) and dtype_tokens (at √(s_q·s_kv), linear in log2 between, the edge value "
+        "outside), relative to that dtype's peak: its measured speed over the tables' dtype at that head dim and "
+        "size divided by the peaks' ratio (a CPU's bf16 kernels are not uniformly faster than fp32: slower on "
+        "small blocks, faster on large backward ones, and where the crossover lies depends on the head dim)")
+    dtype_bwd: dict[Literal["bf16", "fp16", "fp32"], list[list[Annotated[float, Field(gt=0)]]]] | None = Field(
+        None, description="per dtype, the backward efficiency multiplier at each of dtype_head_dims and dtype_tokens")
 
     def _dtype_shapes(self) -> None:
         sizes, tables = self.dtype_tokens, (self.dtype_fwd, self.dtype_bwd)
         if (sizes is None) != (tables[0] is None) or (sizes is None) != (tables[1] is None):
             raise ValueError("give dtype_tokens, dtype_fwd and dtype_bwd together")
         if sizes is None:
+            if self.dtype_head_dims is not None:
+                raise ValueError("dtype_head_dims needs dtype_tokens, dtype_fwd and dtype_bwd")
             return
-        if any(b <= a for a, b in zip(sizes, sizes[1:])):
-            raise ValueError("dtype_tokens must be ascending")
-        if any(len(v) != len(sizes) for t in tables for v in t.values()):
-            raise ValueError(f"dtype_fwd and dtype_bwd need {len(sizes)} values per dtype (one per dtype_tokens)")
+        dims = self.dtype_head_dims or [None]
+        for name, axis in (("dtype_tokens", sizes), ("dtype_head_dims", self.dtype_head_dims or [])):
+            if any(b <= a for a, b in zip(axis, axis[1:])):
+                raise ValueError(f"{name} must be ascending")
+        if any(len(rows) != len(dims) or any(len(r) != len(sizes) for r in rows)
+               for t in tables for rows in t.values()):
+            raise ValueError(f"dtype_fwd and dtype_bwd need {len(dims)} row(s) per dtype (one per dtype_head_dims) "
+                             f"of {len(sizes)} values (one per dtype_tokens)")
 
     @model_validator(mode="after")
     def _shapes(self) -> KernelTableSpec:
@@ -127,7 +137,7 @@ class KernelTable:
         bit-identical results for (a, b) and (b, a), which the simulator's symmetry reduction relies on.
         ``envelope``: the largest efficiency at (s_q, s_kv) or any smaller shape (monotone in both sizes), so
         a bound taken at the largest shape a kernel can have holds for every smaller one. ``dtype``: times the
-        table's multiplier for that dtype by size (:meth:`dtype_factor`; 1 for the tables' own dtype).
+        table's multiplier for that dtype by head dim and size (:meth:`dtype_factor`; 1 for the tables' own dtype).
         """
         s_q = np.asarray(s_q, dtype=np.float64)
         s_kv = np.asarray(s_kv, dtype=np.float64)
@@ -135,21 +145,30 @@ class KernelTable:
             s_q, s_kv = np.minimum(s_q, s_kv), np.maximum(s_q, s_kv)
         tables = self._envelopes if envelope else self._tables
         e = self._bilinear(tables[pass_], s_q, s_kv) * self.head_dim_factor(head_dim, pass_)
-        e = e * self.dtype_factor(dtype, pass_, s_q, s_kv, envelope)
+        e = e * self.dtype_factor(dtype, pass_, s_q, s_kv, envelope, head_dim)
         return np.where(np.asarray(elementwise, dtype=bool), e * self._masked(s_q, s_kv, envelope), e)
 
-    def dtype_factor(self, dtype: str | None, pass_: str, s_q, s_kv, envelope: bool = False):
-        """The efficiency multiplier of ``dtype`` kernels at (s_q, s_kv), by √(s_q·s_kv) (1 for a dtype without
-        one); with ``envelope`` the largest at that size or any smaller one."""
+    def dtype_factor(self, dtype: str | None, pass_: str, s_q, s_kv, envelope: bool = False,
+                     head_dim: int | None = None):
+        """The efficiency multiplier of ``dtype`` kernels at (s_q, s_kv) and ``head_dim``: each row (head dim) by
+        √(s_q·s_kv), then between rows by log2 of the head dim (1 for a dtype without one; the first row without
+        a head dim); with ``envelope`` each row's largest at that size or any smaller one."""
         spec = self.spec
         table = (spec.dtype_fwd if pass_ == "fwd" else spec.dtype_bwd) or {}
         if dtype not in table:
             return 1.0
-        values = np.asarray(table[dtype], dtype=np.float64)
+        rows = np.asarray(table[dtype], dtype=np.float64)
         if envelope:
-            values = np.maximum.accumulate(values)
+            rows = np.maximum.accumulate(rows, axis=1)
         size = 0.5 * (np.log2(np.maximum(s_q, 1.0)) + np.log2(np.maximum(s_kv, 1.0)))
-        return np.interp(size, np.log2(spec.dtype_tokens), values)
+        by_dim = [np.interp(size, np.log2(spec.dtype_tokens), row) for row in rows]
+        if len(by_dim) == 1 or head_dim is None:
+            return by_dim[0]
+        dims = np.log2(np.asarray(spec.dtype_head_dims, dtype=np.float64))
+        x = float(np.clip(np.log2(head_dim), dims[0], dims[-1]))
+        i = int(np.clip(np.searchsorted(dims, x, side="right") - 1, 0, len(dims) - 2))
+        w = (x - dims[i]) / (dims[i + 1] - dims[i])
+        return (1 - w) * by_dim[i] + w * by_dim[i + 1]
 
     def _masked(self, s_q: np.ndarray, s_kv: np.ndarray, envelope: bool = False):
         """The elementwise multiplier at kernels of (s_q, s_kv) tokens (symmetric: by √(s_q·s_kv))."""

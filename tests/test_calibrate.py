@@ -88,36 +88,45 @@ def test_fit_recovers_the_generating_parameters(calib):
     assert calib.compute_pool.capacity_ranks == pytest.approx(POOL, abs=2e-3)
 
 
-def test_dtype_multipliers_by_size_recovered(tmp_path):
-    """A sweep of s × s kernels in another dtype (fp32 against the tables' bf16, whose matmul peak is 0.25 of
-    bf16's here) gives a multiplier per pass and size: measured speed ratio over the peak ratio; the kernel table
-    interpolates it by √(s_q·s_kv), holds the edges, takes its running max as the envelope, and leaves the
-    tables' own dtype alone."""
+def test_dtype_multipliers_by_head_dim_and_size_recovered(tmp_path):
+    """A sweep of s × s kernels in another dtype at two head dims (fp32 against the tables' bf16, whose matmul
+    peak is 0.25 of bf16's here), two rounds each, gives a multiplier per pass, head dim and size: the median
+    measured speed ratio over the peak ratio; the kernel table interpolates it by √(s_q·s_kv) and log2 D, holds
+    the edges, takes each row's running max as the envelope, and leaves the tables' own dtype alone."""
     from meshplan.kernels import KernelTable
 
-    m = {"fwd": [0.8, 1.0, 1.2], "bwd": [0.5, 1.0, 1.5]}
+    m = {("fwd", 64): [0.8, 1.0, 1.2], ("bwd", 64): [0.5, 1.0, 1.5],
+         ("fwd", 128): [1.0, 1.1, 1.2], ("bwd", 128): [1.0, 1.25, 1.5]}
     t_ref = {64: 1e-3, 128: 3e-3, 256: 9e-3}
-    sweep = [("fp32", p, s, t_ref[s] / (0.25 * m[p][i]), t_ref[s]) for p in m for i, s in enumerate(TOKENS)]
+    noise = (0.9, 1.1, 1.0)        # a round's host speed scales both times: the paired ratio keeps the multiplier
+    sweep = [("fp32", p, d, s, x * t_ref[s] / (0.25 * m[(p, d)][i]), x * t_ref[s])
+             for (p, d) in m for i, s in enumerate(TOKENS) for x in noise]
     calib = fit_calibration(synthetic_raw().model_copy(update={"dtype_sweep": sweep}), facts(), "cpu-local")
     k = calib.kernel
-    assert k.dtype_tokens == TOKENS
-    assert k.dtype_fwd["fp32"] == pytest.approx(m["fwd"], rel=1e-3)
-    assert k.dtype_bwd["fp32"] == pytest.approx(m["bwd"], rel=1e-3)
+    assert k.dtype_tokens == TOKENS and k.dtype_head_dims == [64, 128]
+    assert k.dtype_fwd["fp32"] == [pytest.approx(m[("fwd", d)], rel=1e-3) for d in (64, 128)]
+    assert k.dtype_bwd["fp32"] == [pytest.approx(m[("bwd", d)], rel=1e-3) for d in (64, 128)]
     table = KernelTable(k)
-    assert table.dtype_factor("fp32", "bwd", 64, 256) == pytest.approx(1.0, rel=1e-3)      # √(64·256) = 128
-    assert table.dtype_factor("fp32", "fwd", 32, 32) == pytest.approx(0.8, rel=1e-3)       # the edge holds
-    assert table.dtype_factor("bf16", "fwd", 64, 64) == 1.0
-    base = table.efficiency(128, 128, "bwd", False)
-    assert table.efficiency(128, 128, "bwd", False, dtype="fp32") == pytest.approx(base * 1.0, rel=1e-3)
-    low = KernelTable(k.model_copy(update={"dtype_bwd": {"fp32": [1.5, 1.0, 0.5]}}))
-    assert low.dtype_factor("fp32", "bwd", 256, 256, envelope=True) == pytest.approx(1.5)  # monotone envelope
+    f = table.dtype_factor
+    assert f("fp32", "bwd", 64, 256, head_dim=64) == pytest.approx(1.0, rel=1e-3)      # √(64·256) = 128
+    assert f("fp32", "fwd", 32, 32, head_dim=64) == pytest.approx(0.8, rel=1e-3)       # the size edge holds
+    assert f("fp32", "bwd", 64, 64, head_dim=90.50967) == pytest.approx(0.75, rel=1e-3)   # halfway in log2 D
+    assert f("fp32", "bwd", 64, 64, head_dim=512) == pytest.approx(1.0, rel=1e-3)      # the head-dim edge holds
+    assert f("fp32", "bwd", 64, 64) == pytest.approx(0.5, rel=1e-3)                   # no head dim: the first row
+    assert f("bf16", "fwd", 64, 64, head_dim=64) == 1.0
+    base = table.efficiency(128, 128, "bwd", False, head_dim=128)
+    assert table.efficiency(128, 128, "bwd", False, head_dim=128, dtype="fp32") == pytest.approx(base * 1.25, rel=1e-3)
+    low = KernelTable(k.model_copy(update={"dtype_bwd": {"fp32": [[1.5, 1.0, 0.5], [1.0, 1.0, 1.0]]}}))
+    assert low.dtype_factor("fp32", "bwd", 256, 256, envelope=True, head_dim=64) == pytest.approx(1.5)  # envelope
     with pytest.raises(ValueError, match="together"):
         type(k).model_validate(k.model_dump() | {"dtype_bwd": None})
+    with pytest.raises(ValueError, match="one per dtype_head_dims"):
+        type(k).model_validate(k.model_dump() | {"dtype_head_dims": [64]})
     from meshplan.cost import CostModel
 
     topo = Topology.load(str(_calibrated_topology(tmp_path, calib)), gpus=2)    # the cost model prices with it
     cost, flops = CostModel(topo), 1e9
-    t = {dt: float(cost.block_time_s(flops, 256, 256, False, "bwd", dt)) - topo.kernel.launch_s
+    t = {dt: float(cost.block_time_s(flops, 256, 256, False, "bwd", dt, head_dim=64)) - topo.kernel.launch_s
          for dt in ("bf16", "fp32")}
     assert t["fp32"] / t["bf16"] == pytest.approx(topo.peak_flops("bf16") / (topo.peak_flops("fp32") * 1.5), rel=1e-3)
 

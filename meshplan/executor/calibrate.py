@@ -55,6 +55,7 @@ class Sweep:
     head_dims: tuple[int, ...] = (32, 64, 128)  # the head-dim multiplier's dims (head_dim among them)
     head_dim_tokens: tuple[int, ...] = (512, 2048)
     dtype_tokens: tuple[int, ...] = (128, 256, 512, 1024, 2048)   # the dtype multipliers' sizes (s × s)
+    dtype_rounds: int = 7                       # interleaved rounds of the dtype sweep (one row each)
     samples: int = 5
     min_sample_s: float = 0.005
     gemm_n: int = 2048
@@ -72,7 +73,7 @@ FULL = Sweep()
 QUICK = Sweep(tokens=(64, 256), samples=2, gemm_n=512, merge_tokens=(256, 1024),
               p2p_sizes=(4096, 65536, 1 << 20, 4 << 20), overlap_tokens=256, overlap_msg_bytes=1 << 20,
               sharing_tokens=256, sharing_ranks=(1, 2), head_dims=(64, 128), head_dim_tokens=(256,),
-              dtype_tokens=(64, 256))
+              dtype_tokens=(64, 256), dtype_rounds=2)
 GPU = replace(FULL, tokens=tuple(256 << k for k in range(7)), heads=32, head_dim=128, gemm_n=8192,   # untested here
               dtype="bf16", head_dims=(64, 128, 256), head_dim_tokens=(1024, 8192),
               merge_tokens=(1024, 4096, 16384), p2p_sizes=tuple(1 << k for k in range(10, 29, 2)), overlap_tokens=16384,
@@ -277,12 +278,13 @@ def _head_dim_kernels(sweep: Sweep, device) -> list:
 
 
 def _dtype_kernels(sweep: Sweep, rows: list) -> list:
-    """(dtype, s, seconds, seconds in the sweep's dtype) of s × s forward + backward in the other dtypes, at the
-    sizes the peak ratio is taken at (the table's largest but one or two), from the :func:`dtype_sweep` rows."""
+    """(dtype, s, seconds, seconds in the sweep's dtype) of s × s forward + backward in the other dtypes at the
+    sweep's head dim, at the sizes the peak ratio is taken at (the table's largest but one or two), from the
+    :func:`dtype_sweep` rows (summed over its rounds)."""
     sizes = set(_peak_sizes(sweep))
     total: dict[tuple[str, int], list[float]] = {}
-    for name, _, s, t, t_ref in rows:
-        if s in sizes:
+    for name, _, d, s, t, t_ref in rows:
+        if s in sizes and d == sweep.head_dim:
             acc = total.setdefault((name, s), [0.0, 0.0])
             acc[0], acc[1] = acc[0] + t, acc[1] + t_ref
     return [(name, s, t, t_ref) for (name, s), (t, t_ref) in sorted(total.items(), key=lambda kv: (kv[0][1], kv[0][0]))]
@@ -293,25 +295,45 @@ def _peak_sizes(sweep: Sweep) -> tuple[int, ...]:
 
 
 def dtype_sweep(sweep: Sweep, device) -> list:
-    """(dtype, pass, s, seconds, seconds in the sweep's dtype) of s × s forward and backward kernels in the other
-    dtypes, for s in ``sweep.dtype_tokens`` and the peak ratio's sizes: how a dtype's speed over the sweep's varies
-    with the block size."""
-    rows, scale = [], sweep.head_dim ** -0.5
-    others = tuple(d for d in ("bf16", "fp16", "fp32") if d != sweep.dtype)
-    for s in sorted(set(sweep.dtype_tokens) | set(_peak_sizes(sweep))):
-        times = {}
-        for name in (sweep.dtype, *others):
-            q, k, v = qkv(replace(sweep, dtype=name), s, s, device)
-            o, lse = block_forward(q, k, v, scale, None)
+    """(dtype, pass, head dim, s, seconds in that dtype, seconds in the sweep's dtype) of s × s forward and backward
+    kernels, for each of ``sweep.head_dims`` and s in ``sweep.dtype_tokens`` (and the peak ratio's sizes at the
+    sweep's own head dim): how a dtype's speed over the sweep's varies with the block size and head dim (on
+    AVX512-BF16 the bf16 backward of 256 tokens takes 1.3x fp32's time at D = 64 and 1.0x at D = 128).
+
+    Timed in ``sweep.dtype_rounds`` interleaved rounds, one row per round: a round times each shape in every
+    dtype back to back (the order rotating by round), so a row's two times share the host's speed of that
+    moment. (Timing each dtype's samples in one go let the host's drift, ±15% over tens of seconds here, into
+    the ratio: one calibration put bf16's forward at 1.21x fp32's time at 1024 tokens, where interleaved rounds
+    measure 1.01-1.04x.)"""
+    dtypes = ("bf16", "fp16", "fp32")
+    names = (sweep.dtype, *(d for d in dtypes if d != sweep.dtype))
+    shapes = [(d, s) for d in sorted(set(sweep.head_dims) | {sweep.head_dim}) for s in sorted(
+        set(sweep.dtype_tokens) | (set(_peak_sizes(sweep)) if d == sweep.head_dim else set()))]
+    cases = []                                       # (head dim, s, pass, [(dtype, fn, calls per sample)])
+    for d, s in shapes:
+        fns: dict[str, list] = {"fwd": [], "bwd": []}
+        for name in names:
+            q, k, v = qkv(replace(sweep, dtype=name, head_dim=d), s, s, device)
+            o, lse = block_forward(q, k, v, d ** -0.5, None)
             do = torch.randn_like(q)
-            times[name] = (_time(lambda: block_forward(q, k, v, scale, None), device, sweep),            # noqa: B023
-                           _time(lambda: block_backward_from_out(q, k, v, o, do, lse, scale, None),    # noqa: B023
-                                 device, sweep))
-        for name in others:
-            rows += [(name, p, s, times[name][i], times[sweep.dtype][i]) for i, p in enumerate(("fwd", "bwd"))]
-        log(f"dtypes {s}x{s}: " + ", ".join(f"{n} fwd {times[sweep.dtype][0] / times[n][0]:.2f}x, bwd "
-                                            f"{times[sweep.dtype][1] / times[n][1]:.2f}x {sweep.dtype}"
-                                            for n in others))
+            fns["fwd"].append((name, functools.partial(block_forward, q, k, v, d ** -0.5, None)))
+            fns["bwd"].append((name, functools.partial(block_backward_from_out, q, k, v, o, do, lse, d ** -0.5,
+                                                       None)))
+        cases += [(d, s, p, [(n, fn, _plan(fn, device, sweep)[0]) for n, fn in fns[p]]) for p in ("fwd", "bwd")]
+    rows = []
+    for r in range(sweep.dtype_rounds):
+        for d, s, p, timed in cases:
+            shift = r % len(timed)
+            t = {n: _sample(fn, device, reps) for n, fn, reps in timed[shift:] + timed[:shift]}
+            rows += [(n, p, d, s, t[n], t[sweep.dtype]) for n in names[1:]]
+        log(f"dtypes: round {r + 1}/{sweep.dtype_rounds} of {len(shapes)} shapes")
+    ratios: dict[tuple, list[float]] = {}
+    for n, p, d, s, t, t_ref in rows:
+        ratios.setdefault((n, p, d, s), []).append(t / t_ref)
+    for d, s in shapes:
+        log(f"dtypes D={d} {s}x{s}: " + ", ".join(f"{n} {p} {float(np.median(ratios[(n, p, d, s)])):.2f}x"
+                                                  for n in names[1:] for p in ("fwd", "bwd"))
+            + f" the time in {sweep.dtype}")
     return rows
 
 
