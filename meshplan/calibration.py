@@ -104,8 +104,9 @@ class Raw(_Strict):
     overlap: list[OverlapSample] = []
     head_dim_kernels: list[tuple[Literal["fwd", "bwd"], PositiveInt, PositiveInt, PositiveFloat,
                                  PositiveFloat]] = Field(
-        [], description="(pass, head dim, s, FLOPs, seconds) of a full s x s kernel: the efficiency multiplier by head "
-        "dim is the median over s of its efficiency over the efficiency at the kernels' own head dim")
+        [], description="(pass, head dim, s, FLOPs, seconds) of a full s x s kernel in raw.dtype (the median over the "
+        "dtype sweep's rounds): the efficiency multiplier by head dim is the median over s of its efficiency over "
+        "the efficiency at the kernels' own head dim")
     dtype_kernels: list[tuple[Literal["bf16", "fp16", "fp32"], PositiveInt, PositiveFloat, PositiveFloat]] = Field(
         [], description="(dtype, s, seconds in that dtype, seconds in raw.dtype) of an s x s forward + backward "
         "attention kernel: the attention-equivalent peak of another dtype is the raw.dtype peak x the time ratio")

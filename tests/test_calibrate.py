@@ -4,6 +4,7 @@ values, one-line refusals, and ``meshplan calibrate --quick`` end to end."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -262,6 +263,12 @@ def test_calibrate_quick_end_to_end(tmp_path):
     assert 0 <= calib.overlap_kappa["loopback"] < 1
     assert np.all(np.asarray(calib.kernel.fwd) > 0) and np.all(np.asarray(calib.kernel.bwd) > 0)
     assert {row["name"] for row in body["fitted"]} >= {"p2p_overhead_us", "overlap_kappa.loopback"}
+    from meshplan.executor.calibrate import QUICK
+    dims = sorted(set(QUICK.head_dims) | {QUICK.head_dim})      # the dtype sweep: one row per round and shape
+    assert calib.kernel.dtype_head_dims == dims and calib.kernel.dtype_tokens == sorted(QUICK.dtype_tokens)
+    counts = Counter((d, p, hd, s) for d, p, hd, s, _, _ in calib.raw.dtype_sweep)
+    assert set(counts.values()) == {QUICK.dtype_rounds}
+    assert {(d, hd) for d, _, hd, _ in counts} == {(d, hd) for d in ("bf16", "fp16") for hd in dims}
 
 
 def test_kernel_table_applies_the_head_dim_and_size_dependent_mask_multipliers(calib):

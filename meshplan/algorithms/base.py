@@ -1,7 +1,7 @@
 """What every algorithm module provides, and the knob plumbing they share.
 
 An algorithm decides *who computes what, who sends what to whom, and in what order* (plan + schedule);
-the shared builder (:class:`~meshplan.schedule.ScheduleBuilder`) does the plumbing. Each algorithm also
+the shared builder (:class:`~meshplan.schedule_build.ScheduleBuilder`) does the plumbing. Each algorithm also
 gives a closed-form (L0) timing: an uncontended per-step alpha-beta recurrence, which is a lower bound
 on the simulated makespan because contention and overlap only slow ops down.
 """

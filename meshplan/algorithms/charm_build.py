@@ -26,7 +26,7 @@ import numpy as np
 
 from meshplan.algorithms.charm_lists import KV, Q, levels, roles
 from meshplan.plan import Plan
-from meshplan.schedule import ScheduleBuilder
+from meshplan.schedule_build import ScheduleBuilder
 
 
 @dataclass

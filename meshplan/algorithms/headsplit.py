@@ -20,7 +20,7 @@ from functools import cached_property
 import numpy as np
 
 from meshplan.errors import SkipCandidate
-from meshplan.schedule import ScheduleBuilder
+from meshplan.schedule_build import ScheduleBuilder
 from meshplan.workload import Workload
 
 RANK_ORDERS = ("ulysses-first", "ring-first")

@@ -16,7 +16,7 @@ import numpy as np
 from meshplan.algorithms.mesh_grid import Grid
 from meshplan.algorithms.mesh_order import TilePlan
 from meshplan.plan import Plan
-from meshplan.schedule import ScheduleBuilder
+from meshplan.schedule_build import ScheduleBuilder
 
 
 class _Uses:

@@ -20,7 +20,8 @@ from meshplan.algorithms.rotate import rotate_backward, rotate_forward_merge
 from meshplan.algorithms.rotate_timing import Rotation, backward, forward, size_of
 from meshplan.matrix import AttnMatrix, attn_matrix
 from meshplan.plan import Plan
-from meshplan.schedule import Schedule, ScheduleBuilder
+from meshplan.schedule import Schedule
+from meshplan.schedule_build import ScheduleBuilder
 from meshplan.topology import Topology
 from meshplan.workload import Workload
 

@@ -19,7 +19,7 @@ from typing import Callable
 import numpy as np
 
 from meshplan.plan import Plan
-from meshplan.schedule import ScheduleBuilder
+from meshplan.schedule_build import ScheduleBuilder
 
 BlockFn = Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
 

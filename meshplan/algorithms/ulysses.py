@@ -44,7 +44,8 @@ from meshplan.algorithms.rotate import RingSpec, rotate_backward, rotate_forward
 from meshplan.errors import SkipCandidate, UserError
 from meshplan.matrix import attn_matrix
 from meshplan.plan import Plan
-from meshplan.schedule import Schedule, ScheduleBuilder
+from meshplan.schedule import Schedule
+from meshplan.schedule_build import ScheduleBuilder
 from meshplan.topology import Topology
 
 

@@ -107,12 +107,12 @@ def measure(backend: str = "auto", quick: bool = False, link_class: str | None =
     with _threads(None if cuda else 1):
         probes.append(probe_ms(device))
         raw = {"dtype": sweep.dtype, "gemm": _gemm(sweep, device), "launch_s": _launch(sweep, device),
-               "kernels": _kernels(sweep, device, probes), "head_dim_kernels": _head_dim_kernels(sweep, device),
-               "dtype_sweep": dtype_sweep(sweep, device),
+               "kernels": _kernels(sweep, device, probes), "dtype_sweep": dtype_sweep(sweep, device),
                "recurrence": _recurrence(sweep, device),
                "merges": _merges(sweep, device), "memory": memory_samples(device, quick)}
         probes.append(probe_ms(device))
     raw["dtype_kernels"] = _dtype_kernels(sweep, raw["dtype_sweep"])
+    raw["head_dim_kernels"] = _head_dim_kernels(sweep, raw["dtype_sweep"])
     world = (2 if torch.cuda.device_count() >= 2 else 0) if cuda else max(sweep.sharing_ranks)
     if world >= 2:
         from meshplan.executor.calibrate_ranks import spawn
@@ -259,22 +259,22 @@ def _sample(fn, device, reps: int) -> float:
     return (time.perf_counter() - t0) / reps
 
 
-def _head_dim_kernels(sweep: Sweep, device) -> list:
-    """(pass, head dim, s, FLOPs, seconds) of full s × s kernels at each of ``head_dims`` (the sweep's among them):
-    the efficiency multiplier by head dim."""
-    rows = []
-    for d in sorted(set(sweep.head_dims) | {sweep.head_dim}):
-        sw = replace(sweep, head_dim=d)
-        for s in sweep.head_dim_tokens:
-            q, k, v = qkv(sw, s, s, device)
-            o, lse = block_forward(q, k, v, d ** -0.5, None)
-            do = torch.randn_like(q)
-            flops = 4.0 * sw.batch * sw.heads * d * s * s
-            rows.append(("fwd", d, s, flops, _time(lambda: block_forward(q, k, v, d ** -0.5, None), device, sw)))  # noqa: B023
-            rows.append(("bwd", d, s, 2.5 * flops, _time(                                                      # noqa: B023
-                lambda: block_backward_from_out(q, k, v, o, do, lse, d ** -0.5, None), device, sw)))  # noqa: B023
-        log(f"head dim {d}: {', '.join(f'{r[0]} {r[2]}: {r[3] / r[4] / 1e9:.1f} GFLOP/s' for r in rows[-4:])}")
-    return rows
+def _head_dim_kernels(sweep: Sweep, rows: list) -> list:
+    """(pass, head dim, s, FLOPs, seconds) of full s × s kernels in the sweep's dtype at each of ``head_dims`` (the
+    sweep's among them) and s in ``head_dim_tokens``: the efficiency multiplier by head dim. The times are the
+    medians over the :func:`dtype_sweep` rounds of its sweep-dtype column, so every head dim was timed in the same
+    interleaved rounds. (Timing each head dim in one go let the host's drift into the multiplier: two calibrations
+    an hour apart put fp32's D = 128 backward at 0.97 and 1.12.)"""
+    first = next((r[0] for r in rows), None)
+    times: dict[tuple[str, int, int], list[float]] = {}
+    for name, p, d, s, _, t_ref in rows:
+        if name == first and s in sweep.head_dim_tokens:
+            times.setdefault((p, d, s), []).append(t_ref)
+    out = []
+    for (p, d, s), ts in sorted(times.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0] != "fwd")):
+        flops = 4.0 * sweep.batch * sweep.heads * d * s * s * (2.5 if p == "bwd" else 1.0)
+        out.append((p, d, s, flops, typical(ts)))
+    return out
 
 
 def _dtype_kernels(sweep: Sweep, rows: list) -> list:
@@ -296,9 +296,10 @@ def _peak_sizes(sweep: Sweep) -> tuple[int, ...]:
 
 def dtype_sweep(sweep: Sweep, device) -> list:
     """(dtype, pass, head dim, s, seconds in that dtype, seconds in the sweep's dtype) of s × s forward and backward
-    kernels, for each of ``sweep.head_dims`` and s in ``sweep.dtype_tokens`` (and the peak ratio's sizes at the
-    sweep's own head dim): how a dtype's speed over the sweep's varies with the block size and head dim (on
-    AVX512-BF16 the bf16 backward of 256 tokens takes 1.3x fp32's time at D = 64 and 1.0x at D = 128).
+    kernels, for each of ``sweep.head_dims`` and s in ``sweep.dtype_tokens`` and ``sweep.head_dim_tokens`` (and the
+    peak ratio's sizes at the sweep's own head dim): how a dtype's speed over the sweep's varies with the block
+    size and head dim (on AVX512-BF16 the bf16 backward of 256 tokens takes 1.3x fp32's time at D = 64 and 1.0x at
+    D = 128). Its sweep-dtype column also gives the head-dim multiplier (:func:`_head_dim_kernels`).
 
     Timed in ``sweep.dtype_rounds`` interleaved rounds, one row per round: a round times each shape in every
     dtype back to back (the order rotating by round), so a row's two times share the host's speed of that
@@ -308,7 +309,8 @@ def dtype_sweep(sweep: Sweep, device) -> list:
     dtypes = ("bf16", "fp16", "fp32")
     names = (sweep.dtype, *(d for d in dtypes if d != sweep.dtype))
     shapes = [(d, s) for d in sorted(set(sweep.head_dims) | {sweep.head_dim}) for s in sorted(
-        set(sweep.dtype_tokens) | (set(_peak_sizes(sweep)) if d == sweep.head_dim else set()))]
+        set(sweep.dtype_tokens) | set(sweep.head_dim_tokens) | (set(_peak_sizes(sweep)) if d == sweep.head_dim
+                                                                  else set()))]
     cases = []                                       # (head dim, s, pass, [(dtype, fn, calls per sample)])
     for d, s in shapes:
         fns: dict[str, list] = {"fwd": [], "bwd": []}
@@ -358,8 +360,9 @@ def memory_samples(device, quick: bool) -> list[dict]:
     """The memory model's samples (:mod:`meshplan.executor.calibrate_memory`)."""
     from meshplan.executor.calibrate_memory import declared_run_samples, measure_memory
 
-    log("memory: each executor op alone" + ("" if device.type == "cuda" else ", then the declared run"))
-    return measure_memory(device, quick) + ([] if device.type == "cuda" else declared_run_samples())
+    repeats = 0 if device.type == "cuda" else 1 if quick else 3
+    log("memory: each executor op alone" + (f", then the declared run ({repeats}x)" if repeats else ""))
+    return measure_memory(device, quick) + (declared_run_samples(repeats) if repeats else [])
 
 
 def _merges(sweep: Sweep, device) -> list:

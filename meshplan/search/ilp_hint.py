@@ -65,15 +65,7 @@ def _one_pass(model, p: int, items, barrier: int, xs: list[int], state: dict, va
     from meshplan.search.ilp import _BUSY
 
     o, n, scale = model.sched.ops, items.n, state["scale"]
-    prec = model.prec.get(p, {"end": set(), "start": set()})
-    after_end, after_start = [[] for _ in range(n)], [[] for _ in range(n)]
-    remaining = [0] * n
-    for a, b in prec["end"]:
-        after_end[a].append(b)
-        remaining[b] += 1
-    for a, b in prec["start"]:
-        after_start[a].append(b)
-        remaining[b] += 1
+    after_end, after_start, remaining = _precedences(model, p, n)
     busy_rank = {i: r for r, its in model.busy.get(p, {}).items() for i in its}
     xs_of = [[] for _ in range(n)]
     for k in xs:
@@ -103,16 +95,10 @@ def _one_pass(model, p: int, items, barrier: int, xs: list[int], state: dict, va
             start[i] = t
             release(after_start[i], t)
             for k in xs_of[i]:
-                _, a, b, lat, dur, x_s, _ = model.xinfo[k]
+                _, a, b, *_ = model.xinfo[k]
                 if start[a] is None or start[b] is None or k in x_end:
                     continue
-                profs = [(state["link"].setdefault(link, _Profile(scale)), lat, dur - lat, q)
-                         for link, q in model.link_demand.get(k, [])]
-                x0 = _earliest(profs, max(start[a], start[b]))
-                for prof, off, d, q in profs:
-                    prof.add(x0 + off, d, q)
-                x_end[k] = x0 + dur
-                value[x_s] = x0
+                _place_transfer(model, state, k, max(start[a], start[b]), x_end, value)
                 for item in {a, b}:
                     open_x[item] -= 1
                     if open_x[item] == 0:
@@ -135,13 +121,47 @@ def _one_pass(model, p: int, items, barrier: int, xs: list[int], state: dict, va
         finish(i, t0 + d)
     if any(x is None for x in end):
         raise RuntimeError("internal error: the greedy order does not complete in the CP-SAT model")
-    for i in range(n):
+    _store(model, p, start, end, x_end, value)
+    return max(end, default=barrier)
+
+
+def _place_transfer(model, state: dict, k: int, ready: int, x_end: dict, value: dict) -> None:
+    """Transfer ``k`` at the earliest time from ``ready`` its links' profiles have room for its demand (after
+    its latency, for its duration less the latency); books them and records its start and end."""
+    _, _, _, lat, dur, x_s, _ = model.xinfo[k]
+    profs = [(state["link"].setdefault(link, _Profile(state["scale"])), lat, dur - lat, q)
+             for link, q in model.link_demand.get(k, [])]
+    x0 = _earliest(profs, ready)
+    for prof, off, d, q in profs:
+        prof.add(x0 + off, d, q)
+    x_end[k] = x0 + dur
+    value[x_s] = x0
+
+
+def _precedences(model, p: int, n: int) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """Pass ``p``'s precedences among its ``n`` items: the items after each one's end, after each one's start,
+    and how many predecessors each has."""
+    prec = model.prec.get(p, {"end": set(), "start": set()})
+    after_end, after_start = [[] for _ in range(n)], [[] for _ in range(n)]
+    remaining = [0] * n
+    for a, b in prec["end"]:
+        after_end[a].append(b)
+        remaining[b] += 1
+    for a, b in prec["start"]:
+        after_start[a].append(b)
+        remaining[b] += 1
+    return after_end, after_start, remaining
+
+
+def _store(model, p: int, start: list, end: list, x_end: dict, value: dict) -> None:
+    """The list schedule of pass ``p`` as CP-SAT hint values: item starts and ends, transfer sizes and ends,
+    and the end of each buffer's last use."""
+    for i in range(len(start)):
         value[model.start[p, i]], value[model.end[p, i]] = start[i], end[i]
         if (p, i) in model.comm_size:
             value[model.comm_size[p, i]] = end[i] - start[i]
-    for k in xs:
-        value[model.xinfo[k][6]] = x_end[k]
+    for k, t in x_end.items():
+        value[model.xinfo[k][6]] = t
     for free, fp, _, f_items in model.free_info:
         if fp == p:
             value[free] = max(end[j] for j in f_items)
-    return max(end, default=barrier)
