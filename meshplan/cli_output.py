@@ -79,6 +79,9 @@ def print_search(body: dict[str, Any], console: Console, top: int) -> None:
                       *([_order_text(c["scheduler"])] if solver else []),
                       *([_fmt((c.get("job") or {}).get("together_s"), fmt_seconds)] if job else []))
     console.print(table)
+    lead = _lead_text(body["candidates"])
+    if lead:
+        console.print(lead, soft_wrap=True)
     for i, c in enumerate(body["candidates"], start=1):
         m = c.get("mapping_search")
         if m:
@@ -105,6 +108,28 @@ def print_search(body: dict[str, Any], console: Console, top: int) -> None:
         print_inference(body["inference"], console)
     if body.get("frameworks"):
         print_frameworks(body["frameworks"], console)
+
+
+NEAR_TIE = 0.03      # predicted margins below this are near-ties: the CPU validation's error is several times it
+
+
+def _lead_text(candidates: list[dict[str, Any]]) -> str | None:
+    """How far #1 (simulated) leads #2 — at least that far when #2 was left at its closed-form lower bound — and a
+    near-tie warning under :data:`NEAR_TIE`: a margin smaller than the model's error does not say which is
+    faster. None without a simulated #1 and a #2."""
+    if len(candidates) < 2 or candidates[0]["model_level"] != "simulated":
+        return None
+    a, b = (c["predicted"]["makespan_s"] for c in candidates[:2])
+    if a <= 0:
+        return None
+    bound = candidates[1]["model_level"] != "simulated"
+    gap = (b - a) / a
+    text = (f"#1 leads #2 by {'at least ' if bound else ''}{gap:.1%} (predicted"
+            f"{'; #2 at its closed-form lower bound' if bound else ''})")
+    if gap < NEAR_TIE:
+        text += (f"; under {NEAR_TIE:.0%} that is a near-tie, closer than the model's error (README, Accuracy): "
+                 "run both (meshplan search --write 2, then meshplan run) to pick")
+    return text
 
 
 def print_inference(inf: dict[str, Any], console: Console) -> None:

@@ -89,6 +89,32 @@ def test_search_layout_pin_and_algos_filter(tmp_path):
     assert {c["algorithm"] for c in d["candidates"]} == {"ring"}
 
 
+def test_search_flags_a_near_tie_at_the_top():
+    """#1's predicted lead over #2 is printed under the table ("at least" when #2 kept its closed-form lower
+    bound), with a near-tie warning below NEAR_TIE (a margin smaller than the model's error does not say which is
+    faster); no line without a simulated #1 and a #2."""
+    from meshplan.cli_output import NEAR_TIE, _lead_text
+
+    args = ("search", "--gpus", 4, "--topo", "h100x8", "--seq-len", "16K", "--layout", "zigzag", "--algos",
+            "ring,merge,rmplus", "--write", 0)
+    cands = json.loads(run(*args, "--json").stdout)["candidates"]
+    a, b = (c["predicted"]["makespan_s"] for c in cands[:2])
+    text = _lead_text(cands)
+    at_least = "at least " if cands[1]["model_level"] != "simulated" else ""
+    assert text.startswith(f"#1 leads #2 by {at_least}{(b - a) / a:.1%}")
+    assert ("near-tie" in text) == ((b - a) / a < NEAR_TIE)
+    same = {**cands[0]}
+    assert _lead_text([cands[0], same]).startswith("#1 leads #2 by 0.0% (predicted)")
+    assert "near-tie" in _lead_text([cands[0], same])
+    far = {**cands[0], "predicted": {**cands[0]["predicted"], "makespan_s": 2 * a}}
+    assert _lead_text([cands[0], far]) == "#1 leads #2 by 100.0% (predicted)"
+    bounded = {**far, "model_level": "closed-form"}
+    assert _lead_text([cands[0], bounded]).startswith("#1 leads #2 by at least 100.0%")
+    assert _lead_text(cands[:1]) is None and _lead_text([bounded, cands[0]]) is None
+    shown = run(*args)
+    assert shown.exit_code == 0 and "#1 leads #2 by" in shown.stdout
+
+
 def test_validate_exit_codes(tmp_path):
     bad = tmp_path / "old.json"
     bad.write_text('{"schema_version": "0"}')

@@ -264,7 +264,7 @@ def _head_dim_kernels(sweep: Sweep, rows: list) -> list:
     sweep's among them) and s in ``head_dim_tokens``: the efficiency multiplier by head dim. The times are the
     medians over the :func:`dtype_sweep` rounds of its sweep-dtype column, so every head dim was timed in the same
     interleaved rounds. (Timing each head dim in one go let the host's drift into the multiplier: two calibrations
-    an hour apart put fp32's D = 128 backward at 0.97 and 1.12.)"""
+    of the same day put fp32's D = 128 backward at 0.97 and 1.12.)"""
     first = next((r[0] for r in rows), None)
     times: dict[tuple[str, int, int], list[float]] = {}
     for name, p, d, s, _, t_ref in rows:
