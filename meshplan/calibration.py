@@ -79,7 +79,8 @@ class TransferSample(_Strict):
 
 
 class OverlapSample(_Strict):
-    """One rank's kernel alone and while its transfers were in flight, and how long the two overlapped."""
+    """One rank's kernel alone and while its transfers were in flight, and how long the two overlapped; the
+    references (``alone_s``, ``comm_alone_s``) from the same round since this session (before: one median each)."""
 
     rank: int
     alone_s: PositiveFloat

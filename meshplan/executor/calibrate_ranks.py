@@ -136,20 +136,21 @@ def _timed_kernel(kernel, device) -> tuple[float, float]:
 
 
 def _overlap(rank: int, sweep: Sweep, device, pair, p2p: list[dict]) -> list[dict]:
-    """Ranks 0 and 1 run a kernel alone, then while exchanging messages with each other (a thread posts them,
-    as the executor's comm stream does), for about 1.5 x the kernel's time; records the overlap."""
+    """Ranks 0 and 1 run a kernel while exchanging messages with each other (a thread posts them, as the
+    executor's comm stream does) for about 1.5 x the kernel's time; records the overlap. Each round times the
+    kernel alone, the exchanges alone and both together back to back, and a row keeps its own round's
+    references, so the host's drift does not enter κ or κ_t (timed in separate phases, one calibration's
+    "alone" kernel fell into a slow spell, 87 ms against 52 in the others, and halved κ)."""
     q, k, v = qkv(sweep, sweep.overlap_tokens, sweep.overlap_tokens, device)
     kernel = lambda: block_forward(q, k, v, sweep.head_dim ** -0.5, None)  # noqa: E731
     kernel()
-    alone = []
-    for _ in range(sweep.samples):
-        dist.barrier(group=pair)
-        t0, t1 = _timed_kernel(kernel, device)
-        alone.append(t1 - t0)
-    t_alone, size = typical(alone), sweep.overlap_msg_bytes
+    dist.barrier(group=pair)
+    t0, t1 = _timed_kernel(kernel, device)
+    size = sweep.overlap_msg_bytes
     ref = max((r for r in p2p if r["flows"] == 2), key=lambda r: r["size_bytes"])
     t_msg = ref["time_s"] * size / ref["size_bytes"]
-    n = torch.tensor([min(10_000, math.ceil(1.5 * t_alone / max(t_msg, 1e-6)))], dtype=torch.int64, device=device)
+    n = torch.tensor([min(10_000, math.ceil(1.5 * (t1 - t0) / max(t_msg, 1e-6)))], dtype=torch.int64,
+                     device=device)
     dist.all_reduce(n, op=dist.ReduceOp.MAX, group=pair)               # both ranks post as many messages
     buf, got = _wire(size, device)
     span, rows = {}, []
@@ -160,26 +161,27 @@ def _overlap(rank: int, sweep: Sweep, device, pair, p2p: list[dict]) -> list[dic
         sync(device)
         span["end"] = time.perf_counter()
 
-    spans = []
-    for _ in range(sweep.samples):          # the same transfers from the same thread, no kernel: the reference
+    for _ in range(sweep.samples):
         dist.barrier(group=pair)
+        t0, t1 = _timed_kernel(kernel, device)
+        alone = t1 - t0
+        dist.barrier(group=pair)            # the same transfers from the same thread, no kernel: the reference
         th = threading.Thread(target=comm, daemon=True)
         th.start()
         th.join()
-        spans.append(span["end"] - span["start"])
-    comm_alone = typical(spans)
-    for _ in range(sweep.samples):
+        comm_alone = span["end"] - span["start"]
         dist.barrier(group=pair)
         th = threading.Thread(target=comm, daemon=True)
         th.start()
         t0, t1 = _timed_kernel(kernel, device)
         th.join()
         overlap = max(0.0, min(t1, span["end"]) - max(t0, span["start"]))
-        rows.append({"rank": rank, "alone_s": t_alone, "with_s": t1 - t0, "overlap_s": overlap,
+        rows.append({"rank": rank, "alone_s": alone, "with_s": t1 - t0, "overlap_s": overlap,
                      "comm_s": span["end"] - span["start"], "comm_alone_s": comm_alone})
     if rank == 0:
-        log(f"overlap: kernel {t_alone * 1e3:.1f} ms alone, {typical([r['with_s'] for r in rows]) * 1e3:.1f} ms "
-            f"during transfers ({int(n.item())} exchanges of {size} B)")
+        log(f"overlap: kernel {typical([r['alone_s'] for r in rows]) * 1e3:.1f} ms alone, "
+            f"{typical([r['with_s'] for r in rows]) * 1e3:.1f} ms during transfers ({int(n.item())} exchanges of "
+            f"{size} B)")
     return rows
 
 
