@@ -121,6 +121,9 @@ class Raw(_Strict):
         [], description="(s, seconds of the backward from D (CPU: flash with a surrogate O; CUDA: the fp32 "
         "recurrence), seconds of the flash backward from O) of an s x s block: the kernel table's "
         "bwd_delta_factor is their median ratio")
+    dtype_recurrence: list[tuple[Literal["bf16", "fp16", "fp32"], PositiveInt, PositiveFloat, PositiveFloat]] = Field(
+        [], description="(dtype, s, seconds from D, seconds from O) as recurrence, in the dtypes other than raw.dtype: "
+        "the kernel table's bwd_delta_dtype is each one's median ratio")
     probe_ms: list[PositiveFloat] = Field([], description="the host-speed probe kernel (meshplan.executor.probe), "
                                           "milliseconds, timed throughout the run")
     sharing: list[tuple[PositiveInt, PositiveFloat]] = Field(

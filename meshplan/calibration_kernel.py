@@ -44,7 +44,16 @@ def kernel_table(raw: Raw, peak: float, launch_s: float, peak_ratios: dict[str, 
         elementwise_factor=fitted(ratio), elementwise=by_size, **_head_dim_factors(raw, peak, launch_s),
         **_dtype_factors(raw, peak_ratios),
         bwd_delta_factor=max(1.0, fitted(float(np.median([a / b for _, a, b in raw.recurrence])))) if raw.recurrence
-        else 1.0)
+        else 1.0, bwd_delta_dtype=_delta_by_dtype(raw))
+
+
+def _delta_by_dtype(raw: Raw) -> dict[str, float] | None:
+    """``bwd_delta_dtype``: per dtype of ``raw.dtype_recurrence``, the median ratio of the backward from D over
+    the backward from O (at least 1); None without samples."""
+    ratios: dict[str, list[float]] = {}
+    for dt, _, t_rec, t_flash in raw.dtype_recurrence:
+        ratios.setdefault(dt, []).append(t_rec / t_flash)
+    return {dt: max(1.0, fitted(float(np.median(r)))) for dt, r in sorted(ratios.items())} or None
 
 
 def _head_dim_factors(raw: Raw, peak: float, launch_s: float) -> dict:

@@ -183,6 +183,8 @@ def summary(calib, topology) -> list[dict[str, Any]]:
             ("kernel bwd efficiency", f"{new.tokens[0]}..{new.tokens[-1]} tokens", _span(new.bwd), _span(old_bwd)),
             ("kernel elementwise_factor", "", new.elementwise_factor, old.elementwise_factor),
             ("kernel bwd_delta_factor", "x flash bwd", new.bwd_delta_factor, old.bwd_delta_factor)]
+    for dt, factor in (new.bwd_delta_dtype or {}).items():
+        rows.append((f"kernel bwd_delta_factor, {dt}", "x flash bwd", factor, None))
     for dt in sorted(new.dtype_fwd or {}):
         for i, d in enumerate(new.dtype_head_dims or [None]):
             rows.append((f"kernel {dt} x by size, fwd / bwd" + (f", D={d}" if d else ""),

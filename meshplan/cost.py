@@ -162,8 +162,9 @@ class CostModel:
             multi = np.flatnonzero((o.kind == COMPUTE) & (o.phase == phase) & (blocks > 1))
             if len(multi):
                 dur[multi] = self._one_kernel(sched, multi, PASS_NAMES[phase])
-        if self.kernel.spec.bwd_delta_factor != 1.0:
-            dur[self._bwd_without_out(sched)] *= self.kernel.spec.bwd_delta_factor
+        delta = self.kernel.bwd_delta(dtype)
+        if delta != 1.0:
+            dur[self._bwd_without_out(sched)] *= delta
         combined = (o.kind == COMPUTE) & (o.combine != COMBINES.index("write"))
         out_bytes = csr_sum(o.out_ptr, t.size_bytes[o.outputs].astype(np.float64))
         dur[combined] += 3 * out_bytes[combined] / self.merge_rate

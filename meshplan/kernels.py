@@ -45,6 +45,9 @@ class KernelTableSpec(BaseModel):
         1.0, description="backward blocks whose query side carries D = rowsum(dO*O) instead of O (pass-Q, Mesh, "
         "StarTrail, CHARM+) take this many times longer: on CPU the executor runs torch's flash backward with a "
         "surrogate O (dO·D/|dO|², built per call), on CUDA the FlashAttention-2 recurrence (1: no extra cost)")
+    bwd_delta_dtype: dict[Literal["bf16", "fp16", "fp32"], Annotated[float, Field(ge=1)]] | None = Field(
+        None, description="bwd_delta_factor for the other dtypes (none given: bwd_delta_factor): on a CPU with native "
+        "bf16 the surrogate-O backward takes 1.5-1.7x the flash backward in bf16, 1.03-1.07x in fp32")
     merge_hbm_fraction: Annotated[float, Field(gt=0, le=1)] = Field(
         0.8, description="merges and accumulations run at this fraction of the memory bandwidth")
     head_dims: list[PositiveInt] | None = Field(
@@ -176,6 +179,11 @@ class KernelTable:
             return self.spec.elementwise_factor
         size = 0.5 * (np.log2(np.maximum(s_q, 1.0)) + np.log2(np.maximum(s_kv, 1.0)))
         return np.interp(size, self._log_tokens, self._masked_envelope if envelope else self.spec.elementwise)
+
+    def bwd_delta(self, dtype: str | None) -> float:
+        """How many times longer a backward block carrying D instead of O takes in ``dtype``
+        (``bwd_delta_dtype``, else ``bwd_delta_factor``)."""
+        return (self.spec.bwd_delta_dtype or {}).get(dtype, self.spec.bwd_delta_factor)
 
     def head_dim_factor(self, head_dim: int | None, pass_: str) -> float:
         """The efficiency multiplier at ``head_dim`` (1 without head-dim data or without a head dim)."""

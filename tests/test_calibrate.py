@@ -132,6 +132,43 @@ def test_dtype_multipliers_by_head_dim_and_size_recovered(tmp_path):
     assert t["fp32"] / t["bf16"] == pytest.approx(topo.peak_flops("bf16") / (topo.peak_flops("fp32") * 1.5), rel=1e-3)
 
 
+def test_backward_from_d_factor_by_dtype(tmp_path):
+    """The D-carrying backward's factor in the tables' dtype (``recurrence``) and per other dtype
+    (``dtype_recurrence``, the median ratio; at least 1): the cost model stretches exactly the backward blocks
+    whose query side carries D (pass-Q's) by the workload dtype's factor, and nothing else."""
+    from meshplan.cost import CostModel
+    from meshplan.kernels import KernelTable
+    from meshplan.predict import predict
+    from meshplan.workload import resolve
+
+    raw = synthetic_raw().model_copy(update={
+        "recurrence": [(128, 1.05e-3, 1e-3), (256, 4.2e-3, 4e-3)],
+        "dtype_recurrence": [("fp32", 128, 1.6e-3, 1e-3), ("fp32", 256, 6.4e-3, 4e-3), ("fp16", 128, 0.9e-3, 1e-3)]})
+    calib = fit_calibration(raw, facts(), "cpu-local")
+    k = calib.kernel
+    assert k.bwd_delta_factor == pytest.approx(1.05) and k.bwd_delta_dtype == {"fp16": 1.0, "fp32": 1.6}
+    table = KernelTable(k)
+    assert (table.bwd_delta("fp32"), table.bwd_delta("bf16"), table.bwd_delta(None)) == (1.6, 1.05, 1.05)
+    w = resolve(seq_len=1024, heads=4, kv_heads=4, head_dim=64, mask="causal", dtype="fp32", passes="fwd+bwd")
+
+    def durations(update: dict, sub: str):
+        topo = Topology.load(str(_calibrated_topology(
+            tmp_path / sub, calib.model_copy(update={"kernel": k.model_copy(update=update)}))), gpus=2)
+        sched = predict("pass-q", w, topo, 2, {}).schedule
+        return CostModel(topo).op_durations(sched), CostModel._bwd_without_out(sched)
+
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir(), (tmp_path / "c").mkdir()
+    none, carrying = durations({"bwd_delta_factor": 1.0, "bwd_delta_dtype": None}, "a")
+    fp32_only, _ = durations({"bwd_delta_dtype": None}, "b")
+    by_dtype, _ = durations({}, "c")
+    assert len(carrying) > 0
+    others = np.setdiff1d(np.arange(len(none)), carrying)
+    kernel = (fp32_only - none)[carrying] / 0.05                       # the stretched part: the kernel time
+    assert np.all(kernel > 0)
+    assert (by_dtype - none)[carrying] == pytest.approx(0.6 * kernel)  # 1.6x fp32's kernels, merges untouched
+    assert by_dtype[others] == pytest.approx(none[others])
+
+
 def test_yaml_round_trip(tmp_path, calib):
     path = tmp_path / "c.yaml"
     path.write_text(dump_yaml(calib))
