@@ -79,8 +79,7 @@ def print_search(body: dict[str, Any], console: Console, top: int) -> None:
                       *([_order_text(c["scheduler"])] if solver else []),
                       *([_fmt((c.get("job") or {}).get("together_s"), fmt_seconds)] if job else []))
     console.print(table)
-    lead = _lead_text(body["candidates"])
-    if lead:
+    if lead := _lead_text(body["candidates"]):
         console.print(lead, soft_wrap=True)
     for i, c in enumerate(body["candidates"], start=1):
         m = c.get("mapping_search")

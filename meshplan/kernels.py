@@ -153,9 +153,9 @@ class KernelTable:
 
     def dtype_factor(self, dtype: str | None, pass_: str, s_q, s_kv, envelope: bool = False,
                      head_dim: int | None = None):
-        """The efficiency multiplier of ``dtype`` kernels at (s_q, s_kv) and ``head_dim``: each row (head dim) by
-        √(s_q·s_kv), then between rows by log2 of the head dim (1 for a dtype without one; the first row without
-        a head dim); with ``envelope`` each row's largest at that size or any smaller one."""
+        """The efficiency multiplier of ``dtype`` kernels at (s_q, s_kv) and ``head_dim``: linear in log2 of the
+        head dim between rows and in log2 √(s_q·s_kv) along them, edges held (1 for a dtype without one; the
+        first row without a head dim); with ``envelope`` each row's largest at that size or any smaller one."""
         spec = self.spec
         table = (spec.dtype_fwd if pass_ == "fwd" else spec.dtype_bwd) or {}
         if dtype not in table:
@@ -163,15 +163,12 @@ class KernelTable:
         rows = np.asarray(table[dtype], dtype=np.float64)
         if envelope:
             rows = np.maximum.accumulate(rows, axis=1)
+        row = rows[0]
+        if len(rows) > 1 and head_dim is not None:      # the row at this head dim, then by size
+            dims = np.log2(np.asarray(spec.dtype_head_dims, dtype=np.float64))
+            row = np.array([np.interp(np.log2(head_dim), dims, col) for col in rows.T])
         size = 0.5 * (np.log2(np.maximum(s_q, 1.0)) + np.log2(np.maximum(s_kv, 1.0)))
-        by_dim = [np.interp(size, np.log2(spec.dtype_tokens), row) for row in rows]
-        if len(by_dim) == 1 or head_dim is None:
-            return by_dim[0]
-        dims = np.log2(np.asarray(spec.dtype_head_dims, dtype=np.float64))
-        x = float(np.clip(np.log2(head_dim), dims[0], dims[-1]))
-        i = int(np.clip(np.searchsorted(dims, x, side="right") - 1, 0, len(dims) - 2))
-        w = (x - dims[i]) / (dims[i + 1] - dims[i])
-        return (1 - w) * by_dim[i] + w * by_dim[i + 1]
+        return np.interp(size, np.log2(spec.dtype_tokens), row)
 
     def _masked(self, s_q: np.ndarray, s_kv: np.ndarray, envelope: bool = False):
         """The elementwise multiplier at kernels of (s_q, s_kv) tokens (symmetric: by √(s_q·s_kv))."""

@@ -108,10 +108,10 @@ def measure(backend: str = "auto", quick: bool = False, link_class: str | None =
         probes.append(probe_ms(device))
         raw = {"dtype": sweep.dtype, "gemm": _gemm(sweep, device), "launch_s": _launch(sweep, device),
                "kernels": _kernels(sweep, device, probes), "dtype_sweep": dtype_sweep(sweep, device),
-               "recurrence": [r[1:] for r in _recurrence(sweep, device)],
-               "dtype_recurrence": _recurrence(sweep, device, tuple(d for d in ("bf16", "fp16", "fp32")
-                                                                     if d != sweep.dtype)),
                "merges": _merges(sweep, device), "memory": memory_samples(device, quick)}
+        recurrence = _recurrence(sweep, device)
+        raw["recurrence"] = [r[1:] for r in recurrence if r[0] == sweep.dtype]
+        raw["dtype_recurrence"] = [r for r in recurrence if r[0] != sweep.dtype]
         probes.append(probe_ms(device))
     raw["dtype_kernels"] = _dtype_kernels(sweep, raw["dtype_sweep"])
     raw["head_dim_kernels"] = _head_dim_kernels(sweep, raw["dtype_sweep"])
@@ -341,14 +341,14 @@ def dtype_sweep(sweep: Sweep, device) -> list:
     return rows
 
 
-def _recurrence(sweep: Sweep, device, dtypes: tuple[str, ...] | None = None) -> list:
-    """(dtype, s, seconds of block_backward, seconds of block_backward_from_out) of s × s blocks in each of
-    ``dtypes`` (default: the sweep's): what a backward block costs when its query side carries D instead of O
+def _recurrence(sweep: Sweep, device) -> list:
+    """(dtype, s, seconds of block_backward, seconds of block_backward_from_out) of s × s blocks in every dtype
+    (the sweep's first): what a backward block costs when its query side carries D instead of O
     (on CPU the flash backward with a surrogate O, on CUDA the fp32 recurrence: :mod:`meshplan.executor.kernels`;
     on a CPU with native bf16 it takes 1.5-1.7x the flash backward in bf16, about 1.05x in fp32). The two are
     timed alternately, sample by sample."""
     rows, scale = [], sweep.head_dim ** -0.5
-    for name in dtypes or (sweep.dtype,):
+    for name in (sweep.dtype, *(d for d in ("bf16", "fp16", "fp32") if d != sweep.dtype)):
         for s in sweep.tokens[-3:-1] or sweep.tokens[-1:]:
             q, k, v = qkv(replace(sweep, dtype=name), s, s, device)
             o, lse = block_forward(q, k, v, scale, None)
