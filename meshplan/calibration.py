@@ -130,6 +130,9 @@ class Raw(_Strict):
         [], description="(ranks running one kernel each at once, seconds of one rank's kernel), a row per rank; "
         "the fit takes the slowest rank of each count: the pool model has them all end together")
     memory: list[MemorySample] = Field([], description="ops run alone, their memory rise: the memory model's fit")
+    repeats: PositiveInt = Field(1, description="calibration runs merged into this raw (calibrate --repeat): a "
+                                 "timing taken once per run is their median, sample lists are pooled "
+                                 "(meshplan.calibration_merge)")
 
 
 class LinkFit(_Strict):

@@ -362,6 +362,9 @@ def calibrate(topo: Annotated[str, typer.Option("--topo", help="the topology to 
               refit: Annotated[bool, typer.Option(
                   "--refit", help="measure nothing: fit every parameter again from --out's own raw measurements "
                   "(after meshplan's fits changed) and rewrite it")] = False,
+              repeat: Annotated[int, typer.Option(
+                  "--repeat", help="measure N times and merge (a timing's median over the runs; samples pooled): "
+                  "reproducible numbers on a shared host")] = 1,
               as_json: o.Json = False) -> None:
     """Measure this host's kernels, transfers, overlap and core sharing (or, with --from-nccl-tests, fit the link
     classes from nccl-tests output); write a calibration file."""
@@ -371,13 +374,15 @@ def calibrate(topo: Annotated[str, typer.Option("--topo", help="the topology to 
                                    ("--refit", refit)) if on]
     if len(given) > 1:
         raise UserError(given[1], f"cannot be combined with {given[0]}", "run them as two calls")
+    if given and repeat != 1:
+        raise UserError("--repeat", f"applies to a full calibration, not to {given[0]}", "drop --repeat")
     if refit:
         raise typer.Exit(cli_calibrate.calibrate_refit(topo, out, as_json))
     if from_nccl_tests:
         raise typer.Exit(cli_calibrate.calibrate_from_nccl_tests(topo, from_nccl_tests, out, as_json))
     if memory_only:
         raise typer.Exit(cli_calibrate.calibrate_memory_only(topo, backend, quick, out, as_json))
-    raise typer.Exit(cli_calibrate.calibrate_command(topo, backend, quick, out, as_json))
+    raise typer.Exit(cli_calibrate.calibrate_command(topo, backend, quick, out, as_json, repeat))
 
 
 def main(argv: list[str] | None = None) -> None:

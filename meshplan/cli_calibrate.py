@@ -21,14 +21,18 @@ from meshplan.errors import UserError
 _LINK_CLASS = {"loopback": "loopback", "nvswitch": "nvlink", "pcie": "pcie"}
 
 
-def calibrate_command(topo: str, backend: str, quick: bool, out: str, as_json: bool) -> int:
-    """Measure, fit, write ``out`` atomically, print; returns the exit status (1: a rank failed)."""
+def calibrate_command(topo: str, backend: str, quick: bool, out: str, as_json: bool, repeat: int = 1) -> int:
+    """Measure (``repeat`` times, merged by :func:`meshplan.calibration_merge.merge_raws`), fit, write ``out``
+    atomically, print; returns the exit status (1: a rank failed)."""
     from meshplan.calibration import HostFacts, Raw, dump_yaml, fit_calibration
+    from meshplan.calibration_merge import merge_raws
     from meshplan.fileio import write_atomic
     from meshplan.topology import Topology
 
     if not out.endswith((".yaml", ".yml")):
         raise UserError("--out", f"{out!r} is not a .yaml name", "name the file *.yaml")
+    if repeat < 1:
+        raise UserError("--repeat", f"{repeat} runs", "give 1 or more (3 makes a shared host's numbers reproducible)")
     if importlib.util.find_spec("torch") is None:
         raise UserError("calibrate", "the micro-benchmarks need torch, which is not installed",
                         "install the [exec] extra: pip install -e '.[exec]'")
@@ -43,17 +47,24 @@ def calibrate_command(topo: str, backend: str, quick: bool, out: str, as_json: b
                         f"({'CPU ranks' if resolved == 'gloo' else 'GPUs'})",
                         "calibrate cpu-local with gloo, and a GPU topology with nccl on its GPUs")
     t0 = time.perf_counter()
+    runs = []
     try:
-        raw, facts = measure(resolved, quick, _LINK_CLASS[kind])
+        for i in range(repeat):
+            if repeat > 1:
+                sys.stderr.write(f"calibrate: run {i + 1} of {repeat}\n")
+            runs.append(measure(resolved, quick, _LINK_CLASS[kind]))
     except RunFailed as err:
         sys.stderr.write(f"error: calibration failed: {err}\n")
         return 1
-    facts = HostFacts(model=topology.spec.node.device.model, **facts)
+    busy = [f["others_busy_cores"] for _, f in runs if f.get("others_busy_cores") is not None]
+    facts = HostFacts(model=topology.spec.node.device.model,
+                      **runs[0][1] | {"others_busy_cores": max(busy) if busy else None})
+    raw = merge_raws([r for r, _ in runs])
     calib = fit_calibration(Raw.model_validate(raw), facts, topology.name, wall_s=time.perf_counter() - t0)
     write_atomic(out, dump_yaml(calib).encode())
     rows = summary(calib, topology)
     if as_json:
-        body = {"calibration": out, "topology": topology.name, "wall_s": calib.wall_s,
+        body = {"calibration": out, "topology": topology.name, "wall_s": calib.wall_s, "repeats": repeat,
                 "device": calib.device.model_dump(mode="json"), "fitted": rows}
         sys.stdout.write(json.dumps(body, indent=1) + "\n")
     else:
@@ -206,7 +217,26 @@ def summary(calib, topology) -> list[dict[str, Any]]:
     if calib.compute_pool is not None:
         was = None if pool is None else (pool.capacity_ranks or pool.cores / pool.threads_per_rank)
         rows.append(("compute pool capacity", "ranks at full speed", calib.compute_pool.capacity_ranks, was))
+    err = p2p_error_pct(calib)
+    if err is not None:
+        rows.append(("p2p error, messages >= 1 MiB", "% max on its samples (target <= 8)", err, None))
     return [{"name": n, "unit": u, "fitted": v, "replaces": w} for n, u, v, w in rows] + memory_rows(calib)
+
+
+def p2p_error_pct(calib) -> float | None:
+    """The largest error, in %, of the fitted transfer model on the calibration's own transfers of 1 MiB and more
+    (COSTMODEL.md's micro-level target: <= 8%): one flow ``alpha + S / bw``, two at once ``alpha + S / min(bw,
+    shared / 2)``; None without transfers."""
+    if not calib.links or calib.p2p_overhead_us is None:
+        return None
+    link = next(iter(calib.links.values()))
+    bw, alpha = link.usable_GBps * 1e9, calib.p2p_overhead_us * 1e-6 + link.latency_us * 1e-6
+    errs = []
+    for s in calib.raw.p2p:
+        if s.size_bytes >= 1 << 20 and (s.flows == 1 or calib.shared_GBps is not None):
+            rate = bw if s.flows == 1 else min(bw, calib.shared_GBps * 1e9 / s.flows)
+            errs.append(abs(alpha + s.size_bytes / rate - s.time_s) / s.time_s * 100)
+    return round(max(errs), 2) if errs else None
 
 
 def _span(table: list[list[float]]) -> str:
@@ -230,7 +260,9 @@ def _fitted_table(rows: list[dict]) -> Table:
 def _print(calib, rows: list[dict], out: str, console: Console) -> None:
     d = calib.device
     console.print(f"{calib.name}: measured on {d.cpu} ({d.cores} CPUs{', ' + d.gpu if d.gpu else ''}, torch "
-                  f"{d.torch}, {d.backend}) in {calib.wall_s:.0f} s; wrote {out}", soft_wrap=True)
+                  f"{d.torch}, {d.backend}) in {calib.wall_s:.0f} s"
+                  f"{f' ({calib.raw.repeats} runs merged)' if calib.raw.repeats > 1 else ''}; wrote {out}",
+                  soft_wrap=True)
     console.print(_fitted_table(rows))
     console.print(f"use it: add `calibration: {out}` to the topology file (a path relative to it)", soft_wrap=True)
 

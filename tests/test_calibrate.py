@@ -321,3 +321,15 @@ def test_kernel_table_applies_the_head_dim_and_size_dependent_mask_multipliers(c
     assert table.efficiency(128, 128, "fwd", True) == pytest.approx(0.5 * base, rel=1e-3)
     assert table.efficiency(64, 256, "fwd", True) == pytest.approx(0.5 * table.efficiency(64, 256, "fwd", False),
                                                                     rel=1e-3)     # √(64·256) = 128
+
+
+def test_p2p_error_on_the_calibrations_own_transfers(calib):
+    """The micro-level transfer error (COSTMODEL.md: <= 8% for messages >= 1 MB): 0 on transfers the model
+    generated; one large transfer 10% slower than the model shows as 1 - 1/1.1 = 9.09%."""
+    from meshplan.cli_calibrate import p2p_error_pct
+    assert p2p_error_pct(calib) == pytest.approx(0.0, abs=0.01)
+    raw = synthetic_raw().model_dump(mode="json", by_alias=True)
+    big = max(range(len(raw["p2p"])), key=lambda i: (raw["p2p"][i]["flows"] == 1, raw["p2p"][i]["size_bytes"]))
+    raw["p2p"][big]["time_s"] *= 1.1
+    slow = calib.model_copy(update={"raw": Raw.model_validate(raw)})        # the same fit, one sample off
+    assert p2p_error_pct(slow) == pytest.approx(100 * (1 - 1 / 1.1), abs=0.01)

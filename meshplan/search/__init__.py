@@ -136,54 +136,80 @@ def run_search(base: Workload, topo: Topology, n: int, *, algos: list[str] | Non
     fwd_only = [c for c in cands if c.forward_only]       # listed after the others with bwd: null
     cands = [c for c in cands if not c.forward_only]
     cands.sort(key=lambda c: (c.estimate_s, c.bound_s))   # likely winners first: pruning bites early
-    best = float("inf")
-    beaten = lambda c: c.bound_s > best * (1 - prune_slack) * (1 + 1e-12)  # noqa: E731
-    leader = None
-    unsimulated: Counter = Counter()
-    over: list[tuple[float, str]] = []
+    bnb = _BranchAndBound(topo, n, ccr, memory_limit, given, prune_slack, skipped, rejected)
     for k, c in enumerate(cands):
         if progress:
             progress(k, len(cands), _label(c))
-        if not beaten(c):
-            tighter = algorithms.get(c.algorithm).refine(c.plan, topo)
-            if tighter is not None:
-                c.timing = tighter
-        if beaten(c):
-            c.predicted = closed_form_predicted(c, ccr)
-            _forget(c)
-            continue
-        if n > FULL_SIM_MAX_RANKS and leader is not None and not reduces(c, topo):
-            c.predicted = closed_form_predicted(c, ccr)
-            unsimulated[f"no node symmetry above {FULL_SIM_MAX_RANKS} ranks (simulate it alone)"] += 1
-            _forget(c)
-            continue
-        simulate_candidate(c, topo, ccr)
-        if c.predicted["peak_memory_total_bytes"] > memory_limit:
-            skipped[_OVER[given]] += 1                          # the simulated total: wire images included
-            rejected.append(_over(c, c.predicted["peak_memory_total_bytes"], memory_limit, "simulated"))
-            over.append((c.predicted["peak_memory_total_bytes"], _label(c)))
-            c.predicted, c.model_level = None, "over-memory"
-            _forget(c)
-            continue
-        if c.predicted["makespan_s"] < best:
-            if leader is not None:
-                _forget(leader)
-            best, leader = c.predicted["makespan_s"], c
-        else:
-            _forget(c)
+        bnb.visit(c)
     algorithms.get("mesh").forget_builds()
     cands = [c for c in cands if c.model_level != "over-memory"]
     sim = sorted((c for c in cands if c.model_level == "simulated"), key=lambda c: c.predicted["makespan_s"])
     cf = sorted((c for c in cands if c.model_level != "simulated"), key=lambda c: c.bound_s)
     _rank_forward_only(fwd_only, topo, ccr)
-    if over and not sim and not cf and not fwd_only:
-        peak, label = min(over)
+    if bnb.over and not sim and not cf and not fwd_only:
+        peak, label = min(bnb.over)
         raise _no_fit(memory_limit, given, f"{fmt_bytes(peak)} ({label}, simulated)")
     counts = {"enumerated": len(cands) + len(fwd_only) + skipped[_OVER[given]], "pruned": len(cf),
-              "simulated": len(sim) + len(fwd_only), "skipped": dict(skipped), "not_simulated": dict(unsimulated),
+              "simulated": len(sim) + len(fwd_only), "skipped": dict(skipped), "not_simulated": dict(bnb.unsimulated),
               "prune_slack": prune_slack}
     return SearchResult(base, topo, n, sim + cf + fwd_only, counts, time.perf_counter() - t0, ccr, rejected,
                         layout_pinned, memory_limit)
+
+
+@dataclass
+class _BranchAndBound:
+    """The search loop's state over candidates visited best estimate first: the best simulated makespan so far
+    and its candidate (the only one whose simulation is kept), what was left unsimulated and why, and the
+    simulated totals over the memory limit."""
+
+    topo: Topology
+    n: int
+    ccr: float | None
+    memory_limit: float
+    given: bool
+    prune_slack: float
+    skipped: Counter
+    rejected: list[str]
+    best: float = float("inf")
+    leader: Candidate | None = None
+    unsimulated: Counter = field(default_factory=Counter)
+    over: list[tuple[float, str]] = field(default_factory=list)
+
+    def beaten(self, c: Candidate) -> bool:
+        """Its lower bound exceeds (1 − prune_slack) x the best simulated makespan."""
+        return c.bound_s > self.best * (1 - self.prune_slack) * (1 + 1e-12)
+
+    def visit(self, c: Candidate) -> None:
+        """Tighten the bound, then leave ``c`` at its closed form (pruned, or no node symmetry at scale) or simulate
+        it (rejected when its simulated total is over the memory limit); keeps the leader."""
+        if not self.beaten(c):
+            tighter = algorithms.get(c.algorithm).refine(c.plan, self.topo)
+            if tighter is not None:
+                c.timing = tighter
+        if self.beaten(c):
+            c.predicted = closed_form_predicted(c, self.ccr)
+            _forget(c)
+            return
+        if self.n > FULL_SIM_MAX_RANKS and self.leader is not None and not reduces(c, self.topo):
+            c.predicted = closed_form_predicted(c, self.ccr)
+            self.unsimulated[f"no node symmetry above {FULL_SIM_MAX_RANKS} ranks (simulate it alone)"] += 1
+            _forget(c)
+            return
+        simulate_candidate(c, self.topo, self.ccr)
+        total = c.predicted["peak_memory_total_bytes"]
+        if total > self.memory_limit:
+            self.skipped[_OVER[self.given]] += 1                 # the simulated total: wire images included
+            self.rejected.append(_over(c, total, self.memory_limit, "simulated"))
+            self.over.append((total, _label(c)))
+            c.predicted, c.model_level = None, "over-memory"
+            _forget(c)
+            return
+        if c.predicted["makespan_s"] < self.best:
+            if self.leader is not None:
+                _forget(self.leader)
+            self.best, self.leader = c.predicted["makespan_s"], c
+        else:
+            _forget(c)
 
 
 _OVER = {True: "over --memory-limit", False: "over the device's memory"}
