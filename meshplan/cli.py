@@ -364,7 +364,7 @@ def calibrate(topo: Annotated[str, typer.Option("--topo", help="the topology to 
                   "(after meshplan's fits changed) and rewrite it")] = False,
               repeat: Annotated[int, typer.Option(
                   "--repeat", help="measure N times and merge (a timing's median over the runs; samples pooled): "
-                  "reproducible numbers on a shared host")] = 1,
+                  "one run's slow spell on a shared host moves nothing")] = 1,
               as_json: o.Json = False) -> None:
     """Measure this host's kernels, transfers, overlap and core sharing (or, with --from-nccl-tests, fit the link
     classes from nccl-tests output); write a calibration file."""

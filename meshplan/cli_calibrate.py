@@ -32,7 +32,7 @@ def calibrate_command(topo: str, backend: str, quick: bool, out: str, as_json: b
     if not out.endswith((".yaml", ".yml")):
         raise UserError("--out", f"{out!r} is not a .yaml name", "name the file *.yaml")
     if repeat < 1:
-        raise UserError("--repeat", f"{repeat} runs", "give 1 or more (3 makes a shared host's numbers reproducible)")
+        raise UserError("--repeat", f"{repeat} runs", "give 1 or more (e.g. 3)")
     if importlib.util.find_spec("torch") is None:
         raise UserError("calibrate", "the micro-benchmarks need torch, which is not installed",
                         "install the [exec] extra: pip install -e '.[exec]'")
