@@ -100,6 +100,10 @@ class Raw(_Strict):
     kernels: list[KernelSample]
     merges: list[tuple[PositiveInt, PositiveFloat]] = Field(
         description="(bytes touched = 3 x output bytes, seconds) of the executor's LSE merge")
+    dtype_merges: list[tuple[Literal["bf16", "fp16", "fp32"], PositiveInt, PositiveFloat]] = Field(
+        [], description="(dtype, bytes touched = 3 x output bytes in that dtype, seconds) of the same merge with O in "
+        "the dtypes other than raw.dtype: the kernel table's merge_dtype is each one's median time over bytes / "
+        "merge rate")
     link_class: LinkClass | None = Field(None, description="class of the route the transfers took")
     p2p: list[TransferSample] = []
     overlap: list[OverlapSample] = []
@@ -195,6 +199,10 @@ def fit_calibration(raw: Raw, device: HostFacts, name: str, wall_s: float = 0.0,
     kernel = kernel_table(raw, peak, launch_s, {dt: _r(peaks[dt] / 1e12) / _r(peaks[raw.dtype] / 1e12)
                                                  for dt in peaks})
     merge_rate = fit.fit_throughput([b for b, _ in raw.merges], [t for _, t in raw.merges])
+    by_dtype = {dt: _r(float(np.median([t * merge_rate / b for d, b, t in raw.dtype_merges if d == dt])))
+                for dt in sorted({d for d, _, _ in raw.dtype_merges})}
+    if by_dtype:
+        kernel = kernel.model_copy(update={"merge_dtype": by_dtype})
     body = {"name": name, "device": device, "measured_at": measured_at or datetime.date.today(),
             "wall_s": round(wall_s, 1), "peak_bf16_tflops": _r(peaks["bf16"] / 1e12),
             "peak_fp16_tflops": _r(peaks["fp16"] / 1e12) if "fp16" in peaks else None,

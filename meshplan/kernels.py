@@ -50,6 +50,10 @@ class KernelTableSpec(BaseModel):
         "bf16 the surrogate-O backward takes 1.5-1.7x the flash backward in bf16, 1.03-1.07x in fp32")
     merge_hbm_fraction: Annotated[float, Field(gt=0, le=1)] = Field(
         0.8, description="merges and accumulations run at this fraction of the memory bandwidth")
+    merge_dtype: dict[Literal["bf16", "fp16", "fp32"], Annotated[float, Field(gt=0)]] | None = Field(
+        None, description="a block's LSE merge into its output (combine: merge) takes this many times its bytes / "
+        "merge rate when O is in that dtype (none given: 1): the executor merges in fp32, so a bf16 O is converted "
+        "both ways; on one AVX512-BF16 CPU 3-7x at 1-2K rows")
     head_dims: list[PositiveInt] | None = Field(
         None, description="head dims of head_dim_fwd / head_dim_bwd, ascending (none: the tables hold for any D)")
     head_dim_fwd: list[Annotated[float, Field(gt=0)]] | None = Field(
@@ -181,6 +185,11 @@ class KernelTable:
         """How many times longer a backward block carrying D instead of O takes in ``dtype``
         (``bwd_delta_dtype``, else ``bwd_delta_factor``)."""
         return (self.spec.bwd_delta_dtype or {}).get(dtype, self.spec.bwd_delta_factor)
+
+    def merge_factor(self, dtype: str | None) -> float:
+        """How many times its bytes / merge rate a block's LSE merge into an output in ``dtype`` takes
+        (``merge_dtype``, else 1)."""
+        return (self.spec.merge_dtype or {}).get(dtype, 1.0)
 
     def head_dim_factor(self, head_dim: int | None, pass_: str) -> float:
         """The efficiency multiplier at ``head_dim`` (1 without head-dim data or without a head dim)."""

@@ -333,3 +333,14 @@ def test_p2p_error_on_the_calibrations_own_transfers(calib):
     raw["p2p"][big]["time_s"] *= 1.1
     slow = calib.model_copy(update={"raw": Raw.model_validate(raw)})        # the same fit, one sample off
     assert p2p_error_pct(slow) == pytest.approx(100 * (1 - 1 / 1.1), abs=0.01)
+
+
+def test_merge_factor_by_dtype_from_the_merge_timings():
+    """merge_dtype = the median over sizes of a merge's time in that dtype over its bytes / the merge rate (here a
+    bf16 merge taking 3x its bytes' worth, fp16 1.5x): recovered exactly; none measured -> no merge_dtype."""
+    raw = synthetic_raw().model_dump(mode="json", by_alias=True)
+    rate = 6e9                                               # synthetic_raw's merges
+    raw["dtype_merges"] = [[dt, b, f * b / rate] for dt, f in (("bf16", 3.0), ("fp16", 1.5)) for b in (5e5, 2e6)]
+    calib = fit_calibration(Raw.model_validate(raw), facts(), "cpu-local")
+    assert calib.kernel.merge_dtype == {"bf16": 3.0, "fp16": 1.5}
+    assert fit_calibration(synthetic_raw(), facts(), "cpu-local").kernel.merge_dtype is None
