@@ -196,6 +196,8 @@ def summary(calib, topology) -> list[dict[str, Any]]:
             ("kernel bwd_delta_factor", "x flash bwd", new.bwd_delta_factor, old.bwd_delta_factor)]
     for dt, factor in (new.bwd_delta_dtype or {}).items():
         rows.append((f"kernel bwd_delta_factor, {dt}", "x flash bwd", factor, None))
+    for dt, factor in (new.merge_dtype or {}).items():
+        rows.append((f"kernel merge_dtype, {dt}", "x its bytes / merge rate", factor, None))
     for dt in sorted(new.dtype_fwd or {}):
         for i, d in enumerate(new.dtype_head_dims or [None]):
             rows.append((f"kernel {dt} x by size, fwd / bwd" + (f", D={d}" if d else ""),

@@ -343,4 +343,8 @@ def test_merge_factor_by_dtype_from_the_merge_timings():
     raw["dtype_merges"] = [[dt, b, f * b / rate] for dt, f in (("bf16", 3.0), ("fp16", 1.5)) for b in (5e5, 2e6)]
     calib = fit_calibration(Raw.model_validate(raw), facts(), "cpu-local")
     assert calib.kernel.merge_dtype == {"bf16": 3.0, "fp16": 1.5}
+    from meshplan.cli_calibrate import summary
+    from meshplan.topology import Topology
+    rows = {r["name"]: r["fitted"] for r in summary(calib, Topology.load("cpu-local"))}
+    assert rows["kernel merge_dtype, bf16"] == 3.0 and rows["kernel merge_dtype, fp16"] == 1.5
     assert fit_calibration(synthetic_raw(), facts(), "cpu-local").kernel.merge_dtype is None
