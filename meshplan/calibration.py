@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFlo
 
 from meshplan import fit
 from meshplan.calibration_kernel import fitted as _r
-from meshplan.calibration_kernel import kernel_table
+from meshplan.calibration_kernel import kernel_table, merge_by_dtype
 from meshplan.errors import UserError
 from meshplan.kernels import KernelTableSpec
 from meshplan.memory_model import MemorySample, MemorySpec, fit_memory
@@ -199,10 +199,7 @@ def fit_calibration(raw: Raw, device: HostFacts, name: str, wall_s: float = 0.0,
     kernel = kernel_table(raw, peak, launch_s, {dt: _r(peaks[dt] / 1e12) / _r(peaks[raw.dtype] / 1e12)
                                                  for dt in peaks})
     merge_rate = fit.fit_throughput([b for b, _ in raw.merges], [t for _, t in raw.merges])
-    by_dtype = {dt: _r(float(np.median([t * merge_rate / b for d, b, t in raw.dtype_merges if d == dt])))
-                for dt in sorted({d for d, _, _ in raw.dtype_merges})}
-    if by_dtype:
-        kernel = kernel.model_copy(update={"merge_dtype": by_dtype})
+    kernel = kernel.model_copy(update={"merge_dtype": merge_by_dtype(raw, merge_rate)})
     body = {"name": name, "device": device, "measured_at": measured_at or datetime.date.today(),
             "wall_s": round(wall_s, 1), "peak_bf16_tflops": _r(peaks["bf16"] / 1e12),
             "peak_fp16_tflops": _r(peaks["fp16"] / 1e12) if "fp16" in peaks else None,

@@ -56,6 +56,15 @@ def _delta_by_dtype(raw: Raw) -> dict[str, float] | None:
     return {dt: max(1.0, fitted(float(np.median(r)))) for dt, r in sorted(ratios.items())} or None
 
 
+def merge_by_dtype(raw: Raw, merge_rate: float) -> dict[str, float] | None:
+    """``merge_dtype``: per dtype of ``raw.dtype_merges``, the median over sizes of the merge's time over its bytes /
+    ``merge_rate`` (bytes/s, the raw.dtype merges' fit); None without samples."""
+    ratios: dict[str, list[float]] = {}
+    for dt, size, t in raw.dtype_merges:
+        ratios.setdefault(dt, []).append(t * merge_rate / size)
+    return {dt: fitted(float(np.median(r))) for dt, r in sorted(ratios.items())} or None
+
+
 def _head_dim_factors(raw: Raw, peak: float, launch_s: float) -> dict:
     """``head_dims``, ``head_dim_fwd``, ``head_dim_bwd`` of the kernel table: per pass and head dim, the median over
     sizes of the efficiency there over the efficiency at the table's own head dim (the same sizes); {} without

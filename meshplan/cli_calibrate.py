@@ -37,7 +37,7 @@ def calibrate_command(topo: str, backend: str, quick: bool, out: str, as_json: b
         raise UserError("calibrate", "the micro-benchmarks need torch, which is not installed",
                         "install the [exec] extra: pip install -e '.[exec]'")
     topology = Topology.load(topo)
-    from meshplan.executor.calibrate import measure
+    from meshplan.executor.calibrate import log, measure
     from meshplan.executor.launch import RunFailed, resolve_backend
 
     resolved = resolve_backend(backend)
@@ -51,7 +51,7 @@ def calibrate_command(topo: str, backend: str, quick: bool, out: str, as_json: b
     try:
         for i in range(repeat):
             if repeat > 1:
-                sys.stderr.write(f"calibrate: run {i + 1} of {repeat}\n")
+                log(f"run {i + 1} of {repeat}")
             runs.append(measure(resolved, quick, _LINK_CLASS[kind]))
     except RunFailed as err:
         sys.stderr.write(f"error: calibration failed: {err}\n")
@@ -227,8 +227,8 @@ def summary(calib, topology) -> list[dict[str, Any]]:
 
 def p2p_error_pct(calib) -> float | None:
     """The largest error, in %, of the fitted transfer model on the calibration's own transfers of 1 MiB and more
-    (COSTMODEL.md's micro-level target: <= 8%): one flow ``alpha + S / bw``, two at once ``alpha + S / min(bw,
-    shared / 2)``; None without transfers."""
+    (COSTMODEL.md's micro-level target: <= 8%): one flow ``alpha + S / bw``, k at once ``alpha + S / min(bw,
+    shared / k)``; None without transfers."""
     if not calib.links or calib.p2p_overhead_us is None:
         return None
     link = next(iter(calib.links.values()))

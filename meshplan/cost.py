@@ -167,9 +167,9 @@ class CostModel:
             dur[self._bwd_without_out(sched)] *= delta
         combined = (o.kind == COMPUTE) & (o.combine != COMBINES.index("write"))
         out_bytes = csr_sum(o.out_ptr, t.size_bytes[o.outputs].astype(np.float64))
-        merge_s = 3 * out_bytes / self.merge_rate
-        merging = combined & (o.combine == COMBINES.index("merge"))       # O in the workload dtype, merged in fp32
-        dur[combined] += np.where(merging, self.kernel.merge_factor(dtype), 1.0)[combined] * merge_s[combined]
+        merging = o.combine[combined] == COMBINES.index("merge")          # O in the workload dtype, merged in fp32
+        factor = np.where(merging, self.kernel.merge_factor(dtype), 1.0)
+        dur[combined] += factor * 3 * out_bytes[combined] / self.merge_rate
         side = np.flatnonzero((o.kind == KIND["merge"]) | (o.kind == KIND["accumulate"]))
         dur[side] = self.merge_time_s(o.size_bytes[side])
         return dur

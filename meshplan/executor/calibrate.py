@@ -108,8 +108,10 @@ def measure(backend: str = "auto", quick: bool = False, link_class: str | None =
         probes.append(probe_ms(device))
         raw = {"dtype": sweep.dtype, "gemm": _gemm(sweep, device), "launch_s": _launch(sweep, device),
                "kernels": _kernels(sweep, device, probes), "dtype_sweep": dtype_sweep(sweep, device),
-               "merges": _merges(sweep, device), "dtype_merges": _merges(sweep, device, other_dtypes=True),
                "memory": memory_samples(device, quick)}
+        merges = _merges(sweep, device)
+        raw["merges"] = [r[1:] for r in merges if r[0] == sweep.dtype]
+        raw["dtype_merges"] = [r for r in merges if r[0] != sweep.dtype]
         recurrence = _recurrence(sweep, device)
         raw["recurrence"] = [r[1:] for r in recurrence if r[0] == sweep.dtype]
         raw["dtype_recurrence"] = [r for r in recurrence if r[0] != sweep.dtype]
@@ -374,17 +376,16 @@ def memory_samples(device, quick: bool) -> list[dict]:
     return measure_memory(device, quick) + (declared_run_samples(repeats) if repeats else [])
 
 
-def _merges(sweep: Sweep, device, other_dtypes: bool = False) -> list:
-    """(bytes touched, seconds) of the executor's merge of a block's (O, LSE) into its output tensor (the token
-    gather, the fp32 LSE merge and the write back: :func:`meshplan.executor.ops.combine`); the cost model charges
-    3 x the output's bytes (O in the dtype + fp32 LSE). With ``other_dtypes``: (dtype, bytes, seconds) with O in
-    each other dtype (the merge still runs in fp32: on one AVX512-BF16 CPU a bf16 merge of 1-2K rows took 3.3-3.7x
-    the fp32 one, where its bytes say 0.5x)."""
+def _merges(sweep: Sweep, device) -> list:
+    """(dtype, bytes touched, seconds) of the executor's merge of a block's (O, LSE) into its output tensor (the
+    token gather, the fp32 LSE merge and the write back: :func:`meshplan.executor.ops.combine`) with O in every
+    dtype (the sweep's first); the cost model charges 3 x the output's bytes (O in the dtype + fp32 LSE). The
+    merge runs in fp32 whatever O's dtype: on one AVX512-BF16 CPU a bf16 merge of 1-2K rows took 3.3-3.7x the
+    fp32 one, where its bytes say 0.5x."""
     from meshplan.executor.ops import combine
 
     rows, b, h, d = [], sweep.batch, sweep.heads, sweep.head_dim
-    names = [n for n in ("bf16", "fp16", "fp32") if n != sweep.dtype] if other_dtypes else [sweep.dtype]
-    for name in names:
+    for name in (sweep.dtype, *(n for n in ("bf16", "fp16", "fp32") if n != sweep.dtype)):
         dt = TORCH_DTYPE[name]
         elem = torch.empty(0, dtype=dt).element_size()
         for s in sweep.merge_tokens:
@@ -392,6 +393,5 @@ def _merges(sweep: Sweep, device, other_dtypes: bool = False) -> list:
             part = {"o": torch.randn(b, h, s, d, device=device).to(dt), "lse": torch.randn(b, h, s, device=device)}
             tokens = torch.arange(s, device=device)
             t = _time(lambda: combine("merge", views, part, tokens), device, sweep)  # noqa: B023
-            size = 3 * b * h * s * (d * elem + 4)
-            rows.append((name, size, t) if other_dtypes else (size, t))
+            rows.append((name, 3 * b * h * s * (d * elem + 4), t))
     return rows
