@@ -296,9 +296,10 @@ def compare(schedule: Annotated[str, typer.Argument(help="the schedule that was 
             topo: o.Topo = None,
             trace: Annotated[Optional[str], typer.Option("--trace", help="write both timelines as one Chrome trace")]
             = None, as_json: o.Json = False) -> None:
-    """Predicted against measured: per op kind, per step, end to end, peak memory."""
+    """Predicted against measured: per op kind, per step, end to end, peak memory; exit 1 when the measurement
+    implies more than the hardware can do."""
     from meshplan.cli_exec import compare_command
-    compare_command(schedule, measurement, topo, as_json, trace)
+    raise typer.Exit(compare_command(schedule, measurement, topo, as_json, trace))
 
 
 @app.command()

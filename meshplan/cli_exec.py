@@ -21,6 +21,7 @@ def run_command(schedule: str, nproc, backend, iters, warmup, check, serialize, 
     from meshplan.executor.worker import RunConfig
     from meshplan.fileio import write_atomic
     from meshplan.measurement import MeasurementJSON
+    from meshplan.run_memory import check_fits
 
     for flag, name in ((out, "--out"), (trace, "--trace")):
         if flag is not None and not flag.endswith(".json"):
@@ -32,7 +33,7 @@ def run_command(schedule: str, nproc, backend, iters, warmup, check, serialize, 
     cfg = RunConfig(backend=backend, iters=iters, warmup=warmup, check=check, serialize=serialize,
                     timeout_s=timeout_s, dump_dir=dump_dir, seed=seed, inputs_path=inputs)
     try:
-        body = run(schedule, nproc, cfg)
+        body = run(schedule, nproc, cfg, fits=lambda prog, host: check_fits(prog.schedule, host, schedule))
     except RunFailed as err:
         sys.stderr.write(f"error: run failed: {err}\n")
         return 1
@@ -48,7 +49,14 @@ def run_command(schedule: str, nproc, backend, iters, warmup, check, serialize, 
         sys.stdout.write(json.dumps({"measurement": meas.model_dump(), "comparison": cmp}, indent=1) + "\n")
     else:
         print_run(meas, cmp, Console(width=200 if not sys.stdout.isatty() else None))
-    return 1 if meas.numerics.passed is False else 0
+    _say_implausible(cmp)
+    return 1 if meas.numerics.passed is False or (cmp or {}).get("implausible") else 0
+
+
+def _say_implausible(cmp: dict[str, Any] | None) -> None:
+    """Each reason a measurement cannot be real, one line each on stderr."""
+    for line in (cmp or {}).get("implausible", []):
+        sys.stderr.write(f"implausible: {line}\n")
 
 
 def _compare_quietly(schedule: str, meas) -> dict[str, Any] | None:
@@ -86,11 +94,12 @@ def write_comparison_trace(schedule: str, measurement: str, topo: str | None, pa
 def print_run(meas, cmp: dict[str, Any] | None, console: Console) -> None:
     """Numerics per tensor, then measured against predicted per pass."""
     n, s = meas.numerics, meas.settings
-    verdict = "not checked" if not n.checked else ("passed" if n.passed else "FAILED")
+    how = {"full": "", "sampled": f" ({n.sampled_triples} sampled rows)", "off": ""}[n.checked]
+    verdict = "not checked (--no-check)" if n.checked == "off" else ("passed" if n.passed else "FAILED") + how
     console.print(f"{meas.algorithm}: {len(meas.ranks)} ranks ({meas.env.get('backend')}), {s['iters']} timed "
                   f"iterations after {s['warmup']} warm-up{', serialized' if s['serialize'] else ''}; "
                   f"numerics {verdict}", soft_wrap=True)
-    if n.checked:
+    if n.checked != "off":
         t = Table("tensor", "max |error|", "bound", "1-process error", "floor", "ok")
         for name, e in n.tensors.items():
             t.add_row(name, f"{e.max_abs_err:.3g}", f"{e.bound:.3g}", f"{e.single_process_err:.3g}", f"{e.floor:.3g}",
@@ -145,15 +154,23 @@ def _pct(x) -> str:
     return "-" if x is None else f"{x:+.1f}%"
 
 
-def compare_command(schedule: str, measurement: str, topo: str | None, as_json: bool, trace: str | None = None) -> None:
-    """``meshplan compare`` (with ``--trace``: both timelines in one Chrome trace)."""
+def compare_command(schedule: str, measurement: str, topo: str | None, as_json: bool, trace: str | None = None) -> int:
+    """``meshplan compare`` (with ``--trace``: both timelines in one Chrome trace); returns the exit status: 1 when
+    the measurement is implausible (each reason on stderr), else 0."""
     from meshplan.compare import compare_files
     body = compare_files(schedule, measurement, topo)
     if trace is not None:
         write_comparison_trace(schedule, measurement, topo, trace)
+    _say_implausible(body)
     if as_json:
         sys.stdout.write(json.dumps(body, indent=1) + "\n")
-        return
+    else:
+        _print_comparison(schedule, measurement, body)
+    return 1 if body["implausible"] else 0
+
+
+def _print_comparison(schedule: str, measurement: str, body: dict[str, Any]) -> None:
+    """The human tables of ``meshplan compare``."""
     console = Console(width=200 if not sys.stdout.isatty() else None)
     console.print(f"{schedule} on {body['topology']} against {measurement} ({body['backend']})", soft_wrap=True)
     if body["note"]:

@@ -60,7 +60,8 @@ Backend = Annotated[str, typer.Option("--backend", help="auto (nccl with CUDA, e
 Iters = Annotated[int, typer.Option("--iters", help="timed iterations")]
 Warmup = Annotated[int, typer.Option("--warmup", help="untimed iterations first")]
 Check = Annotated[Optional[bool], typer.Option("--check/--no-check",
-                                               help="numerics against float64 (default: on when cheap)")]
+                                               help="numerics against float64: --check every row, --no-check "
+                                                    "none (default: every row when cheap, else a sample of rows)")]
 Serialize = Annotated[bool, typer.Option("--serialize", help="one op at a time per rank: no overlap")]
 TimeoutS = Annotated[float, typer.Option("--timeout-s", help="bound on every wait, seconds")]
 Dump = Annotated[Optional[str], typer.Option("--dump", help="write inputs and gathered results (.npy) to this folder")]

@@ -5,7 +5,8 @@ the measurement a :mod:`meshplan.measurement` file of the same schedule (checked
 ``(predicted − measured) / measured`` in percent. Op kinds compare summed durations over all ranks (a
 transfer: posted to completed); steps compare the time the last transfer of each batched-P2P step ends;
 end to end compares each pass's makespan. A CPU (gloo) run is comparable with ``cpu-local`` predictions
-only, a GPU (nccl) run with GPU topologies only; otherwise the table is printed with that warning.
+only, a GPU (nccl) run with GPU topologies only; otherwise the table is printed with that warning. A
+measurement that implies more than the hardware can do is listed in ``implausible`` (:mod:`meshplan.plausible`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 
 from meshplan.errors import UserError
 from meshplan.measurement import MeasurementJSON
+from meshplan.plausible import ceilings, implausible
 from meshplan.schedule import OP_KINDS, PASS_NAMES
 
 KIND_GROUPS = {"compute": "compute", "send": "transfer", "recv": "transfer", "merge": "merge",
@@ -75,13 +77,16 @@ def compare(sched, ids: list[int], meas: MeasurementJSON, topo: str | None = Non
     speed = host_speed(topo_obj, meas)
     gpu_run = meas.env.get("backend") == "nccl"
     comparable = gpu_run == (topo_obj.name != "cpu-local")
+    other_host = host_match(topo_obj, meas)
+    ceiling = ceilings(topo_obj, meas, sched.workload.dtype, bool(other_host), speed["ratio"] if speed else None)
     return {
         "schedule": meas.schedule, "topology": topo_obj.name, "backend": meas.env.get("backend"),
         "comparable": comparable,
         "note": "; ".join(x for x in (
             "" if comparable else (f"planned for {topo_obj.name} but run with {meas.env.get('backend')}: "
                                    "errors say nothing about the model"),
-            host_match(topo_obj, meas)) if x),
+            other_host) if x),
+        "implausible": implausible(sched, topo_obj, meas, ceiling),
         "host_speed": speed,
         "end_to_end": _end_to_end(sched, sim, meas, speed["ratio"] if speed else None),
         "per_kind": _per_kind(sched, p_start, p_end, m_start, m_end),

@@ -84,7 +84,9 @@ class Chunking:
     ``offset[i, k]`` is where segment k starts in chunk i's local token order (chunk-local index);
     ``q_offset[i, k]`` the same in the order of its query tokens (the segments of query-holding regions;
     without a cached prefix, every segment). ``holds_q[k]``: segment column k belongs to a query region;
-    ``real_end[k]``: tokens of column k at positions >= it are padding.
+    ``real_end[i, k]``: tokens of chunk i's segment k at positions >= it are padding (each segment's real
+    tokens come first: a region's padding is its tail, and packed documents with padding are cut into one
+    segment per document, see :func:`chunking`).
     """
 
     layout: str
@@ -138,23 +140,34 @@ def _granularity_error(workload: Workload, n: int, unit: int, bad: list[tuple[in
         tokens = f"{size} token{'s' if size != 1 else ''}"
         return UserError("--mask", f"document {k + 1} has {tokens}, not a multiple of {what} for the per-document "
                          f"{layout} layout", f"pad each document: --mask docs:{spec} --seq-len "
-                         f"{sum(pad(sl) for sl in w.mask.doc_lens)} (or --doc-layout packed)")
+                         f"{sum(pad(sl) for sl in w.mask.doc_lens)}, or pack them: --doc-layout packed "
+                         f"{_packed_docs(w, unit)}")
     if w.prefix_len:
         k, size = bad[0]
         if k == 0:
             return UserError("--prefix-len", f"{size} cached tokens are not a multiple of {what} for the {layout} "
                              "layout", f"pad the cache: --prefix-len {pad(size)} --seq-len {pad(size) + w.n_queries}")
         return UserError("--seq-len", f"{size} new tokens are not a multiple of {what} (nor fewer than N = {n}, "
-                         "a decode step)", f"give --seq-len {w.prefix_len + pad(size)} or fewer than {n} new tokens")
+                         "a decode step)", f"pad the new tokens: --seq-len {w.prefix_len + pad(size)} --valid-len "
+                         f"{w.n_valid}, or decode fewer than {n} new tokens")
     S = w.seq_len
     if w.mask.kind == "docs":                # packed: pad the last document, whose padding never contributes
-        real, slots = w.mask.doc_real_lens(), list(w.mask.doc_lens)
-        spec = ",".join(f"{r}+{sl - r}" if sl != r else str(r) for r, sl in zip(real[:-1], slots[:-1]))
-        last = f"{real[-1]}+{slots[-1] - real[-1] + pad(S) - S}"
         return UserError("--seq-len", f"{S} is not a multiple of {what} for the {layout} layout",
-                         f"pad the last document: --mask docs:{spec + ',' if spec else ''}{last} --seq-len {pad(S)}")
+                         f"pad the last document: {_packed_docs(w, unit)}")
     return UserError("--seq-len", f"{S} is not a multiple of {what} for the {layout} layout",
                      f"pad to {pad(S)} and mask the padding: --seq-len {pad(S)} --valid-len {w.n_valid}")
+
+
+def _packed_docs(w: Workload, unit: int) -> str:
+    """The flags of the packed layout for these documents: the last one padded so that the sequence is a multiple
+    of ``unit`` (padding never contributes), ``--mask docs:... --seq-len S``."""
+    real, slots = w.mask.doc_real_lens(), list(w.mask.doc_lens)
+    S = sum(slots)
+    extra = -(-S // unit) * unit - S
+    pads = [sl - r for r, sl in zip(real, slots)]
+    pads[-1] += extra
+    spec = ",".join(f"{r}+{p}" if p else str(r) for r, p in zip(real, pads))
+    return f"--mask docs:{spec} --seq-len {S + extra}"
 
 
 def _cut(layout: str, n: int, a: int, length: int, decode: bool):
@@ -197,9 +210,34 @@ def chunking(workload: Workload, n: int) -> Chunking:
     start, stride, count = (np.concatenate([p[k] for p in parts], axis=1) for k in range(3))
     widths = [p[0].shape[1] for p in parts]
     holds_q = np.repeat([q for *_, q in regions], widths).astype(bool)
-    real_end = np.repeat([r for _, _, r, _ in regions], widths).astype(np.int64)
+    real_end = np.broadcast_to(np.repeat([r for _, _, r, _ in regions], widths).astype(np.int64), start.shape)
+    if workload.mask.kind == "docs" and workload.mask.doc_pad and workload.doc_layout != "per-doc":
+        start, stride, count, real_end = _split_at_documents(workload, start, stride, count)
+        holds_q = np.ones(start.shape[1], dtype=bool)          # documents take no cached prefix
     offset = np.cumsum(count, axis=1) - count
-    return Chunking(layout, n, start, stride, count, offset, holds_q, real_end)
+    return Chunking(layout, n, start, stride, count, offset, holds_q, np.ascontiguousarray(real_end))
+
+
+def _split_at_documents(w: Workload, start: np.ndarray, stride: np.ndarray, count: np.ndarray):
+    """Packed documents with padding inside: every segment cut at the document slots it spans, so that each
+    piece's padding is its tail (``real_end`` = its document's real end, or ``valid_len`` if sooner).
+
+    The pieces of a segment keep its local order (positions rise along a segment); each chunk's pieces are
+    compacted to the left and the rows padded with empty segments to one width. Returns (start, stride, count,
+    real_end), each [n, n_seg'].
+    """
+    bounds = w.mask.doc_bounds
+    real = np.minimum(bounds[:-1] + np.asarray(w.mask.doc_real_lens(), dtype=np.int64), w.n_valid)
+    s, c, _ = restrict(start[:, :, None], stride[:, :, None], count[:, :, None], bounds[None, None, :-1],
+                       bounds[None, None, 1:])                                   # [n, k, docs]
+    n = start.shape[0]
+    st = np.broadcast_to(stride[:, :, None], s.shape).reshape(n, -1)
+    re = np.broadcast_to(real[None, None, :], s.shape).reshape(n, -1)
+    s, c = s.reshape(n, -1), c.reshape(n, -1)
+    keep = c > 0
+    order = np.argsort(~keep, axis=1, kind="stable")[:, :max(int(keep.sum(axis=1).max()), 1)]
+    pick = lambda a: np.take_along_axis(a, order, axis=1)  # noqa: E731
+    return pick(s), pick(st), pick(c), pick(re)
 
 
 class AttnMatrix:
@@ -223,7 +261,7 @@ class AttnMatrix:
         ch = self.chunks
         # Padding: only real tokens (before their region's real end) exist as queries and keys; queries only
         # in query regions (not the cached prefix).
-        vs, vc, v0 = restrict(ch.start, ch.stride, ch.count, 0, ch.real_end[None, :])
+        vs, vc, v0 = restrict(ch.start, ch.stride, ch.count, 0, ch.real_end)
         self.valid_start, self.valid_count, self.valid_first = vs, vc, v0
         self.q_count = vc * ch.holds_q[None, :]
         qs, qc = vs[:, None, :, None], self.q_count[:, None, :, None]       # [n, 1, seg, 1]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, field_validator
 
 MEASUREMENT_VERSION = "1.0"
 
@@ -75,12 +75,26 @@ class TensorError(_Strict):
 
 
 class Numerics(_Strict):
-    """The numerics check (BUGCASES.md criterion); ``passed`` is None when the check did not run."""
+    """The numerics check (BUGCASES.md criterion); ``passed`` is None when the check did not run.
 
-    checked: bool
+    Rows with no permitted key (padding) must come back with O = 0 and LSE = −inf (FlashAttention writes +inf
+    there, torch's math path NaN); both checks hold them to it.
+    """
+
+    checked: Literal["full", "sampled", "off"] = Field(
+        description="full: every returned row and key against the float64 reference; sampled: a sample of (batch, "
+        "row, head) triples against it, with dO zero outside them (dK/dV: their contributions), every padding row "
+        "O = 0 / LSE = -inf and dQ = 0 outside the sample; off: not checked (run --no-check)")
+    sampled_triples: NonNegativeInt | None = Field(None, description="the sampled check's triples (None otherwise)")
     passed: bool | None
     reference: str = ""
     tensors: dict[str, TensorError] = Field(default_factory=dict)
+
+    @field_validator("checked", mode="before")
+    @classmethod
+    def _from_bool(cls, value):
+        """Files written before the sampled check said true / false."""
+        return {True: "full", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
 
 class MeasurementJSON(_Strict):

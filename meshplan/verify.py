@@ -7,9 +7,14 @@ Checks (ARCHITECTURE.md invariant 4), each reported as one line per violation (f
   issue its ops in program order);
 * tensors: every referenced tensor exists on the op's rank; sizes match the workload;
 * transfers: every send has exactly one FIFO-matched recv with equal bytes and dtype;
+* batch order (what NCCL needs of grouped P2P, ``ncclGroupStart/End``): within a communicator, two peers issue
+  the batches in which they exchange in the same order — a transfer in rank a's k-th batch with rank b is
+  matched in rank b's k-th batch with rank a — so no group waits on a peer's later group;
 * coverage: in every pass, every mask-permitted (query chunk, KV chunk) block is computed exactly once
   for every query head, and no single-block op computes a block without a permitted pair (a cartesian op
   may span empty blocks: its mask skips them);
+* rows: every compute op takes exactly the query rows and keys of its blocks that are real tokens and take
+  part (a file's ``q_rows``/``kv_cols``): padding is never a query row or a key, and no real one is left out;
 * data hazards: every buffer access ordered as the data requires (:mod:`meshplan.hazards`);
 * deadlock freedom: the semantics of :mod:`meshplan.schedule` are monotone, so the schedule can run to
   completion iff the uncontended evaluation of :mod:`meshplan.dataflow` completes every item;
@@ -31,6 +36,7 @@ from meshplan.schedule import (
     DTYPES,
     KIND,
     OP_KINDS,
+    PASS_NAMES,
     RECV,
     SEND,
     TENSOR_KIND_NAMES,
@@ -62,7 +68,7 @@ class Report:
             self.violations.extend(lines[:_MAX_PER_KIND])
             if len(lines) > _MAX_PER_KIND:
                 self.violations.append(f"... and {len(lines) - _MAX_PER_KIND} more {kind} violations")
-            self.counts[kind] = len(lines)
+            self.counts[kind] = self.counts.get(kind, 0) + len(lines)
 
 
 def verify(sched: Schedule, memory_bytes: float | None = None, op_seconds: np.ndarray | None = None,
@@ -78,6 +84,7 @@ def verify(sched: Schedule, memory_bytes: float | None = None, op_seconds: np.nd
     matrix = attn_matrix(sched.workload, sched.n_chunks)
     for phase in sched.passes:
         rep.add("coverage", _coverage(sched, matrix, phase))
+    rep.add("rows", _rows(sched, matrix))
     rep.add("pass", _passes(sched))
     if rep.violations:
         return rep
@@ -101,6 +108,7 @@ def verify(sched: Schedule, memory_bytes: float | None = None, op_seconds: np.nd
             r = int(peak.argmax())
             rep.add("memory", [f"rank {r} needs {peak[r] / 1e9:.3g} GB of buffers in {('fwd', 'bwd')[phase]}, "
                                f"more than the device's {memory_bytes / 1e9:.3g} GB"])
+    rep.add("batch order", _batch_order(sched, partner))
     return rep
 
 
@@ -176,6 +184,34 @@ def _tensor_tokens(s: Schedule) -> np.ndarray:
     return np.where(is_kv, kv, q).astype(np.int64)
 
 
+def _batch_order(s: Schedule, partner: np.ndarray) -> list[str]:
+    """Every matched transfer sits in the same ordinal batch on both peers (among the batches of its rank, pass
+    and stream that exchange with the other peer). Batches: consecutive sends/recvs of a stream with one step."""
+    o = s.ops
+    comm = np.flatnonzero((o.kind == SEND) | (o.kind == RECV))
+    if not len(comm):
+        return []
+    where = (o.rank[comm].astype(np.int64) * 2 + o.phase[comm]) * len(s.streams.names) + o.stream[comm]
+    order = np.lexsort((comm, where))
+    ops, key, step = comm[order], where[order], o.step[comm[order]]
+    new_unit = np.r_[True, (key[1:] != key[:-1]) | (step[1:] != step[:-1]) | (step[1:] < 0)]
+    unit = np.empty(len(o), dtype=np.int64)
+    unit[ops] = np.cumsum(new_unit)
+    peer_key = where * s.n_ranks + o.peer[comm]
+    order = np.lexsort((comm, peer_key))
+    ops, pk = comm[order], peer_key[order]
+    first = np.r_[True, pk[1:] != pk[:-1]]
+    new = first | np.r_[True, unit[ops][1:] != unit[ops][:-1]]
+    count = np.cumsum(new)
+    ordinal = np.empty(len(o), dtype=np.int64)
+    ordinal[ops] = count - np.maximum.accumulate(np.where(first, count, 0))     # 0, 1, ... per (rank, stream, peer)
+    sends = comm[(o.kind[comm] == SEND) & (partner[comm] >= 0)]
+    bad = sends[ordinal[sends] != ordinal[partner[sends]]]
+    return [f"{PASS_NAMES[o.phase[a]]}: op {a} is in rank {o.rank[a]}'s batch #{ordinal[a] + 1} with rank {o.peer[a]} "
+            f"on stream {s.streams.names[o.stream[a]]!r}, its match op {partner[a]} in rank {o.peer[a]}'s batch "
+            f"#{ordinal[partner[a]] + 1}: NCCL needs both peers to issue their batches in one order" for a in bad]
+
+
 def _unique_rows(*cols: np.ndarray) -> tuple[list[tuple[int, ...]], np.ndarray]:
     """Distinct rows of small non-negative int columns (hashing a packed key), and each row's index."""
     key = np.zeros(len(cols[0]), dtype=np.int64)
@@ -225,6 +261,24 @@ def _coverage(s: Schedule, m: AttnMatrix, phase: int) -> list[str]:
     covered[block] = True
     missing = np.flatnonzero(m.permitted.ravel() & ~covered)
     out += [f"{name}: block ({i // N}, {i % N}) is never computed" for i in missing]
+    return out
+
+
+def _rows(s: Schedule, m: AttnMatrix) -> list[str]:
+    """Every compute op's row and key counts (``s_q``, ``s_kv``: its q_rows and kv_cols) are its blocks' real
+    tokens that take part (:meth:`AttnMatrix.op_shape`), so padding is never computed as a query or a key."""
+    o, out = s.ops, []
+    ops = np.flatnonzero(o.kind == COMPUTE)
+    nq, nk = np.diff(o.qc_ptr)[ops], np.diff(o.kvc_ptr)[ops]
+    for mq, mk in sorted(set(zip(nq.tolist(), nk.tolist()))):
+        sel = ops[(nq == mq) & (nk == mk)]
+        qi = o.q_chunks[o.qc_ptr[sel][:, None] + np.arange(mq)]
+        kj = o.kv_chunks[o.kvc_ptr[sel][:, None] + np.arange(mk)]
+        _, rows, cols, _ = m.op_shape(qi, kj, "fwd", 1)
+        bad = np.flatnonzero((o.s_q[sel] != rows) | (o.s_kv[sel] != cols))
+        out += [f"{PASS_NAMES[o.phase[sel[k]]]}: op {sel[k]} takes {o.s_q[sel[k]]} query rows and {o.s_kv[sel[k]]} "
+                f"keys, its blocks have {rows[k]} and {cols[k]} real tokens that take part (padding computed, or "
+                "tokens left out)" for k in bad]
     return out
 
 

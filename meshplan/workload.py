@@ -46,7 +46,9 @@ class Mask:
 
     ``full``: all pairs. ``causal``: key position <= query position. ``window``: causal and
     query - key < ``window`` (sliding window of W tokens, the query's own included). ``docs``: causal
-    inside each document of a packed sequence, documents of ``doc_lens`` tokens in order.
+    inside each document of a packed sequence, documents in slots of ``doc_lens`` tokens in order; the last
+    ``doc_pad[d]`` tokens of slot d are padding, never a key and never a query with a permitted key (such a
+    row's output is O = 0 with LSE = −inf).
     """
 
     kind: str = "causal"
@@ -102,16 +104,25 @@ class Mask:
         if self.kind == "window":
             ok &= q - k < self.window
         if self.kind == "docs":
-            bounds = np.cumsum((0,) + tuple(self.doc_lens))
-            ok &= np.searchsorted(bounds, q, side="right") == np.searchsorted(bounds, k, side="right")
+            bounds = self.doc_bounds
+            doc_q = np.searchsorted(bounds, q, side="right")
+            ok &= doc_q == np.searchsorted(bounds, k, side="right")
+            if self.doc_pad:                     # a key at or past its document's real end is padding; so is q
+                ok &= q < self._real_end(doc_q - 1)
         return ok
+
+    def _real_end(self, doc: np.ndarray) -> np.ndarray:
+        """Position where each document's padding starts (its slot's end when it has none); ``doc`` clipped."""
+        ends = self.doc_bounds[:-1] + np.asarray(self.doc_real_lens(), dtype=np.int64)
+        return ends[np.clip(doc, 0, len(ends) - 1)]
 
     def key_ranges(self, q_pos: np.ndarray, k_pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per query row, the run [lo, hi) of key indices it attends to, for **ascending** ``k_pos``.
 
         Every mask kind permits a contiguous run of ascending keys (causal: keys up to the query; window: the
-        last W of those; docs: those from the query's document start), so ``permits(q, k)[i, j]`` equals
-        ``lo[i] <= j < hi[i]`` — what the executor uses instead of an [Sq, Skv] matrix (O(Sq log Skv)).
+        last W of those; docs: those from the query's document start, none for a padding row), so
+        ``permits(q, k)[i, j]`` equals ``lo[i] <= j < hi[i]`` — what the executor uses instead of an [Sq, Skv]
+        matrix (O(Sq log Skv)).
         Returns two int64 arrays of len(q_pos), hi >= lo (an empty run: hi == lo).
         """
         q, k = np.asarray(q_pos, dtype=np.int64), np.asarray(k_pos, dtype=np.int64)
@@ -121,9 +132,12 @@ class Mask:
         if self.kind == "window":
             lo = np.searchsorted(k, q - self.window, side="right")
         elif self.kind == "docs":
-            bounds = np.cumsum((0,) + tuple(self.doc_lens))
-            start = bounds[np.clip(np.searchsorted(bounds, q, side="right") - 1, 0, len(bounds) - 1)]
-            lo = np.searchsorted(k, start, side="left")
+            bounds = self.doc_bounds
+            doc = np.clip(np.searchsorted(bounds, q, side="right") - 1, 0, len(bounds) - 1)
+            lo = np.searchsorted(k, bounds[doc], side="left")
+            if self.doc_pad:                     # padding: no key past the real end, no key for a padding row
+                end = self._real_end(doc)
+                hi = np.where(q < end, np.minimum(hi, np.searchsorted(k, end, side="left")), lo)
         else:
             lo = np.zeros(len(q), dtype=np.int64)
         return lo.astype(np.int64), np.maximum(hi, lo).astype(np.int64)
@@ -233,6 +247,19 @@ class Workload:
         d = dataclasses.asdict(self)
         d["mask"] = self.mask.spec()
         return d
+
+    def cli_flags(self) -> str:
+        """The workload flags that rebuild this workload (``--seq-len``, ``--heads``, ..., ``--doc-layout``)."""
+        flags = [f"--seq-len {self.seq_len}", f"--batch {self.batch}", f"--heads {self.n_heads}",
+                 f"--kv-heads {self.n_kv_heads}", f"--head-dim {self.head_dim}", f"--dtype {self.dtype}",
+                 f"--mask {self.mask.spec()}", f"--layout {self.layout}", f"--pass {self.passes}"]
+        if self.valid_len is not None:
+            flags.append(f"--valid-len {self.valid_len}")
+        if self.prefix_len:
+            flags.append(f"--prefix-len {self.prefix_len}")
+        if self.mask.kind == "docs":
+            flags.append(f"--doc-layout {self.doc_layout}")
+        return " ".join(flags)
 
     def describe(self) -> str:
         """One line for tables and logs."""

@@ -107,3 +107,14 @@ def overlaps(measurement: dict, schedule: Path) -> bool:
         if any(pc == pm and s1 < e2 and s2 < e1 for pc, s1, e1 in comp for pm, s2, e2 in comm):
             return True
     return False
+
+
+def killed_by_the_system(rank: int, world: int, payload) -> None:
+    """A spawned rank function whose rank 1 dies of SIGKILL (as the out-of-memory killer ends a process)."""
+    import os
+    import signal
+    import time
+
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(30)

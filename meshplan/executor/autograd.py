@@ -26,7 +26,7 @@ from meshplan.errors import UserError
 from meshplan.executor.kernels import TORCH_DTYPE, row_delta
 from meshplan.executor.local import Chunk, as_program, local_chunk
 from meshplan.executor.program import FP32_PARTS, KV_PARTS, Program
-from meshplan.executor.runner import PassRunner
+from meshplan.executor.runner import PassRunner, connect
 from meshplan.executor.store import Store
 
 _POOLS: dict[object, list] = {}     # user group -> its communicators, created once, shared by every schedule
@@ -135,9 +135,18 @@ def communicators(prog: Program, group) -> dict[int, object]:
     if len(pool) < len(comms):
         ranks, backend = dist.get_process_group_ranks(group), dist.get_backend(group)
         local = len(ranks) < dist.get_world_size()       # a subgroup: only its members take part in creating it
-        pool.extend(dist.new_group(ranks, backend=backend, use_local_synchronization=local)
-                    for _ in range(len(comms) - len(pool)))
+        fresh = [dist.new_group(ranks, backend=backend, use_local_synchronization=local)
+                 for _ in range(len(comms) - len(pool))]
+        connect(fresh, _device(group))
+        pool.extend(fresh)
     return dict(zip(comms, pool))
+
+
+def _device(group) -> torch.device:
+    """This rank's device for the group's backend: the current CUDA device under NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _run(prog: Program, rank: int, pass_: str, chunk: Chunk, values: dict[str, torch.Tensor], group,

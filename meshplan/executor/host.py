@@ -1,14 +1,29 @@
 """What this host is, in the terms a calibration file records (``device.cpu``, ``device.isa``): a calibration
 holds for the host it was measured on, and a run records the same facts (``env.cpu``, ``env.isa`` of the
 measurement) so a comparison can say when the prediction came from another host's calibration
-(:func:`meshplan.compare.host_match`)."""
+(:func:`meshplan.compare.host_match`). And what memory it has for a run's ranks (:class:`HostMemory`), which
+``meshplan run`` holds the memory model's prediction to before starting them."""
 
 from __future__ import annotations
 
+import os
 import platform
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """What a host offers a run: ``available_bytes`` (CPU ranks: the host's available memory; GPU ranks: the least
+    free local device's), the ranks it runs (``local_ranks``), the bytes each CPU rank takes before its schedule's
+    tensors (``base_bytes``: this process's resident set, with torch and the schedule loaded), and ``gpu``."""
+
+    available_bytes: float
+    local_ranks: int
+    base_bytes: float
+    gpu: bool
 
 
 def cpu_isa() -> str | None:
@@ -33,3 +48,38 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def available_memory_bytes() -> float | None:
+    """Memory the host can give new processes without swapping (``MemAvailable`` of ``/proc/meminfo``, bytes);
+    else free pages (``sysconf``); None when neither can be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def resident_bytes() -> float:
+    """This process's resident set now (``VmRSS``, bytes); its peak (``ru_maxrss``) where that cannot be read."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return float(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    import resource
+    import sys
+    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024))
+
+
+def free_gpu_bytes(devices: list[int]) -> float | None:
+    """The least free memory among these CUDA devices (bytes), None without them."""
+    if not devices or not torch.cuda.is_available():
+        return None
+    return float(min(torch.cuda.mem_get_info(d)[0] for d in devices))

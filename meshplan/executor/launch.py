@@ -2,22 +2,27 @@
 
 All refusals happen before any process starts or communicates: an unreadable or invalid schedule,
 another schema version, a world size or device map that cannot run it, a backend the host lacks, a
-``--serialize`` order that would deadlock. Spawned ranks rendezvous on loopback (127.0.0.1, a free port;
-gloo bound to the loopback interface unless ``GLOO_SOCKET_IFNAME`` says otherwise); under torchrun the
-job's own rendezvous (``env://``) is used.
+``--serialize`` order that would deadlock, and (through ``run``'s ``fits``) a run whose predicted memory the
+host does not have. A rank that dies is reported with its reason, or the signal that ended it.
+
+Spawned ranks rendezvous on loopback (127.0.0.1, a free port; gloo bound to the loopback interface unless
+``GLOO_SOCKET_IFNAME`` says otherwise); under torchrun the job's own rendezvous (``env://``) is used.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import sys
 import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 
 from meshplan.errors import UserError
+from meshplan.executor.host import HostMemory, available_memory_bytes, free_gpu_bytes, resident_bytes
 from meshplan.executor.program import Program, check_world, load_program, sequential_ok
+from meshplan.executor.sample import check_mode
 from meshplan.executor.worker import RunConfig, rank_main
 
 
@@ -55,26 +60,42 @@ def prepare(path: str, nproc: int | None, cfg: RunConfig) -> tuple[Program, RunC
         if stuck:
             raise UserError("--serialize", f"running the {stuck[0]} pass one op at a time in program order would "
                             "deadlock (a recv is posted before the send it waits for)", "run without --serialize")
-    if cfg.check is None:       # on when the float64 reference is cheap (≲ 2·10¹⁰ FLOP: seconds on a CPU)
-        w = prog.workload
-        flops = 4.0 * w.batch * w.n_heads * w.head_dim * float(w.seq_len) ** 2 * (3.5 if "bwd" in w.pass_list else 1)
-        cfg = replace(cfg, check=flops <= 2e10)
+    cfg = replace(cfg, check=check_mode(prog.workload, cfg.check))    # full when cheap, else sampled; off if asked
     if cfg.inputs_path and not Path(cfg.inputs_path).is_file():
         raise UserError("--inputs", f"{cfg.inputs_path} does not exist", "give an .npz with q, k, v (and dout)")
     return prog, cfg, world
 
 
-def run(path: str, nproc: int | None, cfg: RunConfig) -> dict | None:
-    """Run a schedule; returns rank 0's measurement dict (None on other torchrun ranks).
+def run(path: str, nproc: int | None, cfg: RunConfig, fits=None) -> dict | None:
+    """Run a schedule; returns rank 0's measurement dict (None on other torchrun ranks). ``fits(program,
+    host_memory)``, when given, is called before any rank starts (it refuses a run that does not fit).
 
     Raises:
         UserError: refused before running (see the module docstring).
-        RunFailed: a rank failed (timeout, broken transfer); the message names rank, op and peer.
+        RunFailed: a rank failed (timeout, broken transfer, killed); the message names rank, op and peer.
     """
     prog, cfg, world = prepare(path, nproc, cfg)
+    if fits is not None:
+        host = host_memory(prog, cfg, world)
+        if host is not None:
+            fits(prog, host)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return rank_main(int(os.environ["RANK"]), world, [(prog, replace(cfg, init_method="env://"))])[0]
     return spawn(world, [(prog, cfg)])[0]
+
+
+def host_memory(prog: Program, cfg: RunConfig, world: int) -> HostMemory | None:
+    """What this host offers the run's ranks (None when it cannot be read): spawned, all ``world`` ranks run here;
+    under torchrun, ``LOCAL_WORLD_SIZE`` of them (GPU: each on its own device)."""
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if torchrun else world
+    gpu = cfg.backend == "nccl"
+    if gpu:
+        devices = [int(os.environ.get("LOCAL_RANK", 0))] if torchrun else sorted(set(prog.doc.device_of_rank))
+        available = free_gpu_bytes(devices)
+    else:
+        available = available_memory_bytes()
+    return None if available is None else HostMemory(available, local, resident_bytes(), gpu)
 
 
 def run_batch(jobs: list[tuple[str, RunConfig]]) -> list[dict]:
@@ -110,8 +131,11 @@ def spawn_ranks(fn, world: int, payload, prefix: str = "meshplan-run-"):
         try:
             while not ctx.join(timeout=0.5):
                 pass
-        except Exception:  # noqa: BLE001 - a rank failed; its own one-line reason is in its error file
-            raise RunFailed(_first_error(Path(tmp)) or "a rank exited without a reason (see stderr)") from None
+        except Exception as err:  # noqa: BLE001 - a rank failed; its own one-line reason is in its error file
+            done = len(list(Path(tmp).glob("done-*"))) == world and (Path(tmp) / "result.pkl").exists()
+            if not done:     # a rank that died after finishing its work (in teardown) changes nothing
+                reason = _killed(err) or _first_error(Path(tmp)) or "a rank exited without a reason (see stderr)"
+                raise RunFailed(reason) from None
         finally:
             for p in ctx.processes:
                 if p.is_alive():
@@ -128,10 +152,26 @@ def _entry(rank: int, fn, world: int, payload, tmp: str) -> None:
         result = fn(rank, world, payload)
         if rank == 0:
             Path(tmp, "result.pkl").write_bytes(pickle.dumps(result))
+        Path(tmp, f"done-{rank}").touch()
     except BaseException as err:  # noqa: BLE001 - reported to the parent as one line
         line = " ".join(str(err).split()) or type(err).__name__
         Path(tmp, f"error-{rank}.txt").write_text(f"{time.time_ns()} {line}")
         os._exit(1)  # do not wait for gloo threads or peers that will never answer
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)      # the work is done: skip the native teardown (gloo's threads have aborted there, SIGABRT)
+
+
+def _killed(err: BaseException) -> str | None:
+    """The reason of a rank ended by a signal (its own, not our clean-up of the others), or None."""
+    name = getattr(err, "signal_name", None)
+    if not name:
+        return None
+    rank = getattr(err, "error_index", "?")
+    if name == "SIGKILL":
+        return (f"rank {rank} was killed by the system (SIGKILL), likely out of memory: check the host's free "
+                "memory, or run a smaller workload")
+    return f"rank {rank} was ended by {name}"
 
 
 def _first_error(tmp: Path) -> str | None:

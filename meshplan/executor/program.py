@@ -67,6 +67,7 @@ class Program:
     workload: Workload
     sha256: str
     positions: list[np.ndarray]
+    schedule: object = None                 # the in-memory Schedule it was read from (for the memory check)
     ops: dict[int, object] = field(default_factory=dict)
     rank_of: dict[int, int] = field(default_factory=dict)
 
@@ -149,7 +150,7 @@ class Program:
         if op.mask == "full":
             return None
         m = self.workload.mask
-        return Mask(op.mask, window=m.window, doc_lens=m.doc_lens)
+        return Mask(op.mask, window=m.window, doc_lens=m.doc_lens, doc_pad=m.doc_pad)
 
 
 def load_program(path: str | Path) -> Program:
@@ -191,7 +192,7 @@ def _indexed(doc: ScheduleJSON, raw: bytes, sched, name: str) -> Program:
                         "run `meshplan validate` on it and regenerate it")
     positions = [np.concatenate([s + st * np.arange(c) for s, st, c in ch.segments]) if ch.segments
                  else np.zeros(0, dtype=np.int64) for ch in sorted(doc.chunks, key=lambda c: c.id)]
-    prog = Program(doc, sched.workload, hashlib.sha256(raw).hexdigest(), positions)
+    prog = Program(doc, sched.workload, hashlib.sha256(raw).hexdigest(), positions, sched)
     _check_sizes(prog)
     return prog
 

@@ -2,11 +2,11 @@
 
 Each stream runs in its own thread, its units (a P2P batch, or one op) in program order; a unit starts
 when the previous unit of its stream and every dep of its members have ended (``threading.Event`` per
-op). A batch posts all its isend/irecv on the stream's own process group (one communicator per comm
-stream, so FIFO matching never spans streams; schedule rank r is rank r of that group) and ends when all
-have completed. Compute-type ops run on their stream's thread (on CUDA, each stream on its own CUDA
-stream). With ``serialize`` one thread runs every unit in program order, one at a time, so communication
-never overlaps computation.
+op). A batch posts all its isend/irecv as one group (``batch_isend_irecv``: one ``ncclGroupStart/End`` on
+NCCL) on the stream's own process group (one communicator per comm stream, so FIFO matching never spans
+streams; schedule rank r is rank r of that group) and ends when all have completed. Compute-type ops run on
+their stream's thread (on CUDA, each stream on its own CUDA stream). With ``serialize`` one thread runs every
+unit in program order, one at a time, so communication never overlaps computation.
 
 Times: ``perf_counter_ns`` from the pass start on CPU; on CUDA each op's end is synchronised before its
 dependants start and timed the same way. A transfer starts when it is posted and ends when its
@@ -28,6 +28,14 @@ import torch.distributed as dist
 from meshplan.executor.ops import OpRunner
 from meshplan.executor.program import Program
 from meshplan.executor.store import Store, pack, unpack
+
+
+def connect(groups, device: torch.device) -> None:
+    """Set up every communicator now, all ranks together (a barrier on each group): NCCL creates one lazily at
+    its first call, and a first call that is a batch among some ranks only is undefined (``batch_isend_irecv``'s
+    documentation). Every rank of the groups must call this, in the same order."""
+    for g in groups:
+        dist.barrier(group=g, device_ids=[device.index]) if device.type == "cuda" else dist.barrier(group=g)
 
 
 class RunError(RuntimeError):
@@ -150,27 +158,34 @@ class PassRunner:
             raise RunError(f"op {op.id}: collective ops arrive with the baseline library (issue 5)")
 
     def _transfer(self, batch: list) -> None:
-        """Post every member of the batch, then wait for all (each wait bounded by the timeout)."""
+        """Post the batch as one group (``batch_isend_irecv``: ``ncclGroupStart/End`` on NCCL, so sends and
+        receives between the same two ranks cannot hang each other), then wait for every member (each wait
+        bounded by the timeout). Every member's time is the batch's: the group completes as one."""
         group = self.groups[self._comm[batch[0].stream]]
-        posted = []
+        ops, bufs = [], []
         for op in batch:
             if op.id == self._drop:
                 continue
-            kind = self.prog.tensors[op.tensor].kind
             peer = dist.get_global_rank(group, op.peer)       # schedule rank r is rank r of the group
             if op.kind == "send":
-                buf = pack(self.store.get(op.tensor), kind, op.dtype)
-                posted.append((op, dist.isend(buf, dst=peer, group=group), None))
+                buf = pack(self.store.get(op.tensor), self.prog.tensors[op.tensor].kind, op.dtype)
+                ops.append(dist.P2POp(dist.isend, buf, peer, group))
             else:
                 buf = torch.empty(op.size_bytes, dtype=torch.uint8, device=self.store.device)
-                posted.append((op, dist.irecv(buf, src=peer, group=group), buf))
-        for op, work, buf in posted:
+                ops.append(dist.P2POp(dist.irecv, buf, peer, group))
+            bufs.append((op, buf))
+        works = dist.batch_isend_irecv(ops) if ops else []
+        # one work per op (gloo), or one for the whole group (NCCL's coalescing): a failed wait names the op
+        # whose wait it was, or the batch's first op
+        for i, work in enumerate(works):
+            op = bufs[i][0] if len(works) == len(bufs) else bufs[0][0]
             try:
                 work.wait(timeout=timedelta(milliseconds=max(1.0, self.timeout_s * 1e3)))
             except RuntimeError as err:
                 why = "" if "timed out" in str(err).lower() else f" ({str(err).splitlines()[0][:100]})"
                 raise self._transfer_error(op, why) from None
-            if buf is not None:
+        for op, buf in bufs:
+            if op.kind == "recv":
                 unpack(buf, self.store.get(op.tensor), self.prog.tensors[op.tensor].kind, op.dtype)
 
     def _ended(self, op_id: int) -> None:

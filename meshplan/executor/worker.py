@@ -24,9 +24,10 @@ from meshplan.executor.host import cpu_isa, cpu_name
 from meshplan.executor.kernels import TORCH_DTYPE, row_delta
 from meshplan.executor.memory import memory_mark, memory_top, reuse_freed_memory
 from meshplan.executor.numerics import assemble, dump, judge, local_results
-from meshplan.executor.probe import probe_ms
+from meshplan.executor.probe import kernel_flops_per_s, probe_ms
 from meshplan.executor.program import Program
-from meshplan.executor.runner import PassRunner
+from meshplan.executor.runner import PassRunner, connect
+from meshplan.executor.sample import Sample, pick_sample
 from meshplan.executor.store import Store
 from meshplan.measurement import Numerics
 
@@ -38,7 +39,7 @@ class RunConfig:
     backend: str = "gloo"
     iters: int = 5
     warmup: int = 2
-    check: bool | None = None      # None: decided by the launcher from the reference's cost
+    check: bool | str | None = None    # full | sampled | off (the launcher resolves None, True, False to one)
     serialize: bool = False
     timeout_s: float = 120.0
     dump_dir: str | None = None
@@ -65,6 +66,7 @@ def rank_main(rank: int, world: int, jobs: list[tuple[Program, RunConfig]]) -> l
     try:
         n_comms = max(len({s.communicator for s in p.doc.streams if s.kind == "comm"}) for p, _ in jobs)
         pool = [dist.new_group(list(range(world)), backend=cfg0.backend, timeout=timeout) for _ in range(n_comms)]
+        connect(pool, device)
         results = []
         for prog, cfg in jobs:
             comms = sorted({s.communicator for s in prog.doc.streams if s.kind == "comm"})
@@ -111,6 +113,7 @@ def _iterate(rank, world, prog: Program, cfg: RunConfig, groups, inputs: Inputs,
     stores: dict[str, Store] = {}
     probes: list[float] = []
     raw: list[dict[str, tuple[int, dict, dict]]] = []   # per timed iteration: pass -> (start ns, op times, stream CPU)
+    kernel_rate = kernel_flops_per_s(device, prog.workload.dtype) if rank == 0 else None
     for it in range(cfg.warmup + cfg.iters):
         if it >= cfg.warmup and rank == 0:          # the host's speed now (the others wait in the pass barrier)
             probes.append(probe_ms(device))
@@ -122,6 +125,12 @@ def _iterate(rank, world, prog: Program, cfg: RunConfig, groups, inputs: Inputs,
     if cfg.memory:
         stores = {}
         stores, _, rises = _one_iteration(prog, rank, cfg, groups, inputs, device, memory=True)   # untimed
+    checked, sample, check_inputs = stores, None, inputs
+    if cfg.check == "sampled":         # dO zero outside the sample: dK, dV are the sampled rows' contributions
+        sample = pick_sample(prog, cfg.seed)
+        if "bwd" in prog.passes:
+            check_inputs = Inputs(inputs.q, inputs.k, inputs.v, sample.masked_dout(inputs.dout))
+            checked, _, _ = _one_iteration(prog, rank, cfg, groups, check_inputs, device)     # untimed
     for passes, shift in zip(raw, _clock_offsets(raw, prog.passes, world, device)):
         times, spans = {}, {}
         for p, (_, got, _) in passes.items():
@@ -139,13 +148,16 @@ def _iterate(rank, world, prog: Program, cfg: RunConfig, groups, inputs: Inputs,
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
     mine = {"rank": rank, "ops": _medians(per_iter), "peak_memory_bytes": int(peak), "peak_rss_bytes": int(rss),
             "peak_rise_bytes": rise, "stream_cpu_s": _stream_cpu(raw)}
-    pieces = local_results(prog, rank, stores, TORCH_DTYPE[prog.workload.dtype]) if cfg.check or cfg.dump_dir else []
+    dtype = TORCH_DTYPE[prog.workload.dtype]
+    pieces = local_results(prog, rank, checked, dtype) if cfg.check != "off" else []
+    dumped = [] if not cfg.dump_dir else pieces if checked is stores and pieces else local_results(prog, rank, stores,
+                                                                                                    dtype)
     gathered = [None] * world if rank == 0 else None
-    dist.gather_object((mine, pieces), gathered, dst=0)
+    dist.gather_object((mine, pieces, dumped), gathered, dst=0)
     if rank != 0:
         return None
-    return _measurement(prog, cfg, inputs, gathered, ends.numpy() / 1e9, device, time.perf_counter() - t_start,
-                        probes)
+    return _measurement(prog, cfg, (inputs, check_inputs, sample), gathered, ends.numpy() / 1e9, device,
+                        time.perf_counter() - t_start, probes, kernel_rate)
 
 
 def _clock_offsets(raw: list[dict], passes: list[str], world: int, device) -> list[dict[str, int]]:
@@ -239,24 +251,24 @@ def _spread(x: np.ndarray) -> dict:
             "max_s": float(x.max())}
 
 
-def _measurement(prog: Program, cfg: RunConfig, inputs: Inputs, gathered, ends_s: np.ndarray, device,
-                 wall_s: float, probes: list[float]) -> dict:
+def _measurement(prog: Program, cfg: RunConfig, inputs: tuple[Inputs, Inputs, Sample | None], gathered,
+                 ends_s: np.ndarray, device, wall_s: float, probes: list[float], kernel_rate: float | None) -> dict:
+    """Rank 0's measurement dict; ``inputs``: (the run's, the check iteration's, the sample or None)."""
     ranks = [g[0] for g in gathered]
-    pieces = [p for g in gathered for p in g[1]]
-    numerics = Numerics(checked=False, passed=None)
-    if pieces:
-        results = assemble(prog, pieces)
-        cpu_inputs = inputs.to(torch.device("cpu"))
-        if cfg.check:
-            numerics = judge(prog, cpu_inputs, results)
-        if cfg.dump_dir:
-            dump(cfg.dump_dir, prog, cpu_inputs, results)
+    cpu = torch.device("cpu")
+    numerics = Numerics(checked="off", passed=None)
+    if cfg.check != "off":
+        pieces = [p for g in gathered for p in g[1]]
+        numerics = judge(prog, inputs[1].to(cpu), assemble(prog, pieces), cfg.check, inputs[2])
+    if cfg.dump_dir:
+        dump(cfg.dump_dir, prog, inputs[0].to(cpu), assemble(prog, [p for g in gathered for p in g[2]]))
     total = ends_s.sum(axis=1)
     passes = {p: {"makespan_s": float(np.median(ends_s[:, i])), "spread": _spread(ends_s[:, i])}
               for i, p in enumerate(prog.passes)}
     return {
         "schedule": prog.sha256, "schedule_path": cfg.schedule_path, "algorithm": prog.doc.algorithm,
-        "env": _env(cfg, device, len(ranks)) | {"probe_ms": float(np.median(probes)) if probes else None},
+        "env": _env(cfg, device, len(ranks)) | {"probe_ms": float(np.median(probes)) if probes else None,
+                                                "kernel_flops_per_s": kernel_rate},
         "settings": {
             "iters": cfg.iters, "warmup": cfg.warmup, "serialize": cfg.serialize, "timeout_s": cfg.timeout_s,
             "check": cfg.check, "seed": cfg.seed, "inputs": cfg.inputs_path},
