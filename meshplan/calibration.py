@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, PositiveInt
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, PositiveInt, field_validator
 
 from meshplan import fit
 from meshplan.calibration_kernel import fitted as _r
@@ -137,6 +137,19 @@ class Raw(_Strict):
     repeats: PositiveInt = Field(1, description="calibration runs merged into this raw (calibrate --repeat): a "
                                  "timing taken once per run is their median, sample lists are pooled "
                                  "(meshplan.calibration_merge)")
+
+    @field_validator("memory")
+    @classmethod
+    def _complete_samples(cls, samples: list[MemorySample]) -> list[MemorySample]:
+        """Each memory sample carries what its kind's fit reads (a compute op its shape, a merge or transfer its
+        bytes)."""
+        need = {"compute": ("dtype", "pass_", "s_q", "s_kv", "batch", "heads", "head_dim"),
+                "merge": ("size_bytes",), "transfer": ("size_bytes",), "declared-run": ()}
+        for k, s in enumerate(samples):
+            missing = [f.rstrip("_") for f in need[s.kind] if getattr(s, f) is None]
+            if missing:
+                raise ValueError(f"sample {k} ({s.kind}) has no {', '.join(missing)}")
+        return samples
 
 
 class LinkFit(_Strict):

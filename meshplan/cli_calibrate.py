@@ -80,7 +80,11 @@ def calibrate_refit(topo: str, out: str, as_json: bool) -> int:
     from meshplan.fileio import write_atomic
 
     old, topology = _existing(out, topo, "--refit")
-    calib = fit_calibration(old.raw, old.device, old.name, old.wall_s, old.measured_at)
+    try:
+        calib = fit_calibration(old.raw, old.device, old.name, old.wall_s, old.measured_at)
+    except (ValueError, ArithmeticError, LookupError) as err:     # raw measurements that cannot be fitted
+        raise UserError(f"{out}: raw", f"cannot be fitted ({' '.join(str(err).split())[:160]})",
+                        "measure afresh: meshplan calibrate --out FILE (nothing was written)") from None
     write_atomic(out, dump_yaml(calib).encode())
     rows = summary(calib, topology)
     if as_json:

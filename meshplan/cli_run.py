@@ -83,12 +83,12 @@ def simulate_file(path, topo, trace, as_json, emit) -> None:
     sched = read_schedule(path)
     name = topo or sched.topology.get("name")
     topo_obj = Topology.load(name, sched.topology.get("devices"))
-    if topo is None and topo_obj.content_hash != sched.topology.get("hash"):
-        _log(f"warning: the shipped {name} differs from the one the schedule was planned for (hash)")
     report = verify(sched, topo_obj.memory_bytes)
     if not report.ok:
         raise UserError(str(path), f"invalid schedule: {report.violations[0]}", "run meshplan validate for the list")
     sim = simulate(sched, topo_obj)
+    if topo is None and topo_obj.content_hash != sched.topology.get("hash"):     # after any refusal: one line
+        _log(f"warning: the shipped {name} differs from the one the schedule was planned for (hash)")
     from meshplan.predict import jsonable
     body = {"algorithm": sched.algorithm, "knobs": sched.knobs, "workload": sched.workload.to_dict(),
             "pass": sched.workload.passes, "model_level": "simulated",

@@ -160,10 +160,14 @@ def _table(columns: list[str], rows: list, source: str) -> tuple[np.ndarray, ...
             raise UserError(f"{source} line {k}", f"{len(tokens)} fields, expected {len(columns)} "
                             f"({' '.join(columns)})", "the row is cut: give the whole output of a finished run")
         try:
-            out.append([float(tokens[0])] + [float(tokens[want[c]]) for c in ("time", "algbw", "busbw")])
+            row = [float(tokens[0])] + [float(tokens[want[c]]) for c in ("time", "algbw", "busbw")]
         except ValueError:
             raise UserError(f"{source} line {k}", f"{' '.join(tokens[:8])} ...: expected numbers in size, time, "
                             "algbw and busbw", EXPECTED) from None
+        if not all(np.isfinite(x) and x >= 0 for x in row) or row[1] <= 0:
+            raise UserError(f"{source} line {k}", f"{' '.join(tokens[:8])} ...: size, time, algbw and busbw must be "
+                            "finite, not negative, and the time positive", "give the output of a run that finished")
+        out.append(row)
     return tuple(np.asarray(col, dtype=np.float64) for col in zip(*out))
 
 

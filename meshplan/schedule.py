@@ -24,6 +24,12 @@ Blocking semantics (what the verifier proves deadlock-free, the simulator models
 7. ``combine`` of a compute op says how its result joins its outputs: ``merge`` = the overflow-free LSE
    merge of (O, LSE) into a running (O, LSE) in fp32; ``accumulate`` = add into fp32 gradients; ``write``
    = store. Final outputs and gradients are returned in the input dtype.
+8. A query row with no permitted key — padding (``valid_len``, a document's padding), or a row none of a
+   block's keys is permitted to — has O = 0 and LSE = −inf, in every partial and in the final output
+   (FlashAttention writes LSE = +inf there and torch's math path NaN: convert before merging with them); its
+   dQ is 0 and it adds nothing to dK, dV. Padding is never a query row or a key of a compute op.
+9. NCCL's grouped P2P: within a communicator, two peers issue the batches in which they exchange in the same
+   order (a transfer in rank a's k-th batch with rank b is in rank b's k-th batch with rank a).
 """
 
 from __future__ import annotations

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from meshplan.schedule import SCHEMA_VERSION
 
 Dtype = Literal["bf16", "fp16", "fp32"]
-Range = tuple[NonNegativeInt, NonNegativeInt]
+# integers are bounded by what the in-memory arrays hold (int64 ids and sizes; int32 peers, steps and heads)
+Id = Annotated[int, Field(ge=0, le=2**62)]
+Int32 = Annotated[int, Field(ge=0, le=2**31 - 1)]
+Range = tuple[Id, Id]
+MAX_RANKS = 65536       # a topology file's most devices (meshplan.topology_spec.MAX_DEVICES)
 SEMANTICS = ("meshplan-1: per-stream program order; deps on earlier ops of the same rank and pass; consecutive "
              "send/recv of one stream and step form a batch that starts together and ends together; FIFO "
              "matching per (communicator, src, dst); a barrier between passes; tensors live from alloc_op "
@@ -29,36 +33,41 @@ class StreamJSON(_Strict):
 
     name: str
     kind: Literal["compute", "comm"]
-    communicator: int | None = None
+    communicator: Int32 | None = None
 
 
 class ChunkJSON(_Strict):
     """A chunk's tokens: segments (start, stride, count) of global positions, in local order."""
 
-    id: NonNegativeInt
-    segments: list[tuple[NonNegativeInt, PositiveInt, NonNegativeInt]]
+    id: Id
+    segments: list[tuple[Id, Annotated[int, Field(ge=1, le=2**40)], Id]]
 
 
 class TensorJSON(_Strict):
-    """A buffer on one rank: ``kind`` of the listed chunks and query heads [h0, h1) (KV kinds: h/g heads)."""
+    """A buffer on one rank: ``kind`` of the listed chunks and query heads [h0, h1) (KV kinds: h/g heads).
 
-    id: NonNegativeInt
-    rank: NonNegativeInt
+    An ``out`` tensor holds O and its LSE (natural log, fp32); a row with no permitted key (padding) holds O = 0
+    and LSE = −inf, never +inf or NaN.
+    """
+
+    id: Id
+    rank: Id
     kind: Literal["q", "kv", "out", "dout", "qside", "dside", "dq", "dkv"]
-    chunks: list[NonNegativeInt]
+    chunks: list[Id]
     heads: Range
     dtype: Dtype
-    size_bytes: NonNegativeInt
+    size_bytes: Id
     role: Literal["input", "output", "buffer"]
     pass_: Literal["fwd", "bwd"] = Field(alias="pass")
-    alloc_op: int | None = Field(None, description="op whose start allocates it; null: exists when its pass starts")
-    free_after: list[NonNegativeInt] = Field(default_factory=list, description="freed when all these ops have ended")
+    alloc_op: Annotated[int, Field(ge=-1, le=2**62)] | None = Field(
+        None, description="op whose start allocates it; null: exists when its pass starts")
+    free_after: list[Id] = Field(default_factory=list, description="freed when all these ops have ended")
 
 
 class _Op(_Strict):
-    id: NonNegativeInt
+    id: Id
     stream: str
-    deps: list[NonNegativeInt] = Field(default_factory=list)
+    deps: list[Id] = Field(default_factory=list)
     pass_: Literal["fwd", "bwd"] = Field(alias="pass")
 
 
@@ -66,22 +75,22 @@ class SendOp(_Op):
     """Send ``tensor`` to ``peer`` (``dtype`` on the wire)."""
 
     kind: Literal["send"]
-    peer: NonNegativeInt
-    tensor: NonNegativeInt
-    size_bytes: NonNegativeInt = Field(description="0 for an empty chunk (a decode step's ranks without a query)")
+    peer: Int32
+    tensor: Id
+    size_bytes: Id = Field(description="0 for an empty chunk (a decode step's ranks without a query)")
     dtype: Dtype
-    step: int | None = Field(None, description="batch id: consecutive send/recv of a stream with one step")
+    step: Int32 | None = Field(None, description="batch id: consecutive send/recv of a stream with one step")
 
 
 class RecvOp(_Op):
     """Receive into ``tensor`` from ``peer``."""
 
     kind: Literal["recv"]
-    peer: NonNegativeInt
-    tensor: NonNegativeInt
-    size_bytes: NonNegativeInt
+    peer: Int32
+    tensor: Id
+    size_bytes: Id
     dtype: Dtype
-    step: int | None = None
+    step: Int32 | None = None
 
 
 class ComputeOp(_Op):
@@ -92,34 +101,34 @@ class ComputeOp(_Op):
     """
 
     kind: Literal["compute"]
-    q_chunks: list[NonNegativeInt]
-    kv_chunks: list[NonNegativeInt]
-    heads: Range
+    q_chunks: list[Id]
+    kv_chunks: list[Id]
+    heads: tuple[Int32, Int32]
     q_rows: list[Range]
     kv_cols: list[Range]
     mask: Literal["full", "causal", "window", "docs"]
-    inputs: list[NonNegativeInt]
-    outputs: list[NonNegativeInt]
+    inputs: list[Id]
+    outputs: list[Id]
     combine: Literal["write", "merge", "accumulate"]
-    flops: float = Field(ge=0)
+    flops: float = Field(ge=0, allow_inf_nan=False)
 
 
 class MergeOp(_Op):
     """LSE-merge the partial (O, LSE) ``inputs[0]`` into ``outputs[0]`` (fp32, overflow-free)."""
 
     kind: Literal["merge"]
-    inputs: list[NonNegativeInt]
-    outputs: list[NonNegativeInt]
-    size_bytes: NonNegativeInt
+    inputs: list[Id]
+    outputs: list[Id]
+    size_bytes: Id
 
 
 class AccumulateOp(_Op):
     """``outputs[0] += inputs[0]`` in fp32."""
 
     kind: Literal["accumulate"]
-    inputs: list[NonNegativeInt]
-    outputs: list[NonNegativeInt]
-    size_bytes: NonNegativeInt
+    inputs: list[Id]
+    outputs: list[Id]
+    size_bytes: Id
 
 
 class AllocOp(_Op):
@@ -140,7 +149,7 @@ Op = Annotated[Union[SendOp, RecvOp, ComputeOp, MergeOp, AccumulateOp, AllocOp, 
 class RankJSON(_Strict):
     """One rank's ops in program order."""
 
-    rank: NonNegativeInt
+    rank: Id
     ops: list[Op]
 
 
@@ -148,24 +157,24 @@ class PermutationJSON(_Strict):
     """The token permutation (layout) and the seed inputs are drawn with."""
 
     name: str
-    seed: int = 0
+    seed: Annotated[int, Field(ge=-(2**62), le=2**62)] = 0
 
 
 class WorkloadJSON(_Strict):
     """The workload (mask in its CLI spelling)."""
 
-    batch: PositiveInt
-    seq_len: PositiveInt
-    n_heads: PositiveInt
-    n_kv_heads: PositiveInt
-    head_dim: PositiveInt
+    batch: Annotated[int, Field(ge=1, le=2**40)]
+    seq_len: Annotated[int, Field(ge=1, le=2**40)]
+    n_heads: Annotated[int, Field(ge=1, le=2**40)]
+    n_kv_heads: Annotated[int, Field(ge=1, le=2**40)]
+    head_dim: Annotated[int, Field(ge=1, le=2**40)]
     dtype: Dtype
     mask: str
     layout: Literal["contiguous", "zigzag", "striped"]
     passes: Literal["fwd", "bwd", "fwd+bwd"]
-    valid_len: PositiveInt | None = None
+    valid_len: Annotated[int, Field(ge=1, le=2**40)] | None = None
     model: str | None = None
-    prefix_len: NonNegativeInt = 0
+    prefix_len: Annotated[int, Field(ge=0, le=2**40)] = 0
     doc_layout: Literal["per-doc", "packed"] = Field(
         "packed", description="docs masks: per-doc (each document cut by the layout; what meshplan writes by "
         "default) or packed; absent in files written before per-document layouts, which cut the packed stream")
@@ -177,7 +186,7 @@ class TopologyRef(_Strict):
 
     name: str
     hash: str
-    devices: PositiveInt
+    devices: Annotated[int, Field(ge=1, le=MAX_RANKS)]
 
 
 class ScheduleJSON(_Strict):
@@ -189,11 +198,17 @@ class ScheduleJSON(_Strict):
     knobs: dict[str, Any]
     workload: WorkloadJSON
     topology: TopologyRef
-    n_ranks: PositiveInt
-    n_chunks: PositiveInt
-    device_of_rank: list[NonNegativeInt]
+    n_ranks: Annotated[int, Field(ge=1, le=MAX_RANKS)]
+    n_chunks: Annotated[int, Field(ge=1, le=MAX_RANKS)]
+    device_of_rank: list[Id]
     streams: list[StreamJSON]
     chunks: list[ChunkJSON]
     tensors: list[TensorJSON]
     ranks: list[RankJSON]
 
+
+    @model_validator(mode="after")
+    def _counts(self) -> ScheduleJSON:
+        if len(self.chunks) != self.n_chunks or sorted(c.id for c in self.chunks) != list(range(self.n_chunks)):
+            raise ValueError(f"chunks must list ids 0..{self.n_chunks - 1} (n_chunks) once each")
+        return self

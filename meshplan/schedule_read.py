@@ -107,6 +107,10 @@ def tensor_table(doc: ScheduleJSON, id_map: dict[int, int]) -> TensorTable:
            or any(f not in id_map for f in t.free_after)]
     if bad:
         raise _fail(f"tensors[{bad[0]}]", "alloc_op/free_after name an op that does not exist")
+    bad = [t.id for t in ts if t.rank >= doc.n_ranks or any(c >= doc.n_chunks for c in t.chunks)]
+    if bad:
+        raise _fail(f"tensors[{bad[0]}]", f"its rank or chunks are out of range (n_ranks {doc.n_ranks}, n_chunks "
+                    f"{doc.n_chunks})")
     arr = lambda f, dt=np.int64: np.asarray([f(t) for t in ts], dtype=dt)  # noqa: E731
     return TensorTable(
         rank=arr(lambda t: t.rank), kind=arr(lambda t: TENSOR_KIND_NAMES.index(t.kind), np.int8),

@@ -15,6 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, m
 NonNegFloat = Annotated[float, Field(ge=0)]
 
 
+# bounds of what a file may describe (larger numbers are typos, and building them would take the host's memory):
+MAX_PER_NODE = 1024     # devices (or CPU ranks, NICs, domains) per node; NVL576 racks are the largest today
+MAX_NODES = 16384
+MAX_DEVICES = 65536     # nodes x devices per node
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -94,14 +99,15 @@ class LoopbackFabric(_Strict):
     kind: Literal["loopback"]
     link: LinkSpec
     shared_GBps: PositiveFloat = Field(description="all loopback traffic of the host together, GB/s")
-    domains: PositiveInt = Field(1, description="virtual NUMA-like domains: ranks split into this many "
+    domains: PositiveInt = Field(1, le=MAX_PER_NODE, description="virtual NUMA-like domains: ranks split into this "
+                                 "many "
                                                 "contiguous groups (for methods that need domains, e.g. CHARM+)")
 
 
 class NicSpec(_Strict):
     """NICs of a node: GPU k uses NIC k * count // gpus. Per-flow cap and per-node aggregate both apply."""
 
-    count: PositiveInt
+    count: PositiveInt = Field(le=MAX_PER_NODE)
     gpu_link: LinkSpec = Field(description="GPU <-> NIC path (PCIe)")
     port: LinkSpec = Field(description="one NIC's port to the network")
     per_flow_GBps: PositiveFloat = Field(description="the most one flow reaches, GB/s")
@@ -111,8 +117,8 @@ class NicSpec(_Strict):
 class ComputePool(_Strict):
     """Ranks sharing a host's cores: capacity = cores / threads_per_rank ranks at full speed (or as measured)."""
 
-    cores: PositiveInt
-    threads_per_rank: PositiveInt = 1
+    cores: PositiveInt = Field(le=MAX_PER_NODE * 16)
+    threads_per_rank: PositiveInt = Field(1, le=MAX_PER_NODE * 16)
     capacity_ranks: PositiveFloat | None = Field(None, description="measured ranks' worth of compute of the cores "
                                                  "together (meshplan calibrate); default cores / threads_per_rank")
 
@@ -121,8 +127,10 @@ class NodeSpec(_Strict):
     """The node template."""
 
     device: DeviceSpec
-    gpus: PositiveInt | None = Field(None, description="devices per node; omit for a host of any rank count")
-    max_ranks: PositiveInt | None = Field(None, description="with gpus omitted: the most ranks the host takes")
+    gpus: PositiveInt | None = Field(None, le=MAX_PER_NODE, description="devices per node; omit for a host of any "
+                                     "rank count")
+    max_ranks: PositiveInt | None = Field(None, le=MAX_PER_NODE, description="with gpus omitted: the most ranks the "
+                                          "host takes")
     fabric: Union[NVSwitchFabric, PcieFabric, LoopbackFabric] = Field(discriminator="kind")
     nics: NicSpec | None = None
     compute_pool: ComputePool | None = None
@@ -177,7 +185,7 @@ class TopologySpec(_Strict):
 
     name: str
     description: str = ""
-    nodes: PositiveInt = Field(description="node count when --gpus is not given")
+    nodes: PositiveInt = Field(le=MAX_NODES, description="node count when --gpus is not given")
     node: NodeSpec
     network: NetworkSpec = NetworkSpec()
     p2p_overhead_us: NonNegFloat = Field(description="software cost per message (alpha_sw), microseconds")
@@ -188,3 +196,11 @@ class TopologySpec(_Strict):
         "NICs move data on their own")
     calibration: str | None = Field(None, description="a calibration file (meshplan calibrate), relative to this "
                                     "file; its measured values replace the ones above (meshplan.calibration)")
+
+    @model_validator(mode="after")
+    def _size(self) -> TopologySpec:
+        devices = self.nodes * (self.node.gpus or self.node.max_ranks or 1)
+        if devices > MAX_DEVICES:
+            raise ValueError(f"{self.nodes} nodes x {self.node.gpus or self.node.max_ranks} devices = {devices}, more "
+                             f"than the {MAX_DEVICES} a file may describe")
+        return self

@@ -152,6 +152,8 @@ def _tensors(s: Schedule) -> list[str]:
         wrong = np.flatnonzero(ok & (t.rank[np.clip(tid, 0, max(nt - 1, 0))] != o.rank[owner]))
         out += [f"op {owner[k]} on rank {o.rank[owner[k]]}: {what} {tid[k]} lives on rank {t.rank[tid[k]]}"
                 for k in wrong]
+    if out:
+        return out          # the size checks below index tensors by these references
     tokens = _tensor_tokens(s)
     uniq, inv = np.unique(np.stack([t.kind, tokens, t.h1 - t.h0, t.dtype], axis=1).astype(np.int64), axis=0,
                           return_inverse=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -53,7 +54,9 @@ def one_case(schedule, group, seed: int, vs_run: bool) -> dict | None:
     got = {name: unshard([p[i] for p in pieces], prog) for i, name in enumerate(("out", "dq", "dk", "dv"))}
     ref = reference(inp, w, backward=True)
     numerics = judge(prog, inp, {n: x.float().numpy() for n, x in got.items()})
+    pad = torch.from_numpy(~w.is_real(np.arange(w.seq_len)))
     return {"err": {n: float((x.double() - ref[n]).abs().max()) for n, x in got.items()},
+            "padding_out_max": float(got["out"][:, pad].abs().max()) if bool(pad.any()) else None,
             "ref": {n: float(ref[n].abs().max()) for n in got}, "passed": numerics.passed,
             "shapes": {"q": tuple(q.shape), "k": tuple(k.shape)},
             "vs_run": ran and {n: float(abs(got[n].float().numpy() - ran[n]).max()) for n in got}}

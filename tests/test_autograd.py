@@ -59,8 +59,10 @@ def world2(tmp_path_factory):
     folder = tmp_path_factory.mktemp("ag2")
     ring = Case("ring", "ring", 2, workload=SMALL | {"batch": 2}).write(folder)
     bf16 = Case("ring-bf16", "ring", 2, workload=SMALL | {"dtype": "bf16"})
+    padded = Case("ring-packed-pad", "ring", 2, workload=SMALL | {"mask": "docs:50+14,60+4", "doc_layout": "packed"})
     return _spawn(2, [{"name": "ring", "schedule": str(ring), "vs_run": True},
-                      {"name": "ring-bf16", "schedule": as_program(bf16.write(folder)), "vs_run": True}])
+                      {"name": "ring-bf16", "schedule": as_program(bf16.write(folder)), "vs_run": True},
+                      {"name": "ring-packed-pad", "schedule": str(padded.write(folder)), "vs_run": True}])
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +92,16 @@ def test_ring2_bitwise_equal_to_meshplan_run(world2, name):
     res = world2[f"{name}@0"]
     assert res["vs_run"] == {"out": 0.0, "dq": 0.0, "dk": 0.0, "dv": 0.0}
     assert res["passed"], "bf16: the meshplan run --check criterion (3x one process's error, or the floor)"
+
+
+@pytest.mark.timeout(120)
+def test_packed_documents_with_padding_train_right(world2):
+    """Padded packed documents (TransformerEngine's cu_seqlens_padded): the drop-in's outputs and gradients equal
+    float64 on every token, padding included (its output rows 0, no gradient through it), and equal the run's."""
+    res = world2["ring-packed-pad@0"]
+    _close(res)
+    assert res["passed"] and res["vs_run"] == {"out": 0.0, "dq": 0.0, "dk": 0.0, "dv": 0.0}
+    assert res["padding_out_max"] == 0.0
 
 
 @pytest.mark.timeout(120)

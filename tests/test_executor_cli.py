@@ -117,6 +117,8 @@ def test_run_then_compare_writes_the_contracts_files(ring2, tmp_path):
     assert durations == pytest.approx(sorted((o["end_s"] - o["start_s"]) * 1e6 for o in meas["ranks"][0]["ops"]))
     body = json.loads(c.stdout)
     assert body["comparable"] and body["end_to_end"]["total"]["measured_s"] == pytest.approx(meas["makespan_s"])
+    assert body["implausible"] == [] and meas["env"]["kernel_flops_per_s"] > 0      # an honest run is plausible
+    assert meas["numerics"]["checked"] == "full"                                     # cheap: the full check
     assert {r["kind"] for r in body["per_kind"]} >= {"compute", "transfer"}
     assert body["peak_memory"]["predicted_bytes"] == pytest.approx(body["peak_memory"]["measured_bytes"], rel=0.05)
     rise = body["memory_rise"]                   # the process's RSS rise: the buffers are a lower bound of it

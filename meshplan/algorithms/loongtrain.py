@@ -117,20 +117,24 @@ class LoongTrain(USP):
         io = lambda ok, s, j, cur: ([held["q"][ok, t] for t in range(grid.u)] + [c[ok] for c in cur],  # noqa: E731
                                     [acc[ok, t] for t in range(grid.u)], "merge", None)
         for o, inner, block, _, outer_next, incoming in self._outer_steps(plan, grid):
-            nxt = self._send_on(b, grid, o, travel, deps, outer_next, incoming)
+            nxt, sent = self._send_on(b, grid, o, travel, deps, outer_next, incoming), []
             steps = rotate_forward_merge(b, plan, travel, "kv", block, io, ring=inner, first_deps=deps,
-                                         step0=o * inner.size)
+                                         step0=o * inner.size, sent=sent)
             last_o = _last(steps, grid.n)
             last = np.where(last_o >= 0, last_o, last)
-            travel, deps = self._retire(b, o, travel, deps, last_o, nxt)
+            travel, deps = self._retire(b, o, travel, deps, last_o, nxt, sent)
         return last
 
     @staticmethod
-    def _retire(b, o: int, travel, deps, last_o, nxt):
-        """A received outer group dies after its uses and its forwarding; returns the next (travel, deps)."""
+    def _retire(b, o: int, travel, deps, last_o, nxt, sent: list):
+        """A received outer group dies after its uses and its forwarding (on the outer ring, and on the inner
+        ring: ``sent``, which alone holds it on a rank that computes nothing with it, e.g. documents apart);
+        returns the next (travel, deps)."""
         if o > 0:
             for t in range(travel.shape[1]):
                 b.free_after(travel[:, t], last_o)
+                for fwd in sent:
+                    b.free_after(travel[:, t], fwd[:, t])
                 if nxt is not None:
                     b.free_after(travel[:, t], nxt[2][:, t])
         return (nxt[0], nxt[1][:, 0]) if nxt is not None else (travel, deps)
@@ -144,11 +148,11 @@ class LoongTrain(USP):
         travel, deps, last = kv, got, np.full(grid.n, -1)
         result = ready = None
         for o, inner, block, home_rank, outer_next, incoming in self._outer_steps(plan, grid):
-            nxt = self._send_on(b, grid, o, travel, deps, outer_next, incoming)
+            nxt, sent = self._send_on(b, grid, o, travel, deps, outer_next, incoming), []
             home, rdy, last_o = rotate_backward(
                 b, plan, travel=travel, travel_kind="kv", grad_kind="dkv", grad_dtype=dt, hops="n", block=block,
                 static_inputs=static, local_grad=[dq[:, t] for t in range(u)], travel_first=False, ring=inner,
-                grad_role="buffer", first_deps=deps, step0=o * inner.size)
+                grad_role="buffer", first_deps=deps, step0=o * inner.size, sent=sent)
             last = np.where(last_o >= 0, last_o, last)
             if o == 0:
                 result, ready = home, rdy.copy()
@@ -166,5 +170,5 @@ class LoongTrain(USP):
                                        deps=[rcv, ready[home_rank, t]])
                     b.free_after(land, add)
                     ready[home_rank, t] = add
-            travel, deps = self._retire(b, o, travel, deps, last_o, nxt)
+            travel, deps = self._retire(b, o, travel, deps, last_o, nxt, sent)
         return result, ready, last

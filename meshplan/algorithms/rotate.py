@@ -118,7 +118,7 @@ def _free_travelled(b: ScheduleBuilder, cur: np.ndarray, ok: np.ndarray, comp: n
 def rotate_forward_merge(b: ScheduleBuilder, plan: Plan, travel: np.ndarray, kind: str,
                          block: BlockFn, make_io, ring: RingSpec | None = None,
                          stream: str | None = None, first_deps: np.ndarray | None = None,
-                         step0: int = 0) -> list[np.ndarray]:
+                         step0: int = 0, sent: list | None = None) -> list[np.ndarray]:
     """Forward pass: rotate ``travel`` tensors ([n] or [n, k]); every rank computes its block of each step.
 
     ``make_io(ok, s, j, cur)`` returns (inputs, outputs, combine, fresh) for the ranks ``ok`` of step s
@@ -128,6 +128,8 @@ def rotate_forward_merge(b: ScheduleBuilder, plan: Plan, travel: np.ndarray, kin
     and the first
     forwarding send wait for (the all-to-all that delivered the travelling tensors, for hybrid methods).
     ``step0`` offsets the batch ids (rotations that follow each other on one stream need distinct ones).
+    ``sent``, when a list, receives the sends that forward ``travel`` itself ([n, k]; the caller owns those
+    tensors and frees them: after these sends too, a rank may compute nothing with them).
     """
     n, m = plan.n_ranks, plan.matrix
     ring = ring or RingSpec.simple(n)
@@ -141,6 +143,8 @@ def rotate_forward_merge(b: ScheduleBuilder, plan: Plan, travel: np.ndarray, kin
         if s < ring.size - 1:
             snd, rcv, nxt = pass_travel(b, cur, kind, s, ring, stream=stream or kind, last_comp=last_comp,
                                         send_deps=firsts if s == 0 else (), step0=step0)
+            if s == 0 and sent is not None:
+                sent.append(snd)
         qi, ki = block(r, j)
         ok = ring.permitted(m, qi, ki)
         inputs, outputs, combine, fresh = make_io(ok, s, j, [cur[:, t] for t in range(cur.shape[1])])
@@ -164,7 +168,7 @@ def rotate_backward(b: ScheduleBuilder, plan: Plan, *, travel: np.ndarray, trave
                     static_inputs: list[np.ndarray], local_grad: list[np.ndarray] | np.ndarray,
                     travel_first: bool, stream: str | None = None, ring: RingSpec | None = None,
                     grad_stream: str | None = None, grad_role: str = "output", first_deps: np.ndarray | None = None,
-                    step0: int = 0):
+                    step0: int = 0, sent: list | None = None):
     """Backward pass of a rotation; gradients of the travelling chunks ride along (see module doc).
 
     ``travel`` is [n] or [n, k] (k single-chunk tensors per rank); ``static_inputs`` are the rank's own
@@ -174,7 +178,8 @@ def rotate_backward(b: ScheduleBuilder, plan: Plan, *, travel: np.ndarray, trave
     at the chunks' home with role ``grad_role``.
 
     Returns (home, ready, last_comp): the final gradient tensors at each rank's home group ([n, k]), the ops
-    after which each is complete ([n, k]) and each rank's last compute op ([n]).
+    after which each is complete ([n, k]) and each rank's last compute op ([n]). ``sent``: as
+    :func:`rotate_forward_merge`'s.
     """
     n, m = plan.n_ranks, plan.matrix
     ring = ring or RingSpec.simple(n)
@@ -191,6 +196,8 @@ def rotate_backward(b: ScheduleBuilder, plan: Plan, *, travel: np.ndarray, trave
         if s < R - 1:
             snd, rcv, nxt = pass_travel(b, cur, travel_kind, s, ring, stream=stream or travel_kind,
                                         last_comp=last_comp, send_deps=firsts if s == 0 else (), step0=step0)
+            if s == 0 and sent is not None:
+                sent.append(snd)
         qi, ki = block(r, j)
         ok = ring.permitted(m, qi, ki)
         part = np.full((n, k), -1)

@@ -23,7 +23,7 @@ import torch
 
 from meshplan.executor.data import Inputs, reference, single_process, softmax_scale
 from meshplan.executor.program import Program
-from meshplan.executor.sample import Sample, sampled_results
+from meshplan.executor.sample import Sample, one_process_rows, reference_rows
 from meshplan.measurement import Numerics, TensorError
 
 EPSILON = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11, "fp32": 2.0 ** -20}
@@ -119,8 +119,8 @@ def _sampled(prog: Program, inputs: Inputs, results: dict[str, np.ndarray], samp
     w = prog.workload
     scale = softmax_scale(w)
     dout = inputs.dout if "dq" in results else None
-    ref = sampled_results(inputs.q, inputs.k, inputs.v, dout, w, sample, scale, reference=True)
-    one = sampled_results(inputs.q, inputs.k, inputs.v, dout, w, sample, scale, reference=False)
+    ref = reference_rows(inputs.q, inputs.k, inputs.v, dout, w, sample, scale)
+    one = one_process_rows(inputs.q, inputs.k, inputs.v, dout, w, sample, scale)
     at = (sample.b, sample.pos, sample.head)
     empty = held & ~w.is_query(np.arange(w.seq_len))    # returned rows with no permitted key: padding
     tally = {name: _Tally() for name in results}

@@ -109,58 +109,58 @@ def key_ranges(w: Workload, rows: np.ndarray) -> KeyRanges:
     return KeyRanges(lo, hi, w.seq_len)
 
 
-def sampled_results(q, k, v, dout, w: Workload, sample: Sample, scale: float, reference: bool):
-    """The sampled triples' results: out [P, D], lse [P], dq [P, D], and dk, dv [B, S, Hkv, D] (the sampled
-    rows' contributions; None without dO). ``reference``: float64 attention; else the executor's kernels in the
-    input dtype (the one-process yardstick). Inputs [B, S, H(kv), D] in the input dtype, ``dout`` the full one."""
-    g, P = w.gqa_group, len(sample)
-    f64 = torch.float64
-    out = torch.zeros(P, w.head_dim, dtype=f64)
-    lse = torch.full((P,), float("-inf"), dtype=f64)
-    dq = torch.zeros(P, w.head_dim, dtype=f64)
-    grads = dout is not None
-    dk = torch.zeros(k.shape, dtype=f64) if grads else None
-    dv = torch.zeros(v.shape, dtype=f64) if grads else None
+def reference_rows(q, k, v, dout, w: Workload, sample: Sample, scale: float) -> dict[str, torch.Tensor]:
+    """Float64 results of the sampled triples: out [P, D], lse [P], dq [P, D], and dk, dv [B, S, Hkv, D] (the
+    sampled rows' contributions); no gradients without ``dout``. Inputs [B, S, H(kv), D] in the input dtype."""
+    g, P, f64 = w.gqa_group, len(sample), torch.float64
+    res = {"out": torch.zeros(P, w.head_dim, dtype=f64), "lse": torch.full((P,), float("-inf"), dtype=f64)}
+    if dout is not None:
+        res |= {"dq": torch.zeros(P, w.head_dim, dtype=f64), "dk": torch.zeros(k.shape, dtype=f64),
+                "dv": torch.zeros(v.shape, dtype=f64)}
     for b, h in sorted(set(zip(sample.b.tolist(), sample.head.tolist()))):
         at = np.flatnonzero((sample.b == b) & (sample.head == h))
-        rows = sample.pos[at]
-        ranges = key_ranges(w, rows)
-        idx = torch.from_numpy(rows)
-        qh, kh, vh = q[b, idx, h], k[b, :, h // g], v[b, :, h // g]                    # [r, D], [S, D]
-        doh = dout[b, idx, h] if grads else None
-        fn = _float64 if reference else _kernels
-        o, l_, dqh, dkh, dvh = fn(qh, kh, vh, doh, ranges, scale)
-        sel = torch.from_numpy(at)
-        out[sel], lse[sel] = o.double(), l_.double()
-        if grads:
-            dq[sel] = dqh.double()
-            dk[b, :, h // g] += dkh.double()
-            dv[b, :, h // g] += dvh.double()
-    if grads and not reference:                  # one process returns its summed gradients in the input dtype
-        dk, dv = dk.to(k.dtype).double(), dv.to(v.dtype).double()
-    return {"out": out, "lse": lse} | ({"dq": dq, "dk": dk, "dv": dv} if grads else {})
+        idx, sel = torch.from_numpy(sample.pos[at]), torch.from_numpy(at)
+        ok = key_ranges(w, sample.pos[at]).dense("cpu")                                 # [r, S]
+        qh, kh, vh = q[b, idx, h].double(), k[b, :, h // g].double(), v[b, :, h // g].double()
+        s = (qh @ kh.T * scale).masked_fill(~ok, float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - lse.nan_to_num(neginf=0.0)[:, None]).masked_fill(~ok, 0.0)
+        res["out"][sel], res["lse"][sel] = p @ vh, lse
+        if dout is not None:
+            do = dout[b, idx, h].double()
+            ds = p * (do @ vh.T - (do * res["out"][sel]).sum(-1, keepdim=True))
+            res["dq"][sel] = ds @ kh * scale
+            res["dk"][b, :, h // g] += ds.T @ qh * scale
+            res["dv"][b, :, h // g] += p.T @ do
+    return res
 
 
-def _float64(q, k, v, do, ranges: KeyRanges, scale: float):
-    """Float64 attention of rows q [r, D] against k, v [S, D] (and the rows' gradient contributions)."""
-    q, k, v = q.double(), k.double(), v.double()
-    ok = ranges.dense("cpu")
-    s = (q @ k.T * scale).masked_fill(~ok, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse.nan_to_num(neginf=0.0)[:, None]).masked_fill(~ok, 0.0)
-    o = p @ v
-    if do is None:
-        return o, lse, None, None, None
-    do = do.double()
-    ds = p * (do @ v.T - (do * o).sum(-1, keepdim=True))
-    return o, lse, ds @ k * scale, ds.T @ q * scale, p.T @ do
-
-
-def _kernels(q, k, v, do, ranges: KeyRanges, scale: float):
-    """The same with the executor's kernels in the input dtype (fp32 gradients)."""
-    q4, k4, v4 = (x[None, None] for x in (q, k, v))
-    o, lse = block_forward(q4, k4, v4, scale, ranges)
-    if do is None:
-        return o[0, 0], lse[0, 0], None, None, None
-    dq, dk, dv = block_backward_from_out(q4, k4, v4, o, do[None, None], lse, scale, ranges)
-    return o[0, 0], lse[0, 0], dq[0, 0].to(q.dtype), dk[0, 0], dv[0, 0]
+def one_process_rows(q, k, v, dout, w: Workload, sample: Sample, scale: float) -> dict[str, torch.Tensor]:
+    """The one-process yardstick of :func:`reference_rows` (same keys and shapes, float64 holding the input
+    dtype's values): each sampled row by the executor's kernels in the input dtype, one unmasked kernel over its
+    run of keys; dK and dV summed in the input dtype, row after row in position order — as one kernel over
+    many rows sums them, a running sum rounded to the input dtype per block of rows (timed against torch's CPU
+    flash backward: that rounding, not the float64 difference of each row, is a half-precision run's dK/dV
+    error), so the yardstick carries it."""
+    g, P, f64 = w.gqa_group, len(sample), torch.float64
+    res = {"out": torch.zeros(P, w.head_dim, dtype=f64), "lse": torch.full((P,), float("-inf"), dtype=f64)}
+    if dout is not None:
+        res |= {"dq": torch.zeros(P, w.head_dim, dtype=f64)}
+        dk, dv = torch.zeros(k.shape, dtype=k.dtype), torch.zeros(v.shape, dtype=v.dtype)
+    ranges = key_ranges(w, sample.pos)
+    for i in np.argsort(sample.pos, kind="stable").tolist():
+        lo, hi = int(ranges.lo[i]), int(ranges.hi[i])
+        if hi <= lo:                                 # no permitted key: O = 0, LSE = −inf, nothing else
+            continue
+        b, pos, h = int(sample.b[i]), int(sample.pos[i]), int(sample.head[i])
+        qi, ki, vi = q[b, pos, h][None, None, None], k[b, lo:hi, h // g][None, None], v[b, lo:hi, h // g][None, None]
+        o, lse = block_forward(qi, ki, vi, scale, None)
+        res["out"][i], res["lse"][i] = o[0, 0, 0].double(), lse[0, 0, 0].double()
+        if dout is not None:
+            dq, dk_i, dv_i = block_backward_from_out(qi, ki, vi, o, dout[b, pos, h][None, None, None], lse, scale, None)
+            res["dq"][i] = dq[0, 0, 0].to(q.dtype).double()
+            dk[b, lo:hi, h // g] += dk_i[0, 0].to(k.dtype)
+            dv[b, lo:hi, h // g] += dv_i[0, 0].to(v.dtype)
+    if dout is not None:
+        res |= {"dk": dk.double(), "dv": dv.double()}
+    return res
