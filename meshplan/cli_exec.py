@@ -33,7 +33,8 @@ def run_command(schedule: str, nproc, backend, iters, warmup, check, serialize, 
     cfg = RunConfig(backend=backend, iters=iters, warmup=warmup, check=check, serialize=serialize,
                     timeout_s=timeout_s, dump_dir=dump_dir, seed=seed, inputs_path=inputs)
     try:
-        body = run(schedule, nproc, cfg, fits=lambda prog, host: check_fits(prog.schedule, host, schedule))
+        body = run(schedule, nproc, cfg, fits=lambda prog, c, host: check_fits(
+            prog.schedule, host, schedule, gathers=c.check == "full" or c.dump_dir is not None))
     except RunFailed as err:
         sys.stderr.write(f"error: run failed: {err}\n")
         return 1

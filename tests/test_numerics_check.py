@@ -91,11 +91,16 @@ def test_runs_check_by_default_and_skip_only_when_told(tmp_path):
     from meshplan.executor.worker import RunConfig
     from meshplan.schedule_io import write_schedule
 
+    from exec_cases import Case, point_at_another_kv_chunk
+
     path = tmp_path / "big.json"
     write_schedule(predict("ring", resolve(seq_len=4096, heads=2, kv_heads=1, head_dim=128, mask="docs:2040,2052+4",
                                            doc_layout="packed"), Topology.load("cpu-local", 2), 2, {}).schedule, path)
-    default, off = run_batch([(str(path), RunConfig(iters=1, warmup=0, memory=False)),
-                              (str(path), RunConfig(iters=1, warmup=0, memory=False, check=False))])
+    bad = Case("bad-kv", "ring", 2, workload={"mask": "full"}, edit=point_at_another_kv_chunk).write(tmp_path)
+    default, off, wrong = run_batch([(str(path), RunConfig(iters=1, warmup=0, memory=False)),
+                                     (str(path), RunConfig(iters=1, warmup=0, memory=False, check=False)),
+                                     (str(bad), RunConfig(iters=1, warmup=0, memory=False, check="sampled"))])
+    assert wrong["numerics"]["checked"] == "sampled" and wrong["numerics"]["passed"] is False   # each rank judged
     n = default["numerics"]
     assert n["checked"] == "sampled" and n["passed"] is True and n["sampled_triples"] >= 8
     assert set(n["tensors"]) == {"out", "lse", "dq", "dk", "dv"}

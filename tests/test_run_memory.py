@@ -10,7 +10,7 @@ import pytest
 from test_cli import one_line_error, run
 
 from meshplan.errors import UserError
-from meshplan.run_memory import HOST_SHARE, check_fits, rank_peak_bytes, run_topology
+from meshplan.run_memory import HOST_SHARE, check_fits, executor_bytes, host_need_bytes, rank_peak_bytes, run_topology
 from meshplan.schedule_io import read_schedule
 
 
@@ -32,7 +32,9 @@ def _schedule(tmp_path, seq_len: str, name: str = "s.json"):
 
 def test_a_plan_too_big_for_the_host_is_refused_with_one_that_fits(tmp_path):
     big, quarter = _schedule(tmp_path, "64K"), _schedule(tmp_path, "16K", "q.json")
-    need = lambda s: 4 * (rank_peak_bytes(s, run_topology(s, False)) + 1e8)  # noqa: E731 - CPU ranks, 4 local
+    probe = Host(0, 4)                                                # CPU ranks, 4 on this host, 100 MB each
+    need = lambda s: host_need_bytes(s, probe, rank_peak_bytes(s, run_topology(s, False)), False)  # noqa: E731
+    assert need(big) > 4 * (executor_bytes(big.workload, 4, False)[0] + 1e8)      # the executor's own is in it
     host = Host(need(quarter) * 1.02 / HOST_SHARE, 4)
     assert need(big) > HOST_SHARE * host.available_bytes
     with pytest.raises(UserError) as e:
@@ -59,10 +61,19 @@ def test_documents_get_the_numbers_without_a_command(tmp_path):
 
 def test_gpu_ranks_are_held_to_their_devices_free_memory(tmp_path):
     s = _schedule(tmp_path, "64K")
-    peak = rank_peak_bytes(s, run_topology(s, True))
-    check_fits(s, Host(peak / HOST_SHARE * 1.01, 1, gpu=True), "s.json")
-    with pytest.raises(UserError, match="the least free GPU has"):
-        check_fits(s, Host(peak / HOST_SHARE * 0.99, 1, gpu=True), "s.json")
+    need = rank_peak_bytes(s, run_topology(s, True)) + executor_bytes(s.workload, 4, False)[0]   # on the device
+    check_fits(s, Host(need / HOST_SHARE * 1.01, 1, gpu=True), "s.json")
+    with pytest.raises(UserError, match="each GPU rank needs .* the least free GPU has"):
+        check_fits(s, Host(need / HOST_SHARE * 0.99, 1, gpu=True), "s.json")
+
+
+def test_gathering_every_result_on_rank_0_is_counted(tmp_path):
+    """The full check and --dump gather the whole results on rank 0: three copies of them, and the check's own."""
+    s = _schedule(tmp_path, "16K")
+    each, first = executor_bytes(s.workload, 4, True)
+    w = s.workload
+    results = w.batch * w.seq_len * w.head_dim * (2 * 8 + 2 * 2) * 4 + w.batch * 8 * w.seq_len * 4
+    assert first > 3 * results and executor_bytes(s.workload, 4, False) == (each, 0.0)
 
 
 def test_meshplan_run_refuses_before_spawning(tmp_path, monkeypatch):

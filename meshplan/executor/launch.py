@@ -67,7 +67,7 @@ def prepare(path: str, nproc: int | None, cfg: RunConfig) -> tuple[Program, RunC
 
 
 def run(path: str, nproc: int | None, cfg: RunConfig, fits=None) -> dict | None:
-    """Run a schedule; returns rank 0's measurement dict (None on other torchrun ranks). ``fits(program,
+    """Run a schedule; returns rank 0's measurement dict (None on other torchrun ranks). ``fits(program, config,
     host_memory)``, when given, is called before any rank starts (it refuses a run that does not fit).
 
     Raises:
@@ -78,7 +78,7 @@ def run(path: str, nproc: int | None, cfg: RunConfig, fits=None) -> dict | None:
     if fits is not None:
         host = host_memory(prog, cfg, world)
         if host is not None:
-            fits(prog, host)
+            fits(prog, cfg, host)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return rank_main(int(os.environ["RANK"]), world, [(prog, replace(cfg, init_method="env://"))])[0]
     return spawn(world, [(prog, cfg)])[0]

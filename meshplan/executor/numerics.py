@@ -23,8 +23,9 @@ import torch
 
 from meshplan.executor.data import Inputs, reference, single_process, softmax_scale
 from meshplan.executor.program import Program
-from meshplan.executor.sample import Sample, one_process_rows, reference_rows
-from meshplan.measurement import Numerics, TensorError
+from meshplan.executor.sample import RowStats, Sample, key_grads, row_stats
+from meshplan.executor.tally import Tally
+from meshplan.measurement import Numerics
 
 EPSILON = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11, "fp32": 2.0 ** -20}
 RESULT_PARTS = {"out": ("o", "lse"), "dq": ("dq",), "dkv": ("dk", "dv")}
@@ -81,103 +82,98 @@ def assemble(prog: Program, pieces: list[tuple]) -> dict[str, np.ndarray]:
 
 def judge(prog: Program, inputs: Inputs, results: dict[str, np.ndarray], mode: str = "full",
           sample: Sample | None = None) -> Numerics:
-    """The criterion for every gathered tensor; ``passed`` only if all pass.
+    """The criterion for every gathered tensor (whole-sequence arrays); ``passed`` only if all pass.
 
     ``mode`` ``full``: against the float64 reference of the whole sequence, on every row a rank returns (padding
-    rows included: O = 0, LSE = −inf, dQ = 0) and every key. ``sampled``: the triples of ``sample``, the run's
-    results taken with dO zero outside them (:mod:`meshplan.executor.sample`); every other returned row is held
-    to what needs no reference (padding rows O = 0 and LSE = −inf; dQ = 0 wherever dO was 0).
+    rows included: O = 0, LSE = −inf, dQ = 0) and every key. ``sampled``: :func:`sampled_tallies` over the whole
+    arrays as one piece each (what the ranks do on their own pieces in a run).
     """
     w = prog.workload
     backward = "dq" in results
     held = np.arange(w.seq_len) >= w.prefix_len        # rows the ranks return (a cached prefix's are not)
-    if mode == "full":
-        ref, one = reference(inputs, w, backward), single_process(inputs, w, backward)
-        tally = {name: _Tally() for name in results}
-        for name, got in results.items():
-            r, s1 = ref[name].numpy(), one[name].double().numpy()
-            if name == "lse":
-                rows = (slice(None), slice(None), held)                # [B, H, S]
-            else:
-                rows = (slice(None), slice(None) if name in ("dk", "dv") else held)   # [B, S, H, D]: every key
-            tally[name].add(got[rows], r[rows], s1[rows])
-        how = "float64 single-process attention on the dtype-rounded inputs (BUGCASES.md), every returned row"
-    else:
-        tally = _sampled(prog, inputs, results, sample, held)
-        how = (f"float64 attention of {len(sample)} sampled (batch, row, head) triples against every key, with dO "
-               "zero outside them (dK, dV: their contributions); padding rows O = 0, LSE = -inf; dQ = 0 elsewhere")
-    eps = EPSILON[w.dtype]
-    wire = wire_epsilon(prog)
-    tensors = {name: t.error(max(eps, wire.get(name, 0.0))) for name, t in tally.items()}
-    return Numerics(checked=mode, passed=all(t.passed for t in tensors.values()), tensors=tensors, reference=how,
-                    sampled_triples=len(sample) if mode == "sampled" else None)
-
-
-def _sampled(prog: Program, inputs: Inputs, results: dict[str, np.ndarray], sample: Sample,
-             held: np.ndarray) -> dict[str, _Tally]:
-    """Per tensor, the sampled triples against the float64 reference and what holds without one."""
-    w = prog.workload
-    scale = softmax_scale(w)
-    dout = inputs.dout if "dq" in results else None
-    ref = reference_rows(inputs.q, inputs.k, inputs.v, dout, w, sample, scale)
-    one = one_process_rows(inputs.q, inputs.k, inputs.v, dout, w, sample, scale)
-    at = (sample.b, sample.pos, sample.head)
-    empty = held & ~w.is_query(np.arange(w.seq_len))    # returned rows with no permitted key: padding
-    tally = {name: _Tally() for name in results}
-    for name in ("out", "lse", "dq"):
-        if name not in results:
-            continue
-        got = results[name]
-        pick = got[at[0], at[2], at[1]] if name == "lse" else got[at]
-        tally[name].add(pick, ref[name].numpy(), one[name].numpy())
-        rest = got.copy()                                # every other returned row: its value without a reference
+    if mode == "sampled":
+        pieces = [(name, np.arange(w.seq_len) if name in ("dk", "dv") else np.flatnonzero(held), 0, w.n_heads,
+                   x if name in ("dk", "dv") else x[:, :, held] if name == "lse" else x[:, held])
+                  for name, x in results.items()]
+        ref, one = sample_stats(inputs, w, sample, backward)
+        return numerics_of(prog, sampled_tallies(prog, pieces, inputs, sample, ref, one), "sampled", len(sample))
+    ref, one = reference(inputs, w, backward), single_process(inputs, w, backward)
+    tally = {name: Tally() for name in results}
+    for name, got in results.items():
+        r, s1 = ref[name].numpy(), one[name].double().numpy()
         if name == "lse":
-            rest[at[0], at[2], at[1]] = -np.inf
-            rows = rest[:, :, empty]
-            tally[name].add(rows, np.full_like(rows, -np.inf, dtype=np.float64), None)
+            rows = (slice(None), slice(None), held)                # [B, H, S]
+        else:
+            rows = (slice(None), slice(None) if name in ("dk", "dv") else held)   # [B, S, H, D]: every key
+        tally[name].add(got[rows], r[rows], s1[rows])
+    return numerics_of(prog, tally, "full")
+
+
+def numerics_of(prog: Program, tally: dict[str, Tally], mode: str, triples: int | None = None) -> Numerics:
+    """The Numerics of merged tallies: each tensor's bound from its dtype's ε (or a coarser wire dtype's)."""
+    eps, wire = EPSILON[prog.workload.dtype], wire_epsilon(prog)
+    tensors = {name: t.error(max(eps, wire.get(name, 0.0))) for name, t in tally.items()}
+    how = ("float64 single-process attention on the dtype-rounded inputs (BUGCASES.md), every returned row"
+           if mode == "full" else
+           f"float64 attention of {triples} sampled (batch, row, head) triples against every key, with dO zero outside "
+           "them (dK, dV: their contributions, on every key); padding rows O = 0, LSE = -inf; dQ = 0 elsewhere")
+    return Numerics(checked=mode, passed=all(t.passed for t in tensors.values()), tensors=tensors, reference=how,
+                    sampled_triples=triples if mode == "sampled" else None)
+
+
+def sample_stats(inputs: Inputs, w, sample: Sample, backward: bool, which: np.ndarray | None = None):
+    """(float64, one-process) :class:`RowStats` of the sampled rows ``which`` (default all)."""
+    dout = inputs.dout if backward else None
+    args = (inputs.q, inputs.k, inputs.v, dout, w, sample, softmax_scale(w))
+    return row_stats(*args, reference=True, which=which), row_stats(*args, reference=False, which=which)
+
+
+def sampled_tallies(prog: Program, pieces: list[tuple], inputs: Inputs, sample: Sample, ref: RowStats,
+                    one: RowStats) -> dict[str, Tally]:
+    """The sampled check on result pieces (name, positions, h0, h1, float32 array — a rank's own, from
+    :func:`local_results`): the sampled triples they hold against ``ref`` (float64) and ``one`` (the yardstick);
+    padding rows O = 0 and LSE = −inf; dQ = 0 outside the sample; dK, dV at every key they hold against the
+    sampled rows' float64 contributions (:func:`~meshplan.executor.sample.key_grads`)."""
+    w, g = prog.workload, prog.workload.gqa_group
+    tally: dict[str, Tally] = {}
+    grads: dict[bytes, tuple] = {}
+    for name, pos, h0, h1, x in pieces:
+        t = tally.setdefault(name, Tally())
+        if name in ("dk", "dv"):
+            order = np.argsort(pos, kind="stable")
+            key = pos.tobytes()
+            if key not in grads:
+                args = (inputs.q, inputs.k, inputs.v, inputs.dout, w, sample)
+                grads[key] = (key_grads(*args, ref, pos[order], softmax_scale(w), True),
+                              key_grads(*args, one, pos[order], softmax_scale(w), False))
+            (rk, rv), (ok, ov) = grads[key]
+            k0, k1 = h0 // g, -(-h1 // g)
+            r_, o_ = (rk, ok) if name == "dk" else (rv, ov)
+            t.add(x[:, order], r_[:, :, k0:k1], o_[:, :, k0:k1])
             continue
-        rest[at] = 0.0
-        rows = rest[:, empty] if name == "out" else rest[:, held]   # O on padding rows, dQ everywhere else: 0
-        tally[name].add(rows, np.zeros_like(rows, dtype=np.float64), None)
-    for name in ("dk", "dv"):
-        if name in results:
-            tally[name].add(results[name], ref[name].numpy(), one[name].numpy())
+        tri, rows = _triples_in(sample, pos, h0, h1)
+        lse = name == "lse"
+        at = (sample.b[tri], sample.head[tri] - h0, rows) if lse else (sample.b[tri], rows, sample.head[tri] - h0)
+        t.add(x[at], getattr(ref, name)[tri], getattr(one, name)[tri])
+        rest = x.copy()                                # every other returned row: its value without a reference
+        rest[at] = -np.inf if lse else 0.0
+        pad = ~w.is_query(pos)
+        if name == "lse":
+            t.add_constant(rest[:, :, pad], -np.inf)                 # padding rows: LSE = −inf
+        elif name == "out":
+            t.add_constant(rest[:, pad], 0.0)                       # padding rows: O = 0
+        else:
+            t.add_constant(rest, 0.0)                               # dO was 0 there: dQ = 0
     return tally
 
 
-class _Tally:
-    """The errors of one tensor over several comparisons: max and mean |error|, max |reference|, and the
-    one-process error (where a comparison has a one-process result). Equal infinities (LSE = −inf on a row
-    with no permitted key) are no error; a NaN is an infinite one."""
-
-    def __init__(self) -> None:
-        self.worst, self.total, self.count, self.ref_max, self.single = 0.0, 0.0, 0, 0.0, 0.0
-
-    def add(self, got: np.ndarray, ref: np.ndarray, single: np.ndarray | None) -> None:
-        err = _abs_err(got, ref)
-        self.worst = max(self.worst, float(err.max(initial=0.0)))
-        self.total += float(err[np.isfinite(err)].sum()) if err.size else 0.0
-        self.count += err.size
-        finite = ref[np.isfinite(ref)]
-        self.ref_max = max(self.ref_max, float(np.abs(finite).max(initial=0.0)))
-        if single is not None:
-            self.single = max(self.single, float(_abs_err(single, ref).max(initial=0.0)))
-
-    def error(self, eps: float) -> TensorError:
-        floor = eps * self.ref_max
-        bound = max(floor, 3 * self.single)
-        return TensorError(max_abs_err=self.worst, mean_abs_err=self.total / max(self.count, 1),
-                           single_process_err=self.single, floor=floor, bound=bound, passed=self.worst <= bound)
-
-
-def _abs_err(got: np.ndarray, ref: np.ndarray) -> np.ndarray:
-    """|got − ref| in float64; 0 where both are the same infinity, ∞ where either is NaN or one is infinite."""
-    g = np.asarray(got, dtype=np.float64)
-    with np.errstate(invalid="ignore"):
-        err = np.abs(g - ref)
-    err[g == ref] = 0.0
-    err[np.isnan(err)] = np.inf
-    return err
+def _triples_in(sample: Sample, pos: np.ndarray, h0: int, h1: int) -> tuple[np.ndarray, np.ndarray]:
+    """(triple indices, their row indices in ``pos``) of the sampled triples a piece holds."""
+    order = np.argsort(pos, kind="stable")
+    idx = np.minimum(np.searchsorted(pos[order], sample.pos), max(len(pos) - 1, 0))
+    hit = (len(pos) > 0) & (pos[order][idx] == sample.pos) & (sample.head >= h0) & (sample.head < h1)
+    tri = np.flatnonzero(hit)
+    return tri, order[idx[tri]]
 
 
 def wire_epsilon(prog: Program) -> dict[str, float]:

@@ -1,14 +1,17 @@
 """The sampled numerics check: a few (batch, query row, head) triples per rank, recomputed in float64.
 
-The full check (:func:`~meshplan.executor.data.reference`) costs O(S²) in float64 and memory, so a run above
-``FULL_CHECK_FLOPS`` checks a sample instead, at a cost of O(P·S·D) for P triples, whatever the size:
+The full check (:func:`~meshplan.executor.data.reference`) costs O(S²) in float64 and memory and gathers every
+result on rank 0, so a run above ``FULL_CHECK_FLOPS`` checks a sample instead, on every rank at once and with
+nothing gathered but the errors, at O(P·S·D / N) per rank for P triples on N ranks, whatever the size:
 
-* **rows**: for every rank, ``rows`` triples drawn uniformly from the query rows it returns (its output
-  tensors' tokens and heads), a quarter more from its padding rows when it holds any; their O, LSE and dQ
-  are recomputed in float64 against every key and value under the mask (O(S·D) each);
+* **rows**: for every rank, up to ``ROWS_PER_RANK`` triples drawn uniformly from the query rows it returns (its
+  output tensors' tokens and heads), a quarter more from its padding rows when it holds any; the rank that
+  returns a row recomputes its O, LSE and dQ in float64 against every key and value under the mask (O(S·D)
+  each, :func:`row_stats`), and the ranks exchange each row's LSE and D = rowsum(dO ∘ O);
 * **gradients** are linear in dO, so the run's check iteration takes dO = 0 everywhere but on the sampled
   triples (:meth:`Sample.masked_dout`): then its dK and dV are exactly the sampled rows' contributions, which
-  the reference sums in O(P·S·D), and dQ of every other (row, head) is exactly 0;
+  each rank recomputes at the keys it returns from the rows' LSE and D (O(P·S·D / N), :func:`key_grads`), and
+  dQ of every other (row, head) is exactly 0;
 * **padding** rows (and rows with no permitted key) must hold O = 0 and LSE = −inf: checked on every row,
   sampled or not (no reference needed).
 
@@ -27,7 +30,7 @@ import numpy as np
 import torch
 
 from meshplan.blockmask import KeyRanges
-from meshplan.executor.kernels import block_backward_from_out, block_forward
+from meshplan.executor.kernels import block_backward, block_backward_from_out, block_forward
 from meshplan.executor.program import Program
 from meshplan.workload import Workload
 
@@ -38,11 +41,13 @@ ROWS_PER_RANK = (4, 32)          # triples per rank: at least, at most (padding 
 
 @dataclass(frozen=True)
 class Sample:
-    """Sampled triples, sorted: batch index ``b``, token position ``pos``, query head ``head`` (int64 [P])."""
+    """Sampled triples, sorted: batch index ``b``, token position ``pos``, query head ``head``, and the rank that
+    returns that row (``owner``; it computes the row's reference), each int64 [P]."""
 
     b: np.ndarray
     pos: np.ndarray
     head: np.ndarray
+    owner: np.ndarray
 
     def __len__(self) -> int:
         return len(self.pos)
@@ -95,9 +100,9 @@ def pick_sample(prog: Program, seed: int) -> Sample:
         real = w.is_real(pos)
         for rows, k in ((np.flatnonzero(real), per_rank), (np.flatnonzero(~real), -(-per_rank // 4))):
             for i in rng.choice(rows, size=min(k, len(rows)), replace=False) if len(rows) else ():
-                picks.append((int(rng.integers(w.batch)), int(pos[i]), int(h0[i] + rng.integers(width[i]))))
-    arr = np.unique(np.asarray(picks, dtype=np.int64).reshape(-1, 3), axis=0)
-    return Sample(arr[:, 0], arr[:, 1], arr[:, 2])
+                picks.append((int(rng.integers(w.batch)), int(pos[i]), int(h0[i] + rng.integers(width[i])), rank))
+    arr = np.unique(np.asarray(picks, dtype=np.int64).reshape(-1, 4), axis=0)
+    return Sample(arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3])
 
 
 def key_ranges(w: Workload, rows: np.ndarray) -> KeyRanges:
@@ -109,58 +114,115 @@ def key_ranges(w: Workload, rows: np.ndarray) -> KeyRanges:
     return KeyRanges(lo, hi, w.seq_len)
 
 
-def reference_rows(q, k, v, dout, w: Workload, sample: Sample, scale: float) -> dict[str, torch.Tensor]:
-    """Float64 results of the sampled triples: out [P, D], lse [P], dq [P, D], and dk, dv [B, S, Hkv, D] (the
-    sampled rows' contributions); no gradients without ``dout``. Inputs [B, S, H(kv), D] in the input dtype."""
-    g, P, f64 = w.gqa_group, len(sample), torch.float64
-    res = {"out": torch.zeros(P, w.head_dim, dtype=f64), "lse": torch.full((P,), float("-inf"), dtype=f64)}
-    if dout is not None:
-        res |= {"dq": torch.zeros(P, w.head_dim, dtype=f64), "dk": torch.zeros(k.shape, dtype=f64),
-                "dv": torch.zeros(v.shape, dtype=f64)}
-    for b, h in sorted(set(zip(sample.b.tolist(), sample.head.tolist()))):
-        at = np.flatnonzero((sample.b == b) & (sample.head == h))
-        idx, sel = torch.from_numpy(sample.pos[at]), torch.from_numpy(at)
-        ok = key_ranges(w, sample.pos[at]).dense("cpu")                                 # [r, S]
-        qh, kh, vh = q[b, idx, h].double(), k[b, :, h // g].double(), v[b, :, h // g].double()
-        s = (qh @ kh.T * scale).masked_fill(~ok, float("-inf"))
-        lse = torch.logsumexp(s, dim=-1)
-        p = torch.exp(s - lse.nan_to_num(neginf=0.0)[:, None]).masked_fill(~ok, 0.0)
-        res["out"][sel], res["lse"][sel] = p @ vh, lse
-        if dout is not None:
-            do = dout[b, idx, h].double()
-            ds = p * (do @ vh.T - (do * res["out"][sel]).sum(-1, keepdim=True))
-            res["dq"][sel] = ds @ kh * scale
-            res["dk"][b, :, h // g] += ds.T @ qh * scale
-            res["dv"][b, :, h // g] += p.T @ do
-    return res
+@dataclass
+class RowStats:
+    """What every rank needs of the sampled rows (float64, one entry per triple, NaN where not computed): out
+    [P, D], lse [P], and with a backward dq [P, D] and delta [P] (D = rowsum(dO ∘ O))."""
+
+    out: np.ndarray
+    lse: np.ndarray
+    dq: np.ndarray | None
+    delta: np.ndarray | None
+
+    @classmethod
+    def empty(cls, P: int, D: int, backward: bool) -> RowStats:
+        nan = lambda *shape: np.full(shape, np.nan)  # noqa: E731
+        return cls(nan(P, D), nan(P), nan(P, D) if backward else None, nan(P) if backward else None)
+
+    def fill(self, other: RowStats, which: np.ndarray) -> None:
+        """Take ``other``'s entries of the triples ``which`` (bool [P])."""
+        for name in ("out", "lse", "dq", "delta"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine is not None:
+                mine[which] = theirs[which]
 
 
-def one_process_rows(q, k, v, dout, w: Workload, sample: Sample, scale: float) -> dict[str, torch.Tensor]:
-    """The one-process yardstick of :func:`reference_rows` (same keys and shapes, float64 holding the input
-    dtype's values): each sampled row by the executor's kernels in the input dtype, one unmasked kernel over its
-    run of keys; dK and dV summed in the input dtype, row after row in position order — as one kernel over
-    many rows sums them, a running sum rounded to the input dtype per block of rows (timed against torch's CPU
-    flash backward: that rounding, not the float64 difference of each row, is a half-precision run's dK/dV
-    error), so the yardstick carries it."""
-    g, P, f64 = w.gqa_group, len(sample), torch.float64
-    res = {"out": torch.zeros(P, w.head_dim, dtype=f64), "lse": torch.full((P,), float("-inf"), dtype=f64)}
-    if dout is not None:
-        res |= {"dq": torch.zeros(P, w.head_dim, dtype=f64)}
-        dk, dv = torch.zeros(k.shape, dtype=k.dtype), torch.zeros(v.shape, dtype=v.dtype)
+def row_stats(q, k, v, dout, w: Workload, sample: Sample, scale: float, reference: bool,
+              which: np.ndarray | None = None) -> RowStats:
+    """The sampled rows' results against every key (O(S·D) each), for the triples ``which`` (default all).
+
+    ``reference``: float64 attention. Otherwise the one-process yardstick: each row by the executor's kernels in
+    the input dtype, one unmasked kernel over its run of keys, results rounded to the input dtype. Inputs
+    [B, S, H(kv), D] in the input dtype; ``dout`` None for a forward only."""
+    g, P = w.gqa_group, len(sample)
+    res = RowStats.empty(P, w.head_dim, dout is not None)
+    which = np.ones(P, dtype=bool) if which is None else which
     ranges = key_ranges(w, sample.pos)
-    for i in np.argsort(sample.pos, kind="stable").tolist():
+    for i in np.flatnonzero(which).tolist():
+        b, pos, h = int(sample.b[i]), int(sample.pos[i]), int(sample.head[i])
         lo, hi = int(ranges.lo[i]), int(ranges.hi[i])
         if hi <= lo:                                 # no permitted key: O = 0, LSE = −inf, nothing else
+            res.out[i], res.lse[i] = 0.0, -np.inf
+            if dout is not None:
+                res.dq[i], res.delta[i] = 0.0, 0.0
+            continue
+        qi, ki, vi = q[b, pos, h][None, None, None], k[b, lo:hi, h // g][None, None], v[b, lo:hi, h // g][None, None]
+        do = None if dout is None else dout[b, pos, h][None, None, None]
+        o, lse, dq = (_float64_row if reference else _kernel_row)(qi, ki, vi, do, scale)
+        res.out[i], res.lse[i] = o.numpy(), float(lse)
+        if dout is not None:
+            res.dq[i] = dq.numpy()
+            res.delta[i] = float((do.double() * o).sum())
+    return res
+
+
+def _float64_row(q, k, v, do, scale: float):
+    """One row [1, 1, 1, D] against its keys [1, 1, n, D] in float64: (O [D], LSE, dQ [D] or None)."""
+    q, k, v = q[0, 0].double(), k[0, 0].double(), v[0, 0].double()
+    s = q @ k.T * scale                                                          # [1, n]
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[:, None])
+    o = p @ v
+    if do is None:
+        return o[0], lse[0], None
+    do = do[0, 0].double()
+    ds = p * (do @ v.T - (do * o).sum(-1, keepdim=True))
+    return o[0], lse[0], (ds @ k * scale)[0]
+
+
+def _kernel_row(q, k, v, do, scale: float):
+    """The same by the executor's kernels in the input dtype (O and dQ rounded to it)."""
+    o, lse = block_forward(q, k, v, scale, None)
+    if do is None:
+        return o[0, 0, 0].double(), lse[0, 0, 0].double(), None
+    dq, _, _ = block_backward_from_out(q, k, v, o, do, lse, scale, None)
+    return o[0, 0, 0].double(), lse[0, 0, 0].double(), dq[0, 0, 0].to(q.dtype).double()
+
+
+def key_grads(q, k, v, dout, w: Workload, sample: Sample, stats: RowStats, keys: np.ndarray, scale: float,
+              reference: bool) -> tuple[np.ndarray, np.ndarray]:
+    """dK and dV [B, K, Hkv, D] (float64 holding the values) at the key positions ``keys`` (ascending): the sampled
+    rows' contributions (dO is zero elsewhere), from each row's final LSE and D (``stats``), in O(P·K·D).
+
+    ``reference``: float64. Otherwise the one-process yardstick: each row's contribution by the executor's
+    kernels (the backward from D), summed in the input dtype row after row in position order — as one kernel
+    over many rows sums them, a running sum rounded to the input dtype per block of rows (timed against torch's
+    CPU flash backward: that rounding, not each row's own error, is a half-precision run's dK/dV error)."""
+    g = w.gqa_group
+    shape = (w.batch, len(keys), w.n_kv_heads, w.head_dim)
+    dk = np.zeros(shape) if reference else torch.zeros(shape, dtype=k.dtype)
+    dv = np.zeros(shape) if reference else torch.zeros(shape, dtype=v.dtype)
+    ranges = key_ranges(w, sample.pos)
+    first = np.searchsorted(keys, ranges.lo)                 # the permitted keys among ``keys``: one run each
+    last = np.searchsorted(keys, ranges.hi)
+    kpos = torch.from_numpy(keys)
+    for i in np.argsort(sample.pos, kind="stable").tolist():
+        a, z = int(first[i]), int(last[i])
+        if z <= a or not np.isfinite(stats.lse[i]):
             continue
         b, pos, h = int(sample.b[i]), int(sample.pos[i]), int(sample.head[i])
-        qi, ki, vi = q[b, pos, h][None, None, None], k[b, lo:hi, h // g][None, None], v[b, lo:hi, h // g][None, None]
-        o, lse = block_forward(qi, ki, vi, scale, None)
-        res["out"][i], res["lse"][i] = o[0, 0, 0].double(), lse[0, 0, 0].double()
-        if dout is not None:
-            dq, dk_i, dv_i = block_backward_from_out(qi, ki, vi, o, dout[b, pos, h][None, None, None], lse, scale, None)
-            res["dq"][i] = dq[0, 0, 0].to(q.dtype).double()
-            dk[b, lo:hi, h // g] += dk_i[0, 0].to(k.dtype)
-            dv[b, lo:hi, h // g] += dv_i[0, 0].to(v.dtype)
-    if dout is not None:
-        res |= {"dk": dk.double(), "dv": dv.double()}
-    return res
+        kk, vv = k[b, kpos[a:z], h // g], v[b, kpos[a:z], h // g]                  # [n, D]
+        if reference:
+            qi, do, kk, vv = q[b, pos, h].double(), dout[b, pos, h].double(), kk.double(), vv.double()
+            p = torch.exp(kk @ qi * scale - stats.lse[i])                           # [n]
+            ds = p * (vv @ do - stats.delta[i])
+            dk[b, a:z, h // g] += (ds[:, None] * qi[None, :] * scale).numpy()
+            dv[b, a:z, h // g] += (p[:, None] * do[None, :]).numpy()
+            continue
+        lse = torch.tensor([[[stats.lse[i]]]], dtype=torch.float32)
+        delta = torch.tensor([[[stats.delta[i]]]], dtype=torch.float32)
+        _, dk_i, dv_i = block_backward(q[b, pos, h][None, None, None], kk[None, None], vv[None, None],
+                                       dout[b, pos, h][None, None, None], lse, delta, scale, None)
+        dk[b, a:z, h // g] += dk_i[0, 0].to(k.dtype)
+        dv[b, a:z, h // g] += dv_i[0, 0].to(v.dtype)
+    return (dk, dv) if reference else (dk.double().numpy(), dv.double().numpy())

@@ -23,12 +23,13 @@ from meshplan.executor.data import Inputs, attention_rows, load_inputs, make_inp
 from meshplan.executor.host import cpu_isa, cpu_name
 from meshplan.executor.kernels import TORCH_DTYPE, row_delta
 from meshplan.executor.memory import memory_mark, memory_top, reuse_freed_memory
-from meshplan.executor.numerics import assemble, dump, judge, local_results
+from meshplan.executor.numerics import assemble, dump, judge, local_results, numerics_of, sample_stats, sampled_tallies
 from meshplan.executor.probe import kernel_flops_per_s, probe_ms
 from meshplan.executor.program import Program
 from meshplan.executor.runner import PassRunner, connect
 from meshplan.executor.sample import Sample, pick_sample
 from meshplan.executor.store import Store
+from meshplan.executor.tally import Tally
 from meshplan.measurement import Numerics
 
 
@@ -152,12 +153,29 @@ def _iterate(rank, world, prog: Program, cfg: RunConfig, groups, inputs: Inputs,
     pieces = local_results(prog, rank, checked, dtype) if cfg.check != "off" else []
     dumped = [] if not cfg.dump_dir else pieces if checked is stores and pieces else local_results(prog, rank, stores,
                                                                                                     dtype)
+    if cfg.check == "sampled":          # judged here, on this rank's own pieces: only the errors travel
+        pieces = _sampled_check(prog, rank, world, pieces, check_inputs.to(torch.device("cpu")), sample)
     gathered = [None] * world if rank == 0 else None
     dist.gather_object((mine, pieces, dumped), gathered, dst=0)
     if rank != 0:
         return None
     return _measurement(prog, cfg, (inputs, check_inputs, sample), gathered, ends.numpy() / 1e9, device,
                         time.perf_counter() - t_start, probes, kernel_rate)
+
+
+def _sampled_check(prog: Program, rank: int, world: int, pieces: list[tuple], inputs: Inputs,
+                   sample: Sample) -> dict:
+    """This rank's tallies of the sampled check (:mod:`meshplan.executor.sample`): the rows it returns computed
+    here, every rank's rows' LSE and D exchanged, then its own pieces judged."""
+    backward = "bwd" in prog.passes
+    mine = sample.owner == rank
+    ref, one = sample_stats(inputs, prog.workload, sample, backward, which=mine)
+    every = [None] * world
+    dist.all_gather_object(every, (ref, one, mine))
+    for r_ref, r_one, which in every:
+        ref.fill(r_ref, which)
+        one.fill(r_one, which)
+    return sampled_tallies(prog, pieces, inputs, sample, ref, one)
 
 
 def _clock_offsets(raw: list[dict], passes: list[str], world: int, device) -> list[dict[str, int]]:
@@ -257,9 +275,19 @@ def _measurement(prog: Program, cfg: RunConfig, inputs: tuple[Inputs, Inputs, Sa
     ranks = [g[0] for g in gathered]
     cpu = torch.device("cpu")
     numerics = Numerics(checked="off", passed=None)
-    if cfg.check != "off":
-        pieces = [p for g in gathered for p in g[1]]
-        numerics = judge(prog, inputs[1].to(cpu), assemble(prog, pieces), cfg.check, inputs[2])
+    if cfg.check == "sampled":
+        merged: dict = {}
+        for g in gathered:
+            for name, t in g[1].items():
+                merged.setdefault(name, Tally()).merge(t)
+        numerics = numerics_of(prog, merged, "sampled", len(inputs[2]))
+    elif cfg.check == "full":
+        results = assemble(prog, [p for g in gathered for p in g[1]])
+        for g in gathered:
+            if g[1] is not g[2]:                # each piece is in the assembled arrays now: free it (unless dumped)
+                g[1].clear()
+        numerics = judge(prog, inputs[1].to(cpu), results, cfg.check, inputs[2])
+        del results
     if cfg.dump_dir:
         dump(cfg.dump_dir, prog, inputs[0].to(cpu), assemble(prog, [p for g in gathered for p in g[2]]))
     total = ends_s.sum(axis=1)
