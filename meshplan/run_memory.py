@@ -93,7 +93,7 @@ def check_fits(sched, host, name: str, gathers: bool = False) -> None:
         return
     each, first = executor_bytes(sched.workload, sched.n_ranks, gathers)
     where = "the least free GPU has" if host.gpu else "this host has"
-    parts = f"{fmt_bytes(peak)} of tensors and workspace by the memory model, {fmt_bytes(each)} of inputs"
+    parts = f"{fmt_bytes(peak)} of tensors and workspace by the memory model, {fmt_bytes(each)} of inputs and results"
     if not host.gpu:
         parts += f", {fmt_bytes(host.base_bytes)} of process each"
         parts += f"; rank 0 {fmt_bytes(first)} more to gather the results" if first else ""
