@@ -21,7 +21,7 @@ from functools import cached_property
 
 import numpy as np
 
-from meshplan.errors import UserError
+from meshplan.granularity import granularity_error
 from meshplan.workload import Workload
 
 KV_KINDS = ("kv", "dkv")   # tensor kinds over every token of their chunks; the rest hold query tokens only
@@ -128,48 +128,6 @@ class Chunking:
         return np.concatenate([a + b * np.arange(c) for a, b, c in self.segments(i)] or [np.zeros(0, np.int64)])
 
 
-def _granularity_error(workload: Workload, n: int, unit: int, bad: list[tuple[int, int]]) -> UserError:
-    """The one-line error for regions that the layout cannot cut evenly, with the padding that fixes it."""
-    w, layout = workload, workload.layout
-    what = f"2·N = {unit}" if layout == "zigzag" else f"N = {unit}"
-    pad = lambda x: -(-x // unit) * unit  # noqa: E731
-    if w.mask.kind == "docs" and w.doc_layout == "per-doc":
-        real = w.mask.doc_real_lens()
-        spec = ",".join(f"{r}+{pad(sl) - r}" if pad(sl) != r else str(r) for r, sl in zip(real, w.mask.doc_lens))
-        k, size = bad[0]
-        tokens = f"{size} token{'s' if size != 1 else ''}"
-        return UserError("--mask", f"document {k + 1} has {tokens}, not a multiple of {what} for the per-document "
-                         f"{layout} layout", f"pad each document: --mask docs:{spec} --seq-len "
-                         f"{sum(pad(sl) for sl in w.mask.doc_lens)}, or pack them: --doc-layout packed "
-                         f"{_packed_docs(w, unit)}")
-    if w.prefix_len:
-        k, size = bad[0]
-        if k == 0:
-            return UserError("--prefix-len", f"{size} cached tokens are not a multiple of {what} for the {layout} "
-                             "layout", f"pad the cache: --prefix-len {pad(size)} --seq-len {pad(size) + w.n_queries}")
-        return UserError("--seq-len", f"{size} new tokens are not a multiple of {what} (nor fewer than N = {n}, "
-                         "a decode step)", f"pad the new tokens: --seq-len {w.prefix_len + pad(size)} --valid-len "
-                         f"{w.n_valid}, or decode fewer than {n} new tokens")
-    S = w.seq_len
-    if w.mask.kind == "docs":                # packed: pad the last document, whose padding never contributes
-        return UserError("--seq-len", f"{S} is not a multiple of {what} for the {layout} layout",
-                         f"pad the last document: {_packed_docs(w, unit)}")
-    return UserError("--seq-len", f"{S} is not a multiple of {what} for the {layout} layout",
-                     f"pad to {pad(S)} and mask the padding: --seq-len {pad(S)} --valid-len {w.n_valid}")
-
-
-def _packed_docs(w: Workload, unit: int) -> str:
-    """The flags of the packed layout for these documents: the last one padded so that the sequence is a multiple
-    of ``unit`` (padding never contributes), ``--mask docs:... --seq-len S``."""
-    real, slots = w.mask.doc_real_lens(), list(w.mask.doc_lens)
-    S = sum(slots)
-    extra = -(-S // unit) * unit - S
-    pads = [sl - r for r, sl in zip(real, slots)]
-    pads[-1] += extra
-    spec = ",".join(f"{r}+{p}" if p else str(r) for r, p in zip(real, pads))
-    return f"--mask docs:{spec} --seq-len {S + extra}"
-
-
 def _cut(layout: str, n: int, a: int, length: int, decode: bool):
     """[n, k] (start, stride, count) of one region [a, a + length) cut by the layout into n chunks.
 
@@ -205,7 +163,7 @@ def chunking(workload: Workload, n: int) -> Chunking:
     decode = [q and workload.prefix_len > 0 and (e - a) < n for a, e, _, q in regions]
     bad = [(k, e - a) for k, (a, e, _, _) in enumerate(regions) if (e - a) % unit and not decode[k]]
     if bad:
-        raise _granularity_error(workload, n, unit, bad)
+        raise granularity_error(workload, n, unit, bad)
     parts = [_cut(layout, n, a, e - a, d) for (a, e, _, _), d in zip(regions, decode)]
     start, stride, count = (np.concatenate([p[k] for p in parts], axis=1) for k in range(3))
     widths = [p[0].shape[1] for p in parts]

@@ -164,7 +164,7 @@ def _table(columns: list[str], rows: list, source: str) -> tuple[np.ndarray, ...
         except ValueError:
             raise UserError(f"{source} line {k}", f"{' '.join(tokens[:8])} ...: expected numbers in size, time, "
                             "algbw and busbw", EXPECTED) from None
-        if not all(np.isfinite(x) and x >= 0 for x in row) or row[1] <= 0:
+        if not all(0 <= x < 1e18 for x in row) or row[1] <= 0:      # NaN fails every comparison
             raise UserError(f"{source} line {k}", f"{' '.join(tokens[:8])} ...: size, time, algbw and busbw must be "
                             "finite, not negative, and the time positive", "give the output of a run that finished")
         out.append(row)

@@ -73,9 +73,10 @@ def _recv_on(recv_ids: np.ndarray, ring: RingSpec) -> np.ndarray:
 
 
 def pass_travel(b: ScheduleBuilder, cur: np.ndarray, kind: str, s: int, ring: RingSpec, stream: str,
-                last_comp: np.ndarray, send_deps=(), step0: int = 0):
+                last_comp: np.ndarray, send_deps=(), step0: int = 0, sent: list | None = None):
     """Forward the travelling tensors ([n, k]: k single-chunk tensors per rank, one batch) to the next rank;
-    returns (send ids, recv ids on each rank, new tensors), each [n, k].
+    returns (send ids, recv ids on each rank, new tensors), each [n, k]; the send ids are also appended to
+    ``sent`` when it is a list.
 
     Double buffering: the recv of step s waits for the rank's previous compute (``last_comp``), so at most
     two travelling groups are alive besides the rank's own.
@@ -91,6 +92,8 @@ def pass_travel(b: ScheduleBuilder, cur: np.ndarray, kind: str, s: int, ring: Ri
         snd.append(st)
         rcv.append(_recv_on(rt, ring))
         nxt.append(new)
+    if sent is not None:
+        sent.append(np.stack(snd, 1))
     return np.stack(snd, 1), np.stack(rcv, 1), np.stack(nxt, 1)
 
 
@@ -142,9 +145,7 @@ def rotate_forward_merge(b: ScheduleBuilder, plan: Plan, travel: np.ndarray, kin
         snd = rcv = nxt = None
         if s < ring.size - 1:
             snd, rcv, nxt = pass_travel(b, cur, kind, s, ring, stream=stream or kind, last_comp=last_comp,
-                                        send_deps=firsts if s == 0 else (), step0=step0)
-            if s == 0 and sent is not None:
-                sent.append(snd)
+                                        send_deps=firsts if s == 0 else (), step0=step0, sent=sent if s == 0 else None)
         qi, ki = block(r, j)
         ok = ring.permitted(m, qi, ki)
         inputs, outputs, combine, fresh = make_io(ok, s, j, [cur[:, t] for t in range(cur.shape[1])])
@@ -178,8 +179,7 @@ def rotate_backward(b: ScheduleBuilder, plan: Plan, *, travel: np.ndarray, trave
     at the chunks' home with role ``grad_role``.
 
     Returns (home, ready, last_comp): the final gradient tensors at each rank's home group ([n, k]), the ops
-    after which each is complete ([n, k]) and each rank's last compute op ([n]). ``sent``: as
-    :func:`rotate_forward_merge`'s.
+    after which each is complete ([n, k]) and each rank's last compute op ([n]). ``sent``: as forward.
     """
     n, m = plan.n_ranks, plan.matrix
     ring = ring or RingSpec.simple(n)
@@ -194,10 +194,8 @@ def rotate_backward(b: ScheduleBuilder, plan: Plan, *, travel: np.ndarray, trave
         j = (ring.pos - s) % R
         snd = rcv = nxt = None
         if s < R - 1:
-            snd, rcv, nxt = pass_travel(b, cur, travel_kind, s, ring, stream=stream or travel_kind,
-                                        last_comp=last_comp, send_deps=firsts if s == 0 else (), step0=step0)
-            if s == 0 and sent is not None:
-                sent.append(snd)
+            snd, rcv, nxt = pass_travel(b, cur, travel_kind, s, ring, stream=stream or travel_kind, last_comp=last_comp,
+                                        send_deps=firsts if s == 0 else (), step0=step0, sent=sent if s == 0 else None)
         qi, ki = block(r, j)
         ok = ring.permitted(m, qi, ki)
         part = np.full((n, k), -1)

@@ -153,10 +153,12 @@ def _iterate(rank, world, prog: Program, cfg: RunConfig, groups, inputs: Inputs,
     pieces = local_results(prog, rank, checked, dtype) if cfg.check != "off" else []
     dumped = [] if not cfg.dump_dir else pieces if checked is stores and pieces else local_results(prog, rank, stores,
                                                                                                     dtype)
-    if cfg.check == "sampled":          # judged here, on this rank's own pieces: only the errors travel
-        pieces = _sampled_check(prog, rank, world, pieces, check_inputs.to(torch.device("cpu")), sample)
+    if cfg.check == "sampled":          # judged here, on this rank's own pieces: only the errors (tallies) travel
+        checks = _sampled_check(prog, rank, world, pieces, check_inputs.to(torch.device("cpu")), sample)
+    else:                               # the full check judges every piece on rank 0
+        checks = pieces
     gathered = [None] * world if rank == 0 else None
-    dist.gather_object((mine, pieces, dumped), gathered, dst=0)
+    dist.gather_object((mine, checks, dumped), gathered, dst=0)
     if rank != 0:
         return None
     return _measurement(prog, cfg, (inputs, check_inputs, sample), gathered, ends.numpy() / 1e9, device,
