@@ -87,11 +87,11 @@ def test_check_modes_and_old_files():
 @pytest.mark.timeout(600)
 def test_runs_check_by_default_and_skip_only_when_told(tmp_path):
     """A run above the full check's cost is sampled by default; ``--no-check`` (check=False) is off."""
+    from exec_cases import Case, point_at_another_kv_chunk
+
     from meshplan.executor.launch import run_batch
     from meshplan.executor.worker import RunConfig
     from meshplan.schedule_io import write_schedule
-
-    from exec_cases import Case, point_at_another_kv_chunk
 
     path = tmp_path / "big.json"
     write_schedule(predict("ring", resolve(seq_len=4096, heads=2, kv_heads=1, head_dim=128, mask="docs:2040,2052+4",
