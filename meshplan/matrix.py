@@ -185,7 +185,7 @@ def _split_at_documents(w: Workload, start: np.ndarray, stride: np.ndarray, coun
     real_end), each [n, n_seg'].
     """
     bounds = w.mask.doc_bounds
-    real = np.minimum(bounds[:-1] + np.asarray(w.mask.doc_real_lens(), dtype=np.int64), w.n_valid)
+    real = np.minimum(w.mask.doc_real_ends, w.n_valid)
     s, c, _ = restrict(start[:, :, None], stride[:, :, None], count[:, :, None], bounds[None, None, :-1],
                        bounds[None, None, 1:])                                   # [n, k, docs]
     n = start.shape[0]

@@ -11,13 +11,14 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from meshplan.schedule import SCHEMA_VERSION
+from meshplan.topology_spec import MAX_DEVICES
 
 Dtype = Literal["bf16", "fp16", "fp32"]
 # integers are bounded by what the in-memory arrays hold (int64 ids and sizes; int32 peers, steps and heads)
 Id = Annotated[int, Field(ge=0, le=2**62)]
 Int32 = Annotated[int, Field(ge=0, le=2**31 - 1)]
 Range = tuple[Id, Id]
-MAX_RANKS = 65536       # a topology file's most devices (meshplan.topology_spec.MAX_DEVICES)
+MAX_RANKS = MAX_DEVICES     # a schedule runs on at most a topology file's devices
 SEMANTICS = ("meshplan-1: per-stream program order; deps on earlier ops of the same rank and pass; consecutive "
              "send/recv of one stream and step form a batch that starts together and ends together; FIFO "
              "matching per (communicator, src, dst); a barrier between passes; tensors live from alloc_op "

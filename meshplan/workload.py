@@ -66,6 +66,16 @@ class Mask:
         pad = self.doc_pad or (0,) * len(self.doc_lens)
         return tuple(n - p for n, p in zip(self.doc_lens, pad))
 
+    @property
+    def doc_real_ends(self) -> np.ndarray:
+        """[n_docs] positions where each document's padding starts (its slot's end when it has none)."""
+        return self.doc_bounds[:-1] + np.asarray(self.doc_real_lens(), dtype=np.int64)
+
+    def real_end_of(self, pos: np.ndarray) -> np.ndarray:
+        """Per position, where the padding of its document starts (docs masks only)."""
+        doc = np.searchsorted(self.doc_bounds, np.asarray(pos), side="right") - 1
+        return self.doc_real_ends[np.clip(doc, 0, len(self.doc_lens) - 1)]
+
     @classmethod
     def parse(cls, text: str, field: str = "--mask") -> Mask:
         """Parse ``full | causal | window:W | docs:L1,L2,...`` (sizes accept K/M suffixes).
@@ -108,13 +118,8 @@ class Mask:
             doc_q = np.searchsorted(bounds, q, side="right")
             ok &= doc_q == np.searchsorted(bounds, k, side="right")
             if self.doc_pad:                     # a key at or past its document's real end is padding; so is q
-                ok &= q < self._real_end(doc_q - 1)
+                ok &= q < self.real_end_of(q)
         return ok
-
-    def _real_end(self, doc: np.ndarray) -> np.ndarray:
-        """Position where each document's padding starts (its slot's end when it has none); ``doc`` clipped."""
-        ends = self.doc_bounds[:-1] + np.asarray(self.doc_real_lens(), dtype=np.int64)
-        return ends[np.clip(doc, 0, len(ends) - 1)]
 
     def key_ranges(self, q_pos: np.ndarray, k_pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per query row, the run [lo, hi) of key indices it attends to, for **ascending** ``k_pos``.
@@ -136,7 +141,7 @@ class Mask:
             doc = np.clip(np.searchsorted(bounds, q, side="right") - 1, 0, len(bounds) - 1)
             lo = np.searchsorted(k, bounds[doc], side="left")
             if self.doc_pad:                     # padding: no key past the real end, no key for a padding row
-                end = self._real_end(doc)
+                end = self.real_end_of(q)
                 hi = np.where(q < end, np.minimum(hi, np.searchsorted(k, end, side="left")), lo)
         else:
             lo = np.zeros(len(q), dtype=np.int64)
@@ -223,9 +228,7 @@ class Workload:
         pos = np.asarray(pos)
         ok = pos < self.n_valid
         if self.mask.kind == "docs" and self.mask.doc_pad:
-            b = self.mask.doc_bounds
-            doc = np.clip(np.searchsorted(b, pos, side="right") - 1, 0, len(b) - 2)
-            ok &= pos < b[doc] + np.asarray(self.mask.doc_real_lens())[doc]
+            ok &= pos < self.mask.real_end_of(pos)
         return ok
 
     def is_query(self, pos: np.ndarray) -> np.ndarray:

@@ -53,12 +53,9 @@ def cpu_name() -> str:
 def available_memory_bytes() -> float | None:
     """Memory the host can give new processes without swapping (``MemAvailable`` of ``/proc/meminfo``, bytes);
     else free pages (``sysconf``); None when neither can be read."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return float(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
+    got = _proc_kib("/proc/meminfo", "MemAvailable:")
+    if got is not None:
+        return got
     try:
         return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
     except (ValueError, OSError, AttributeError):
@@ -67,12 +64,9 @@ def available_memory_bytes() -> float | None:
 
 def resident_bytes() -> float:
     """This process's resident set now (``VmRSS``, bytes); its peak (``ru_maxrss``) where that cannot be read."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return float(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
+    got = _proc_kib("/proc/self/status", "VmRSS:")
+    if got is not None:
+        return got
     import resource
     import sys
     return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024))
@@ -83,3 +77,14 @@ def free_gpu_bytes(devices: list[int]) -> float | None:
     if not devices or not torch.cuda.is_available():
         return None
     return float(min(torch.cuda.mem_get_info(d)[0] for d in devices))
+
+
+def _proc_kib(path: str, key: str) -> float | None:
+    """Bytes of a ``key: N kB`` line of a /proc file, None where it cannot be read (not Linux)."""
+    try:
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(key):
+                return float(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

@@ -155,7 +155,9 @@ def _entry(rank: int, fn, world: int, payload, tmp: str) -> None:
         Path(tmp, f"done-{rank}").touch()
     except BaseException as err:  # noqa: BLE001 - reported to the parent as one line
         line = " ".join(str(err).split()) or type(err).__name__
-        Path(tmp, f"error-{rank}.txt").write_text(f"{time.time_ns()} {line}")
+        part = Path(tmp, f".error-{rank}.part")             # whole or not at all: the parent may be reading
+        part.write_text(f"{time.time_ns()} {line}")
+        os.replace(part, Path(tmp, f"error-{rank}.txt"))
         os._exit(1)  # do not wait for gloo threads or peers that will never answer
     sys.stdout.flush()
     sys.stderr.flush()

@@ -64,6 +64,7 @@ def rank_main(rank: int, world: int, jobs: list[tuple[Program, RunConfig]]) -> l
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=max(cfg0.timeout_s, 60.0))      # rendezvous; each op wait has cfg.timeout_s
     dist.init_process_group(cfg0.backend, init_method=cfg0.init_method, rank=rank, world_size=world, timeout=timeout)
+    done = False
     try:
         n_comms = max(len({s.communicator for s in p.doc.streams if s.kind == "comm"}) for p, _ in jobs)
         pool = [dist.new_group(list(range(world)), backend=cfg0.backend, timeout=timeout) for _ in range(n_comms)]
@@ -75,9 +76,13 @@ def rank_main(rank: int, world: int, jobs: list[tuple[Program, RunConfig]]) -> l
             inputs = (load_inputs(cfg.inputs_path, prog.workload) if cfg.inputs_path
                       else make_inputs(prog.workload, cfg.seed)).to(device)
             results.append(_iterate(rank, world, prog, cfg, groups, inputs, device))
+        done = True
         return results
     finally:
-        dist.destroy_process_group()
+        # a failed rank reports first and leaves without a teardown, which waits on the transfers still posted
+        # (and a peer that has already left would end it with a backend error that hides the reason)
+        if done:
+            dist.destroy_process_group()
 
 
 def _one_iteration(prog: Program, rank: int, cfg: RunConfig, groups, inputs: Inputs, device, memory: bool = False):
