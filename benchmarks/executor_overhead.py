@@ -1,7 +1,7 @@
 """Executor overhead benchmark (issue 4 target), run by hand: ``python benchmarks/executor_overhead.py``.
 
 Target: with ranks ≤ cores, the executor's overhead — the measured makespan minus the critical path of the
-measured op durations (:func:`meshplan.compare.executor_overhead`) — under 10% of the makespan for blocks
+measured op durations (:func:`meshplan.truth.compare.executor_overhead`) — under 10% of the makespan for blocks
 of 1K+ tokens. Runs Ring and pass-Q (2 ranks, zigzag chunks of ``S/2`` tokens, halves of ``S/4``) and
 Mesh 1×2 on CPU ranks with gloo, normal and ``--serialize``, and writes
 ``benchmarks/results/executor_overhead.json``.
@@ -26,10 +26,10 @@ CASES = [("ring", {}, 4096), ("ring", {}, 8192), ("pass-q", {}, 4096), ("mesh", 
 def main() -> None:
     from exec_cases import Case
 
-    from meshplan.compare import compare_files
+    from meshplan.truth.compare import compare_files
     from meshplan.executor.launch import run
     from meshplan.executor.worker import RunConfig
-    from meshplan.fileio import write_atomic
+    from meshplan.core.fileio import write_atomic
 
     ranks = 2
     rows = []

@@ -1,7 +1,7 @@
 """Fit the H100 cluster's parameters to the CHARM+ tables and write them where the planner reads them.
 
 ``python benchmarks/fit_h100.py`` runs ``meshplan reproduce charm-h100 --fit`` (micro-level fits on Ring's
-per-step columns, declared parameters on the declared rows; :mod:`meshplan.reproduce_fit`), writes the
+per-step columns, declared parameters on the declared rows; :mod:`meshplan.truth.reproduce_fit`), writes the
 fitted kernel table to ``meshplan/topologies/kernels/fa2-hopper-fit.yaml``, prints the values that
 ``h100x16.yaml`` and ``h100x32.yaml`` carry (copied there by hand, with their comments; a test checks that
 they agree with a fresh fit), and saves the reports in ``benchmarks/results/reproduce_charm_h100.json`` and
@@ -20,9 +20,9 @@ import yaml
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from meshplan.fileio import write_atomic  # noqa: E402
-from meshplan.reproduce import reproduce_ablation, reproduce_h100  # noqa: E402
-from meshplan.reproduce_fit import FittedParams, kernel_table_body, topology_values  # noqa: E402
+from meshplan.core.fileio import write_atomic  # noqa: E402
+from meshplan.truth.reproduce import reproduce_ablation, reproduce_h100  # noqa: E402
+from meshplan.truth.reproduce_fit import FittedParams, kernel_table_body, topology_values  # noqa: E402
 
 
 def main() -> None:

@@ -15,12 +15,12 @@ import json
 import time
 from pathlib import Path
 
-from meshplan.fileio import write_atomic
-from meshplan.job import JobShape
+from meshplan.core.fileio import write_atomic
+from meshplan.plan.job import JobShape
 from meshplan.search import run_search
 from meshplan.search.job import rerank_for_job
-from meshplan.topology import Topology
-from meshplan.workload import resolve
+from meshplan.model.topology import Topology
+from meshplan.model.workload import resolve
 
 TOPO, WORLD, SEQ, MODEL, TOP = "h100x16", 16, "128K", "llama3-70b", 8
 

@@ -1,5 +1,5 @@
 """The memory model against measured memory on CPU ranks: predicted peak (buffers + op workspace + runtime,
-:mod:`meshplan.memory_model`) vs each run's largest per-pass memory rise (``peak_rise_bytes``), per method.
+:mod:`meshplan.cost.memory`) vs each run's largest per-pass memory rise (``peak_rise_bytes``), per method.
 
 ``python benchmarks/memory_cpu.py [--quick]`` — every case is planned and simulated on ``cpu-local``, written,
 run by the executor (one spawned world per rank count, one timed iteration plus the memory iteration) and
@@ -22,7 +22,7 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "memory_cpu.json"
 sys.path.insert(0, str(HERE.parent))
 
-from meshplan.fileio import write_atomic  # noqa: E402
+from meshplan.core.fileio import write_atomic  # noqa: E402
 
 # (method, ranks, knobs, workload): sequence length, heads, dtype and pass vary.
 CASES = [
@@ -41,13 +41,13 @@ QUICK = [c for c in CASES if c[1] == 2][:3]
 
 def measure(cases, folder: Path) -> list[dict]:
     """Plan, write, run and compare every case; a row per case (predicted/measured bytes, error %)."""
-    from meshplan.compare import compare_files
+    from meshplan.truth.compare import compare_files
     from meshplan.executor.launch import run_batch
     from meshplan.executor.worker import RunConfig
-    from meshplan.predict import predict
-    from meshplan.schedule_io import write_schedule
-    from meshplan.topology import Topology
-    from meshplan.workload import resolve
+    from meshplan.search.candidate import predict
+    from meshplan.plan.json.io import write_schedule
+    from meshplan.model.topology import Topology
+    from meshplan.model.workload import resolve
 
     by_world: dict[int, list] = {}
     for k, (algo, n, knobs, flags) in enumerate(cases):

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
-from meshplan.algorithms.mesh_order import TileCosts, brute_force, evaluate, greedy_order, plan_order
-from meshplan.predict import make_candidate, simulate_candidate
-from meshplan.topology import Topology
-from meshplan.workload import resolve
+from meshplan.algorithms.mesh.order import TileCosts, brute_force, evaluate, greedy_order, plan_order
+from meshplan.search.candidate import make_candidate, simulate_candidate
+from meshplan.model.topology import Topology
+from meshplan.model.workload import resolve
 
 
 def random_tiles(count: int = 2000, seed: int = 0) -> dict:

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 from meshplan.search import run_search
-from meshplan.topology import Topology
-from meshplan.workload import resolve
+from meshplan.model.topology import Topology
+from meshplan.model.workload import resolve
 
 
 def one(topo_name: str, partial: str | None) -> dict:

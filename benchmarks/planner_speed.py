@@ -35,9 +35,9 @@ def wall(cmd: list[str], repeat: int, cwd: str | None = None) -> tuple[float, fl
 def in_process(repeat: int) -> dict[str, float]:
     """Plan + schedule, and simulate, of Ring fwd+bwd on 256 H100s at 1M tokens; symmetric vs full at 64."""
     from meshplan.algorithms import get
-    from meshplan.simulate import simulate
-    from meshplan.topology import Topology
-    from meshplan.workload import resolve
+    from meshplan.cost.simulate import simulate
+    from meshplan.model.topology import Topology
+    from meshplan.model.workload import resolve
 
     ring = get("ring")
     topo = Topology.load("h100x32", gpus=256)

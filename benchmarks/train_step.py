@@ -111,8 +111,8 @@ def plan_program(algo: str, ranks: int, knobs: dict, seq_len: int = 128, batch: 
     """Plan and schedule ``algo`` on ``ranks`` CPU ranks (cpu-local; causal, zigzag, fp32, fwd+bwd)."""
     from meshplan import algorithms
     from meshplan.executor.program import program_of
-    from meshplan.topology import Topology
-    from meshplan.workload import resolve
+    from meshplan.model.topology import Topology
+    from meshplan.model.workload import resolve
 
     w = resolve(seq_len=seq_len, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype="fp32",
                 mask="causal", layout="zigzag", passes="fwd+bwd")

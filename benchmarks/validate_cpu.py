@@ -22,7 +22,7 @@ by round, plainly and held out (the fastest on half the rounds timed against the
 
 Ring's CCR (CHARM+ definition, zigzag, forward) is predicted by ``ring_ccr`` and measured from a
 ``--serialize`` run of that Ring schedule: max over ranks of Σ compute over max over ranks of Σ transfer time,
-a transfer counted from when both its sides had posted (:func:`meshplan.compare.transfer_spans`), so a
+a transfer counted from when both its sides had posted (:func:`meshplan.truth.compare.transfer_spans`), so a
 serialized recv does not count the time its peer spent computing.
 
 The calibration (``meshplan calibrate``) measures kernels, point-to-point transfers, one overlap run and
@@ -48,13 +48,13 @@ sys.path.insert(0, str(HERE.parent))
 
 import validate_stats  # noqa: E402  (beside this file)
 
-from meshplan.errors import SkipCandidate, UserError  # noqa: E402
-from meshplan.fileio import write_atomic  # noqa: E402
-from meshplan.predict import predict  # noqa: E402
-from meshplan.schedule_io import write_schedule  # noqa: E402
+from meshplan.core.errors import SkipCandidate, UserError  # noqa: E402
+from meshplan.core.fileio import write_atomic  # noqa: E402
+from meshplan.search.candidate import predict  # noqa: E402
+from meshplan.plan.json.io import write_schedule  # noqa: E402
 from meshplan.search import run_search  # noqa: E402
-from meshplan.topology import Topology  # noqa: E402
-from meshplan.workload import resolve  # noqa: E402
+from meshplan.model.topology import Topology  # noqa: E402
+from meshplan.model.workload import resolve  # noqa: E402
 
 # (label, workload flags): sequence length, GQA ratio, mask, dtype, head dim and pass vary.
 WORKLOADS = [
@@ -124,11 +124,11 @@ def measure_interleaved(paths: list[str], rounds: int, timeout_s: float = 600.0)
 def serialized_ccr(path: str) -> float:
     """Ring's CCR from a ``--serialize`` run: max over ranks of Σ compute over max over ranks of Σ transfer time
     (each transfer from when both sides had posted; a batch counts its longest transfer)."""
-    from meshplan.compare import transfer_spans
+    from meshplan.truth.compare import transfer_spans
     from meshplan.executor.launch import run
     from meshplan.executor.worker import RunConfig
-    from meshplan.schedule import COMPUTE
-    from meshplan.schedule_io import from_json, read_document
+    from meshplan.plan.schedule import COMPUTE
+    from meshplan.plan.json.io import from_json, read_document
 
     body = run(path, None, RunConfig(backend="gloo", iters=3, warmup=1, check=False, serialize=True,
                                      timeout_s=600.0, memory=False))

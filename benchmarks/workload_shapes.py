@@ -2,12 +2,12 @@
 ``python benchmarks/workload_shapes.py`` (about a minute). Writes ``benchmarks/results/workload_shapes.json``.
 
 - Inference on 16 H100s of ``h100x16`` (Llama-3-8B attention): Meta's pass-KV / pass-Q rule against the best
-  simulated ``ring`` and ``pass-q`` plans (:func:`meshplan.inference.rule_report`), prefill with a short and a
+  simulated ``ring`` and ``pass-q`` plans (:func:`meshplan.search.inference.rule_report`), prefill with a short and a
   long cache and a decode step.
 - Packed documents on 4 CPU ranks: the work imbalance of Ring with the documents cut one by one (per-doc zigzag)
   against zigzag and contiguous over the packed stream.
 - ``meshplan reproduce charm-memory``: predicted against published peak memory
-  (:func:`meshplan.reproduce.reproduce_memory`).
+  (:func:`meshplan.truth.reproduce.reproduce_memory`).
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ import json
 import time
 from pathlib import Path
 
-from meshplan.fileio import write_atomic
-from meshplan.inference import rule_report
-from meshplan.predict import predict
-from meshplan.reproduce import reproduce_memory
+from meshplan.core.fileio import write_atomic
+from meshplan.search.inference import rule_report
+from meshplan.search.candidate import predict
+from meshplan.truth.reproduce import reproduce_memory
 from meshplan.search import run_search
-from meshplan.topology import Topology
-from meshplan.workload import resolve
+from meshplan.model.topology import Topology
+from meshplan.model.workload import resolve
 
 INFERENCE = [("8K cached + 128K new", 136 * 1024, 8 * 1024, 1), ("112K cached + 16K new", 128 * 1024, 112 * 1024, 1),
              ("1M cached + 1 new (decode, batch 8)", 2**20 + 1, 2**20, 8)]

@@ -1,5 +1,5 @@
 """``python -m meshplan`` (also ``torchrun ... -m meshplan run SCHEDULE.json``)."""
 
-from meshplan.cli import main
+from meshplan.cli.app import main
 
 main()

@@ -13,8 +13,8 @@ SHARED = Path(__file__).resolve().parents[2] / "shared"
 def unit_topology(gpus: int, *, port_Bps: float = 16.0, kappa: float = 0.0, kind: str = "nvswitch",
                   shared_Bps: float = 16.0, cores: int = 1, transfer_kappa: float = 0.0):
     """A toy cluster: blocks of the ``unit_workload`` take 1 s; links carry ``port_Bps`` bytes/s."""
-    from meshplan.topology import Topology
-    from meshplan.topology_spec import TopologySpec
+    from meshplan.model.topology import Topology
+    from meshplan.model.topology_spec import TopologySpec
 
     device = {"model": "unit", "peak_bf16_tflops": 64e-12, "peak_fp32_tflops": 64e-12, "memory_GB": 1,
               "hbm_GBps": 1e9, "kernel": str(DATA / "kernel-flat.yaml")}
@@ -32,7 +32,7 @@ def unit_topology(gpus: int, *, port_Bps: float = 16.0, kappa: float = 0.0, kind
 
 def unit_workload(n: int, passes: str = "fwd", mask: str = "full", layout: str = "contiguous"):
     """B = H = Hkv = D = 1, S = 4N tokens, bf16: a full block has 16 pairs = 64 FLOP; a KV chunk is 16 B."""
-    from meshplan.workload import Mask, Workload
+    from meshplan.model.workload import Mask, Workload
 
     return Workload(batch=1, seq_len=4 * n, n_heads=1, n_kv_heads=1, head_dim=1, dtype="bf16",
                     mask=Mask.parse(mask), layout=layout, passes=passes)

@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 from exec_cases import Case  # noqa: E402
 
-from meshplan.errors import UserError  # noqa: E402
+from meshplan.core.errors import UserError  # noqa: E402
 from meshplan.executor import as_program, attention, shard, unshard  # noqa: E402
 from meshplan.executor.launch import RunFailed, _free_port, spawn_ranks  # noqa: E402
 from meshplan.executor.local import local_chunk  # noqa: E402

@@ -10,7 +10,7 @@ from exec_cases import Case
 from test_cli import run
 from test_verify import build
 
-from meshplan.verify import verify
+from meshplan.plan.verify import verify
 
 
 @pytest.mark.parametrize("name,n,knobs", [("ring", 4, {}), ("ulysses", 4, {}), ("usp", 4, {"ulysses_degree": "2"}),
@@ -19,8 +19,8 @@ from meshplan.verify import verify
                                           ("pass-q", 4, {}), ("rmplus", 4, {}), ("merge", 4, {})])
 def test_every_method_issues_its_batches_in_one_order_on_both_peers(name, n, knobs):
     from meshplan.algorithms import get
-    from meshplan.topology import Topology
-    from meshplan.workload import resolve
+    from meshplan.model.topology import Topology
+    from meshplan.model.workload import resolve
 
     w = resolve(seq_len=128 * n, heads=4, kv_heads=2, head_dim=16)
     t = Topology.load("cpu-local", n)

@@ -10,13 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshplan.workload import Mask
+from meshplan.model.workload import Mask
 
 torch = pytest.importorskip("torch")
 
 from test_executor_kernels import _reference  # noqa: E402
 
-from meshplan.blockmask import MAX_PIECES, Blocks, KeyRanges, Piece, pieces, rows_overlap  # noqa: E402
+from meshplan.model.blockmask import MAX_PIECES, Blocks, KeyRanges, Piece, pieces, rows_overlap  # noqa: E402
 from meshplan.executor.kernels import block_backward, block_backward_from_out, block_forward, cover  # noqa: E402
 
 MASKS = [Mask("full"), Mask("causal"), Mask("window", window=5), Mask("docs", doc_lens=(7, 20, 13))]
@@ -159,7 +159,7 @@ def test_the_models_by_block_rule_is_the_executors_cover(n, data):
     :func:`striped_runs_by_block` (also after a common cyclic shift of the residues) say "by block" exactly
     when the op's whole position-ordered key runs have no short cover — the executor's own test
     (:mod:`meshplan.executor.ops`) — for causal striped ops over any chunk sets, 40 tokens a chunk."""
-    from meshplan.blockmask import PERIODS, runs_by_block, striped_runs_by_block
+    from meshplan.model.blockmask import PERIODS, runs_by_block, striped_runs_by_block
     a = data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=n, unique=True))
     b = data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=n, unique=True))
     mask = Mask("causal")

@@ -12,10 +12,10 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from meshplan.calibration import CalibrationSpec, HostFacts, Raw, dump_yaml, fit_calibration, load_calibration
-from meshplan.cli import app
-from meshplan.errors import UserError
-from meshplan.topology import Topology
+from meshplan.model.calibration_file import CalibrationSpec, HostFacts, Raw, dump_yaml, fit_calibration, load_calibration
+from meshplan.cli.app import app
+from meshplan.core.errors import UserError
+from meshplan.model.topology import Topology
 
 MODEL = "CPU rank (torch CPU attention, 1 thread)"       # cpu-local's device.model
 TOKENS = [64, 128, 256]
@@ -94,7 +94,7 @@ def test_dtype_multipliers_by_head_dim_and_size_recovered(tmp_path):
     peak is 0.25 of bf16's here), two rounds each, gives a multiplier per pass, head dim and size: the median
     measured speed ratio over the peak ratio; the kernel table interpolates it by √(s_q·s_kv) and log2 D, holds
     the edges, takes each row's running max as the envelope, and leaves the tables' own dtype alone."""
-    from meshplan.kernels import KernelTable
+    from meshplan.model.kernels import KernelTable
 
     m = {("fwd", 64): [0.8, 1.0, 1.2], ("bwd", 64): [0.5, 1.0, 1.5],
          ("fwd", 128): [1.0, 1.1, 1.2], ("bwd", 128): [1.0, 1.25, 1.5]}
@@ -123,7 +123,7 @@ def test_dtype_multipliers_by_head_dim_and_size_recovered(tmp_path):
         type(k).model_validate(k.model_dump() | {"dtype_bwd": None})
     with pytest.raises(ValueError, match="one per dtype_head_dims"):
         type(k).model_validate(k.model_dump() | {"dtype_head_dims": [64]})
-    from meshplan.cost import CostModel
+    from meshplan.cost.cost import CostModel
 
     topo = Topology.load(str(_calibrated_topology(tmp_path, calib)), gpus=2)    # the cost model prices with it
     cost, flops = CostModel(topo), 1e9
@@ -136,10 +136,10 @@ def test_backward_from_d_factor_by_dtype(tmp_path):
     """The D-carrying backward's factor in the tables' dtype (``recurrence``) and per other dtype
     (``dtype_recurrence``, the median ratio; at least 1): the cost model stretches exactly the backward blocks
     whose query side carries D (pass-Q's) by the workload dtype's factor, and nothing else."""
-    from meshplan.cost import CostModel
-    from meshplan.kernels import KernelTable
-    from meshplan.predict import predict
-    from meshplan.workload import resolve
+    from meshplan.cost.cost import CostModel
+    from meshplan.model.kernels import KernelTable
+    from meshplan.search.candidate import predict
+    from meshplan.model.workload import resolve
 
     raw = synthetic_raw().model_copy(update={
         "recurrence": [(128, 1.05e-3, 1e-3), (256, 4.2e-3, 4e-3)],
@@ -300,7 +300,7 @@ def test_calibrate_quick_end_to_end(tmp_path):
     assert 0 <= calib.overlap_kappa["loopback"] < 1
     assert np.all(np.asarray(calib.kernel.fwd) > 0) and np.all(np.asarray(calib.kernel.bwd) > 0)
     assert {row["name"] for row in body["fitted"]} >= {"p2p_overhead_us", "overlap_kappa.loopback"}
-    from meshplan.executor.calibrate import QUICK
+    from meshplan.executor.calibrate.bench import QUICK
     dims = sorted(set(QUICK.head_dims) | {QUICK.head_dim})      # the dtype sweep: one row per round and shape
     assert calib.kernel.dtype_head_dims == dims and calib.kernel.dtype_tokens == sorted(QUICK.dtype_tokens)
     counts = Counter((d, p, hd, s) for d, p, hd, s, _, _ in calib.raw.dtype_sweep)
@@ -309,7 +309,7 @@ def test_calibrate_quick_end_to_end(tmp_path):
 
 
 def test_kernel_table_applies_the_head_dim_and_size_dependent_mask_multipliers(calib):
-    from meshplan.kernels import KernelTable
+    from meshplan.model.kernels import KernelTable
     table = KernelTable(calib.kernel)
     base = table.efficiency(128, 128, "fwd", False)
     assert table.efficiency(128, 128, "fwd", False, head_dim=128) == pytest.approx(1.2 * base, rel=1e-3)
@@ -326,7 +326,7 @@ def test_kernel_table_applies_the_head_dim_and_size_dependent_mask_multipliers(c
 def test_p2p_error_on_the_calibrations_own_transfers(calib):
     """The micro-level transfer error (COSTMODEL.md: <= 8% for messages >= 1 MB): 0 on transfers the model
     generated; one large transfer 10% slower than the model shows as 1 - 1/1.1 = 9.09%."""
-    from meshplan.cli_calibrate import p2p_error_pct
+    from meshplan.cli.calibrate import p2p_error_pct
     assert p2p_error_pct(calib) == pytest.approx(0.0, abs=0.01)
     raw = synthetic_raw().model_dump(mode="json", by_alias=True)
     big = max(range(len(raw["p2p"])), key=lambda i: (raw["p2p"][i]["flows"] == 1, raw["p2p"][i]["size_bytes"]))
@@ -343,8 +343,8 @@ def test_merge_factor_by_dtype_from_the_merge_timings():
     raw["dtype_merges"] = [[dt, b, f * b / rate] for dt, f in (("bf16", 3.0), ("fp16", 1.5)) for b in (5e5, 2e6)]
     calib = fit_calibration(Raw.model_validate(raw), facts(), "cpu-local")
     assert calib.kernel.merge_dtype == {"bf16": 3.0, "fp16": 1.5}
-    from meshplan.cli_calibrate import summary
-    from meshplan.topology import Topology
+    from meshplan.cli.calibrate import summary
+    from meshplan.model.topology import Topology
     rows = {r["name"]: r["fitted"] for r in summary(calib, Topology.load("cpu-local"))}
     assert rows["kernel merge_dtype, bf16"] == 3.0 and rows["kernel merge_dtype, fp16"] == 1.5
     assert fit_calibration(synthetic_raw(), facts(), "cpu-local").kernel.merge_dtype is None

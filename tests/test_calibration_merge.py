@@ -10,9 +10,9 @@ import yaml
 from test_calibrate import facts, synthetic_raw
 from typer.testing import CliRunner
 
-from meshplan.calibration import Raw, fit_calibration, load_calibration
-from meshplan.calibration_merge import merge_raws
-from meshplan.cli import app
+from meshplan.model.calibration_file import Raw, fit_calibration, load_calibration
+from meshplan.truth.calibration_merge import merge_raws
+from meshplan.cli.app import app
 
 
 def _run(scale: float) -> dict:
@@ -81,7 +81,7 @@ def _cli(*args):
 def test_repeat_runs_the_benchmarks_n_times_and_writes_the_merge(tmp_path, monkeypatch):
     """The CLI measures N times (here a stand-in for the benchmarks, so the test is exact and quick) and writes the
     fit of the merged raw; the file refits to itself."""
-    import meshplan.executor.calibrate as bench
+    import meshplan.executor.calibrate.bench as bench
     runs = iter([_run(1.0), _run(1.3), _run(0.97)])
     host = {"cpu": "test CPU", "isa": None, "cores": 2, "gpu": None, "torch": "0", "backend": "gloo",
             "threads_per_rank": 1, "load_1min": 0.1}

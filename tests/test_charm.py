@@ -8,13 +8,13 @@ import pytest
 from test_schedule import build, recv_bytes
 
 from meshplan.algorithms import get
-from meshplan.algorithms.charm_lists import partner_lists, roles
-from meshplan.errors import SkipCandidate, UserError
-from meshplan.predict import predict
-from meshplan.schedule import COMPUTE, expand_blocks
-from meshplan.topology import Topology
-from meshplan.verify import verify
-from meshplan.workload import resolve
+from meshplan.algorithms.charm.lists import partner_lists, roles
+from meshplan.core.errors import SkipCandidate, UserError
+from meshplan.search.candidate import predict
+from meshplan.plan.schedule import COMPUTE, expand_blocks
+from meshplan.model.topology import Topology
+from meshplan.plan.verify import verify
+from meshplan.model.workload import resolve
 
 
 def test_partner_lists_for_8_ranks_are_algorithm_1s():

@@ -130,7 +130,7 @@ def test_run_then_compare_writes_the_contracts_files(ring2, tmp_path):
     assert body["stream_cpu_s"] == pytest.approx({s: float(np.median([r["stream_cpu_s"][s] for r in meas["ranks"]]))
                                                   for s in cpu})
     probe, speed = meas["env"]["probe_ms"], body["host_speed"]        # the host-speed probe against calibration's
-    from meshplan.topology import Topology
+    from meshplan.model.topology import Topology
     calibrated = Topology.load("cpu-local").calibration.host_probe_ms
     assert probe > 0 and speed == {"probe_ms": probe, "calibrated_probe_ms": calibrated, "ratio": probe / calibrated}
     tot = body["end_to_end"]["total"]
@@ -143,8 +143,8 @@ def test_compare_notes_a_calibration_from_another_host():
     host, a GPU run or a run that does not record its host get none."""
     from types import SimpleNamespace
 
-    from meshplan.compare import host_match
-    from meshplan.topology import Topology
+    from meshplan.truth.compare import host_match
+    from meshplan.model.topology import Topology
 
     topo = Topology.load("cpu-local")
     dev = topo.calibration.device
@@ -160,9 +160,9 @@ def test_compare_notes_a_calibration_from_another_host():
 
 def test_transfer_spans_count_from_when_both_sides_posted(ring2):
     """A recv's span is its end less the later of its own post and its send's post; other ops 0."""
-    from meshplan.compare import transfer_spans
-    from meshplan.schedule import OP_KINDS
-    from meshplan.schedule_io import from_json, read_document
+    from meshplan.truth.compare import transfer_spans
+    from meshplan.plan.schedule import OP_KINDS
+    from meshplan.plan.json.io import from_json, read_document
 
     sched = from_json(read_document(ring2)[0])
     n = len(sched.ops)

@@ -56,7 +56,7 @@ def test_block_kernels_match_float64(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_causal_diagonal_takes_the_is_causal_path_and_matches_float64(dtype):
-    from meshplan.blockmask import KeyRanges, Piece, pieces
+    from meshplan.model.blockmask import KeyRanges, Piece, pieces
     g = torch.Generator().manual_seed(3)
     B, H, S, D = 1, 2, 48, 16
     q, k, v, do = (torch.randn(B, H, S, D, generator=g).to(dtype) for _ in range(4))

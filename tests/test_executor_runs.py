@@ -65,7 +65,7 @@ WORLD4 = [
     Case("loongtrain-w2-zz-causal-bf16", "loongtrain", 4, knobs={"inner_ring": "2"}),
     Case("startrail-c2-contig-causal-fp16-gqa", "startrail", 4, knobs={"team_size": "2"},
          workload=GQA | {"layout": "contiguous", "dtype": "fp16"}),
-    # striped: ops over two chunks interleave their tokens (run block by block, meshplan.blockmask.Blocks)
+    # striped: ops over two chunks interleave their tokens (run block by block, meshplan.model.blockmask.Blocks)
     Case("mesh2x2-striped-causal-fp32", "mesh", 4, knobs={"tile": "2x2"}, workload={"layout": "striped",
                                                                                   "dtype": "fp32"}),
     Case("usp2x2-striped-causal-bf16-gqa", "usp", 4, knobs={"ulysses_degree": "2"},

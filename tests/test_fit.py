@@ -1,4 +1,4 @@
-"""meshplan.fit: every fit recovers the parameters synthetic measurements were generated from, and the
+"""meshplan.truth.fit: every fit recovers the parameters synthetic measurements were generated from, and the
 fitted forms are the simulator's (κ and the compute pool checked against simulate())."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from conftest import unit_topology, unit_workload
 
-from meshplan import fit
+from meshplan.truth import fit
 from meshplan.algorithms import get
-from meshplan.schedule import COMPUTE, SEND
-from meshplan.simulate import simulate
+from meshplan.plan.schedule import COMPUTE, SEND
+from meshplan.cost.simulate import simulate
 
 SIZES = [1 << k for k in range(10, 27, 2)]          # 1 KiB .. 64 MiB, as the benchmark sweeps
 
@@ -148,7 +148,7 @@ def test_throughput_and_ratio():
 
 
 def test_fit_transfer_kappa_recovers_the_slowdown():
-    from meshplan.fit import fit_transfer_kappa
+    from meshplan.truth.fit import fit_transfer_kappa
     # work W alone; O of it beside a kernel at rate 1 − k: comm_s = O + (W − (1 − k) O) = W + k O
     k, work, over = 0.6, np.array([3.0, 2.0, 4.0]), np.array([1.0, 1.5, 2.0])
     assert fit_transfer_kappa(work + k * over, work, over) == pytest.approx(k)

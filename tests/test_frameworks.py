@@ -7,8 +7,8 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from meshplan.cli import app
-from meshplan.frameworks import (
+from meshplan.cli.app import app
+from meshplan.search.framework_settings import (
     FRAMEWORKS,
     Choice,
     Megatron,
@@ -22,8 +22,8 @@ from meshplan.frameworks import (
 )
 from meshplan.search import enumerate_candidates, run_search
 from meshplan.search.frameworks import framework_bests, frameworks_json
-from meshplan.topology import Topology
-from meshplan.workload import resolve
+from meshplan.model.topology import Topology
+from meshplan.model.workload import resolve
 
 LLAMA = resolve(seq_len="32K")                                   # 32 query / 8 KV heads, causal, fwd+bwd
 GQA4 = resolve(seq_len="32K", heads=8, kv_heads=2, head_dim=64)

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from meshplan.cli import app
+from meshplan.cli.app import app
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCH = importlib.util.find_spec("torch") is not None

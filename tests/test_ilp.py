@@ -1,4 +1,4 @@
-"""CP-SAT stream orders (meshplan.search.ilp) and search --scheduler: references are the flow-shop optimum of a
+"""CP-SAT stream orders (meshplan.search.ilp.model) and search --scheduler: references are the flow-shop optimum of a
 plain ring (COSTMODEL.md: Johnson's rule, no search needed), the order-independent compute bound, and the
 simulator re-run on the reordered schedule."""
 
@@ -10,17 +10,17 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from meshplan.bounds import schedule_timing
-from meshplan.cli import app
-from meshplan.cost import CostModel
-from meshplan.predict import make_candidate, simulate_candidate
-from meshplan.schedule import KIND
-from meshplan.search import ilp
+from meshplan.cost.bounds import schedule_timing
+from meshplan.cli.app import app
+from meshplan.cost.cost import CostModel
+from meshplan.search.candidate import make_candidate, simulate_candidate
+from meshplan.plan.schedule import KIND
+from meshplan.search.ilp.model import model as ilp
 from meshplan.search.improve import STATUSES_RUN
-from meshplan.simulate import simulate
-from meshplan.topology import Topology
-from meshplan.verify import verify
-from meshplan.workload import resolve
+from meshplan.cost.simulate import simulate
+from meshplan.model.topology import Topology
+from meshplan.plan.verify import verify
+from meshplan.model.workload import resolve
 
 
 def _cand(topo_name: str, n: int, alg: str, knobs: dict, seq: str = "16K", passes: str = "fwd+bwd"):
@@ -177,7 +177,7 @@ def test_search_map_search_reports_and_writes_the_placement(tmp_path):
 def test_buffer_reservoir_binds_only_when_memory_is_short():
     """With the device's memory the buffers always fit (no constraint); with none to spare they are held at
     the greedy order's level: a more constrained model, so its objective is no better than the free optimum."""
-    from meshplan.search.ilp_hint import greedy_solution
+    from meshplan.search.ilp.hint import greedy_solution
     c, topo = _cand("l20x8", 4, "mesh", {"tile": "2x2"})
     counts = {}
     for mem in (None, 0):
@@ -214,7 +214,7 @@ def test_list_scheduled_greedy_order_satisfies_the_model(topo_name, n, alg, knob
     """The hint is a solution: every variable fixed to it, CP-SAT finds the model feasible, at the greedy value."""
     from ortools.sat.python import cp_model
 
-    from meshplan.search.ilp_hint import greedy_solution
+    from meshplan.search.ilp.hint import greedy_solution
     c, topo = _cand(topo_name, n, alg, knobs, seq="8K" if topo_name == "cpu-local" else "32K")
     model = ilp._Model(c.schedule, topo, True)
     objective = model.build()

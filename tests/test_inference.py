@@ -10,14 +10,14 @@ import pytest
 from typer.testing import CliRunner
 
 from meshplan.algorithms import get
-from meshplan.cli import app
-from meshplan.errors import UserError
-from meshplan.inference import meta_rule
-from meshplan.matrix import AttnMatrix
-from meshplan.predict import predict
-from meshplan.topology import Topology
-from meshplan.verify import verify
-from meshplan.workload import Mask, resolve
+from meshplan.cli.app import app
+from meshplan.core.errors import UserError
+from meshplan.search.inference import meta_rule
+from meshplan.model.matrix import AttnMatrix
+from meshplan.search.candidate import predict
+from meshplan.model.topology import Topology
+from meshplan.plan.verify import verify
+from meshplan.model.workload import Mask, resolve
 
 
 def wl(**kw):
@@ -128,7 +128,7 @@ def test_per_document_zigzag_balances_the_work():
 
 def test_files_without_doc_layout_read_as_packed(tmp_path):
     """Files written before per-document layouts cut the packed stream: read without the key, they stay packed."""
-    from meshplan.schedule_io import read_schedule, to_json_dict
+    from meshplan.plan.json.io import read_schedule, to_json_dict
 
     t = Topology.load("cpu-local", gpus=2)
     w = resolve(seq_len=64, mask="docs:20,44", layout="contiguous", doc_layout="packed", passes="fwd")

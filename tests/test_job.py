@@ -1,4 +1,4 @@
-"""CP inside a TP x CP x DP job (meshplan.job): Megatron-LM's rank placement, and concurrent CP groups sharing the
+"""CP inside a TP x CP x DP job (meshplan.plan.job): Megatron-LM's rank placement, and concurrent CP groups sharing the
 NICs (the hand-computed max-min share of the node aggregate)."""
 
 from __future__ import annotations
@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from meshplan.cli import app
-from meshplan.errors import UserError
-from meshplan.job import JobShape, job_schedule
-from meshplan.predict import predict
-from meshplan.schedule import SEND
-from meshplan.simulate import simulate
-from meshplan.topology import Topology
-from meshplan.workload import resolve
+from meshplan.cli.app import app
+from meshplan.core.errors import UserError
+from meshplan.plan.job import JobShape, job_schedule
+from meshplan.search.candidate import predict
+from meshplan.plan.schedule import SEND
+from meshplan.cost.simulate import simulate
+from meshplan.model.topology import Topology
+from meshplan.model.workload import resolve
 
 
 @pytest.mark.parametrize("tp,cp,dp,order,groups", [

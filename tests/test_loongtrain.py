@@ -7,11 +7,11 @@ import pytest
 from test_schedule import build, recv_bytes, sizes
 
 from meshplan.algorithms import get
-from meshplan.errors import UserError
-from meshplan.schedule import SEND
-from meshplan.topology import Topology
-from meshplan.verify import verify
-from meshplan.workload import resolve
+from meshplan.core.errors import UserError
+from meshplan.plan.schedule import SEND
+from meshplan.model.topology import Topology
+from meshplan.plan.verify import verify
+from meshplan.model.workload import resolve
 
 
 @pytest.mark.parametrize("n,w", [(8, 1), (8, 2), (8, 4), (8, 8), (16, 8), (16, 4)])

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshplan.errors import UserError
-from meshplan.matrix import AttnMatrix, count_pairs
-from meshplan.workload import Mask, Workload
+from meshplan.core.errors import UserError
+from meshplan.model.matrix import AttnMatrix, count_pairs
+from meshplan.model.workload import Mask, Workload
 
 
 def wl(S, layout="zigzag", mask="causal", valid=None, H=1, B=1, D=1, doc_layout="per-doc", prefix=0):

@@ -11,14 +11,14 @@ import pytest
 from conftest import unit_topology, unit_workload
 from typer.testing import CliRunner
 
-from meshplan.cli import app
-from meshplan.dataflow import peak_memory
-from meshplan.memory_model import MemorySpec, OpCoefficients, fit_memory, kernel_workspace_bytes, op_workspace_bytes
-from meshplan.predict import predict
-from meshplan.schedule import COMPUTE, KIND, RECV, SEND
+from meshplan.cli.app import app
+from meshplan.plan.dataflow import peak_memory
+from meshplan.cost.memory import MemorySpec, OpCoefficients, fit_memory, kernel_workspace_bytes, op_workspace_bytes
+from meshplan.search.candidate import predict
+from meshplan.plan.schedule import COMPUTE, KIND, RECV, SEND
 from meshplan.search import run_search
-from meshplan.topology import Topology
-from meshplan.workload import resolve
+from meshplan.model.topology import Topology
+from meshplan.model.workload import resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 # the band the CPU runs are held to. Under-prediction is the dangerous side (a plan passes a memory limit it
@@ -103,7 +103,7 @@ def test_memory_limit_filters_on_the_model_not_the_buffers():
     """At 1M tokens on 8 H100s Ulysses' buffers (9.0 GB) would fit 12 GB, but with FlashAttention-2's workspace it
     needs 14.4 GB, the least of any plan: 12 GB is refused naming it; under 16 GB every simulated pick fits by its
     simulated total."""
-    from meshplan.errors import UserError
+    from meshplan.core.errors import UserError
 
     topo, w = Topology.load("h100x8"), resolve(seq_len="1M")
     free = run_search(w, topo, 8)
@@ -120,12 +120,12 @@ def test_memory_limit_filters_on_the_model_not_the_buffers():
 def test_plans_are_held_to_the_device_memory_and_written_files_to_the_limit(tmp_path):
     """Without --memory-limit the device's 80 GB holds (12M tokens on 8 H100s fits no plan: refused naming the
     smallest); with one, every written file simulates within it and so does each framework's best setting."""
-    from meshplan.errors import UserError
-    from meshplan.metrics import predicted
-    from meshplan.schedule_io import read_schedule
+    from meshplan.core.errors import UserError
+    from meshplan.cost.metrics import predicted
+    from meshplan.plan.json.io import read_schedule
     from meshplan.search import write_best
     from meshplan.search.frameworks import framework_bests
-    from meshplan.simulate import simulate
+    from meshplan.cost.simulate import simulate
 
     topo = Topology.load("h100x8")
     with pytest.raises(UserError, match=r"^--gpus: no plan fits in the device's 80 GB; the smallest needs 1\d\d GB"):

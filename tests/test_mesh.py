@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 
 from meshplan.algorithms import get
-from meshplan.algorithms.mesh_grid import Grid, factorisations, parse_tile, volumes
-from meshplan.algorithms.mesh_order import TileCosts, brute_force, evaluate, greedy_order, naive_orders, plan_order
-from meshplan.errors import UserError
-from meshplan.predict import make_candidate, simulate_candidate
-from meshplan.schedule import RECV, SEND
+from meshplan.algorithms.mesh.grid import Grid, factorisations, parse_tile, volumes
+from meshplan.algorithms.mesh.order import TileCosts, brute_force, evaluate, greedy_order, naive_orders, plan_order
+from meshplan.core.errors import UserError
+from meshplan.search.candidate import make_candidate, simulate_candidate
+from meshplan.plan.schedule import RECV, SEND
 from meshplan.search import run_search
-from meshplan.topology import Topology
-from meshplan.verify import verify
-from meshplan.workload import resolve
+from meshplan.model.topology import Topology
+from meshplan.plan.verify import verify
+from meshplan.model.workload import resolve
 
 MESH = get("mesh")
 
@@ -166,7 +166,7 @@ def test_search_pick_equals_exhaustive_on_dgx_h100():
 def test_memory_limit_no_plan_meets():
     from typer.testing import CliRunner
 
-    from meshplan.cli import app
+    from meshplan.cli.app import app
     r = CliRunner().invoke(app, ["search", "--gpus", "8", "--topo", "h100x8", "--seq-len", "64K",
                                  "--memory-limit", "1MB", "--write", "0"])
     assert r.exit_code == 2 and "--memory-limit" in r.stderr and "smallest" in r.stderr

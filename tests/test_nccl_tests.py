@@ -15,11 +15,11 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from meshplan import nccl_tests
-from meshplan.calibration import load_calibration
-from meshplan.cli import app
-from meshplan.errors import UserError
-from meshplan.topology import Topology
+from meshplan.truth import nccl_tests
+from meshplan.model.calibration_file import load_calibration
+from meshplan.cli.app import app
+from meshplan.core.errors import UserError
+from meshplan.model.topology import Topology
 
 DIR = Path(__file__).parent / "data" / "nccl_tests"
 BW_REL, ALPHA_REL = 0.02, 0.10          # the stated tolerances: bandwidth 2 %, alpha 10 % (noise is ±0.5 %)
@@ -96,7 +96,7 @@ def test_cli_writes_a_calibration_a_topology_takes(tmp_path):
 def test_needs_no_torch(tmp_path):
     """The whole path runs with torch made unimportable."""
     out = tmp_path / "c.yaml"
-    code = ("import sys; sys.modules['torch'] = None; from meshplan.cli import main; "
+    code = ("import sys; sys.modules['torch'] = None; from meshplan.cli.app import main; "
             f"main(['calibrate', '--topo', 'h100x16', '--from-nccl-tests', {str(DIR / FILES[0])!r}, '--out', "
             f"{str(out)!r}, '--json'])")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -55,7 +55,7 @@ def test_cpu_predicted_vs_measured(tmp_path, monkeypatch):
 
 @pytest.mark.timeout(600)
 def test_charm_reproduction(tmp_path, monkeypatch):
-    from meshplan.reproduce import reproduce_ablation, reproduce_h100
+    from meshplan.truth.reproduce import reproduce_ablation, reproduce_h100
 
     r = execute("charm_reproduction.ipynb", tmp_path, monkeypatch)
     ref = reproduce_h100()["summary"]

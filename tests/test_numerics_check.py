@@ -13,10 +13,10 @@ from meshplan.executor.data import Inputs, make_inputs, single_process  # noqa: 
 from meshplan.executor.numerics import judge  # noqa: E402
 from meshplan.executor.program import program_of  # noqa: E402
 from meshplan.executor.sample import check_mode, pick_sample  # noqa: E402
-from meshplan.measurement import Numerics  # noqa: E402
-from meshplan.predict import predict  # noqa: E402
-from meshplan.topology import Topology  # noqa: E402
-from meshplan.workload import resolve  # noqa: E402
+from meshplan.plan.json.measurement import Numerics  # noqa: E402
+from meshplan.search.candidate import predict  # noqa: E402
+from meshplan.model.topology import Topology  # noqa: E402
+from meshplan.model.workload import resolve  # noqa: E402
 
 
 def _program(seq_len: int, mask: str, heads: int = 2, head_dim: int = 128, dtype: str = "bf16",
@@ -34,7 +34,7 @@ def _results(inputs: Inputs, w, backward: bool = True) -> dict[str, np.ndarray]:
 
 def _padding_as_real(w):
     """The test double's workload: the same documents with their padding counted as real tokens."""
-    from meshplan.workload import Mask
+    from meshplan.model.workload import Mask
     return w.with_(mask=Mask("docs", doc_lens=w.mask.doc_lens))
 
 
@@ -91,7 +91,7 @@ def test_runs_check_by_default_and_skip_only_when_told(tmp_path):
 
     from meshplan.executor.launch import run_batch
     from meshplan.executor.worker import RunConfig
-    from meshplan.schedule_io import write_schedule
+    from meshplan.plan.json.io import write_schedule
 
     path = tmp_path / "big.json"
     write_schedule(predict("ring", resolve(seq_len=4096, heads=2, kv_heads=1, head_dim=128, mask="docs:2040,2052+4",

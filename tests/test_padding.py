@@ -12,9 +12,9 @@ import pytest
 from test_cli import one_line_error, run
 from test_matrix import brute_pairs, wl
 
-from meshplan.errors import UserError
-from meshplan.matrix import AttnMatrix
-from meshplan.workload import Mask
+from meshplan.core.errors import UserError
+from meshplan.model.matrix import AttnMatrix
+from meshplan.model.workload import Mask
 
 PACKED_PADDED = ["docs:5+3,6+2,8", "docs:7+2,9,5+1", "docs:1+7,16", "docs:3+1,3+1,3+1,3+1,3+1,3+1"]
 

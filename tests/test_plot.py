@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from test_cli import one_line_error, run
 
-from meshplan.plot_data import assignment_grid, mape_pct, parse_ranks, read_pairs, scaling_data, timeline_data
+from meshplan.show.plot_data import assignment_grid, mape_pct, parse_ranks, read_pairs, scaling_data, timeline_data
 
 SMALL = ["--topo", "cpu-local", "--seq-len", "4K", "--heads", 4, "--kv-heads", 4, "--head-dim", 16,
          "--layout", "contiguous"]
@@ -33,11 +33,11 @@ def files(tmp_path_factory):
 
 def fake_measurement(schedule_path, out, scale: float = 1.25):
     """A Measurement JSON of ``schedule_path`` whose op times are the simulated ones times ``scale`` (no torch)."""
-    from meshplan.measurement import MeasurementJSON
-    from meshplan.schedule import PASS_NAMES
-    from meshplan.schedule_io import from_json, read_document
-    from meshplan.simulate import simulate
-    from meshplan.topology import Topology
+    from meshplan.plan.json.measurement import MeasurementJSON
+    from meshplan.plan.schedule import PASS_NAMES
+    from meshplan.plan.json.io import from_json, read_document
+    from meshplan.cost.simulate import simulate
+    from meshplan.model.topology import Topology
 
     doc, raw = read_document(schedule_path)
     sched = from_json(doc)
@@ -118,7 +118,7 @@ def test_rank_selection():
 
 # ---------------------------------------------------------------------------------------------------- matrix
 def test_ring_owner_is_the_query_rows_home_and_causal_skips_the_upper_triangle(files, tmp_path):
-    from meshplan.schedule_io import read_schedule
+    from meshplan.plan.json.io import read_schedule
     owner = assignment_grid(read_schedule(files["ring"]))
     i, j = np.indices((4, 4))
     np.testing.assert_array_equal(owner, np.where(j <= i, i, -1))
@@ -129,7 +129,7 @@ def test_ring_owner_is_the_query_rows_home_and_causal_skips_the_upper_triangle(f
 
 def test_mesh_tile_owner(files, tmp_path):
     """Tile 2x2 on 4 ranks: rank 2·(i // 2) + j mod 2 computes block (i, j); the mask skips j > i."""
-    from meshplan.schedule_io import read_schedule
+    from meshplan.plan.json.io import read_schedule
     sched = read_schedule(files["mesh"])
     assert sched.knobs["tile"] == "2x2"
     np.testing.assert_array_equal(assignment_grid(sched), [[0, -1, -1, -1], [0, 1, -1, -1], [2, 3, 2, -1],
@@ -141,7 +141,7 @@ def test_mesh_tile_owner(files, tmp_path):
 
 def test_usp_blocks_of_multi_chunk_ops_and_head_zero(files):
     """USP (U = 2): ranks 0 and 2 hold head 0; each computes its two query chunks against all KV chunks."""
-    from meshplan.schedule_io import read_schedule
+    from meshplan.plan.json.io import read_schedule
     i, j = np.indices((4, 4))
     expected = np.where(j <= i, np.where(i < 2, 0, 2), -1)
     np.testing.assert_array_equal(assignment_grid(read_schedule(files["usp"])), expected)
@@ -189,7 +189,7 @@ def test_scatter_missing_field_names_it(tmp_path):
 
 # ---------------------------------------------------------------------------------------------------- scaling
 def test_scaling_data_skips_what_cannot_run(tmp_path):
-    from meshplan.workload import resolve
+    from meshplan.model.workload import resolve
     w = resolve(seq_len="4K", heads=2, kv_heads=2, head_dim=16, layout="contiguous", passes="fwd")
     d = scaling_data("cpu-local", [2, 4], ["ring", "ulysses"], w)
     assert d.gpus == {"ring": [2, 4], "ulysses": [2]} and d.skipped_at == {"ulysses": [4]}

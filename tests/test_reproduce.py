@@ -11,12 +11,12 @@ import pytest
 from typer.testing import CliRunner
 
 from meshplan.algorithms import get
-from meshplan.cli import app
-from meshplan.errors import UserError
-from meshplan.published import H100Row, kv_step_bytes, load_rows, ring_block_flops
-from meshplan.reproduce import reproduce_ablation, reproduce_h100
-from meshplan.reproduce_fit import DECLARED, FittedParams, fit_kernel, fit_transfer, is_declared, topology_values
-from meshplan.topology import Topology
+from meshplan.cli.app import app
+from meshplan.core.errors import UserError
+from meshplan.truth.published import H100Row, kv_step_bytes, load_rows, ring_block_flops
+from meshplan.truth.reproduce import reproduce_ablation, reproduce_h100
+from meshplan.truth.reproduce_fit import DECLARED, FittedParams, fit_kernel, fit_transfer, is_declared, topology_values
+from meshplan.model.topology import Topology
 
 runner = CliRunner()
 
@@ -130,7 +130,7 @@ def test_ablation_directions_and_cli_json():
 def test_charm_memory_table():
     """Peak memory of the CHARM+ table: every row predicts CHARM+ above Ring (as measured); the published file is
     read with its source; a file without a column is refused with one line."""
-    from meshplan.reproduce import reproduce_memory
+    from meshplan.truth.reproduce import reproduce_memory
 
     body = reproduce_memory()
     assert body["directions_right"] == body["directions_total"] == 8

@@ -10,10 +10,10 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from meshplan.cli import app
-from meshplan.predict import predict
-from meshplan.topology import Topology
-from meshplan.workload import resolve
+from meshplan.cli.app import app
+from meshplan.search.candidate import predict
+from meshplan.model.topology import Topology
+from meshplan.model.workload import resolve
 
 
 def rail(tmp_path, **network) -> str:

@@ -9,9 +9,9 @@ import shlex
 import pytest
 from test_cli import one_line_error, run
 
-from meshplan.errors import UserError
-from meshplan.run_memory import HOST_SHARE, check_fits, executor_bytes, host_need_bytes, rank_peak_bytes, run_topology
-from meshplan.schedule_io import read_schedule
+from meshplan.core.errors import UserError
+from meshplan.search.run_memory import HOST_SHARE, check_fits, executor_bytes, host_need_bytes, rank_peak_bytes, run_topology
+from meshplan.plan.json.io import read_schedule
 
 
 class Host:

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from meshplan.algorithms import get
-from meshplan.matrix import AttnMatrix
-from meshplan.schedule import COMPUTE, RECV
-from meshplan.topology import Topology
-from meshplan.workload import resolve
+from meshplan.model.matrix import AttnMatrix
+from meshplan.plan.schedule import COMPUTE, RECV
+from meshplan.model.topology import Topology
+from meshplan.model.workload import resolve
 
 
 def build(name, n, passes="fwd+bwd", topo="h100x32", **kw):

@@ -11,11 +11,11 @@ import pytest
 from conftest import DATA
 
 from meshplan.algorithms import get
-from meshplan.errors import UserError
-from meshplan.schedule_io import read_schedule, schema, to_json_dict, write_schedule
-from meshplan.topology import Topology
-from meshplan.verify import verify
-from meshplan.workload import resolve
+from meshplan.core.errors import UserError
+from meshplan.plan.json.io import read_schedule, schema, to_json_dict, write_schedule
+from meshplan.model.topology import Topology
+from meshplan.plan.verify import verify
+from meshplan.model.workload import resolve
 
 OP_FIELDS = ("rank", "kind", "stream", "phase", "step", "peer", "tensor", "size_bytes", "dtype", "combine", "h0",
              "h1", "s_q", "s_kv", "mask", "deps", "dep_ptr", "inputs", "outputs", "q_chunks", "kv_chunks")
@@ -95,7 +95,7 @@ def test_garbage_file(tmp_path):
 
 def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
     s = build("ring", passes="fwd")
-    import meshplan.schedule_io as io
+    import meshplan.plan.json.io as io
 
     def boom(_):
         yield '{"schema_version":'        # part of the file is written, then the disk fills up

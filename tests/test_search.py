@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from meshplan.predict import simulate_candidate
+from meshplan.search.candidate import simulate_candidate
 from meshplan.search import enumerate_candidates, run_search
-from meshplan.topology import Topology
-from meshplan.workload import resolve
+from meshplan.model.topology import Topology
+from meshplan.model.workload import resolve
 
 
 @pytest.mark.parametrize("topo_name,n", [("h100x16", 16), ("l20x8", 8), ("dgx-h100", 8)])
@@ -72,7 +72,7 @@ def test_forward_only_methods_are_listed_last_with_bwd_null_under_fwd_and_bwd():
 
 def test_closed_form_exposed_communication_has_no_round_off_residue():
     """A bound equal to the compute time up to float round-off reports 0 exposed communication, not 1e-12 s."""
-    from meshplan.predict import _noise_free
+    from meshplan.search.candidate import _noise_free
 
     assert _noise_free(0.1 + 0.2 - 0.3, 0.3) == 0.0 and _noise_free(-1e-3, 1.0) == 0.0
     assert _noise_free(2e-6, 1.0) == 2e-6
@@ -82,7 +82,7 @@ def test_above_the_limit_asymmetric_candidates_stay_at_their_bound(monkeypatch):
     """With the full-simulation limit lowered to 8 ranks, a 16-rank search simulates the node-symmetric zigzag
     candidates and leaves causal contiguous ones (every rank's work differs) at their bound, counted."""
     import meshplan.search as search
-    from meshplan.predict import make_candidate, reduces
+    from meshplan.search.candidate import make_candidate, reduces
     topo = Topology.load("h100x16", gpus=16)
     w = resolve(seq_len="32K", heads=8, kv_heads=2, head_dim=64, passes="fwd")
     assert reduces(make_candidate("ring", w, topo, 16, {}), topo)

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from meshplan.cli import app
+from meshplan.cli.app import app
 from meshplan.search import run_search
 from meshplan.search.sensitivity import Factors, draw_factors, perturbed_topology, run_sensitivity, sample_times
-from meshplan.simulate import simulate
-from meshplan.topology import LINK_CLASSES, Topology
-from meshplan.workload import resolve
+from meshplan.cost.simulate import simulate
+from meshplan.model.topology import LINK_CLASSES, Topology
+from meshplan.model.workload import resolve
 
 runner = CliRunner()
 SMALL = ["search", "--gpus", "4", "--topo", "h100x8", "--seq-len", "16K", "--write", "0"]

@@ -7,11 +7,11 @@ import pytest
 from conftest import unit_topology, unit_workload
 
 from meshplan.algorithms import get
-from meshplan.maxmin import max_min_fair
-from meshplan.predict import predict
-from meshplan.simulate import simulate
-from meshplan.topology import Topology
-from meshplan.workload import resolve
+from meshplan.cost.maxmin import max_min_fair
+from meshplan.search.candidate import predict
+from meshplan.cost.simulate import simulate
+from meshplan.model.topology import Topology
+from meshplan.model.workload import resolve
 
 
 def test_two_flows_on_one_link_get_half_each():
@@ -137,7 +137,7 @@ def test_vectorised_max_min_matches_the_reference():
 
 
 def test_numpy_and_python_max_min_agree(monkeypatch):
-    import meshplan.maxmin as sim
+    import meshplan.cost.maxmin as sim
     rng = np.random.default_rng(3)
     for _ in range(20):
         routes = [sorted(rng.choice(10, size=rng.integers(1, 4), replace=False).tolist()) for _ in range(30)]
@@ -187,8 +187,8 @@ def test_a_ring_steps_concurrent_hops_share_where_they_meet():
 def test_block_time_matrix_equals_the_per_block_formula(layout, mask):
     """The matrix of block times (interpolated on its few distinct kernel shapes, then gathered) equals the cost
     formula applied block by block, bit for bit."""
-    from meshplan.cost import CostModel
-    from meshplan.matrix import attn_matrix
+    from meshplan.cost.cost import CostModel
+    from meshplan.model.matrix import attn_matrix
     topo = Topology.load("h100x32", gpus=64)
     w = resolve(seq_len="64K", layout=layout, mask=mask)
     m, cost = attn_matrix(w, 64), CostModel(topo)
@@ -202,9 +202,9 @@ def test_an_op_the_executor_runs_block_by_block_is_priced_as_its_blocks():
     """A striped Mesh 2 x 2 op (one query chunk x two KV chunks, e.g. 1 x {0, 2}: not alternate residues) costs
     the sum of its blocks' own times, each with its launch (the executor runs it block by block); a zigzag one
     the blocks' FLOPs at the efficiency of the op's shape grown by √(a·b), one launch (COSTMODEL.md)."""
-    from meshplan.cost import CostModel
-    from meshplan.matrix import attn_matrix
-    from meshplan.schedule import COMPUTE, expand_blocks
+    from meshplan.cost.cost import CostModel
+    from meshplan.model.matrix import attn_matrix
+    from meshplan.plan.schedule import COMPUTE, expand_blocks
     topo = Topology.load("cpu-local", gpus=4)
     cost = CostModel(topo)
     for layout, by_block in (("striped", True), ("zigzag", False)):

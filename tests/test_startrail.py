@@ -7,10 +7,10 @@ import pytest
 from test_schedule import build, recv_bytes, sizes
 
 from meshplan.algorithms import get
-from meshplan.errors import SkipCandidate, UserError
-from meshplan.topology import Topology
-from meshplan.verify import verify
-from meshplan.workload import resolve
+from meshplan.core.errors import SkipCandidate, UserError
+from meshplan.model.topology import Topology
+from meshplan.plan.verify import verify
+from meshplan.model.workload import resolve
 
 
 @pytest.mark.parametrize("n,C", [(4, 2), (8, 2), (16, 2), (16, 4), (9, 3)])

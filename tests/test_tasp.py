@@ -8,11 +8,11 @@ from test_schedule import build, recv_bytes, sizes
 
 from meshplan.algorithms import get
 from meshplan.algorithms.tasp_cycles import check_decomposition, shipped
-from meshplan.errors import SkipCandidate
-from meshplan.schedule import SEND
-from meshplan.topology import Topology
-from meshplan.verify import verify
-from meshplan.workload import resolve
+from meshplan.core.errors import SkipCandidate
+from meshplan.plan.schedule import SEND
+from meshplan.model.topology import Topology
+from meshplan.plan.verify import verify
+from meshplan.model.workload import resolve
 
 
 @pytest.mark.parametrize("n", [8, 12, 16, 20])
@@ -52,7 +52,7 @@ def test_refusals_name_the_reason(n, passes, seq, needle):
 def test_tasp_contends_on_pcie_and_matches_ring_on_nvswitch():
     """ALGORITHMS.md: its N−1 concurrent rings contend on PCIe (slower than Ring there); on NVSwitch every
     GPU port carries the same bytes either way (the model has no per-flow limit below the port's)."""
-    from meshplan.predict import predict
+    from meshplan.search.candidate import predict
 
     def t(algo, topo):
         w = resolve(seq_len=896, batch=64, heads=8, kv_heads=8, head_dim=128, passes="fwd", mask="full")

@@ -14,14 +14,14 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from meshplan.cli import app
-from meshplan.errors import UserError
-from meshplan.topo_dumps import parse_nvidia_smi
-from meshplan.topo_import import ImportFlags, import_topology
-from meshplan.topo_layout import node_layout, read_dumps
-from meshplan.topo_yaml import dump_spec, validate
-from meshplan.topology import LINK_CLASSES, Topology
-from meshplan.topology_spec import TopologySpec
+from meshplan.cli.app import app
+from meshplan.core.errors import UserError
+from meshplan.topo_import.dumps import parse_nvidia_smi
+from meshplan.topo_import.importer import ImportFlags, import_topology
+from meshplan.topo_import.layout import node_layout, read_dumps
+from meshplan.topo_import.yaml_text import dump_spec, validate
+from meshplan.model.topology import LINK_CLASSES, Topology
+from meshplan.model.topology_spec import TopologySpec
 
 DATA = Path(__file__).parent / "data" / "topo"
 DGX_SMI, DGX_XML = str(DATA / "dgx-h100.nvidia-smi.txt"), str(DATA / "dgx-h100.nccl-topo.xml")
@@ -182,7 +182,7 @@ def test_cli_writes_atomically_and_refuses_to_overwrite(tmp_path, monkeypatch):
     before = out.read_text()
     one_line_error(runner.invoke(app, args), "--out", "--force")
     assert out.read_text() == before
-    import meshplan.fileio as fileio
+    import meshplan.core.fileio as fileio
 
     def fail(*_):
         raise OSError("disk full")

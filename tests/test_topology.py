@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from meshplan.errors import UserError
-from meshplan.topo_files import shipped_topologies
-from meshplan.topology import Topology
+from meshplan.core.errors import UserError
+from meshplan.model.topo_files import shipped_topologies
+from meshplan.model.topology import Topology
 
 ISSUE_FILES = {"h100x16", "h100x32", "dgx-h100", "h20x16", "l20x8", "a100x8", "h200x8", "cpu-local", "h100x8"}
 
@@ -130,7 +130,7 @@ def test_domains_from_sockets_nodes_or_declaration(tmp_path):
 def test_kernel_envelope_is_monotone_and_bounds_the_table():
     """A measured table that dips at a larger size (a CPU's caches): the envelope at the larger shape is the
     best efficiency of any smaller one, so closed forms taken at an op's largest shape stay lower bounds."""
-    from meshplan.kernels import KernelTable, KernelTableSpec
+    from meshplan.model.kernels import KernelTable, KernelTableSpec
     spec = KernelTableSpec(name="dip", source="test", launch_us=0, tokens=[64, 256, 1024],
                            fwd=[[0.2, 0.5, 0.4], [0.5, 0.6, 0.3], [0.4, 0.3, 0.35]], bwd_factor=1.0,
                            elementwise=[0.5, 0.9, 0.7])

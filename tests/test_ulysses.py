@@ -7,11 +7,11 @@ import pytest
 from test_schedule import build, recv_bytes
 
 from meshplan.algorithms import get
-from meshplan.errors import SkipCandidate, UserError
-from meshplan.schedule import SEND
-from meshplan.topology import Topology
-from meshplan.verify import verify
-from meshplan.workload import resolve
+from meshplan.core.errors import SkipCandidate, UserError
+from meshplan.plan.schedule import SEND
+from meshplan.model.topology import Topology
+from meshplan.plan.verify import verify
+from meshplan.model.workload import resolve
 
 
 def closed_form(w, n, u, dkv_bytes=4, hops="n"):

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from meshplan.algorithms import get
-from meshplan.csr import csr_ptr
-from meshplan.schedule import COMPUTE, RECV, SEND, OpTable, Schedule
-from meshplan.topology import Topology
-from meshplan.verify import verify
-from meshplan.workload import resolve
+from meshplan.core.csr import csr_ptr
+from meshplan.plan.schedule import COMPUTE, RECV, SEND, OpTable, Schedule
+from meshplan.model.topology import Topology
+from meshplan.plan.verify import verify
+from meshplan.model.workload import resolve
 
 
 def build(name="ring", n=4, passes="fwd+bwd", **kw):

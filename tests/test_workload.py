@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from meshplan.errors import UserError
-from meshplan.units import parse_bytes, parse_count
-from meshplan.workload import Mask, resolve
+from meshplan.core.errors import UserError
+from meshplan.core.units import parse_bytes, parse_count
+from meshplan.model.workload import Mask, resolve
 
 
 def test_suffixes():

@@ -7,15 +7,15 @@ that brings them (``simulate``) or skipped and counted (``search``).
 from __future__ import annotations
 
 from meshplan.algorithms.base import Algorithm
-from meshplan.algorithms.charm import Charm, Merge, RMPlus
+from meshplan.algorithms.charm.charm import Charm, Merge, RMPlus
 from meshplan.algorithms.loongtrain import LoongTrain
-from meshplan.algorithms.mesh import Mesh
+from meshplan.algorithms.mesh.mesh import Mesh
 from meshplan.algorithms.passq import PassQ
 from meshplan.algorithms.ring import Ring
 from meshplan.algorithms.startrail import StarTrail
 from meshplan.algorithms.tasp import TASP
 from meshplan.algorithms.ulysses import USP, Ulysses
-from meshplan.errors import UserError
+from meshplan.core.errors import UserError
 
 #: Contract order.
 NAMES = ("ring", "pass-q", "ulysses", "usp", "loongtrain", "startrail", "tasp", "merge", "rmplus", "charm", "mesh")

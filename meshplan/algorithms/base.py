@@ -1,7 +1,7 @@
 """What every algorithm module provides, and the knob plumbing they share.
 
 An algorithm decides *who computes what, who sends what to whom, and in what order* (plan + schedule);
-the shared builder (:class:`~meshplan.schedule_build.ScheduleBuilder`) does the plumbing. Each algorithm also
+the shared builder (:class:`~meshplan.plan.build.ScheduleBuilder`) does the plumbing. Each algorithm also
 gives a closed-form (L0) timing: an uncontended per-step alpha-beta recurrence, which is a lower bound
 on the simulated makespan because contention and overlap only slow ops down.
 """
@@ -13,13 +13,13 @@ from typing import Any, Callable
 
 import numpy as np
 
-from meshplan.bounds import PassTiming, schedule_timing
-from meshplan.errors import UserError
-from meshplan.matrix import AttnMatrix
-from meshplan.plan import Plan
-from meshplan.schedule import DTYPES, Schedule
-from meshplan.topology import Topology
-from meshplan.workload import Workload
+from meshplan.cost.bounds import PassTiming, schedule_timing
+from meshplan.core.errors import UserError
+from meshplan.model.matrix import AttnMatrix
+from meshplan.plan.plan import Plan
+from meshplan.plan.schedule import DTYPES, Schedule
+from meshplan.model.topology import Topology
+from meshplan.model.workload import Workload
 
 #: Knobs with their own CLI flag; every other knob is ``--knob name=value``.
 KNOB_FLAGS = {"tile": "--tile", "mapping": "--mapping", "partial_dtype": "--partial-dtype",
@@ -90,7 +90,7 @@ class Algorithm:
     def check(self, workload: Workload, topo: Topology, n_ranks: int, knobs: dict[str, Any]) -> None:
         """Raise SkipCandidate/UserError when this (workload, N, knobs) cannot run. Default: anything goes."""
         if workload.passes != "fwd" and self.forward_only:
-            from meshplan.errors import SkipCandidate
+            from meshplan.core.errors import SkipCandidate
             raise SkipCandidate("forward only", f"{self.name} has no backward")
 
     def knob_space(self, workload: Workload, topo: Topology, n_ranks: int,
@@ -125,7 +125,7 @@ class Algorithm:
 
 
 class BuiltTiming(Algorithm):
-    """Algorithms whose closed form is the built schedule's (:func:`~meshplan.bounds.schedule_timing`).
+    """Algorithms whose closed form is the built schedule's (:func:`~meshplan.cost.bounds.schedule_timing`).
 
     ``schedule`` builds once per plan (``plan.extra["schedule"]``); ``timing`` builds a throw-away copy, so
     a search holding many candidates holds none of their schedules. Building costs about 20 s and 3 GB at

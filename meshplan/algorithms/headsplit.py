@@ -19,9 +19,9 @@ from functools import cached_property
 
 import numpy as np
 
-from meshplan.errors import SkipCandidate
-from meshplan.schedule_build import ScheduleBuilder
-from meshplan.workload import Workload
+from meshplan.core.errors import SkipCandidate
+from meshplan.plan.build import ScheduleBuilder
+from meshplan.model.workload import Workload
 
 RANK_ORDERS = ("ulysses-first", "ring-first")
 

@@ -22,7 +22,7 @@ from meshplan.algorithms.base import Knob, positive_int_or_auto
 from meshplan.algorithms.headsplit import Grid
 from meshplan.algorithms.rotate import RingSpec, rotate_backward, rotate_forward_merge
 from meshplan.algorithms.ulysses import USP, _last
-from meshplan.errors import UserError
+from meshplan.core.errors import UserError
 
 
 class LoongTrain(USP):

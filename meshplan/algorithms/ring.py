@@ -18,12 +18,12 @@ import numpy as np
 from meshplan.algorithms.base import DTYPE_KNOB, Algorithm, Knob, PassTiming
 from meshplan.algorithms.rotate import rotate_backward, rotate_forward_merge
 from meshplan.algorithms.rotate_timing import Rotation, backward, forward, size_of
-from meshplan.matrix import AttnMatrix, attn_matrix
-from meshplan.plan import Plan
-from meshplan.schedule import Schedule
-from meshplan.schedule_build import ScheduleBuilder
-from meshplan.topology import Topology
-from meshplan.workload import Workload
+from meshplan.model.matrix import AttnMatrix, attn_matrix
+from meshplan.plan.plan import Plan
+from meshplan.plan.schedule import Schedule
+from meshplan.plan.build import ScheduleBuilder
+from meshplan.model.topology import Topology
+from meshplan.model.workload import Workload
 
 MAPPINGS = ("auto", "identity")
 

@@ -13,12 +13,12 @@ from __future__ import annotations
 import numpy as np
 
 from meshplan.algorithms.base import PassTiming
-from meshplan.bounds import pool_bound
-from meshplan.cost import CostModel
-from meshplan.memory_model import closed_form_peak_bytes
-from meshplan.plan import Plan
-from meshplan.schedule import tensor_bytes
-from meshplan.topology import Topology
+from meshplan.cost.bounds import pool_bound
+from meshplan.cost.cost import CostModel
+from meshplan.cost.memory import closed_form_peak_bytes
+from meshplan.plan.plan import Plan
+from meshplan.plan.schedule import tensor_bytes
+from meshplan.model.topology import Topology
 
 
 def size_of(plan: Plan, kind: str, dtype: str) -> float:
@@ -53,10 +53,10 @@ class Rotation:
 
     def hop_concurrent(self, size: float) -> np.ndarray:
         """[n] time of each rank's hop transfer of ``size`` bytes when every rank's hop runs at once (one ring
-        step): latency + size / the flow's max-min fair rate (:func:`meshplan.maxmin.max_min_fair`) over the
+        step): latency + size / the flow's max-min fair rate (:func:`meshplan.cost.maxmin.max_min_fair`) over the
         links the N flows share — the single-flow rate on per-port links (NVSwitch), a share of it where the
         flows meet (a host's loopback, a node's NICs)."""
-        from meshplan.maxmin import max_min_fair
+        from meshplan.cost.maxmin import max_min_fair
 
         dev = self.plan.device_of_rank
         src = dev[(np.arange(self.n) - 1) % self.n]

@@ -23,12 +23,12 @@ from meshplan.algorithms.base import DTYPE_KNOB, BuiltTiming, Knob, positive_int
 from meshplan.algorithms.ring import new_builder, topology_record
 from meshplan.algorithms.rotate import RingSpec, rotate_backward, rotate_forward_merge
 from meshplan.algorithms.ulysses import _last
-from meshplan.errors import SkipCandidate, UserError
-from meshplan.matrix import attn_matrix
-from meshplan.plan import Plan
-from meshplan.schedule import Schedule
-from meshplan.schedule_build import ScheduleBuilder
-from meshplan.topology import Topology
+from meshplan.core.errors import SkipCandidate, UserError
+from meshplan.model.matrix import attn_matrix
+from meshplan.plan.plan import Plan
+from meshplan.plan.schedule import Schedule
+from meshplan.plan.build import ScheduleBuilder
+from meshplan.model.topology import Topology
 
 
 class StarTrail(BuiltTiming):

@@ -20,11 +20,11 @@ import numpy as np
 from meshplan.algorithms.base import BuiltTiming, Knob
 from meshplan.algorithms.ring import MAPPINGS, new_builder, topology_record
 from meshplan.algorithms.tasp_cycles import IMPOSSIBLE, shipped
-from meshplan.errors import SkipCandidate, UserError
-from meshplan.matrix import attn_matrix
-from meshplan.plan import Plan
-from meshplan.schedule import Schedule
-from meshplan.topology import Topology
+from meshplan.core.errors import SkipCandidate, UserError
+from meshplan.model.matrix import attn_matrix
+from meshplan.plan.plan import Plan
+from meshplan.plan.schedule import Schedule
+from meshplan.model.topology import Topology
 
 
 class TASP(BuiltTiming):

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from meshplan.errors import UserError
+from meshplan.core.errors import UserError
 from meshplan.executor.kernels import TORCH_DTYPE, row_delta
 from meshplan.executor.local import Chunk, as_program, local_chunk
 from meshplan.executor.program import FP32_PARTS, KV_PARTS, Program
@@ -39,7 +39,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, schedule, group
     Args:
         q: [B, c, H, D] this rank's queries (the schedule's dtype: bf16, fp16 or fp32).
         k, v: [B, c, Hkv, D] this rank's keys and values.
-        schedule: a :class:`~meshplan.executor.program.Program`, a :class:`~meshplan.schedule.Schedule` or a
+        schedule: a :class:`~meshplan.executor.program.Program`, a :class:`~meshplan.plan.schedule.Schedule` or a
             schedule file; planned with ``--pass fwd+bwd`` to train (loaded and verified once, then cached).
         group: the torch.distributed process group (default: the world) of the schedule's size.
         timeout_s: the longest any op waits for its dependencies or a transfer (s).

@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from meshplan.errors import UserError
+from meshplan.core.errors import UserError
 from meshplan.executor.kernels import TORCH_DTYPE, block_backward_from_out, block_forward
-from meshplan.workload import Mask, Workload
+from meshplan.model.workload import Mask, Workload
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """What this host is, in the terms a calibration file records (``device.cpu``, ``device.isa``): a calibration
 holds for the host it was measured on, and a run records the same facts (``env.cpu``, ``env.isa`` of the
 measurement) so a comparison can say when the prediction came from another host's calibration
-(:func:`meshplan.compare.host_match`). And what memory it has for a run's ranks (:class:`HostMemory`), which
+(:func:`meshplan.truth.compare.host_match`). And what memory it has for a run's ranks (:class:`HostMemory`), which
 ``meshplan run`` holds the memory model's prediction to before starting them."""
 
 from __future__ import annotations

@@ -2,12 +2,12 @@
 
 Shapes: q, o, do [B, H, Sq, D]; k, v [B, Hkv, Skv, D] (GQA: Hkv = H / g, expanded to H only right
 before the kernel, so KV never travels replicated); lse, delta [B, H, Sq] fp32. ``mask``: None (every
-pair), a :class:`~meshplan.blockmask.KeyRanges` (row i attends keys lo[i] … hi[i] − 1, what the
-executor passes), a :class:`~meshplan.blockmask.Blocks` (key runs per rectangle: an op over
+pair), a :class:`~meshplan.model.blockmask.KeyRanges` (row i attends keys lo[i] … hi[i] − 1, what the
+executor passes), a :class:`~meshplan.model.blockmask.Blocks` (key runs per rectangle: an op over
 interleaved chunks), or a dense [Sq, Skv] bool tensor (converted to key runs when its rows are contiguous).
 
 Forward (``block_forward``): on CPU, torch's ``_scaled_dot_product_flash_attention_for_cpu`` on each kernel of
-the mask's cover (:func:`~meshplan.blockmask.pieces`: full rectangles without a mask, causal squares
+the mask's cover (:func:`~meshplan.model.blockmask.pieces`: full rectangles without a mask, causal squares
 with ``is_causal``), merged by LSE where two kernels share rows; an additive bias over the dense matrix only
 for masks without a short cover. On CUDA, flash-attn for unmasked half-precision blocks when it is installed,
 else torch's flash op, and torch's memory-efficient op (additive bias, ``compute_log_sumexp``) for masked
@@ -32,7 +32,7 @@ import functools
 
 import torch
 
-from meshplan.blockmask import Blocks, KeyRanges, Piece, block_pieces, pieces, rows_overlap
+from meshplan.model.blockmask import Blocks, KeyRanges, Piece, block_pieces, pieces, rows_overlap
 
 TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _HEAD_BLOCK_ELEMS = 1 << 24   # backward score matrices are built this many elements at a time (64 MiB fp32)
@@ -73,7 +73,7 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def cover(mask, n_q: int, n_k: int) -> list[Piece] | None:
-    """The mask's cover by dense kernels (:func:`~meshplan.blockmask.pieces`), or None when it has none
+    """The mask's cover by dense kernels (:func:`~meshplan.model.blockmask.pieces`), or None when it has none
     (a dense mask whose rows are not runs of keys, or one that needs too many kernels)."""
     if mask is None:
         return [Piece(0, n_q, 0, n_k, False)]

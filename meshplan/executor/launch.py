@@ -19,7 +19,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from meshplan.errors import UserError
+from meshplan.core.errors import UserError
 from meshplan.executor.host import HostMemory, available_memory_bytes, free_gpu_bytes, resident_bytes
 from meshplan.executor.program import Program, check_world, load_program, sequential_ok
 from meshplan.executor.sample import check_mode

@@ -8,7 +8,7 @@ the pieces r and 2N−1−r of the sequence; contiguous, the r-th slice; c = S /
 one of N equal chunks (Ring, pass-Q, Mesh, CHARM+). The token axis is ``dim`` (1 for the executor's
 [B, S, H, D]).
 
-The schedule can be a :class:`~meshplan.executor.program.Program`, a :class:`~meshplan.schedule.Schedule`
+The schedule can be a :class:`~meshplan.executor.program.Program`, a :class:`~meshplan.plan.schedule.Schedule`
 or the path of a schedule file; :func:`as_program` converts (cached, so a training loop reads the file once).
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from meshplan.errors import UserError
+from meshplan.core.errors import UserError
 from meshplan.executor.program import Program, load_program, program_of
 
 _PROGRAMS: dict[object, tuple[object, Program]] = {}      # key -> (the object it came from, its Program)

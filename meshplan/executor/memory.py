@@ -14,7 +14,7 @@ at start; elsewhere (macOS, musl) it does nothing.
 :func:`reset_peak_rss` and :func:`peak_rss` measure how far a rank's resident memory rises while it runs its
 passes (Linux ``/proc``; the kernel's ``clear_refs`` documentation, value 5), after :func:`trim_heap` has
 returned the freed heap to the system (``malloc_trim``), so the rise counts the pages the pass touches anew;
-``compare`` sets it against the memory model's prediction (:mod:`meshplan.memory_model`).
+``compare`` sets it against the memory model's prediction (:mod:`meshplan.cost.memory`).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from meshplan.executor.data import Inputs, reference, single_process, softmax_sc
 from meshplan.executor.program import Program
 from meshplan.executor.sample import RowStats, Sample, key_grads, row_stats
 from meshplan.executor.tally import Tally
-from meshplan.measurement import Numerics
+from meshplan.plan.json.measurement import Numerics
 
 EPSILON = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11, "fp32": 2.0 ** -20}
 RESULT_PARTS = {"out": ("o", "lse"), "dq": ("dq",), "dkv": ("dk", "dv")}

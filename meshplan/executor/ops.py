@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from meshplan.blockmask import Blocks, KeyRanges
+from meshplan.model.blockmask import Blocks, KeyRanges
 from meshplan.executor.kernels import (
     block_backward,
     block_backward_from_out,
@@ -157,7 +157,7 @@ class OpRunner:
 def _by_chunk(mask, prog, op, q_pos: np.ndarray, k_pos: np.ndarray, rows: np.ndarray,
               cols: np.ndarray) -> tuple[np.ndarray, np.ndarray, Blocks]:
     """The op's rows and keys ordered chunk by chunk (each in position order) and its mask as one
-    :class:`~meshplan.blockmask.Blocks` rectangle per (query chunk, KV chunk) with permitted pairs.
+    :class:`~meshplan.model.blockmask.Blocks` rectangle per (query chunk, KV chunk) with permitted pairs.
     ``q_pos``/``k_pos``: the positions of the op's query and key tokens in their concatenation order."""
     def grouped(kind: str, chunks, sel: np.ndarray):
         sizes = [len(prog.tokens_of(kind, [c])) for c in chunks]

@@ -5,12 +5,12 @@ A shared host's speed drifts: on the 2-core VM these tools were built on, the sa
 ``meshplan calibrate`` times the probe throughout its run (``host_probe_ms`` of the calibration file) and
 ``meshplan run`` times it before every timed iteration (``env.probe_ms`` of the measurement, the median), so a
 comparison can say how much slower or faster the host was than when it was calibrated, and give the error
-with that drift taken out (:mod:`meshplan.compare`). The probe is :func:`~meshplan.executor.kernels.
+with that drift taken out (:mod:`meshplan.truth.compare`). The probe is :func:`~meshplan.executor.kernels.
 block_forward` of a fixed shape: on CPU fp32 Q, K, V [1, 4, 1024, 64] (4.3 GFLOP, about 20 ms on one core);
 on CUDA bf16 [1, 16, 8192, 128] (about 0.2 ms on an H100).
 
 :func:`kernel_flops_per_s` times the same kernel in a run's dtype once: the rate this host reaches now in that
-dtype (on a CPU rank's threads), a measured ceiling the plausibility check (:mod:`meshplan.plausible`) holds the
+dtype (on a CPU rank's threads), a measured ceiling the plausibility check (:mod:`meshplan.truth.plausible`) holds the
 run's implied rates to when the calibration's peaks are another host's or another dtype's.
 """
 

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-from meshplan.errors import UserError
-from meshplan.schedule_json import ScheduleJSON
-from meshplan.units import DTYPE_BYTES
-from meshplan.workload import Mask, Workload
+from meshplan.core.errors import UserError
+from meshplan.plan.json.format import ScheduleJSON
+from meshplan.core.units import DTYPE_BYTES
+from meshplan.model.workload import Mask, Workload
 
 PARTS = {
     "q": ("q",), "kv": ("k", "v"), "out": ("o", "lse"), "dout": ("do",),
@@ -83,7 +83,7 @@ class Program:
     def tokens_of(self, kind: str, chunks) -> np.ndarray:
         """Global positions a tensor of ``kind`` over ``chunks`` holds, in its local order: every token of the
         chunks for KV kinds (kv, dkv), only their query tokens (outside a cached prefix) for the rest."""
-        from meshplan.matrix import KV_KINDS
+        from meshplan.model.matrix import KV_KINDS
         table = self.positions if kind in KV_KINDS else self.q_positions
         parts = [table[c] for c in chunks]
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
@@ -160,7 +160,7 @@ def load_program(path: str | Path) -> Program:
         UserError: unreadable, another schema version, fails the verifier, or a transfer whose bytes do not
             match its tensor (all before any process starts).
     """
-    from meshplan.schedule_io import from_json, no_gc, read_document
+    from meshplan.plan.json.io import from_json, no_gc, read_document
 
     doc, raw = read_document(path)
     with no_gc():
@@ -169,12 +169,12 @@ def load_program(path: str | Path) -> Program:
 
 
 def program_of(sched) -> Program:
-    """The Program of an in-memory :class:`~meshplan.schedule.Schedule`, as if written and loaded (same checks).
+    """The Program of an in-memory :class:`~meshplan.plan.schedule.Schedule`, as if written and loaded (same checks).
 
     Raises:
         UserError: the schedule fails the verifier or its sizes do not match its workload.
     """
-    from meshplan.schedule_io import no_gc, to_json_text
+    from meshplan.plan.json.io import no_gc, to_json_text
 
     raw = to_json_text(sched).encode()
     with no_gc():
@@ -184,7 +184,7 @@ def program_of(sched) -> Program:
 
 def _indexed(doc: ScheduleJSON, raw: bytes, sched, name: str) -> Program:
     """Verify the schedule, then index the document (chunk positions from its segments) and check its sizes."""
-    from meshplan.verify import verify
+    from meshplan.plan.verify import verify
 
     report = verify(sched)
     if not report.ok:

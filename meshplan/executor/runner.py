@@ -1,4 +1,4 @@
-"""One rank running one pass of a schedule, obeying the semantics of :mod:`meshplan.schedule`.
+"""One rank running one pass of a schedule, obeying the semantics of :mod:`meshplan.plan.schedule`.
 
 Each stream runs in its own thread, its units (a P2P batch, or one op) in program order; a unit starts
 when the previous unit of its stream and every dep of its members have ended (``threading.Event`` per

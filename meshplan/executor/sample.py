@@ -29,10 +29,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from meshplan.blockmask import KeyRanges
+from meshplan.model.blockmask import KeyRanges
 from meshplan.executor.kernels import block_backward, block_backward_from_out, block_forward
 from meshplan.executor.program import Program
-from meshplan.workload import Workload
+from meshplan.model.workload import Workload
 
 FULL_CHECK_FLOPS = 2e10          # the float64 reference of the whole sequence up to this: seconds on a CPU
 SAMPLE_FLOPS = 2e10              # the sampled reference's budget (float64 FLOPs over all triples)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from meshplan.measurement import TensorError
+from meshplan.plan.json.measurement import TensorError
 
 
 class Tally:

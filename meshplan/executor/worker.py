@@ -30,7 +30,7 @@ from meshplan.executor.runner import PassRunner, connect
 from meshplan.executor.sample import Sample, pick_sample
 from meshplan.executor.store import Store
 from meshplan.executor.tally import Tally
-from meshplan.measurement import Numerics
+from meshplan.plan.json.measurement import Numerics
 
 
 @dataclass(frozen=True)
@@ -189,7 +189,7 @@ def _clock_offsets(raw: list[dict], passes: list[str], world: int, device) -> li
     """Per timed iteration and pass, ns to add to this rank's op times so that every rank's times count from the
     earliest rank's pass start. Ranks on one host share its monotonic clock (``perf_counter_ns``), so the
     barrier's release skew (up to a few ms) is taken out and a transfer's start on one rank compares with its
-    match's on another (:func:`meshplan.compare.transfer_spans`); ranks on several hosts keep their own origin."""
+    match's on another (:func:`meshplan.truth.compare.transfer_spans`); ranks on several hosts keep their own origin."""
     t0 = torch.tensor([[it[p][0] for p in passes] for it in raw] or [[0] * len(passes)], dtype=torch.int64,
                       device=device)
     every = [torch.empty_like(t0) for _ in range(world)]

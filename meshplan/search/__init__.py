@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from meshplan import algorithms
-from meshplan.errors import SkipCandidate, UserError
-from meshplan.matrix import attn_matrix
-from meshplan.memory_model import estimated_peak_bytes
-from meshplan.predict import (
+from meshplan.core.errors import SkipCandidate, UserError
+from meshplan.model.matrix import attn_matrix
+from meshplan.cost.memory import estimated_peak_bytes
+from meshplan.search.candidate import (
     Candidate,
     closed_form_predicted,
     make_candidate,
@@ -29,9 +29,9 @@ from meshplan.predict import (
     ring_ccr,
     simulate_candidate,
 )
-from meshplan.topology import Topology
-from meshplan.units import fmt_bytes
-from meshplan.workload import LAYOUTS, Workload
+from meshplan.model.topology import Topology
+from meshplan.core.units import fmt_bytes
+from meshplan.model.workload import LAYOUTS, Workload
 
 PRUNE_SLACK = 0.01
 #: Above this many ranks a schedule without node symmetry (every rank simulated, e.g. a causal contiguous Mesh:
@@ -120,7 +120,7 @@ def run_search(base: Workload, topo: Topology, n: int, *, algos: list[str] | Non
                progress: Callable[[int, int, str], None] | None = None) -> SearchResult:
     """Enumerate, prune and simulate; returns the candidates best first (simulated, then closed-form). Every plan
     must fit ``memory_limit`` bytes per GPU (default: the device's memory) by the memory model
-    (:mod:`meshplan.memory_model`): its estimate before simulation, its simulated total after.
+    (:mod:`meshplan.cost.memory`): its estimate before simulation, its simulated total after.
 
     Raises:
         UserError: no plan fits.
@@ -217,7 +217,7 @@ _OVER = {True: "over --memory-limit", False: "over the device's memory"}
 
 def _within_memory(cands: list[Candidate], topo: Topology, limit: float, given: bool, skipped: Counter,
                    rejected: list[str]) -> list[Candidate]:
-    """The candidates whose memory-model peak before simulation (:func:`~meshplan.memory_model.estimated_peak_bytes`)
+    """The candidates whose memory-model peak before simulation (:func:`~meshplan.cost.memory.estimated_peak_bytes`)
     fits ``limit`` bytes per GPU (``given``: from --memory-limit, else the device's); the others counted and listed.
 
     Raises:
@@ -275,9 +275,9 @@ def write_best(result: SearchResult, k: int, out_dir: str) -> None:
     """Verify and write the ``k`` best schedules (``.json``, or ``.json.gz`` past 50k ops)."""
     from pathlib import Path
 
-    from meshplan.bounds import schedule_timing
-    from meshplan.schedule_io import write_schedule
-    from meshplan.verify import verify
+    from meshplan.cost.bounds import schedule_timing
+    from meshplan.plan.json.io import write_schedule
+    from meshplan.plan.verify import verify
 
     topo = result.topology
     for rank, c in enumerate(result.candidates[:k], start=1):
@@ -306,7 +306,7 @@ def write_best(result: SearchResult, k: int, out_dir: str) -> None:
 
 def search_json(result: SearchResult, scheduler: str) -> dict[str, Any]:
     """The contract's ``--json`` body of ``search``."""
-    from meshplan.predict import result_json
+    from meshplan.search.candidate import result_json
     from meshplan.search.improve import not_run
 
     topo = result.topology

@@ -1,4 +1,4 @@
-"""``search``'s framework table: each framework's best setting (:mod:`meshplan.frameworks`), timed by the simulator.
+"""``search``'s framework table: each framework's best setting (:mod:`meshplan.search.framework_settings`), timed by the simulator.
 
 Every setting a framework offers is mapped to its plan. A plan the search simulated keeps its time; any other is
 planned (its closed-form bound) and simulated unless that bound is above the framework's best so far by more
@@ -23,12 +23,12 @@ from typing import Any
 
 from meshplan import algorithms
 from meshplan.algorithms.base import BuiltTiming, knob_flag
-from meshplan.errors import SkipCandidate, UserError
-from meshplan.frameworks import BWD_KNOBS, FRAMEWORKS, Choice, NotExpressible, express
-from meshplan.memory_model import estimated_peak_bytes
-from meshplan.predict import Candidate, make_candidate, simulate_candidate
+from meshplan.core.errors import SkipCandidate, UserError
+from meshplan.search.framework_settings import BWD_KNOBS, FRAMEWORKS, Choice, NotExpressible, express
+from meshplan.cost.memory import estimated_peak_bytes
+from meshplan.search.candidate import Candidate, make_candidate, simulate_candidate
 from meshplan.search import FULL_SIM_MAX_RANKS, SearchResult
-from meshplan.units import fmt_bytes
+from meshplan.core.units import fmt_bytes
 
 #: Every setting a framework offers is evaluated up to this many ranks.
 FULL_RANKS = 16

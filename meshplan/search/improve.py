@@ -3,9 +3,9 @@
 
 Which candidates: the simulated ones that could still matter — each of the ``write`` best, and any whose
 closed-form bound is below the best simulated makespan (an order can only take it down towards its bound) —
-whose model has at most ``ILP_MAX_INTERVALS`` intervals (:func:`meshplan.search.ilp.model_size`). ``auto``
+whose model has at most ``ILP_MAX_INTERVALS`` intervals (:func:`meshplan.search.ilp.model.model_size`). ``auto``
 solves only where the greedy makespan is more than ``AUTO_GAP`` above the closed-form bound; ``ilp`` wherever the
-size allows. The solver's order is written into a copy of the schedule (:func:`meshplan.search.ilp.apply_order`),
+size allows. The solver's order is written into a copy of the schedule (:func:`meshplan.search.ilp.model.apply_order`),
 verified and re-simulated; the faster of greedy and CP-SAT after re-simulation is kept, and the candidates are
 ranked again. Each candidate's ``scheduler`` object (ARCHITECTURE.md) says what was requested, which order was
 kept, the solver's status, its objective and proven bound (in its own model: not the candidate's closed-form
@@ -18,10 +18,10 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from meshplan import algorithms
-from meshplan.metrics import predicted
-from meshplan.predict import Candidate
-from meshplan.simulate import simulate
-from meshplan.verify import verify
+from meshplan.cost.metrics import predicted
+from meshplan.search.candidate import Candidate
+from meshplan.cost.simulate import simulate
+from meshplan.plan.verify import verify
 
 #: Largest model (intervals) the search gives to CP-SAT: the scheduling notes found proofs up to ~500 fixed
 #: intervals in seconds and gaps of 2-3% at 2k-8k in 10-30 s on 2 cores.
@@ -49,7 +49,7 @@ def improve(result, scheduler: str, *, time_limit_s: float, workers: int = 0, wr
     """
     import time
 
-    from meshplan.search import ilp
+    from meshplan.search.ilp import model as ilp
 
     t0 = time.perf_counter()
     if scheduler not in SCHEDULERS:
@@ -150,9 +150,9 @@ def _rerank(result, sim: list[Candidate]) -> None:
 
 def _buffer_budget(sched, topo, memory_limit: float | None) -> float:
     """What ``--memory-limit`` (default: the device's memory) leaves the buffers once the largest op's workspace
-    and the runtime's memory are set aside (:mod:`meshplan.memory_model`): the CP-SAT reservoir bounds buffers
+    and the runtime's memory are set aside (:mod:`meshplan.cost.memory`): the CP-SAT reservoir bounds buffers
     only (never below the greedy order's level)."""
-    from meshplan.memory_model import op_workspace_bytes
+    from meshplan.cost.memory import op_workspace_bytes
     spec = topo.memory_model
     limit = topo.memory_bytes if memory_limit is None else memory_limit
     usable = (limit - spec.runtime_bytes) / spec.overhead_factor

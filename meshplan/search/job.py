@@ -3,7 +3,7 @@
 The search itself runs for one CP group (``--gpus`` ranks, heads / TP, on that many devices of the topology);
 then its ``top`` best candidates and each method's best (simulated here if the group search left them at their
 bound, since sharing the job's links can reorder plans whose group times are close) are laid onto every CP
-group's GPUs of the job (:func:`meshplan.job.job_schedule`) and simulated together on the job's topology,
+group's GPUs of the job (:func:`meshplan.plan.job.job_schedule`) and simulated together on the job's topology,
 where the groups share NICs and links. Those candidates are re-ranked by that time (``job.together_s``); the
 others keep their group order after them. A written schedule is group 0's on its job GPUs (simulating the
 file gives ``job.alone_s``).
@@ -17,10 +17,10 @@ from __future__ import annotations
 from typing import Any
 
 from meshplan import algorithms
-from meshplan.job import JobShape, job_schedule
+from meshplan.plan.job import JobShape, job_schedule
 from meshplan.search import SearchResult
-from meshplan.simulate import simulate
-from meshplan.topology import Topology
+from meshplan.cost.simulate import simulate
+from meshplan.model.topology import Topology
 
 
 def best_group_s(result: SearchResult) -> float | None:
@@ -37,7 +37,7 @@ def rerank_for_job(result: SearchResult, shape: JobShape, job_topo: Topology, to
     ``job`` object (the shape, the CP groups, how many candidates were timed as the job).
     """
     from meshplan.algorithms.ring import topology_record
-    from meshplan.predict import simulate_candidate
+    from meshplan.search.candidate import simulate_candidate
 
     groups = shape.cp_groups()
     eligible = [c for c in result.candidates if not c.forward_only]

@@ -7,7 +7,7 @@ random order and keeps the first that lowers the simulated makespan (first-impro
 swap of a full sweep helps or the evaluation budget is spent. Swaps of two devices that see the topology
 alike (the same node, domain and route to every third device) are skipped: they change nothing.
 
-Each evaluation is a full simulation (:func:`meshplan.simulate.simulate`): a placement that breaks node symmetry
+Each evaluation is a full simulation (:func:`meshplan.cost.simulate.simulate`): a placement that breaks node symmetry
 makes the simulator run every rank, so the search is for up to ``MAX_RANKS`` ranks.
 """
 
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meshplan.schedule import Schedule
-from meshplan.simulate import simulate
-from meshplan.topology import Topology
+from meshplan.plan.schedule import Schedule
+from meshplan.cost.simulate import simulate
+from meshplan.model.topology import Topology
 
 MAX_RANKS = 64
 

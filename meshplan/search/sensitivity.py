@@ -31,10 +31,10 @@ from typing import Any, Callable
 import numpy as np
 
 from meshplan import algorithms
-from meshplan.errors import UserError
-from meshplan.predict import jsonable, simulate_candidate
-from meshplan.simulate import simulate
-from meshplan.topology import LINK_CLASSES, Topology
+from meshplan.core.errors import UserError
+from meshplan.search.candidate import jsonable, simulate_candidate
+from meshplan.cost.simulate import simulate
+from meshplan.model.topology import LINK_CLASSES, Topology
 
 PICKS = ("nominal", "robust")
 PERTURBED = ("bandwidth", "latency", "efficiency")

@@ -1,0 +1,1 @@
+"""Mesh-Attention: the algorithm, its tile grid, in-tile fetch order, schedule builder and closed-form timing."""

@@ -1,0 +1,1 @@
+"""The command line (typer + rich): parse, build a request, call one library function, print."""

@@ -1,0 +1,395 @@
+"""The ``meshplan`` command line (ARCHITECTURE.md, CLI contract).
+
+Human tables on stdout by default, JSON on stdout with ``--json``; progress, logs and warnings on stderr.
+Bad input: one line on stderr naming the field and the fix, exit status 2, nothing written.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated, Optional
+
+import typer
+from typer.core import TyperGroup
+
+try:  # typer >= 0.20 vendors click; older typer uses the click package
+    from typer._click import exceptions as _cx
+except ImportError:  # pragma: no cover
+    import click.exceptions as _cx
+
+from meshplan.cli import options as o
+from meshplan.cli import sensitivity as sv
+
+
+class _Group(TyperGroup):
+    """Runs a command; user errors become one line on stderr and exit status 2 (no traceback, no panel)."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        from meshplan.core.errors import UserError
+        try:
+            rv = super().main(args=args, prog_name=prog_name or "meshplan", complete_var=complete_var,
+                              standalone_mode=False, **extra)
+        except UserError as err:
+            return self._fail(f"error: {err}", 2)
+        except _cx.UsageError as err:
+            if not err.format_message().strip():  # no arguments: the help was printed
+                return self._fail("", 0)
+            path = err.ctx.command_path if err.ctx else "meshplan"
+            return self._fail(f"error: {err.format_message()} (see {path} --help)", 2)
+        except typer.Abort:
+            return self._fail("aborted", 130)
+        except _cx.ClickException as err:
+            return self._fail(f"error: {err.format_message()}", 2)
+        code = rv if isinstance(rv, int) else 0
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
+    @staticmethod
+    def _fail(message: str, code: int):
+        if message:
+            sys.stderr.write(" ".join(message.split()) + "\n")
+        sys.exit(code)
+
+
+app = typer.Typer(cls=_Group, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Plan, simulate and run distributed attention for long-context LLMs.")
+topo_app = typer.Typer(no_args_is_help=True, help="Inspect topologies.")
+app.add_typer(topo_app, name="topo")
+from meshplan.cli.plot import plot_app  # noqa: E402  (typer only; matplotlib loads inside the commands)
+
+app.add_typer(plot_app, name="plot")
+
+
+def _err_console():
+    from rich.console import Console
+    return Console(stderr=True)
+
+
+def _out_console():
+    from rich.console import Console
+    return Console(width=200 if not sys.stdout.isatty() else None)
+
+
+def _emit(body, as_json: bool, human) -> None:
+    if as_json:
+        sys.stdout.write(json.dumps(body, indent=1) + "\n")
+    else:
+        human(_out_console())
+
+
+@app.command()
+def search(gpus: o.Gpus = None, topo: o.Topo = None, model: o.Model = None, seq_len: o.SeqLen = None,
+           batch: o.Batch = None, heads: o.Heads = None, kv_heads: o.KvHeads = None, head_dim: o.HeadDim = None,
+           dtype: o.Dtype = None, mask: o.MaskOpt = None, layout: o.Layout = None, passes: o.Pass = None,
+           valid_len: o.ValidLen = None, prefix_len: o.PrefixLen = None,
+           doc_layout: o.DocLayout = None, tile: o.Tile = None, mapping: o.Mapping = None,
+           partial_dtype: o.PartialDtype = None, dkv_dtype: o.DkvDtype = None, ulysses_degree: o.UlyssesDegree = None,
+           inner_ring: o.InnerRing = None, team_size: o.TeamSize = None, domains: o.Domains = None,
+           knob: o.KnobKV = None,
+           algos: Annotated[Optional[str], typer.Option("--algos", help="comma-separated algorithm names")] = None,
+           top: Annotated[int, typer.Option("--top", help="rows shown")] = 10,
+           write: Annotated[int, typer.Option("--write", help="best schedules written (0: none)")] = 1,
+           out: Annotated[str, typer.Option("--out", help="directory for written schedules")] = "schedules",
+           scheduler: Annotated[str, typer.Option("--scheduler", help="greedy | ilp (CP-SAT stream orders for the "
+                                                  "best candidates, re-simulated) | auto (CP-SAT where greedy is "
+                                                  "more than 3% above the bound)")] = "greedy",
+           ilp_time_limit_s: Annotated[float, typer.Option(
+               "--ilp-time-limit-s", help="CP-SAT time limit per candidate, seconds")] = 10.0,
+           ilp_workers: Annotated[int, typer.Option("--ilp-workers", help="CP-SAT workers (0: one per core)")] = 0,
+           map_search: Annotated[int, typer.Option(
+               "--map-search", help="rank -> GPU placement search: simulations per written candidate (0: off)")] = 0,
+           memory_limit: Annotated[Optional[str], typer.Option(
+               "--memory-limit", help="bytes per GPU the memory model must fit (80GiB, 64GB, ...; default: the "
+               "device's memory)")] = None,
+           prune_slack: Annotated[float, typer.Option(
+               "--prune-slack", help="prune within this fraction of the best (0: exact)")] = 0.01,
+           tp: o.Tp = 1, dp: o.Dp = 1, rank_order: o.RankOrder = "tp-cp-dp",
+           sensitivity: sv.Sensitivity = None, sensitivity_samples: sv.Samples = None, sensitivity_top: sv.Top = None,
+           sensitivity_seed: sv.Seed = None, pick: sv.Pick = "nominal",
+           as_json: o.Json = False) -> None:
+    """Rank every algorithm, layout and knob setting for a workload on a cluster; write the best schedules.
+    With --tp/--dp, --gpus is the CP group size and the best plans are re-ranked by the whole job's time."""
+    from meshplan.core.errors import UserError
+    from meshplan.search import search_json
+    from meshplan.search.frameworks import frameworks_json
+
+    _check_search_flags(gpus, scheduler, ilp_time_limit_s, ilp_workers, write, top, map_search, prune_slack)
+    from meshplan.search.sensitivity import check_args
+    sensitivity_samples, sensitivity_top, sensitivity_seed = check_args(
+        sensitivity, sensitivity_samples, sensitivity_top, sensitivity_seed, pick, job=o.is_job(tp, dp, rank_order))
+    topology = o.topology(topo, gpus, "search")
+    base = o.workload(model, seq_len, batch, heads, kv_heads, head_dim, dtype, mask, layout, passes, valid_len,
+                    prefix_len, doc_layout)
+    job = None
+    if o.is_job(tp, dp, rank_order):
+        from meshplan.cli.job import job_setup
+        job, base, job_topo = job_setup(gpus, topo, base, tp, dp, rank_order, scheduler, map_search)
+    filters = o.knobs(tile, mapping, partial_dtype, dkv_dtype, ulysses_degree, inner_ring, team_size, domains, knob)
+    names = [a.strip() for a in algos.split(",")] if algos else None
+    limit = _memory_limit(memory_limit)
+    steps = _SearchSteps(names, filters, limit, prune_slack, write, top, map_search, scheduler, ilp_time_limit_s,
+                         ilp_workers, (sensitivity, sensitivity_samples, sensitivity_top, sensitivity_seed, pick))
+    result, bests, sens, job_body, group_best_s, inference = steps.run(
+        base, topology, gpus, layout is not None, out, None if job is None else (job, job_topo))
+    if not result.candidates:
+        raise UserError("--algos" if names else "--gpus", "no candidate can run this workload",
+                        "see the skipped reasons with --json, or change the filters")
+    body = search_json(result, scheduler)
+    # the frameworks' plans are timed as one CP group: compare them with the best group time (not a job time)
+    best_s = group_best_s if job is not None else body["candidates"][0]["predicted"].get("makespan_s")
+    body["frameworks"] = frameworks_json(bests, best_s)
+    body |= {k: v for k, v in (("inference", inference), ("job", job_body), ("sensitivity", sens)) if v is not None}
+    from meshplan.show.tables import print_search
+    _emit(body, as_json, lambda c: (print_search(body, c, top), sv.print_sensitivity(body, c)))
+
+
+class _SearchSteps:
+    """search's pipeline under one progress bar: candidates, the frameworks' settings, mapping search, CP-SAT,
+    sensitivity, the job re-rank, the inference rules, writing the best schedules."""
+
+    def __init__(self, names, filters, limit, prune_slack, write, top, map_search, scheduler, ilp_time_limit_s,
+                 ilp_workers, sensitivity) -> None:
+        self.names, self.filters, self.limit, self.prune_slack = names, filters, limit, prune_slack
+        self.write, self.top = write, top
+        self.map_search, self.scheduler, self.ilp = map_search, scheduler, (ilp_time_limit_s, ilp_workers)
+        self.sensitivity = sensitivity
+
+    def run(self, base, topology, gpus, layout_pinned: bool, out: str, job):
+        """(result, framework bests, sensitivity body, job body, best group time, inference report)."""
+        from meshplan.search.inference import rule_report
+        from meshplan.search import run_search, write_best
+        from meshplan.search.frameworks import framework_bests
+
+        progress = _progress()
+        with progress:
+            task = progress.add_task("simulating", total=None)
+            step = lambda k, n, label: progress.update(task, total=n, completed=k, description=label)  # noqa: E731
+            result = run_search(base, topology, gpus, algos=self.names, filters=self.filters,
+                                layout_pinned=layout_pinned, memory_limit=self.limit, prune_slack=self.prune_slack,
+                                progress=step)
+            progress.update(task, description="the frameworks' settings")
+            bests = framework_bests(result, self.names, self.filters)
+            if self.map_search:
+                from meshplan.search.improve import improve_mapping
+                improve_mapping(result, self.map_search, write=self.write, progress=step)
+            if self.scheduler != "greedy":
+                from meshplan.search.improve import improve
+                improve(result, self.scheduler, time_limit_s=self.ilp[0], workers=self.ilp[1], write=self.write,
+                        memory_limit=self.limit, progress=step)
+            sens = self._sensitivity(result, step)
+            job_body = group_best_s = None
+            if job is not None:
+                from meshplan.search.job import best_group_s, rerank_for_job
+                group_best_s = best_group_s(result)          # before the job re-ranks the candidates
+                job_body = rerank_for_job(result, *job, max(self.top, self.write), progress=step)
+            inference = rule_report(result)
+            if self.write > 0:
+                progress.update(task, description=f"verifying and writing {self.write} schedule(s)")
+                write_best(result, self.write, out)
+        return result, bests, sens, job_body, group_best_s, inference
+
+    def _sensitivity(self, result, step):
+        kind, samples, top, seed, pick = self.sensitivity
+        if kind is None:
+            return None
+        from meshplan.search.sensitivity import run_sensitivity
+        return run_sensitivity(result, kind, samples=samples, top=top, seed=seed, pick=pick, progress=step)
+
+
+def _memory_limit(text: str | None) -> float | None:
+    """``--memory-limit`` in bytes (None: not given); a bare number under 1 MB is refused as a missing unit."""
+    from meshplan.core.errors import UserError
+    from meshplan.core.units import parse_bytes
+
+    if not text:
+        return None
+    limit = parse_bytes(text, "--memory-limit")
+    if limit < 1e6:
+        raise UserError("--memory-limit", f"{text} is {limit:g} bytes, less than 1 MB per GPU",
+                        f"give a unit: --memory-limit {text}GB or {text}GiB")
+    return limit
+
+
+def _check_search_flags(gpus, scheduler, ilp_time_limit_s, ilp_workers, write, top, map_search, prune_slack) -> None:
+    """``search``'s own flags, before anything runs (UserError: one line naming the flag)."""
+    from meshplan.core.errors import UserError
+
+    if gpus is None:
+        raise UserError("--gpus", "search needs a GPU count", "give --gpus N")
+    if scheduler not in ("greedy", "ilp", "auto"):
+        raise UserError("--scheduler", f"unknown scheduler {scheduler!r}", "use greedy, ilp or auto")
+    if not 0 < ilp_time_limit_s <= 86400:
+        raise UserError("--ilp-time-limit-s", f"{ilp_time_limit_s} is not a time limit",
+                        "give seconds, more than 0 and at most 86400 (e.g. 10)")
+    if not 0 <= ilp_workers <= 256:
+        raise UserError("--ilp-workers", f"{ilp_workers} workers", "give 0 (one per core) to 256")
+    if write < 0 or top < 0:
+        flag, value = ("--write", write) if write < 0 else ("--top", top)
+        raise UserError(flag, f"{value} is negative", "give a count of 0 or more")
+    if map_search < 0:
+        raise UserError("--map-search", f"{map_search} is negative", "give a number of simulations (0: off)")
+    if map_search and gpus > 64:
+        raise UserError("--map-search", f"placement search is for up to 64 ranks, not {gpus}", "drop --map-search")
+    if not 0 <= prune_slack < 1:
+        raise UserError("--prune-slack", f"{prune_slack} is outside [0, 1)", "give a fraction such as 0.01")
+
+
+def _progress():
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    return Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=_err_console(),
+                    transient=True, disable=not sys.stderr.isatty())
+
+
+@app.command()
+def simulate(schedule: Annotated[Optional[str], typer.Argument(help="a schedule file (or use --algo)")] = None,
+             algo: Annotated[Optional[str], typer.Option("--algo", help="algorithm name")] = None,
+             gpus: o.Gpus = None, topo: o.Topo = None, model: o.Model = None, seq_len: o.SeqLen = None,
+             batch: o.Batch = None, heads: o.Heads = None, kv_heads: o.KvHeads = None, head_dim: o.HeadDim = None,
+             dtype: o.Dtype = None, mask: o.MaskOpt = None, layout: o.Layout = None, passes: o.Pass = None,
+             valid_len: o.ValidLen = None, prefix_len: o.PrefixLen = None,
+             doc_layout: o.DocLayout = None, tile: o.Tile = None, mapping: o.Mapping = None,
+             partial_dtype: o.PartialDtype = None, dkv_dtype: o.DkvDtype = None,
+             ulysses_degree: o.UlyssesDegree = None, inner_ring: o.InnerRing = None, team_size: o.TeamSize = None,
+             domains: o.Domains = None, knob: o.KnobKV = None,
+             tp: o.Tp = 1, dp: o.Dp = 1, rank_order: o.RankOrder = "tp-cp-dp",
+             out: Annotated[Optional[str], typer.Option("--out", help="write the schedule (.json or .json.gz)")] = None,
+             trace: Annotated[Optional[str], typer.Option("--trace", help="write a Chrome/Perfetto trace")] = None,
+             as_json: o.Json = False) -> None:
+    """Predict one algorithm's time on a cluster (by name), or a schedule file's. With --tp/--dp, --gpus is the
+    CP group size and every CP group of the job is simulated at once."""
+    from meshplan.cli.simulate import simulate_file, simulate_named
+    from meshplan.core.errors import UserError
+    if schedule is not None:
+        if o.is_job(tp, dp, rank_order):
+            raise UserError("--tp", "--tp, --dp and --rank-order plan a job with --algo, not a schedule file",
+                            "drop them, or give --algo NAME")
+        simulate_file(schedule, topo, trace, as_json, _emit)
+        return
+    wl = o.workload(model, seq_len, batch, heads, kv_heads, head_dim, dtype, mask, layout, passes, valid_len,
+                    prefix_len, doc_layout)
+    kn = o.knobs(tile, mapping, partial_dtype, dkv_dtype, ulysses_degree, inner_ring, team_size, domains, knob)
+    if o.is_job(tp, dp, rank_order):
+        from meshplan.cli.job import simulate_job
+        simulate_job(algo, gpus, topo, wl, kn, tp, dp, rank_order, out, trace, as_json, _emit)
+        return
+    simulate_named(algo, gpus, topo, wl, kn, out, trace, as_json, _emit)
+
+
+@app.command()
+def run(schedule: Annotated[str, typer.Argument(help="a schedule file (.json or .json.gz)")],
+        nproc: o.Nproc = None, backend: o.Backend = "auto", iters: o.Iters = 5, warmup: o.Warmup = 2,
+        check: o.Check = None, serialize: o.Serialize = False, timeout_s: o.TimeoutS = 120.0,
+        out: Annotated[Optional[str], typer.Option("--out", help="write the Measurement JSON")] = None,
+        trace: Annotated[Optional[str], typer.Option("--trace", help="write a Chrome/Perfetto trace")] = None,
+        dump: o.Dump = None, seed: o.Seed = 0, inputs: o.Inputs = None, as_json: o.Json = False) -> None:
+    """Run a schedule on torch.distributed, check its numerics, measure every op."""
+    from meshplan.cli.run import run_command
+    raise typer.Exit(run_command(schedule, nproc, backend, iters, warmup, check, serialize, timeout_s, out, trace,
+                                 dump, seed, inputs, as_json))
+
+
+@app.command()
+def compare(schedule: Annotated[str, typer.Argument(help="the schedule that was run")],
+            measurement: Annotated[str, typer.Argument(help="its Measurement JSON (run --out)")],
+            topo: o.Topo = None,
+            trace: Annotated[Optional[str], typer.Option("--trace", help="write both timelines as one Chrome trace")]
+            = None, as_json: o.Json = False) -> None:
+    """Predicted against measured: per op kind, per step, end to end, peak memory; exit 1 when the measurement
+    implies more than the hardware can do."""
+    from meshplan.cli.run import compare_command
+    raise typer.Exit(compare_command(schedule, measurement, topo, as_json, trace))
+
+
+@app.command()
+def validate(schedule: Annotated[str, typer.Argument(help="a schedule file")],
+             topo: o.Topo = None, as_json: o.Json = False) -> None:
+    """The verifier: exit 0 valid, 1 invalid (violations listed), 2 unreadable or another schema version."""
+    from meshplan.cli.simulate import validate_file
+    raise typer.Exit(validate_file(schedule, topo, as_json))
+
+
+@app.command()
+def schema() -> None:
+    """Print the JSON Schema of the Schedule file."""
+    from meshplan.plan.json.io import schema as schedule_schema
+    sys.stdout.write(json.dumps(schedule_schema(), indent=1) + "\n")
+
+
+@topo_app.command("show")
+def topo_show(topo: Annotated[str, typer.Argument(help="topology file or shipped name")],
+              gpus: o.Gpus = None, as_json: o.Json = False) -> None:
+    """Show a topology: devices, link classes with capacities and latencies, example routes."""
+    from meshplan.show.tables import print_topology
+    from meshplan.cli.simulate import topology_info
+    info = topology_info(topo, gpus)
+    _emit(info, as_json, lambda c: print_topology(info, c))
+
+
+@topo_app.command("list")
+def topo_list() -> None:
+    """List the shipped topologies."""
+    from meshplan.model.topo_files import shipped_topologies
+    sys.stdout.write("\n".join(shipped_topologies()) + "\n")
+
+
+from meshplan.cli.topo import topo_import  # noqa: E402  (typer only; the import itself loads inside)
+
+topo_app.command("import")(topo_import)
+
+
+@app.command()
+def reproduce(table: Annotated[str, typer.Argument(help="charm-h100, charm-ablation or charm-memory")],
+              data: Annotated[Optional[str], typer.Option("--data", help="a CSV with the same columns")] = None,
+              fit: Annotated[bool, typer.Option("--fit", help="fit the parameters afresh (else: the shipped ones)")]
+              = False, as_json: o.Json = False) -> None:
+    """Predict a published table (CHARM+ paper) and print predicted, measured and the error per row."""
+    from meshplan.cli.reproduce import reproduce_command
+    reproduce_command(table, data, fit, as_json, _emit)
+
+
+@app.command()
+def calibrate(topo: Annotated[str, typer.Option("--topo", help="the topology to calibrate")] = "cpu-local",
+              backend: o.Backend = "auto",
+              quick: Annotated[bool, typer.Option("--quick", help="a small sweep: a few seconds")] = False,
+              out: Annotated[str, typer.Option("--out", help="the calibration YAML to write")] = ...,
+              from_nccl_tests: Annotated[Optional[list[str]], typer.Option(
+                  "--from-nccl-tests", help="fit the link classes from nccl-tests output instead of measuring (no "
+                  "torch): FILE or CLASS:FILE (CLASS intra, nvlink or net), comma-separated or repeated")] = None,
+              memory_only: Annotated[bool, typer.Option(
+                  "--memory-only", help="measure only the memory model and update it in --out (an existing "
+                  "calibration file), keeping the rest")] = False,
+              refit: Annotated[bool, typer.Option(
+                  "--refit", help="measure nothing: fit every parameter again from --out's own raw measurements "
+                  "(after meshplan's fits changed) and rewrite it")] = False,
+              repeat: Annotated[int, typer.Option(
+                  "--repeat", help="measure N times and merge (a timing's median over the runs; samples pooled): "
+                  "one run's slow spell on a shared host moves nothing")] = 1,
+              as_json: o.Json = False) -> None:
+    """Measure this host's kernels, transfers, overlap and core sharing (or, with --from-nccl-tests, fit the link
+    classes from nccl-tests output); write a calibration file."""
+    from meshplan.cli import calibrate as cli_calibrate
+    from meshplan.core.errors import UserError
+    given = [flag for flag, on in (("--from-nccl-tests", bool(from_nccl_tests)), ("--memory-only", memory_only),
+                                   ("--refit", refit)) if on]
+    if len(given) > 1:
+        raise UserError(given[1], f"cannot be combined with {given[0]}", "run them as two calls")
+    if given and repeat != 1:
+        raise UserError("--repeat", f"applies to a full calibration, not to {given[0]}", "drop --repeat")
+    if refit:
+        raise typer.Exit(cli_calibrate.calibrate_refit(topo, out, as_json))
+    if from_nccl_tests:
+        raise typer.Exit(cli_calibrate.calibrate_from_nccl_tests(topo, from_nccl_tests, out, as_json))
+    if memory_only:
+        raise typer.Exit(cli_calibrate.calibrate_memory_only(topo, backend, quick, out, as_json))
+    raise typer.Exit(cli_calibrate.calibrate_command(topo, backend, quick, out, as_json, repeat))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``meshplan`` console script."""
+    typer.main.get_command(app).main(args=argv, prog_name="meshplan")
+
+
+if __name__ == "__main__":
+    main()

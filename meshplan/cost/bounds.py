@@ -1,0 +1,105 @@
+"""Closed-form (L0) timing of a built schedule: the uncontended evaluation and the busiest-link bound.
+
+Every transfer takes its uncontended alpha-beta time, every compute op its duration alone, no overlap
+penalty; the schedule's own dependencies and batches are respected (:func:`meshplan.plan.dataflow.evaluate`).
+Contention and overlap only lengthen ops and the semantics are monotone, so the result is a lower bound on
+the simulated makespan; ``bound_s`` also takes the busiest link's bytes / capacity. Algorithms with small
+schedules (Mesh) use this; Ring and pass-Q have an equivalent per-step recurrence that needs no schedule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from meshplan.cost.cost import CostModel
+from meshplan.plan.dataflow import build_items, evaluate, peak_memory
+from meshplan.cost.memory import model_peak_bytes, op_workspace_bytes
+from meshplan.plan.schedule import COMPUTE, KIND, PASS_NAMES, RECV, SEND, Schedule
+from meshplan.cost.symmetry import find_reduction
+from meshplan.model.topology import Topology
+
+_BUSY = np.array([KIND["compute"], KIND["merge"], KIND["accumulate"]])
+
+
+@dataclass
+class PassTiming:
+    """Closed-form (L0) timing of one pass.
+
+    ``makespan_s`` is the uncontended makespan, a lower bound; ``bound_s`` the larger of it and the
+    busiest link's bytes / capacity. ``compute_s`` and ``comm_s`` are per-rank sums on the critical rank.
+    """
+
+    makespan_s: float
+    bound_s: float
+    compute_s: float
+    comm_s: float
+    recv_bytes_max: float
+    inter_node_bytes_max: float
+    flops_total: float
+    recv_bytes_total: float
+    peak_memory_bytes: float
+    peak_memory_total_bytes: float | None = None   # the memory model's peak (None: closed forms without it)
+    estimate_s: float | None = None      # best guess of the simulated makespan (default: makespan_s)
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+def pool_bound(topo: Topology, compute_per_rank: np.ndarray) -> float:
+    """Ranks sharing a compute pool (CPU ranks on a few cores) need at least Σ compute / pool capacity."""
+    cap = topo.pool_capacity
+    return float(np.sum(compute_per_rank)) / cap if cap else 0.0
+
+
+def transfer_seconds(sched: Schedule, topo: Topology, partner: np.ndarray) -> np.ndarray:
+    """[n_ops] uncontended time of the transfer each send/recv takes part in (0 for other ops)."""
+    o, dev = sched.ops, sched.device_of_rank
+    comm = partner >= 0
+    src = np.where(o.kind == SEND, o.rank, o.peer)
+    dst = np.where(o.kind == SEND, o.peer, o.rank)
+    lat, bw = topo.pair_stats(dev[np.where(comm, src, 0)], dev[np.where(comm, dst, 0)])
+    return np.where(comm, lat + o.size_bytes / bw, 0.0)
+
+
+def schedule_timing(sched: Schedule, topo: Topology) -> dict[str, PassTiming]:
+    """PassTiming of every pass of a built schedule."""
+    o, dev = sched.ops, sched.device_of_rank
+    partner = sched.match_transfers()[0]
+    dur = CostModel(topo).op_durations(sched)
+    tr = transfer_seconds(sched, topo, partner)
+    workspace = op_workspace_bytes(sched, topo.memory_model)
+    red = find_reduction(sched, topo, dur, partner, 0.0)  # evaluate one node's ranks when the rest are alike
+    rep_partner = np.where(partner >= 0, red.rep_op[np.maximum(partner, 0)], -1)
+    out = {}
+    for phase in sched.passes:
+        items = build_items(sched, phase, rep_partner, ranks=red.reps)
+        ev = evaluate(items, dur, tr)
+        sel = np.flatnonzero(o.phase == phase)
+        rep_item = items.item_of_op[red.rep_op[sel]]
+        start, end = np.full(len(o), np.nan), np.full(len(o), np.nan)
+        start[sel], end[sel] = ev.start[rep_item], ev.end[rep_item]
+        last = np.full(sched.n_ranks, -np.inf)
+        np.maximum.at(last, o.rank[sel], end[sel])
+        crit = int(np.argmax(last))
+        in_pass = o.phase == phase
+        recv = in_pass & (o.kind == RECV)
+        by_rank = np.bincount(o.rank[recv], weights=o.size_bytes[recv], minlength=sched.n_ranks)
+        cross = recv & ~topo.same_node(dev[o.rank], dev[np.maximum(o.peer, 0)])
+        cross_rank = np.bincount(o.rank[cross], weights=o.size_bytes[cross], minlength=sched.n_ranks)
+        sends = np.flatnonzero(in_pass & (o.kind == SEND))
+        loads = topo.link_loads(dev[o.rank[sends]], dev[o.peer[sends]], o.size_bytes[sends])
+        makespan = float(np.nanmax(ev.end)) if len(ev.end) else 0.0
+        busy = in_pass & np.isin(o.kind, _BUSY)
+        pooled = pool_bound(topo, np.bincount(o.rank[busy], weights=dur[busy], minlength=sched.n_ranks))
+        if not ev.complete:
+            raise RuntimeError("the schedule deadlocks (run meshplan validate)")
+        mine = in_pass & (o.rank == crit)
+        out[PASS_NAMES[phase]] = PassTiming(
+            makespan_s=makespan,
+            bound_s=max(makespan, pooled, float((loads / topo.link_capacity).max(initial=0.0))),
+            compute_s=float(dur[mine & np.isin(o.kind, _BUSY)].sum()), comm_s=float(tr[mine & (o.kind == RECV)].sum()),
+            recv_bytes_max=float(by_rank.max()), inter_node_bytes_max=float(cross_rank.max()),
+            flops_total=float(o.flops[in_pass & (o.kind == COMPUTE)].sum()), recv_bytes_total=float(by_rank.sum()),
+            peak_memory_bytes=float(peak_memory(sched, phase, start, end).max()),
+            peak_memory_total_bytes=model_peak_bytes(sched, topo.memory_model, phase, start, end, workspace))
+    return out

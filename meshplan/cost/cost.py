@@ -1,0 +1,192 @@
+"""Closed-form costs (COSTMODEL.md level L0): compute, merges and uncontended alpha-beta transfers.
+
+All times in seconds, sizes in bytes, rates in bytes/s.
+
+* Attention block: ``t = t_launch + FLOPs / (peak(dtype) · e(s_q, s_kv, pass, mask))`` with ``e`` from
+  the device's kernel table (:mod:`meshplan.model.kernels`, by kernel shape and head dim D); FLOPs = 4·B·h·pairs·D
+  forward, 2.5x backward.
+  An op over several blocks runs as one kernel of the op's shape (the rows and columns of its chunks that
+  take part: Ulysses runs the whole sequence, USP u·c × u·c, CHARM+ 2c × c, TASP c × c from N − 1
+  sub-chunks): one launch, every block's FLOPs at the efficiency of its shape grown by √(a·b) for an op
+  over a × b chunks, the elementwise factor on the blocks that need a mask (COSTMODEL.md: ``e`` is keyed
+  by the kernel's shape, not by FLOPs). Except where the op's tokens interleave so that its mask has no
+  short cover by kernels (a striped op over chunks that are not alternate residues,
+  :func:`meshplan.model.blockmask.runs_by_block`): the executor runs such an op block by block, so it is priced
+  as its blocks, each at its own shape with its own launch.
+* Combining a result into an accumulator (LSE merge or gradient add) is memory bound:
+  ``t = t_launch + bytes_touched / (f · HBM bandwidth)`` with f = the table's ``merge_hbm_fraction``
+  (0.8, COSTMODEL.md). A compute op with ``combine`` merge/accumulate pays it for each output:
+  3 x the output's bytes (read accumulator, read partial, write accumulator).
+* Transfer alone on its route: ``T(S) = alpha_sw + Σ hop latency + S / min(link capacity, per-flow cap)``.
+
+The simulator (L1) adds contention and overlap; these formulas are also what lower bounds are made of.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from meshplan.core.csr import csr_sum
+from meshplan.model.matrix import attn_matrix
+from meshplan.plan.schedule import COMBINES, COMPUTE, KIND, PASS_NAMES, TENSOR_KIND_NAMES, Schedule, expand_blocks
+from meshplan.model.topology import Topology
+
+
+def _runs_by_block(sched: Schedule, m, ops: np.ndarray) -> np.ndarray:
+    """[len(ops)] whether the executor runs each multi-block compute op block by block (only striped layouts
+    interleave chunks; one check per distinct pair of chunk sets, :func:`meshplan.model.blockmask.runs_by_block`).
+    Causal masks only: a window or document mask inside a striped block has no short cover in either order
+    (the executor's dense fallback, which the model does not price)."""
+    w, o = sched.workload, sched.ops
+    out = np.zeros(len(ops), dtype=bool)
+    if w.layout != "striped" or w.mask.kind != "causal":    # windows and documents cut blocks: dense anyway
+        return out
+    from meshplan.model.blockmask import PERIODS, runs_by_block, striped_runs_by_block
+
+    ch, n, seen = m.chunks, sched.n_chunks, {}
+    # one strided segment per chunk, of stride N and >= PERIODS tokens: chunk i is residue start[i] (closed form)
+    plain = (ch.count.shape[1] == 1) and bool((ch.stride == n).all() and (ch.count >= PERIODS).all()
+                                               and ch.holds_q.all())
+
+    def segments(chunks, query: bool):
+        counts = ch.count * ch.holds_q[None, :] if query else ch.count
+        return [(int(a), int(b), int(c)) for i in chunks for a, b, c in zip(ch.start[i], ch.stride[i], counts[i])]
+
+    if plain:               # plain Python on lists: ~10⁴ ops at 256 ranks, mostly a few chunks each
+        residue, qs, ks = ch.start[:, 0].tolist(), o.q_chunks.tolist(), o.kv_chunks.tolist()
+        qp, kp = o.qc_ptr.tolist(), o.kvc_ptr.tolist()
+        for k, op in enumerate(ops.tolist()):
+            a, b = [residue[i] for i in qs[qp[op]:qp[op + 1]]], [residue[j] for j in ks[kp[op]:kp[op + 1]]]
+            lo = min(a)
+            key = (tuple(sorted((x - lo) % n for x in a)), tuple(sorted((x - lo) % n for x in b)))  # a common shift
+            if key not in seen:
+                seen[key] = striped_runs_by_block(*key)
+            out[k] = seen[key]
+        return out
+    for k, op in enumerate(ops):
+        qc, kc = o.q_chunks[o.qc_ptr[op]:o.qc_ptr[op + 1]], o.kv_chunks[o.kvc_ptr[op]:o.kvc_ptr[op + 1]]
+        key = (tuple(qc), tuple(kc))
+        if key not in seen:
+            seen[key] = runs_by_block(w.mask, segments(qc, True), segments(kc, False))
+        out[k] = seen[key]
+    return out
+
+
+class CostModel:
+    """Op durations on one topology for one workload dtype."""
+
+    def __init__(self, topo: Topology) -> None:
+        self.topo = topo
+        self.kernel = topo.kernel
+        self.merge_rate = self.kernel.spec.merge_hbm_fraction * topo.hbm_bytes_per_s
+
+    def block_time_s(self, flops, s_q, s_kv, elementwise, pass_: str, dtype: str,
+                     head_dim: int | None = None) -> np.ndarray:
+        """Kernel time of attention ops (vectorised): launch + FLOPs / (peak · efficiency). Zero FLOPs -> 0."""
+        flops = np.asarray(flops, dtype=np.float64)
+        eff = self.kernel.efficiency(s_q, s_kv, pass_, elementwise, head_dim, dtype=dtype)
+        t = self.kernel.launch_s + flops / (self.topo.peak_flops(dtype) * eff)
+        return np.where(flops > 0, t, 0.0)
+
+    def matrix_block_times(self, m, pass_: str, kernel_chunks: tuple[int, int] = (1, 1),
+                           envelope: bool = False) -> np.ndarray:
+        """[N, N] kernel time of every block of a matrix (all query heads), cached on the matrix.
+
+        ``kernel_chunks`` (a, b): the block runs inside an op of up to a × b chunks, so its efficiency is
+        taken at its shape grown by √(a·b) (as :meth:`op_durations` does) — the largest it can have; with
+        ``envelope`` at the kernel table's monotone envelope there (the best of that shape and every smaller
+        one), which keeps closed forms lower bounds whatever op the block runs in."""
+        key = (self.topo.content_hash, pass_, kernel_chunks, envelope)
+        cache = m.__dict__.setdefault("_block_time_cache", {})
+        if key not in cache:
+            grow = np.sqrt(kernel_chunks[0] * kernel_chunks[1])
+            # a block matrix holds a handful of kernel shapes: interpolate those, then gather (N² lookups at
+            # 1024 ranks cost 0.2 s each; this, 20 ms)
+            vq, cq = _codes(m.s_q)
+            vk, ck = _codes(m.s_kv)
+            grid = self.kernel.efficiency(vq[:, None, None] * grow, vk[None, :, None] * grow, pass_,
+                                          np.array([False, True])[None, None, :], m.workload.head_dim, envelope,
+                                          dtype=m.workload.dtype)
+            eff = grid[cq, ck, m.elementwise.astype(np.int64)]
+            flops = m.flops(pass_)
+            t = self.kernel.launch_s + flops / (self.topo.peak_flops(m.workload.dtype) * eff)
+            cache[key] = np.where(flops > 0, t, 0.0)
+        return cache[key]
+
+    def merge_time_s(self, bytes_touched) -> np.ndarray:
+        """Memory-bound merge/accumulate time: launch + bytes / (0.8 · HBM bandwidth)."""
+        b = np.asarray(bytes_touched, dtype=np.float64)
+        return np.where(b > 0, self.kernel.launch_s + b / self.merge_rate, 0.0)
+
+    def _one_kernel(self, sched: Schedule, ops: np.ndarray, pass_: str) -> np.ndarray:
+        """Ops over several blocks: one launch; each block's FLOPs at the efficiency of the kernel the op runs
+        — the block's shape grown by √(a·b) for an op over a × b chunks (exact for square ops: Ulysses, USP,
+        TASP; the same area for CHARM+'s 2c × c; symmetric in (s_q, s_kv), which the symmetry reduction
+        needs) — with the elementwise factor only on the blocks that need a mask."""
+        m = attn_matrix(sched.workload, sched.n_chunks)
+        o = sched.ops
+        op_of, qi, kj = expand_blocks(o, ops)
+        heads = (o.h1 - o.h0)[op_of] / sched.workload.n_heads
+        by_block = np.zeros(len(o), dtype=bool)
+        by_block[ops] = _runs_by_block(sched, m, ops)
+        grow = np.where(by_block[op_of], 1.0, np.sqrt(np.diff(o.qc_ptr) * np.diff(o.kvc_ptr))[op_of])
+        eff = self.kernel.efficiency(m.s_q[qi, kj] * grow, m.s_kv[qi, kj] * grow, pass_, m.elementwise[qi, kj],
+                                     sched.workload.head_dim, dtype=sched.workload.dtype)
+        flops = m.flops(pass_)[qi, kj]
+        t = flops * heads / (self.topo.peak_flops(sched.workload.dtype) * eff)
+        total, launches = np.zeros(len(o)), np.zeros(len(o))
+        np.add.at(total, op_of, t)
+        np.add.at(launches, op_of, flops > 0)
+        return self.kernel.launch_s * np.where(by_block[ops], launches[ops], 1.0) + total[ops]
+
+    @staticmethod
+    def _bwd_without_out(sched: Schedule) -> np.ndarray:
+        """Backward compute ops none of whose inputs is an ``out`` tensor (their Q side carries D, not O)."""
+        o = sched.ops
+        op_of_input = np.repeat(np.arange(len(o)), np.diff(o.in_ptr))
+        has_out = np.zeros(len(o), dtype=bool)
+        np.logical_or.at(has_out, op_of_input, sched.tensors.kind[o.inputs] == TENSOR_KIND_NAMES.index("out"))
+        return np.flatnonzero((o.kind == COMPUTE) & (o.phase == 1) & ~has_out)
+
+    def op_durations(self, sched: Schedule) -> np.ndarray:
+        """[n_ops] seconds for compute, merge and accumulate ops alone on their device; 0 for the rest."""
+        o, t = sched.ops, sched.tensors
+        dur = np.zeros(len(o))
+        dtype = sched.workload.dtype
+        blocks = np.diff(o.qc_ptr) * np.diff(o.kvc_ptr)
+        for phase in (0, 1):
+            sel = np.flatnonzero((o.kind == COMPUTE) & (o.phase == phase) & (blocks <= 1))
+            if len(sel):
+                dur[sel] = self.block_time_s(o.flops[sel], o.s_q[sel], o.s_kv[sel], o.mask[sel] > 0,
+                                             PASS_NAMES[phase], dtype, sched.workload.head_dim)
+            multi = np.flatnonzero((o.kind == COMPUTE) & (o.phase == phase) & (blocks > 1))
+            if len(multi):
+                dur[multi] = self._one_kernel(sched, multi, PASS_NAMES[phase])
+        delta = self.kernel.bwd_delta(dtype)
+        if delta != 1.0:
+            dur[self._bwd_without_out(sched)] *= delta
+        combined = (o.kind == COMPUTE) & (o.combine != COMBINES.index("write"))
+        out_bytes = csr_sum(o.out_ptr, t.size_bytes[o.outputs].astype(np.float64))
+        merging = o.combine[combined] == COMBINES.index("merge")          # O in the workload dtype, merged in fp32
+        factor = np.where(merging, self.kernel.merge_factor(dtype), 1.0)
+        dur[combined] += factor * 3 * out_bytes[combined] / self.merge_rate
+        side = np.flatnonzero((o.kind == KIND["merge"]) | (o.kind == KIND["accumulate"]))
+        dur[side] = self.merge_time_s(o.size_bytes[side])
+        return dur
+
+
+
+def _codes(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the distinct values of a non-negative integer array, each element's index into them); O(n) through a
+    lookup table for values below 2²², else ``np.unique``."""
+    flat = np.asarray(a).ravel()
+    top = int(flat.max(initial=0))
+    if flat.dtype.kind in "iu" and top < 1 << 22:
+        present = np.zeros(top + 1, dtype=bool)
+        present[flat] = True
+        values = np.flatnonzero(present)
+        lut = np.zeros(top + 1, dtype=np.int64)
+        lut[values] = np.arange(len(values))
+        return values, lut[flat].reshape(np.shape(a))
+    values, inverse = np.unique(flat, return_inverse=True)
+    return values, inverse.reshape(np.shape(a))

@@ -1,0 +1,118 @@
+"""Metrics of a simulated schedule: the contract's ``predicted`` keys, per pass and in total.
+
+Definitions (ARCHITECTURE.md, COSTMODEL.md), all per pass; the critical rank is the one whose last op ends
+last:
+
+* ``makespan_s``: the pass's duration; ``compute_s``: time the critical rank's compute stream is busy
+  (union of its compute/merge/accumulate intervals); ``exposed_comm_s`` = makespan − compute_s on that
+  rank (time its compute waits); ``comm_busy_s``: union of its send/recv intervals;
+* ``comm_bytes_per_gpu_max``: max over ranks of bytes received; ``inter_node_bytes_per_gpu_max``: the same
+  for transfers whose peer is on another node;
+* ``compute_to_comm`` = compute_s / comm_busy_s; ``bytes_per_flop`` = bytes received / FLOPs, over all
+  ranks; ``peak_memory_bytes``: max over ranks of live tensor bytes (the buffers); ``peak_memory_total_bytes``:
+  max over ranks of buffers + the workspace of the ops running + the runtime's own (:mod:`meshplan.cost.memory`,
+  the topology's calibrated coefficients); ``ring_ccr``: given by the caller
+  (Ring's Σ compute / Σ communication for this workload and topology, the CHARM+ definition).
+
+``total`` sums times over passes (the passes are separated by a barrier) and takes the max of peaks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from meshplan.plan.dataflow import peak_memory
+from meshplan.cost.memory import model_peak_bytes
+from meshplan.plan.schedule import COMPUTE, KIND, PASS_NAMES, RECV, SEND, Schedule
+from meshplan.cost.simulate import SimResult
+from meshplan.model.topology import Topology
+
+KEYS = ("makespan_s", "compute_s", "exposed_comm_s", "comm_busy_s", "comm_bytes_per_gpu_max",
+        "inter_node_bytes_per_gpu_max", "ring_ccr", "compute_to_comm", "bytes_per_flop", "peak_memory_bytes",
+        "peak_memory_total_bytes", "work_imbalance")
+
+
+def imbalance(flops_by_rank: np.ndarray) -> float | None:
+    """Attention work balance: the busiest rank's FLOPs over the mean rank's (1.0: perfectly balanced; a rank
+    holding only padding, or a causal split without zigzag, raises it). None without work."""
+    mean = float(np.mean(flops_by_rank)) if len(flops_by_rank) else 0.0
+    return float(np.max(flops_by_rank)) / mean if mean > 0 else None
+_BUSY = np.array([KIND["compute"], KIND["merge"], KIND["accumulate"]])
+
+
+def union_length(start: np.ndarray, end: np.ndarray) -> float:
+    """Total length covered by intervals [start, end) (seconds)."""
+    if len(start) == 0:
+        return 0.0
+    order = np.argsort(start, kind="stable")
+    s, e = start[order], end[order]
+    reach = np.maximum.accumulate(e)
+    new = np.r_[True, s[1:] > reach[:-1]]
+    seg = np.cumsum(new) - 1
+    seg_start = s[new]
+    seg_end = np.zeros(len(seg_start))
+    np.maximum.at(seg_end, seg, reach)
+    return float((seg_end - seg_start).sum())
+
+
+def pass_metrics(sched: Schedule, topo: Topology, sim: SimResult, phase: int) -> dict[str, float]:
+    """The predicted keys (but ``ring_ccr``) of one pass."""
+    o = sched.ops
+    sel = o.phase == phase
+    off = sim.pass_offset[phase]
+    start, end = sim.start - off, sim.end - off
+    last = np.full(sched.n_ranks, -np.inf)
+    np.maximum.at(last, o.rank[sel], end[sel])
+    crit = int(np.argmax(last))
+    mine = sel & (o.rank == crit)
+    busy = mine & np.isin(o.kind, _BUSY) & (sim.durations > 0)
+    comm = mine & ((o.kind == SEND) | (o.kind == RECV))
+    compute_s = union_length(start[busy], end[busy])
+    comm_s = union_length(start[comm], end[comm])
+    recv = sel & (o.kind == RECV)
+    dev = sched.device_of_rank
+    by_rank = np.bincount(o.rank[recv], weights=o.size_bytes[recv], minlength=sched.n_ranks)
+    cross = recv & ~topo.same_node(dev[o.rank], dev[np.maximum(o.peer, 0)])
+    cross_rank = np.bincount(o.rank[cross], weights=o.size_bytes[cross], minlength=sched.n_ranks)
+    work = sel & (o.kind == COMPUTE)
+    flops_rank = np.bincount(o.rank[work], weights=o.flops[work], minlength=sched.n_ranks)
+    flops = float(flops_rank.sum())
+    makespan = sim.pass_makespan[phase]
+    return {
+        "makespan_s": makespan, "compute_s": compute_s, "exposed_comm_s": max(makespan - compute_s, 0.0),
+        "comm_busy_s": comm_s, "comm_bytes_per_gpu_max": float(by_rank.max()),
+        "inter_node_bytes_per_gpu_max": float(cross_rank.max()),
+        "compute_to_comm": compute_s / comm_s if comm_s > 0 else None,
+        "bytes_per_flop": float(by_rank.sum()) / flops if flops else None,
+        "peak_memory_bytes": float(peak_memory(sched, phase, start, end).max()),
+        "peak_memory_total_bytes": model_peak_bytes(sched, topo.memory_model, phase, start, end),
+        "work_imbalance": imbalance(flops_rank),
+        "_recv_by_rank": by_rank, "_cross_by_rank": cross_rank, "_flops": flops, "_flops_by_rank": flops_rank,
+    }
+
+
+def predicted(sched: Schedule, topo: Topology, sim: SimResult, ring_ccr: float | None) -> dict:
+    """The contract's ``predicted`` of a simulated schedule: :func:`pass_metrics` of every pass, :func:`combine`d."""
+    return combine({PASS_NAMES[p]: pass_metrics(sched, topo, sim, p) for p in sched.passes}, ring_ccr)
+
+
+def combine(parts: dict[str, dict], ring_ccr: float | None) -> dict:
+    """The contract's ``predicted``: flat keys for a single pass; ``fwd``/``bwd``/``total`` plus flat
+    (= total) keys for fwd+bwd. Internal per-rank arrays are folded into totals."""
+    out = {}
+    for name, p in parts.items():
+        out[name] = {k: p[k] for k in KEYS if k != "ring_ccr"} | {"ring_ccr": ring_ccr}
+    if len(parts) == 1:
+        return next(iter(out.values()))
+    ps = list(parts.values())
+    recv = sum(p["_recv_by_rank"] for p in ps)
+    cross = sum(p["_cross_by_rank"] for p in ps)
+    flops = sum(p["_flops"] for p in ps)
+    tot = {k: sum(p[k] for p in ps) for k in ("makespan_s", "compute_s", "exposed_comm_s", "comm_busy_s")}
+    tot.update(comm_bytes_per_gpu_max=float(np.max(recv)), inter_node_bytes_per_gpu_max=float(np.max(cross)),
+               ring_ccr=ring_ccr, compute_to_comm=tot["compute_s"] / tot["comm_busy_s"] if tot["comm_busy_s"] else None,
+               bytes_per_flop=float(np.sum(recv)) / flops if flops else None,
+               peak_memory_bytes=max(p["peak_memory_bytes"] for p in ps),
+               peak_memory_total_bytes=max(p["peak_memory_total_bytes"] for p in ps),
+               work_imbalance=imbalance(sum(p["_flops_by_rank"] for p in ps)))
+    return {**tot, **out, "total": tot}

@@ -1,0 +1,1 @@
+"""Micro-benchmarks on this machine (kernels, transfers, overlap, memory) for `meshplan calibrate`."""

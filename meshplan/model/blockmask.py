@@ -1,0 +1,199 @@
+"""A block's mask as per-row key runs, and its cover by dense kernels (full rectangles and causal squares).
+
+With its tokens in position order, every mask meshplan knows (causal, window, documents, padding) lets query
+row i attend one contiguous run of keys ``lo[i] <= j < hi[i]`` (:meth:`meshplan.model.workload.Mask.key_ranges`).
+The executor never builds the [Sq, Skv] matrix for the common shapes: :func:`pieces` covers the permitted
+pairs exactly, each pair once, with at most ``MAX_PIECES`` kernels, each either
+
+* a full rectangle — rows [r0, r1) × keys [c0, c1), run without a mask; or
+* a causal square — row r0 + t sees keys c0 … c0 + t (the kernels' top-left ``is_causal``),
+
+so a zigzag or contiguous diagonal is one causal kernel, a striped block from a later rank (row i sees keys
+< i) is one causal kernel on rows 1… and keys …S−2, and rows or keys that nothing permits are trimmed. Masks
+no short cover fits (a sliding window inside a block, document boundaries cutting a block) return ``None``
+and run with an additive bias over the dense matrix (:meth:`KeyRanges.dense`).
+
+An op over several chunks whose tokens interleave (a striped layout's chunks: chunk i holds positions
+≡ i mod N) has, in position order, key runs that grow by m every m rows — no short cover. The executor then
+orders the op's tokens chunk by chunk and passes :class:`Blocks`: one :class:`KeyRanges` per (query chunk,
+KV chunk) rectangle, each covered on its own (a striped block is one causal kernel), so such an op runs as
+its blocks' kernels merged by LSE instead of one dense masked kernel (which on CPU ran 3–4x slower).
+The cost model asks :func:`runs_by_block` (:func:`striped_runs_by_block`, its closed form for causal
+striped ops) which ops those are, and prices them block by block (torch-free: this module imports torch only
+to build dense masks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+MAX_PIECES = 4
+
+
+@dataclass(frozen=True)
+class KeyRanges:
+    """Query row i attends keys ``lo[i] <= j < hi[i]`` of ``n_keys`` ascending keys (int64 arrays [Sq])."""
+
+    lo: np.ndarray
+    hi: np.ndarray
+    n_keys: int
+
+    @classmethod
+    def full(cls, n_q: int, n_k: int) -> KeyRanges:
+        return cls(np.zeros(n_q, dtype=np.int64), np.full(n_q, n_k, dtype=np.int64), n_k)
+
+    @classmethod
+    def from_allowed(cls, allowed: torch.Tensor) -> KeyRanges | None:
+        """The runs of a dense [Sq, Skv] bool mask, or None when a row's permitted keys are not contiguous."""
+        a = allowed.cpu().numpy().astype(bool)
+        n_q, n_k = a.shape
+        any_ = a.any(axis=1)
+        lo = np.where(any_, a.argmax(axis=1), 0)
+        hi = np.where(any_, n_k - a[:, ::-1].argmax(axis=1), 0)
+        ranges = cls(lo.astype(np.int64), hi.astype(np.int64), n_k)
+        return ranges if int(a.sum()) == ranges.pairs else None
+
+    @property
+    def pairs(self) -> int:
+        """Permitted (query, key) pairs."""
+        return int((self.hi - self.lo).sum())
+
+    def dense(self, device) -> torch.Tensor:
+        """[Sq, Skv] bool: the mask as a matrix (the fallback for masks :func:`pieces` does not cover)."""
+        import torch
+
+        j = torch.arange(self.n_keys, device=device)[None, :]
+        lo, hi = torch.from_numpy(self.lo).to(device)[:, None], torch.from_numpy(self.hi).to(device)[:, None]
+        return (j >= lo) & (j < hi)
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """A mask given per rectangle: ``parts`` [(r0, r1, c0, c1, KeyRanges of that rectangle)], disjoint; pairs
+    outside every rectangle are not permitted. ``n_q`` × ``n_k``: the whole op's rows and keys."""
+
+    parts: tuple[tuple[int, int, int, int, KeyRanges], ...]
+    n_q: int
+    n_k: int
+
+    @property
+    def pairs(self) -> int:
+        """Permitted (query, key) pairs."""
+        return sum(r.pairs for *_, r in self.parts)
+
+    def dense(self, device) -> torch.Tensor:
+        """[n_q, n_k] bool: the mask as a matrix (CUDA's masked kernels take it whole)."""
+        import torch
+
+        out = torch.zeros(self.n_q, self.n_k, dtype=torch.bool, device=device)
+        for r0, r1, c0, c1, ranges in self.parts:
+            out[r0:r1, c0:c1] = ranges.dense(device)
+        return out
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One kernel of a cover: rows [r0, r1) × keys [c0, c1); ``causal``: the top-left triangle (square)."""
+
+    r0: int
+    r1: int
+    c0: int
+    c1: int
+    causal: bool
+
+
+def pieces(ranges: KeyRanges) -> list[Piece] | None:
+    """An exact cover of the permitted pairs by at most ``MAX_PIECES`` dense kernels, or None.
+
+    Rows are taken in runs: a run of equal (lo, hi) is a full rectangle; a run with constant lo whose hi
+    grows by one per row is a staircase: keys [lo, hi₀ − 1) seen by every row of it (a rectangle, when not
+    empty) plus a causal square on keys [hi₀ − 1, hi_last). Empty rows are skipped. An empty list: nothing
+    is permitted. Cost: O(Sq) numpy work and O(pieces) Python steps.
+    """
+    lo, hi = ranges.lo, ranges.hi
+    n = len(lo)
+    flat_break = np.flatnonzero((lo[1:] != lo[:-1]) | (hi[1:] != hi[:-1])) + 1     # a flat run ends before these
+    stair_break = np.flatnonzero((lo[1:] != lo[:-1]) | (hi[1:] != hi[:-1] + 1)) + 1
+    live = np.flatnonzero(hi > lo)
+    out: list[Piece] = []
+    i = int(live[0]) if len(live) else n
+    while i < n:
+        flat_end = _next(flat_break, i, n)
+        stair_end = _next(stair_break, i, n)
+        if stair_end - i > flat_end - i:
+            a, end = int(lo[i]), stair_end
+            split = int(hi[i]) - 1
+            if split > a:
+                out.append(Piece(i, end, a, split, False))
+            out.append(Piece(i, end, split, int(hi[end - 1]), True))
+        else:
+            end = flat_end
+            out.append(Piece(i, end, int(lo[i]), int(hi[i]), False))
+        if len(out) > MAX_PIECES:
+            return None
+        k = int(np.searchsorted(live, end))
+        i = int(live[k]) if k < len(live) else n
+    return out
+
+
+def block_pieces(blocks: Blocks) -> list[Piece] | None:
+    """The cover of every rectangle of ``blocks`` (:func:`pieces`, at most ``MAX_PIECES`` each), moved to the
+    op's rows and keys; None when a rectangle has no short cover."""
+    out: list[Piece] = []
+    for r0, r1, c0, c1, ranges in blocks.parts:
+        if len(ranges.lo) != r1 - r0 or ranges.n_keys != c1 - c0:
+            raise ValueError(f"a rectangle [{r0}, {r1}) x [{c0}, {c1}) has key ranges of another shape")
+        got = pieces(ranges)
+        if got is None:
+            return None
+        out += [Piece(p.r0 + r0, p.r1 + r0, p.c0 + c0, p.c1 + c0, p.causal) for p in got]
+    return out
+
+
+def rows_overlap(plan: list[Piece]) -> bool:
+    """Whether two kernels of ``plan`` write some row in common (their partial results must then merge)."""
+    spans = sorted((p.r0, p.r1) for p in plan)
+    return any(b0 < a1 for (_, a1), (b0, _) in zip(spans, spans[1:]))
+
+
+PERIODS = 8   # tokens per strided segment that decide the cover of a periodic (striped) op: past MAX_PIECES
+
+
+def runs_by_block(mask, q_segments: list[tuple[int, int, int]], k_segments: list[tuple[int, int, int]]) -> bool:
+    """Whether the executor runs an op over several chunks block by block: its tokens in position order have no
+    short cover under ``mask`` (a :class:`meshplan.model.workload.Mask`). ``*_segments``: the op's chunks' segments
+    (start, stride, count) of global positions. Strided segments are cut to their first ``PERIODS`` tokens
+    (a striped op repeats every period, and a pattern that is not a staircase needs a kernel per period:
+    more than ``MAX_PIECES`` within ``PERIODS``), so the cost is O(PERIODS · segments). Exact for causal
+    masks; a window or document boundary wider than the cut is not seen."""
+    def positions(segments):
+        parts = [a + b * np.arange(min(c, PERIODS) if b > 1 else c) for a, b, c in segments if c]
+        return np.sort(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.int64)
+
+    q, k = positions(q_segments), positions(k_segments)
+    return pieces(KeyRanges(*mask.key_ranges(q, k), len(k))) is None
+
+
+def striped_runs_by_block(q_residues, k_residues) -> bool:
+    """:func:`runs_by_block` for a causal striped op in closed form: query chunks = residues A, KV chunks =
+    residues B of the period N, each chunk at least ``PERIODS`` tokens. In position order row (a, t) sees
+    |B|·t + #{b ∈ B : b ≤ a} keys, so the rows form one staircase (a cover of two kernels) exactly when every
+    step between consecutive rows, the period's wrap included, adds one key: |A| = |B| and A, B alternate.
+    Otherwise the pattern needs new kernels every period. Depends on A and B only up to a common cyclic shift."""
+    a, b = np.sort(np.asarray(q_residues)), np.sort(np.asarray(k_residues))
+    if len(a) != len(b):
+        return True
+    seen = np.searchsorted(b, a, side="right")
+    return not bool((np.diff(np.r_[seen, seen[0] + len(b)]) == 1).all())
+
+
+def _next(breaks: np.ndarray, i: int, n: int) -> int:
+    """The first break after row i (the end of the run that starts at i), or n."""
+    k = np.searchsorted(breaks, i, side="right")
+    return int(breaks[k]) if k < len(breaks) else n

@@ -1,0 +1,1 @@
+"""The IR and the JSON contract: Plan, Schedule, the builder, dataflow, hazards, the verifier; json/ holds the file formats."""

@@ -1,0 +1,262 @@
+"""Building schedules: :class:`ScheduleBuilder` (what algorithms call, one op per rank per call) and
+:func:`assemble`, which turns its blocks of ops and tensors into the compact Schedule arrays."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from meshplan.core.csr import csr_ptr, csr_take
+from meshplan.model.matrix import AttnMatrix
+from meshplan.plan.schedule import (
+    COMBINES,
+    DTYPES,
+    KIND,
+    MASKS,
+    PASS_NAMES,
+    ROLES,
+    TENSOR_KIND_NAMES,
+    OpTable,
+    Schedule,
+    Streams,
+    TensorTable,
+    _one_or_each,
+    tensor_bytes,
+)
+from meshplan.model.workload import Workload
+
+_SCALARS = {  # op field -> (dtype, default)
+    "step": (np.int32, -1), "peer": (np.int32, -1), "tensor": (np.int64, -1), "size_bytes": (np.int64, 0),
+    "dtype": (np.int8, -1), "combine": (np.int8, -1), "h0": (np.int32, 0), "h1": (np.int32, 0),
+    "flops": (np.float64, 0.0), "s_q": (np.int64, 0), "s_kv": (np.int64, 0), "mask": (np.int8, 0),
+}
+_LISTS = {"deps": "dep_ptr", "inputs": "in_ptr", "outputs": "out_ptr", "q_chunks": "qc_ptr", "kv_chunks": "kvc_ptr"}
+
+
+def _scalar(blocks: list[dict], name: str, dtype, default) -> np.ndarray:
+    values = [b.get(name, default) for b in blocks]
+    lengths = [len(b["rank"]) for b in blocks]
+    if all(np.ndim(v) == 0 for v in values):
+        return np.repeat(np.asarray(values, dtype=dtype), lengths)
+    parts = [np.full(k, v, dtype=dtype) if np.ndim(v) == 0 else np.asarray(v, dtype=dtype)
+             for v, k in zip(values, lengths)]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+
+
+def _ragged(blocks: list[dict], name: str) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenate per-block [k, m] arrays (−1 = empty slot) into CSR (ptr, values)."""
+    counts, values = [], []
+    for b in blocks:
+        k = len(b["rank"])
+        arr = np.asarray(b.get(name, np.full((k, 0), -1)), dtype=np.int64).reshape(k, -1)
+        keep = arr >= 0
+        counts.append(keep.sum(axis=1))
+        values.append(arr[keep])
+    cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)  # noqa: E731
+    return csr_ptr(cat(counts)), cat(values)
+
+
+def assemble(builder, topology: dict[str, Any]) -> Schedule:
+    """Build the Schedule: stable-sort ops by rank, remap op ids in deps, allocs and frees."""
+    blocks = builder._ops
+    rank = _scalar(blocks, "rank", np.int64, 0)
+    order = np.argsort(rank, kind="stable")
+    new_id = np.empty(len(order), dtype=np.int64)
+    new_id[order] = np.arange(len(order))
+    fields: dict[str, np.ndarray] = {"rank": rank[order]}
+    for name in ("kind", "stream", "phase"):
+        fields[name] = _scalar(blocks, name, np.int8 if name != "stream" else np.int16, 0)[order]
+    for name, (dtype, default) in _SCALARS.items():
+        fields[name] = _scalar(blocks, name, dtype, default)[order]
+    for name, ptr_name in _LISTS.items():
+        ptr, values = _ragged(blocks, name)
+        ptr, values = csr_take(ptr, values, order)
+        fields[ptr_name], fields[name] = ptr, (new_id[values] if name == "deps" else values)
+    ops = OpTable(**fields)
+    tensors = _tensors(builder, new_id)
+    return Schedule(algorithm=builder.algorithm, knobs=builder.knobs, workload=builder.w, n_ranks=builder.n,
+                    n_chunks=builder.m.n, device_of_rank=builder.device_of_rank, topology=topology,
+                    streams=builder.streams, ops=ops, tensors=tensors)
+
+
+def _tensors(builder, new_id: np.ndarray) -> TensorTable:
+    blocks = builder._tensors
+    n = builder._n_tensors
+    rank = np.concatenate([b["rank"] for b in blocks]) if blocks else np.zeros(0, dtype=np.int64)
+    rep = lambda key, dt: np.concatenate(  # noqa: E731
+        [np.full(len(b["rank"]), b[key], dtype=dt) for b in blocks]) if blocks else np.zeros(0, dtype=dt)
+    chunk_ptr, chunks = _ragged([dict(rank=b["rank"], c=b["chunks"]) for b in blocks], "c")
+    alloc = np.full(n, -1, dtype=np.int64)
+    for t, o in builder._alloc:
+        alloc[t] = new_id[o]
+    if builder._free:
+        t = np.concatenate([f[0] for f in builder._free]).astype(np.int64)
+        o = new_id[np.concatenate([f[1] for f in builder._free]).astype(np.int64)]
+        srt = np.lexsort((o, t))
+        free_ptr, free_after = csr_ptr(np.bincount(t, minlength=n)), o[srt]
+    else:
+        free_ptr, free_after = np.zeros(n + 1, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    return TensorTable(rank=rank, kind=rep("kind_code", np.int8),
+                       chunk_ptr=chunk_ptr, chunks=chunks, h0=rep("h0", np.int32), h1=rep("h1", np.int32),
+                       dtype=rep("dtype", np.int8), role=rep("role", np.int8), phase=rep("phase", np.int8),
+                       size_bytes=rep("size", np.int64), alloc_op=alloc, free_ptr=free_ptr, free_after=free_after)
+
+
+class ScheduleBuilder:
+    """Vectorised construction of a Schedule: each call adds one op per element of ``ranks``.
+
+    Ops are appended in program order per rank (calls in the order each rank runs them); ids are
+    assigned at :meth:`build` after a stable sort by rank. Deps and ``free_after`` refer to the ids
+    returned by earlier calls. Tensor sizes come from :func:`tensor_bytes`.
+    """
+
+    def __init__(self, workload: Workload, matrix: AttnMatrix, n_ranks: int, *, algorithm: str,
+                 knobs: dict[str, Any], device_of_rank: Sequence[int] | None = None) -> None:
+        self.w, self.m, self.n = workload, matrix, n_ranks
+        self.algorithm, self.knobs = algorithm, dict(knobs)
+        self.device_of_rank = np.arange(n_ranks) if device_of_rank is None else np.asarray(device_of_rank)
+        self.streams = Streams()
+        self._ops: list[dict[str, Any]] = []
+        self._tensors: list[dict[str, Any]] = []
+        self._n_ops = self._n_tensors = 0
+        self._free: list[tuple[np.ndarray, np.ndarray]] = []
+        self._alloc: list[tuple[np.ndarray, np.ndarray]] = []
+        self._tensor_starts: list[int] = []
+        self.phase = 0
+
+    # ------------------------------------------------------------------ streams and tensors
+    def stream(self, name: str, kind: str) -> None:
+        """Declare a stream (``compute`` or ``comm``)."""
+        self.streams.add(name, kind)
+
+    def tensor(self, ranks, kind: str, chunks, *, dtype: str | None = None, role: str = "buffer",
+               heads: tuple[int, int] | None = None) -> np.ndarray:
+        """New tensors, one per element of ``ranks``; ``chunks`` is [k] or [k, m] chunk ids; ``heads`` the query
+        heads [h0, h1) (scalars, or one pair per rank of equal width; default all). Returns ids."""
+        ranks = np.atleast_1d(np.asarray(ranks, dtype=np.int64))
+        if len(ranks) == 0:
+            return np.zeros(0, dtype=np.int64)
+        ch = np.asarray(chunks, dtype=np.int64).reshape(len(ranks), -1)
+        h0, h1, width = self._heads(heads, len(ranks))
+        dt = dtype or self.w.dtype
+        size = tensor_bytes(self.w, kind, _one_or_each(self.m.tokens_of(kind, ch)), width, dt)
+        ids = np.arange(self._n_tensors, self._n_tensors + len(ranks))
+        self._n_tensors += len(ranks)
+        self._tensor_starts.append(int(ids[0]))
+        self._tensors.append(dict(rank=ranks, kind=kind, kind_code=TENSOR_KIND_NAMES.index(kind), chunks=ch,
+                                  h0=h0, h1=h1, width=width, dtype=DTYPES.index(dt), role=ROLES.index(role),
+                                  phase=self.phase, size=size, ids=ids))
+        return ids
+
+    def alloc_at(self, tensors, ops) -> None:
+        """Tensors ``tensors[k]`` are allocated when op ``ops[k]`` starts (default: at their pass start)."""
+        self._alloc.append((np.asarray(tensors), np.asarray(ops)))
+
+    def free_after(self, tensors, ops) -> None:
+        """Tensor ``tensors[k]`` may be freed once op ``ops[k]`` has ended (call again to add more ops)."""
+        t, o = np.broadcast_arrays(np.asarray(tensors), np.asarray(ops))
+        keep = (t >= 0) & (o >= 0)
+        self._free.append((t[keep], o[keep]))
+
+    # ------------------------------------------------------------------ ops
+    def _add(self, ranks, kind: str, stream: str, deps=(), **fields) -> np.ndarray:
+        ranks = np.atleast_1d(np.asarray(ranks, dtype=np.int64))
+        k = len(ranks)
+        ids = np.arange(self._n_ops, self._n_ops + k)
+        self._n_ops += k
+        dep = np.full((k, 0), -1, dtype=np.int64) if not len(deps) else \
+            np.stack([np.broadcast_to(np.asarray(d, dtype=np.int64), (k,)) for d in deps], axis=1)
+        self._ops.append(dict(rank=ranks, kind=KIND[kind], stream=self.streams.names.index(stream),
+                              phase=self.phase, deps=dep, ids=ids, **fields))
+        return ids
+
+    def transfer(self, src, dst, src_tensor, dst_tensor, *, stream: str, step: int = -1, dtype: str | None = None,
+                 send_deps=(), recv_deps=()) -> tuple[np.ndarray, np.ndarray]:
+        """Matched send (on ``src``) and recv (on ``dst``) pairs; the recv allocates ``dst_tensor``.
+
+        ``dtype`` is the wire dtype (default: the source tensor's); bytes follow the tensor's kind.
+        Returns (send ids, recv ids).
+        """
+        src, dst = np.atleast_1d(src), np.atleast_1d(dst)
+        src_tensor, dst_tensor = np.atleast_1d(src_tensor), np.atleast_1d(dst_tensor)
+        if len(src) == 0:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        kind, width, _, t_dtype = self._tensor_info(src_tensor[0])
+        dt = dtype or DTYPES[t_dtype]
+        size = tensor_bytes(self.w, kind, self._tokens(src_tensor), width, dt)
+        common = dict(step=step, size_bytes=size, dtype=DTYPES.index(dt))
+        s = self._add(src, "send", stream, send_deps, peer=dst, tensor=src_tensor, **common)
+        r = self._add(dst, "recv", stream, recv_deps, peer=src, tensor=dst_tensor, **common)
+        self.alloc_at(dst_tensor, r)
+        return s, r
+
+    def compute(self, ranks, q_chunks, kv_chunks, *, inputs, outputs, combine: str, deps=(),
+                stream: str = "compute", heads: tuple[int, int] | None = None) -> np.ndarray:
+        """Attention blocks q_chunks x kv_chunks (cartesian; each [k] or [k, m]) on ``ranks``.
+
+        ``inputs``/``outputs``: lists of tensor-id arrays (one entry per op each). An op over several query
+        chunks has one output accumulator per query chunk (and, backward, per KV chunk), in chunk order.
+        """
+        ranks = np.atleast_1d(np.asarray(ranks, dtype=np.int64))
+        if len(ranks) == 0:
+            return np.zeros(0, dtype=np.int64)
+        qc = np.asarray(q_chunks, dtype=np.int64).reshape(len(ranks), -1)
+        kc = np.asarray(kv_chunks, dtype=np.int64).reshape(len(ranks), -1)
+        h0, h1, width = self._heads(heads, len(ranks))
+        flops, s_q, s_kv, mask = self._describe(qc, kc, width)
+        return self._add(ranks, "compute", stream, deps, combine=COMBINES.index(combine), h0=h0, h1=h1,
+                         flops=flops, s_q=s_q, s_kv=s_kv, mask=mask, q_chunks=qc, kv_chunks=kc,
+                         inputs=np.stack([np.broadcast_to(x, len(ranks)) for x in inputs], axis=1),
+                         outputs=np.stack([np.broadcast_to(x, len(ranks)) for x in outputs], axis=1))
+
+    def combine_op(self, ranks, kind: str, *, src, dst, deps=(), stream: str = "compute") -> np.ndarray:
+        """A ``merge`` (LSE merge of partial (O, LSE) ``src`` into ``dst``) or ``accumulate`` (dst += src)."""
+        src, dst = np.atleast_1d(src), np.atleast_1d(dst)
+        if len(dst) == 0:
+            return np.zeros(0, dtype=np.int64)
+        kind_t, width, _, src_dtype = self._tensor_info(src[0])   # the src's heads are the ones touched
+        tokens = self._tokens(src)
+        touched = 2 * tensor_bytes(self.w, kind_t, tokens, width, "fp32") + \
+            tensor_bytes(self.w, kind_t, tokens, width, DTYPES[src_dtype])
+        return self._add(ranks, kind, stream, deps, size_bytes=touched, inputs=src[:, None], outputs=dst[:, None])
+
+    def _describe(self, qc: np.ndarray, kc: np.ndarray, heads: int):
+        m, ph = self.m, PASS_NAMES[self.phase]
+        if qc.shape[1] == 1 and kc.shape[1] == 1:
+            i, j = qc[:, 0], kc[:, 0]
+            flops = m.flops(ph, heads)[i, j]
+            mask = np.where(m.elementwise[i, j], MASKS.index(self.w.mask.kind), 0)
+            return flops, m.s_q[i, j], m.s_kv[i, j], mask
+        flops, s_q, s_kv, elementwise = m.op_shape(qc, kc, ph, heads)
+        return flops, s_q, s_kv, np.where(elementwise, MASKS.index(self.w.mask.kind), 0)
+
+    def _tensor_info(self, tid: int):
+        import bisect
+        block = self._tensors[bisect.bisect_right(self._tensor_starts, int(tid)) - 1]
+        return block["kind"], block["width"], block["chunks"].shape[1], block["dtype"]
+
+    def _tokens(self, tids: np.ndarray):
+        """Tokens of each tensor in ``tids``: an int when they agree, else an array (:func:`_one_or_each`)."""
+        tids = np.asarray(tids, dtype=np.int64)
+        which = np.searchsorted(np.asarray(self._tensor_starts), tids, side="right") - 1
+        tokens = np.zeros(len(tids), dtype=np.int64)
+        for b in np.unique(which).tolist():                  # one lookup per builder block they come from
+            sel, blk = which == b, self._tensors[b]
+            tokens[sel] = self.m.tokens_of(blk["kind"], blk["chunks"][tids[sel] - blk["ids"][0]])
+        return _one_or_each(tokens)
+
+    def _heads(self, heads, k: int):
+        """(h0, h1, width) of a call's ``heads``: scalars or [k] arrays of one width."""
+        if heads is None:
+            return 0, self.w.n_heads, self.w.n_heads
+        h0, h1 = (np.broadcast_to(np.asarray(x, dtype=np.int64), (k,)) for x in heads)
+        widths = np.unique(h1 - h0)
+        if len(widths) != 1 or widths[0] <= 0 or h0.min() < 0 or h1.max() > self.w.n_heads:
+            raise ValueError(f"head ranges must be non-empty, inside 0..{self.w.n_heads} and of one width")
+        return (int(h0[0]), int(h1[0]), int(widths[0])) if np.ndim(heads[0]) == 0 else (h0, h1, int(widths[0]))
+
+    # ------------------------------------------------------------------ build
+    def build(self, topology: dict[str, Any] | None = None) -> Schedule:
+        """Assemble the Schedule (ops sorted by rank, ids remapped)."""
+        return assemble(self, topology or {})

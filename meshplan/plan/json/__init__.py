@@ -1,0 +1,1 @@
+"""The file formats: schedule JSON (format, io, to_arrays) and the Measurement JSON."""

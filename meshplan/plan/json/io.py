@@ -1,0 +1,286 @@
+"""Read and write Schedule JSON (``.json``, or ``.json.gz`` when the name says so).
+
+Writes are atomic (a temporary file renamed into place), so a failed or interrupted write leaves no
+half-written schedule. Reading checks ``schema_version`` before anything else, then validates the whole
+file with the pydantic models of :mod:`meshplan.plan.json.format`, then builds the compact in-memory form.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import gzip
+import json
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from meshplan.core.errors import UserError
+from meshplan.core.fileio import write_atomic
+from meshplan.model.matrix import AttnMatrix, attn_matrix
+from meshplan.plan.schedule import (
+    COMBINES,
+    DTYPES,
+    MASKS,
+    OP_KINDS,
+    PASS_NAMES,
+    ROLES,
+    SCHEMA_VERSION,
+    TENSOR_KIND_NAMES,
+    Schedule,
+    Streams,
+    TensorTable,
+)
+from meshplan.plan.json.format import SEMANTICS, ScheduleJSON
+from meshplan.model.workload import Mask, Workload
+
+
+def to_json_text(sched: Schedule) -> str:
+    """The Schedule as JSON text (the contract's skeleton), serialised column-wise for speed."""
+    return "".join(json_chunks(sched))
+
+
+def json_chunks(sched: Schedule):
+    """The JSON text in pieces (header, tensors, then rank by rank), so big files stream to disk."""
+    w = sched.workload
+    matrix = attn_matrix(w, sched.n_chunks)
+    head = {
+        "schema_version": SCHEMA_VERSION, "semantics": SEMANTICS, "algorithm": sched.algorithm,
+        "knobs": sched.knobs, "workload": w.to_dict() | {"permutation": {"name": w.layout, "seed": 0}},
+        "topology": sched.topology, "n_ranks": sched.n_ranks, "n_chunks": sched.n_chunks,
+        "device_of_rank": sched.device_of_rank.tolist(),
+        "streams": [{"name": n, "kind": k, "communicator": c if c >= 0 else None}
+                    for n, k, c in zip(sched.streams.names, sched.streams.kinds, sched.streams.communicator)],
+        "chunks": [{"id": i, "segments": [list(s) for s in matrix.chunks.segments(i)]} for i in range(sched.n_chunks)],
+    }
+    yield json.dumps(head, separators=(",", ":"))[:-1] + ',"tensors":['
+    yield _tensors_text(sched.tensors)
+    yield '],"ranks":['
+    yield from _ranks_text(sched, matrix)
+    yield "]}"
+
+
+def to_json_dict(sched: Schedule) -> dict[str, Any]:
+    """The Schedule as JSON-ready Python objects."""
+    return json.loads(to_json_text(sched))
+
+
+def _rows(ptr: np.ndarray, values: np.ndarray) -> list[str]:
+    """Each CSR row as the text of a JSON list (rows of 0 or 1 values, the common case, are cheap)."""
+    strs = list(map(str, values.tolist()))
+    p = ptr.tolist()
+    counts = np.diff(ptr)
+    out = ["[]"] * (len(p) - 1)
+    for i in np.flatnonzero(counts == 1).tolist():
+        out[i] = f"[{strs[p[i]]}]"
+    for i in np.flatnonzero(counts > 1).tolist():
+        out[i] = "[" + ",".join(strs[p[i]:p[i + 1]]) + "]"
+    return out
+
+
+def _tensors_text(t: TensorTable) -> str:
+    chunks, frees = _rows(t.chunk_ptr, t.chunks), _rows(t.free_ptr, t.free_after)
+    cols = zip(t.rank.tolist(), t.kind.tolist(), t.h0.tolist(), t.h1.tolist(), t.dtype.tolist(), t.size_bytes.tolist(),
+               t.role.tolist(), t.phase.tolist(), t.alloc_op.tolist())
+    return ",".join(
+        f'{{"id":{i},"rank":{r},"kind":"{TENSOR_KIND_NAMES[k]}","chunks":{chunks[i]},"heads":[{h0},{h1}],'
+        f'"dtype":"{DTYPES[dt]}","size_bytes":{sz},"role":"{ROLES[ro]}","pass":"{PASS_NAMES[ph]}",'
+        f'"alloc_op":{a if a >= 0 else "null"},"free_after":{frees[i]}}}'
+        for i, (r, k, h0, h1, dt, sz, ro, ph, a) in enumerate(cols))
+
+
+def _ranks_text(sched: Schedule, matrix: AttnMatrix):
+    o = sched.ops
+    desc = _descriptors(sched, matrix)
+    deps, ins, outs = _rows(o.dep_ptr, o.deps), _rows(o.in_ptr, o.inputs), _rows(o.out_ptr, o.outputs)
+    qc, kc = _rows(o.qc_ptr, o.q_chunks), _rows(o.kvc_ptr, o.kv_chunks)
+    names = [json.dumps(n) for n in sched.streams.names]
+    cols = zip(o.kind.tolist(), o.stream.tolist(), o.phase.tolist(), o.peer.tolist(), o.tensor.tolist(),
+               o.size_bytes.tolist(), o.dtype.tolist(), o.step.tolist(), o.h0.tolist(), o.h1.tolist(),
+               o.combine.tolist(), o.flops.tolist())
+    ops = []
+    for i, (kind, st, ph, peer, ten, size, dt, step, h0, h1, comb, flops) in enumerate(cols):
+        base = f'{{"id":{i},"kind":"{OP_KINDS[kind]}","stream":{names[st]},"deps":{deps[i]},"pass":"{PASS_NAMES[ph]}"'
+        if kind in (1, 2):
+            ops.append(f'{base},"peer":{peer},"tensor":{ten},"size_bytes":{size},"dtype":"{DTYPES[dt]}",'
+                       f'"step":{step if step >= 0 else "null"}}}')
+        elif kind == 0:
+            rows, cols_, mask = desc[i]
+            ops.append(f'{base},"q_chunks":{qc[i]},"kv_chunks":{kc[i]},"heads":[{h0},{h1}],"q_rows":{rows},'
+                       f'"kv_cols":{cols_},"mask":"{mask}","inputs":{ins[i]},"outputs":{outs[i]},'
+                       f'"combine":"{COMBINES[comb]}","flops":{flops!r}}}')
+        elif kind in (3, 4):
+            ops.append(f'{base},"inputs":{ins[i]},"outputs":{outs[i]},"size_bytes":{size}}}')
+        else:
+            ops.append(base + "}")
+    ptr = sched.rank_ptr.tolist()
+    for r in range(sched.n_ranks):
+        yield ("," if r else "") + f'{{"rank":{r},"ops":[{",".join(ops[ptr[r]:ptr[r + 1]])}]}}'
+        ops[ptr[r]:ptr[r + 1]] = [None] * (ptr[r + 1] - ptr[r])   # release the rank's text once written
+
+
+def _descriptors(sched: Schedule, m: AttnMatrix) -> dict[int, tuple]:
+    """q_rows, kv_cols and mask of every compute op (cached by block pattern and chunk shape)."""
+    o = sched.ops
+    allc = np.flatnonzero(o.kind == 0)
+    single = (np.diff(o.qc_ptr)[allc] == 1) & (np.diff(o.kvc_ptr)[allc] == 1)
+    out = _multi_descriptors(sched, m, allc[~single])
+    comp = allc[single]
+    qi, kj = o.q_chunks[o.qc_ptr[comp]], o.kv_chunks[o.kvc_ptr[comp]]
+    shape = np.stack([m.valid_first, m.valid_count, m.chunks.count], axis=1).reshape(m.n, -1)
+    _, cls = np.unique(shape, axis=0, return_inverse=True)
+    bits = 1 << np.arange(m.q_involved.shape[2], dtype=np.int64)
+    qpat, kpat = (m.q_involved[qi, kj] * bits).sum(axis=1), (m.kv_involved[qi, kj] * bits).sum(axis=1)
+    masks = np.where(m.elementwise[qi, kj] | (o.mask[comp] > 0), o.mask[comp], 0)
+    cache: dict[tuple, list] = {}
+    for op, i, j, qp, kp, ci, cj, mk in zip(comp.tolist(), qi.tolist(), kj.tolist(), qpat.tolist(), kpat.tolist(),
+                                            cls.ravel()[qi].tolist(), cls.ravel()[kj].tolist(), masks.tolist()):
+        rk, ck = (0, qp, ci), (1, kp, cj)
+        if rk not in cache:
+            cache[rk] = json.dumps(m.local_ranges(i, m.q_involved[i, j], query=True), separators=(",", ":"))
+        if ck not in cache:
+            cache[ck] = json.dumps(m.local_ranges(j, m.kv_involved[i, j]), separators=(",", ":"))
+        out[op] = (cache[rk], cache[ck], MASKS[mk])
+    return out
+
+
+def _multi_descriptors(sched: Schedule, m: AttnMatrix, ops: np.ndarray) -> dict[int, tuple]:
+    """Descriptors of ops over several chunks, computed once per distinct (segments, chunk shapes) pattern."""
+    o, out = sched.ops, {}
+    if not len(ops):
+        return out
+    shape = np.stack([m.valid_first, m.valid_count, m.chunks.count], axis=1).reshape(m.n, -1)
+    _, cls = np.unique(shape, axis=0, return_inverse=True)
+    cls = cls.ravel()
+    nq, nk = np.diff(o.qc_ptr)[ops], np.diff(o.kvc_ptr)[ops]
+    cache: dict[tuple, tuple] = {}
+    for mq, mk in set(zip(nq.tolist(), nk.tolist())):
+        sel = ops[(nq == mq) & (nk == mk)]
+        qi = o.q_chunks[o.qc_ptr[sel][:, None] + np.arange(mq)]
+        kj = o.kv_chunks[o.kvc_ptr[sel][:, None] + np.arange(mk)]
+        blocks = (qi[:, :, None], kj[:, None, :])
+        qinv, kinv = m.q_involved[blocks].any(axis=2), m.kv_involved[blocks].any(axis=1)
+        elem = m.elementwise[blocks].any(axis=(1, 2)) | (m.pairs[blocks] == 0).any(axis=(1, 2))
+        sig = np.concatenate([qinv.reshape(len(sel), -1), kinv.reshape(len(sel), -1), cls[qi], cls[kj],
+                              m.elementwise[blocks].reshape(len(sel), -1), elem[:, None]], axis=1).astype(np.int64)
+        for row, op in zip(sig, sel.tolist()):
+            key = (mq, mk, row.tobytes())
+            if key not in cache:
+                d = m.op_descriptor(o.q_chunks[o.qc_ptr[op]:o.qc_ptr[op + 1]].tolist(),
+                                    o.kv_chunks[o.kvc_ptr[op]:o.kvc_ptr[op + 1]].tolist())
+                cache[key] = (json.dumps(d["q_rows"], separators=(",", ":")),
+                              json.dumps(d["kv_cols"], separators=(",", ":")), d["mask"])
+            out[op] = cache[key]
+    return out
+
+
+def write_schedule(sched: Schedule, path: str | Path) -> Path:
+    """Write atomically, streaming; gzip when the name ends in ``.gz``. Returns the path."""
+    gz = str(path).endswith(".gz")
+
+    def encoded():
+        pack = zlib.compressobj(1, zlib.DEFLATED, 31) if gz else None   # wbits 31: the gzip container
+        for piece in json_chunks(sched):
+            data = piece.encode()
+            yield pack.compress(data) if pack else data
+        if pack:
+            yield pack.flush()
+
+    with no_gc():
+        return write_atomic(path, encoded())
+
+
+def read_schedule(path: str | Path) -> Schedule:
+    """Read, validate and convert a schedule file.
+
+    Raises:
+        UserError: unreadable file, another schema version, or a file that does not validate.
+    """
+    doc, _ = read_document(path)
+    with no_gc():
+        return from_json(doc)
+
+
+def read_document(path: str | Path) -> tuple[ScheduleJSON, bytes]:
+    """The validated pydantic document of a schedule file and its (decompressed) bytes.
+
+    Raises:
+        UserError: unreadable file, another schema version, or a file that does not validate.
+    """
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+        if raw[:2] == b"\x1f\x8b":
+            raw = gzip.decompress(raw)
+        version = _schema_version(raw)
+    except (OSError, ValueError, EOFError) as err:
+        raise UserError(str(path), f"cannot read the schedule ({type(err).__name__})",
+                        "give a .json or .json.gz file written by meshplan") from None
+    if version != SCHEMA_VERSION:
+        raise UserError(f"{path.name}: schema_version", f"is {version!r}, this meshplan reads {SCHEMA_VERSION!r}",
+                        "regenerate the schedule with this version (meshplan simulate --out / search --write)")
+    from pydantic import ValidationError
+    try:
+        with no_gc():
+            doc = ScheduleJSON.model_validate_json(raw)
+    except ValidationError as err:
+        first = err.errors(include_url=False)[0]
+        loc = ".".join(str(p) for p in first["loc"])
+        raise UserError(f"{path.name}: {loc}", first["msg"], "fix the file or regenerate it") from None
+    return doc, raw
+
+
+def _schema_version(raw: bytes):
+    """The file's ``schema_version``, read before validating the rest (ValueError if not JSON)."""
+    import re
+    m = re.match(rb'\s*\{\s*"schema_version"\s*:\s*("(?:[^"\\]|\\.)*"|[-0-9.]+|null|true|false)', raw)
+    if m:
+        return json.loads(m.group(1))
+    data = json.loads(raw)
+    return data.get("schema_version") if isinstance(data, dict) else None
+
+
+@contextlib.contextmanager
+def no_gc():
+    """Millions of small objects trigger the cyclic GC again and again; none of them form cycles."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.freeze()  # what survives is long-lived: keep later collections from rescanning it
+            gc.enable()
+
+
+def from_json(doc: ScheduleJSON) -> Schedule:
+    """Build the compact Schedule from a validated document."""
+    wl = doc.workload
+    w = Workload(batch=wl.batch, seq_len=wl.seq_len, n_heads=wl.n_heads, n_kv_heads=wl.n_kv_heads,
+                 head_dim=wl.head_dim, dtype=wl.dtype, mask=Mask.parse(wl.mask, "workload.mask"), layout=wl.layout,
+                 passes=wl.passes, valid_len=wl.valid_len, model=wl.model, prefix_len=wl.prefix_len,
+                 doc_layout=wl.doc_layout)
+    m = AttnMatrix(w, doc.n_chunks)
+    if [r.rank for r in doc.ranks] != list(range(doc.n_ranks)) or len(doc.device_of_rank) != doc.n_ranks:
+        raise UserError("ranks", f"must list ranks 0..{doc.n_ranks - 1} in order, with a device for each",
+                        "fix the file or regenerate it")
+    streams = Streams()
+    for s in doc.streams:
+        streams.names.append(s.name)
+        streams.kinds.append(s.kind)
+        streams.communicator.append(-1 if s.communicator is None else s.communicator)
+    from meshplan.plan.json.to_arrays import op_table, tensor_table
+    ops = op_table(doc, streams, m, w)
+    tensors = tensor_table(doc, ops.id_map)
+    del ops.id_map
+    return Schedule(algorithm=doc.algorithm, knobs=doc.knobs, workload=w, n_ranks=doc.n_ranks, n_chunks=doc.n_chunks,
+                    device_of_rank=np.asarray(doc.device_of_rank), topology=doc.topology.model_dump(), streams=streams,
+                    ops=ops, tensors=tensors)
+
+
+def schema() -> dict[str, Any]:
+    """JSON Schema of the Schedule file."""
+    return ScheduleJSON.model_json_schema(by_alias=True)
+

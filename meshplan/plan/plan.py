@@ -1,0 +1,60 @@
+"""Plan: who computes which block, where each chunk lives, and which device runs each rank.
+
+Integer arrays only; an algorithm's ``plan()`` makes one and its ``schedule()`` lowers it to ops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from meshplan.core.errors import UserError
+from meshplan.model.matrix import AttnMatrix
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A split of the attention matrix over ``n_ranks`` ranks.
+
+    Attributes:
+        owner: [Nq, Nkv] rank computing each block (−1 where the mask permits no pair).
+        q_home, kv_home: [N] rank holding each query / KV chunk at the start.
+        device_of_rank: [n_ranks] device id (in the topology) of each rank.
+        knobs: the algorithm's knobs, normalised (every knob present with its value).
+    """
+
+    algorithm: str
+    knobs: dict[str, Any]
+    matrix: AttnMatrix
+    n_ranks: int
+    owner: np.ndarray
+    q_home: np.ndarray
+    kv_home: np.ndarray
+    device_of_rank: np.ndarray
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def workload(self):
+        """The workload the matrix describes."""
+        return self.matrix.workload
+
+    def check(self) -> None:
+        """Every permitted block has exactly one owner in range; homes and devices valid.
+
+        Raises:
+            UserError: the plan is inconsistent (a bug in an algorithm, reported as such).
+        """
+        n, m = self.n_ranks, self.matrix
+        if self.owner.shape != m.pairs.shape:
+            raise UserError("plan.owner", f"shape {self.owner.shape}, expected {m.pairs.shape}")
+        bad = m.permitted & ((self.owner < 0) | (self.owner >= n))
+        if bad.any():
+            i, j = np.argwhere(bad)[0]
+            raise UserError("plan.owner", f"block ({i}, {j}) is permitted but has no owner in 0..{n - 1}")
+        for name, arr in (("q_home", self.q_home), ("kv_home", self.kv_home)):
+            if arr.min() < 0 or arr.max() >= n:
+                raise UserError(f"plan.{name}", f"homes must be ranks 0..{n - 1}")
+        if len(np.unique(self.device_of_rank)) != n:
+            raise UserError("plan.device_of_rank", "two ranks share a device")

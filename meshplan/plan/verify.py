@@ -1,0 +1,302 @@
+"""The verifier: proves a schedule is complete, matched, deadlock-free and within memory.
+
+Checks (ARCHITECTURE.md invariant 4), each reported as one line per violation (first few of each kind):
+
+* structure: known kinds, comm ops on comm streams with a peer in range, compute-type ops on compute
+  streams, one communicator per comm stream; deps on earlier ops of the same rank and pass (so a rank can
+  issue its ops in program order);
+* tensors: every referenced tensor exists on the op's rank; sizes match the workload;
+* transfers: every send has exactly one FIFO-matched recv with equal bytes and dtype;
+* batch order (what NCCL needs of grouped P2P, ``ncclGroupStart/End``): within a communicator, two peers issue
+  the batches in which they exchange in the same order — a transfer in rank a's k-th batch with rank b is
+  matched in rank b's k-th batch with rank a — so no group waits on a peer's later group;
+* coverage: in every pass, every mask-permitted (query chunk, KV chunk) block is computed exactly once
+  for every query head, and no single-block op computes a block without a permitted pair (a cartesian op
+  may span empty blocks: its mask skips them);
+* rows: every compute op takes exactly the query rows and keys of its blocks that are real tokens and take
+  part (a file's ``q_rows``/``kv_cols``): padding is never a query row or a key, and no real one is left out;
+* data hazards: every buffer access ordered as the data requires (:mod:`meshplan.plan.hazards`);
+* deadlock freedom: the semantics of :mod:`meshplan.plan.schedule` are monotone, so the schedule can run to
+  completion iff the uncontended evaluation of :mod:`meshplan.plan.dataflow` completes every item;
+* memory: peak live tensor bytes per rank, along that evaluation, within the device memory (when a
+  topology is given).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from meshplan.plan.dataflow import build_items, evaluate, peak_memory
+from meshplan.plan.hazards import check_hazards
+from meshplan.model.matrix import AttnMatrix, attn_matrix
+from meshplan.plan.schedule import (
+    COMPUTE,
+    DTYPES,
+    KIND,
+    OP_KINDS,
+    PASS_NAMES,
+    RECV,
+    SEND,
+    TENSOR_KIND_NAMES,
+    Schedule,
+    expand_blocks,
+    tensor_bytes,
+)
+
+_COMPUTE_KINDS = np.array([KIND[k] for k in ("compute", "merge", "accumulate", "alloc", "free")])
+_MAX_PER_KIND = 5
+
+
+@dataclass
+class Report:
+    """The verifier's verdict: ``ok`` when ``violations`` is empty."""
+
+    violations: list[str] = field(default_factory=list)
+    peak_memory_bytes: float = 0.0
+    counts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        """True when the schedule passed every check."""
+        return not self.violations
+
+    def add(self, kind: str, lines: list[str]) -> None:
+        """Record violations of one kind (the first few, with a count of the rest)."""
+        if lines:
+            self.violations.extend(lines[:_MAX_PER_KIND])
+            if len(lines) > _MAX_PER_KIND:
+                self.violations.append(f"... and {len(lines) - _MAX_PER_KIND} more {kind} violations")
+            self.counts[kind] = self.counts.get(kind, 0) + len(lines)
+
+
+def verify(sched: Schedule, memory_bytes: float | None = None, op_seconds: np.ndarray | None = None,
+           transfer_seconds: np.ndarray | None = None) -> Report:
+    """Run every check. ``op_seconds``/``transfer_seconds`` time the evaluation (default: unit times)."""
+    rep = Report()
+    rep.add("structure", _structure(sched))
+    if rep.violations:
+        return rep  # later checks index with these fields
+    rep.add("tensor", _tensors(sched))
+    partner, _, problems = sched.match_transfers()
+    rep.add("transfer", problems)
+    matrix = attn_matrix(sched.workload, sched.n_chunks)
+    for phase in sched.passes:
+        rep.add("coverage", _coverage(sched, matrix, phase))
+    rep.add("rows", _rows(sched, matrix))
+    rep.add("pass", _passes(sched))
+    if rep.violations:
+        return rep
+    n = len(sched.ops)
+    dur = np.ones(n) if op_seconds is None else op_seconds
+    tr = np.ones(n) if transfer_seconds is None else transfer_seconds
+    for phase in sched.passes:
+        items = build_items(sched, phase, partner)
+        rep.add("deadlock", [f"op {int(items.members[items.member_ptr[i]])}: depends on another op of its own "
+                             f"batch (a cycle)" for i in items.self_dep])
+        ev = evaluate(items, dur, tr)
+        if not ev.complete:
+            rep.add("deadlock", _stuck(sched, items, ev))
+            continue
+        rep.add("hazard", check_hazards(sched, items))
+        start, end = np.full(n, np.nan), np.full(n, np.nan)
+        start[items.ops], end[items.ops] = ev.start[items.item_of_op[items.ops]], ev.end[items.item_of_op[items.ops]]
+        peak = peak_memory(sched, phase, start, end)
+        rep.peak_memory_bytes = max(rep.peak_memory_bytes, float(peak.max(initial=0)))
+        if memory_bytes is not None and peak.max(initial=0) > memory_bytes:
+            r = int(peak.argmax())
+            rep.add("memory", [f"rank {r} needs {peak[r] / 1e9:.3g} GB of buffers in {('fwd', 'bwd')[phase]}, "
+                               f"more than the device's {memory_bytes / 1e9:.3g} GB"])
+    rep.add("batch order", _batch_order(sched, partner))
+    return rep
+
+
+def _structure(s: Schedule) -> list[str]:
+    o, out = s.ops, []
+    n = len(o)
+    if len(set(s.streams.communicator[i] for i, k in enumerate(s.streams.kinds) if k == "comm")) != \
+            sum(k == "comm" for k in s.streams.kinds):
+        out.append("two comm streams share a communicator; give each its own")
+    bad_kind = np.flatnonzero((o.kind < 0) | (o.kind >= len(OP_KINDS)))
+    out += [f"op {i}: unknown kind" for i in bad_kind]
+    stream_kind = np.asarray([k == "comm" for k in s.streams.kinds])[o.stream]
+    comm = (o.kind == SEND) | (o.kind == RECV)
+    out += [f"op {i}: {OP_KINDS[o.kind[i]]} on compute stream {s.streams.names[o.stream[i]]!r}"
+            for i in np.flatnonzero(comm & ~stream_kind)]
+    out += [f"op {i}: {OP_KINDS[o.kind[i]]} on comm stream {s.streams.names[o.stream[i]]!r}"
+            for i in np.flatnonzero(np.isin(o.kind, _COMPUTE_KINDS) & stream_kind)]
+    bad_peer = comm & ((o.peer < 0) | (o.peer >= s.n_ranks) | (o.peer == o.rank))
+    out += [f"op {i} on rank {o.rank[i]}: peer {o.peer[i]} is not another rank" for i in np.flatnonzero(bad_peer)]
+    owner = np.repeat(np.arange(n), np.diff(o.dep_ptr))
+    d = o.deps
+    bad = (d < 0) | (d >= n)
+    dc = np.clip(d, 0, max(n - 1, 0))
+    bad |= (o.rank[dc] != o.rank[owner]) | (dc >= owner) | (o.phase[dc] != o.phase[owner])
+    out += [f"op {owner[k]} on rank {o.rank[owner[k]]}: dep {d[k]} is not an earlier op of the same rank and pass"
+            for k in np.flatnonzero(bad)]
+    return out
+
+
+def _tensors(s: Schedule) -> list[str]:
+    o, t, out = s.ops, s.tensors, []
+    nt = len(t)
+    refs = [(np.repeat(np.arange(len(o)), np.diff(o.in_ptr)), o.inputs, "input"),
+            (np.repeat(np.arange(len(o)), np.diff(o.out_ptr)), o.outputs, "output")]
+    comm = np.flatnonzero((o.kind == SEND) | (o.kind == RECV))
+    refs.append((comm, o.tensor[comm], "tensor"))
+    for owner, tid, what in refs:
+        bad = (tid < 0) | (tid >= nt)
+        out += [f"op {owner[k]}: {what} {tid[k]} does not exist" for k in np.flatnonzero(bad)]
+        ok = ~bad
+        wrong = np.flatnonzero(ok & (t.rank[np.clip(tid, 0, max(nt - 1, 0))] != o.rank[owner]))
+        out += [f"op {owner[k]} on rank {o.rank[owner[k]]}: {what} {tid[k]} lives on rank {t.rank[tid[k]]}"
+                for k in wrong]
+    if out:
+        return out          # the size checks below index tensors by these references
+    tokens = _tensor_tokens(s)
+    uniq, inv = np.unique(np.stack([t.kind, tokens, t.h1 - t.h0, t.dtype], axis=1).astype(np.int64), axis=0,
+                          return_inverse=True)
+    expect = np.array([tensor_bytes(s.workload, TENSOR_KIND_NAMES[k], m, h, DTYPES[dt]) for k, m, h, dt in uniq],
+                      dtype=np.int64)
+    bad = np.flatnonzero(expect[inv.ravel()] != t.size_bytes)
+    out += [f"tensor {i} ({TENSOR_KIND_NAMES[t.kind[i]]}): {t.size_bytes[i]} bytes, the workload needs "
+            f"{expect[inv.ravel()[i]]}" for i in bad]
+    wire = o.size_bytes[comm]
+    tt = o.tensor[comm]
+    wu, winv = np.unique(np.stack([t.kind[tt], tokens[tt], (t.h1 - t.h0)[tt], o.dtype[comm]], axis=1)
+                         .astype(np.int64).reshape(len(comm), 4), axis=0, return_inverse=True)
+    wexp = np.array([tensor_bytes(s.workload, TENSOR_KIND_NAMES[k], m, h, DTYPES[dt]) for k, m, h, dt in wu],
+                    dtype=np.int64)
+    bad = np.flatnonzero(wexp[winv.ravel()] != wire) if len(comm) else []
+    out += [f"op {comm[k]}: moves {wire[k]} bytes, its tensor is {wexp[winv.ravel()[k]]} bytes on the wire"
+            for k in bad]
+    return out
+
+
+def _tensor_tokens(s: Schedule) -> np.ndarray:
+    """Tokens each tensor holds: all its chunks' tokens for KV kinds, their query tokens for the rest."""
+    from meshplan.model.matrix import KV_KINDS
+    t, ch = s.tensors, attn_matrix(s.workload, s.n_chunks).chunks
+    owner = np.repeat(np.arange(len(t.rank)), np.diff(t.chunk_ptr))
+    n = len(t.rank)
+    kv = np.bincount(owner, weights=ch.tokens[t.chunks], minlength=n)
+    q = np.bincount(owner, weights=ch.q_tokens[t.chunks], minlength=n)
+    is_kv = np.isin(t.kind, [TENSOR_KIND_NAMES.index(k) for k in KV_KINDS])
+    return np.where(is_kv, kv, q).astype(np.int64)
+
+
+def _batch_order(s: Schedule, partner: np.ndarray) -> list[str]:
+    """Every matched transfer sits in the same ordinal batch on both peers (among the batches of its rank, pass
+    and stream that exchange with the other peer). Batches: consecutive sends/recvs of a stream with one step."""
+    o = s.ops
+    comm = np.flatnonzero((o.kind == SEND) | (o.kind == RECV))
+    if not len(comm):
+        return []
+    where = (o.rank[comm].astype(np.int64) * 2 + o.phase[comm]) * len(s.streams.names) + o.stream[comm]
+    order = np.lexsort((comm, where))
+    ops, key, step = comm[order], where[order], o.step[comm[order]]
+    new_unit = np.r_[True, (key[1:] != key[:-1]) | (step[1:] != step[:-1]) | (step[1:] < 0)]
+    unit = np.empty(len(o), dtype=np.int64)
+    unit[ops] = np.cumsum(new_unit)
+    peer_key = where * s.n_ranks + o.peer[comm]
+    order = np.lexsort((comm, peer_key))
+    ops, pk = comm[order], peer_key[order]
+    first = np.r_[True, pk[1:] != pk[:-1]]
+    new = first | np.r_[True, unit[ops][1:] != unit[ops][:-1]]
+    count = np.cumsum(new)
+    ordinal = np.empty(len(o), dtype=np.int64)
+    ordinal[ops] = count - np.maximum.accumulate(np.where(first, count, 0))     # 0, 1, ... per (rank, stream, peer)
+    sends = comm[(o.kind[comm] == SEND) & (partner[comm] >= 0)]
+    bad = sends[ordinal[sends] != ordinal[partner[sends]]]
+    return [f"{PASS_NAMES[o.phase[a]]}: op {a} is in rank {o.rank[a]}'s batch #{ordinal[a] + 1} with rank {o.peer[a]} "
+            f"on stream {s.streams.names[o.stream[a]]!r}, its match op {partner[a]} in rank {o.peer[a]}'s batch "
+            f"#{ordinal[partner[a]] + 1}: NCCL needs both peers to issue their batches in one order" for a in bad]
+
+
+def _unique_rows(*cols: np.ndarray) -> tuple[list[tuple[int, ...]], np.ndarray]:
+    """Distinct rows of small non-negative int columns (hashing a packed key), and each row's index."""
+    key = np.zeros(len(cols[0]), dtype=np.int64)
+    for c in cols:
+        key = key * (1 << 15) + np.asarray(c, dtype=np.int64)
+    uniq, inv = np.unique(key, return_inverse=True)
+    rows = []
+    for u in uniq.tolist():
+        parts = []
+        for _ in cols:
+            u, r = divmod(u, 1 << 15)
+            parts.append(r)
+        rows.append(tuple(parts[::-1]))
+    return rows, inv.ravel()
+
+
+def _coverage(s: Schedule, m: AttnMatrix, phase: int) -> list[str]:
+    """Every permitted block exactly once per head; no single-block op on a block without a permitted pair."""
+    o, H, N = s.ops, s.workload.n_heads, s.n_chunks
+    ops = np.flatnonzero((o.kind == COMPUTE) & (o.phase == phase))
+    op_of, qi, ki = expand_blocks(o, ops)
+    h0, h1 = o.h0[op_of].astype(np.int64), o.h1[op_of].astype(np.int64)
+    out: list[str] = []
+    name = ("fwd", "bwd")[phase]
+    empty = ~m.permitted[qi, ki]
+    single = (np.diff(o.qc_ptr)[op_of] == 1) & (np.diff(o.kvc_ptr)[op_of] == 1)
+    out += [f"{name}: op {op_of[k]} computes block ({qi[k]}, {ki[k]}), which has no permitted pair"
+            for k in np.flatnonzero(empty & single)]
+    # a cartesian op may span empty blocks (its kernel's mask skips them, as one causal flash call over a
+    # whole sequence does); they are not work and are not counted
+    keep = ~empty
+    op_of, qi, ki = op_of[keep], qi[keep], ki[keep]
+    h0, h1 = h0[keep], h1[keep]
+    block = qi * N + ki
+    order = np.lexsort((h0, block))
+    b, a0, a1, ow = block[order], h0[order], h1[order], op_of[order]
+    first = np.r_[True, b[1:] != b[:-1]] if len(b) else np.zeros(0, dtype=bool)
+    last = np.r_[b[1:] != b[:-1], True] if len(b) else np.zeros(0, dtype=bool)
+    prev_h1 = np.r_[0, a1[:-1]]
+    gap = np.where(first, a0 != 0, a0 != prev_h1)
+    what = lambda k: "overlap" if a0[k] < prev_h1[k] and not first[k] else "gap"  # noqa: E731
+    out += [f"{name}: block ({b[k] // N}, {b[k] % N}) heads {what(k)} at head {a0[k]} (op {ow[k]}): computed twice "
+            f"or missing" for k in np.flatnonzero(gap)]
+    out += [f"{name}: block ({b[k] // N}, {b[k] % N}) covers heads up to {a1[k]} of {H} (op {ow[k]})"
+            for k in np.flatnonzero(last & (a1 != H))]
+    covered = np.zeros(N * N, dtype=bool)
+    covered[block] = True
+    missing = np.flatnonzero(m.permitted.ravel() & ~covered)
+    out += [f"{name}: block ({i // N}, {i % N}) is never computed" for i in missing]
+    return out
+
+
+def _rows(s: Schedule, m: AttnMatrix) -> list[str]:
+    """Every compute op's row and key counts (``s_q``, ``s_kv``: its q_rows and kv_cols) are its blocks' real
+    tokens that take part (:meth:`AttnMatrix.op_shape`), so padding is never computed as a query or a key."""
+    o, out = s.ops, []
+    ops = np.flatnonzero(o.kind == COMPUTE)
+    nq, nk = np.diff(o.qc_ptr)[ops], np.diff(o.kvc_ptr)[ops]
+    for mq, mk in sorted(set(zip(nq.tolist(), nk.tolist()))):
+        sel = ops[(nq == mq) & (nk == mk)]
+        qi = o.q_chunks[o.qc_ptr[sel][:, None] + np.arange(mq)]
+        kj = o.kv_chunks[o.kvc_ptr[sel][:, None] + np.arange(mk)]
+        _, rows, cols, _ = m.op_shape(qi, kj, "fwd", 1)
+        bad = np.flatnonzero((o.s_q[sel] != rows) | (o.s_kv[sel] != cols))
+        out += [f"{PASS_NAMES[o.phase[sel[k]]]}: op {sel[k]} takes {o.s_q[sel[k]]} query rows and {o.s_kv[sel[k]]} "
+                f"keys, its blocks have {rows[k]} and {cols[k]} real tokens that take part (padding computed, or "
+                "tokens left out)" for k in bad]
+    return out
+
+
+def _passes(s: Schedule) -> list[str]:
+    want = {"fwd": [0], "bwd": [1], "fwd+bwd": [0, 1]}[s.workload.passes]
+    if s.passes != want:
+        have = "+".join(("fwd", "bwd")[p] for p in s.passes) or "nothing"
+        return [f"the workload asks for {s.workload.passes} but the schedule holds {have}"]
+    return []
+
+
+def _stuck(s: Schedule, items, ev) -> list[str]:
+    never = np.flatnonzero(~np.isfinite(ev.end))
+    lines = []
+    for i in never[:_MAX_PER_KIND]:
+        op = int(items.members[items.member_ptr[i]])
+        lines.append(f"deadlock: op {op} ({OP_KINDS[s.ops.kind[op]]}) on rank {s.ops.rank[op]} stream "
+                     f"{s.streams.names[s.ops.stream[op]]!r} never completes")
+    return lines + ([f"... {len(never)} items never complete"] if len(never) > _MAX_PER_KIND else [])

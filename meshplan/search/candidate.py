@@ -1,0 +1,223 @@
+"""One candidate end to end: plan, schedule, simulate (L1) or closed form (L0), and the contract's keys.
+
+Also Ring's CCR as the CHARM+ paper defines it (Σ compute / Σ communication of Ring's steps run one
+after the other), the same for every candidate of a workload and topology.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from meshplan import algorithms
+from meshplan.algorithms.base import PassTiming
+from meshplan.algorithms.rotate_timing import Rotation, size_of
+from meshplan.core.errors import SkipCandidate, UserError
+from meshplan.model.matrix import AttnMatrix, attn_matrix
+from meshplan.cost.metrics import KEYS, combine, predicted
+from meshplan.plan.plan import Plan
+from meshplan.plan.schedule import Schedule
+from meshplan.cost.simulate import SimResult, simulate
+from meshplan.model.topology import Topology
+from meshplan.model.workload import Workload
+
+
+@dataclass
+class Candidate:
+    """An (algorithm, workload, knobs) to evaluate on a topology with ``n_ranks`` ranks."""
+
+    algorithm: str
+    workload: Workload
+    knobs: dict[str, Any]
+    n_ranks: int
+    plan: Plan | None = None
+    timing: dict[str, PassTiming] | None = None
+    schedule: Schedule | None = None
+    sim: SimResult | None = None
+    predicted: dict[str, Any] = field(default_factory=dict)
+    model_level: str = "closed-form"
+    schedule_path: str | None = None
+    forward_only: bool = False     # a forward-only method in a fwd+bwd search: ranked on its forward alone
+    scheduler: dict[str, Any] | None = None   # search --scheduler: the contract's scheduler object
+    mapping_search: dict[str, Any] | None = None   # search --map-search: what the placement search found
+    job: dict[str, Any] | None = None     # search --tp/--dp: {alone_s, together_s} of the whole job
+
+    @property
+    def bound_s(self) -> float:
+        """Closed-form lower bound of the total makespan."""
+        return sum(t.bound_s for t in self.timing.values())
+
+    @property
+    def estimate_s(self) -> float:
+        """Closed-form guess of the total makespan (orders the search; not a bound)."""
+        return sum(max(t.estimate_s if t.estimate_s is not None else t.makespan_s, t.bound_s)
+                   for t in self.timing.values())
+
+    @property
+    def makespan_s(self) -> float:
+        """Best known total makespan: simulated, else the bound."""
+        return self.predicted["makespan_s"] if self.predicted else self.bound_s
+
+
+def make_candidate(name: str, workload: Workload, topo: Topology, n_ranks: int, knobs: dict[str, Any],
+                   matrix: AttnMatrix | None = None) -> Candidate:
+    """Normalise knobs, check, plan, and compute the closed-form timing.
+
+    Raises:
+        UserError: bad knob values or an impossible workload; SkipCandidate: the method cannot do this.
+    """
+    alg = algorithms.get(name)
+    norm = alg.normalize(knobs)
+    alg.check(workload, topo, n_ranks, norm)
+    plan = alg.plan(workload, topo, n_ranks, norm, matrix)
+    plan.check()
+    return Candidate(name, workload, plan.knobs, n_ranks, plan=plan, timing=alg.timing(plan, topo))
+
+
+def simulate_candidate(cand: Candidate, topo: Topology, ccr: float | None) -> Candidate:
+    """Build the schedule, simulate it and fill ``predicted`` (model level ``simulated``).
+
+    When the algorithm offers variants (Mesh's fetch orders), each is simulated and the fastest is kept;
+    ``knobs`` then name the one kept (e.g. ``order: "auto:kv-first"``).
+    """
+    alg = algorithms.get(cand.algorithm)
+    best = None
+    variants = alg.variants(cand.plan, topo)
+    for plan in variants:
+        sched = alg.schedule(plan, topo)
+        sim = simulate(sched, topo)
+        total = sum(sim.pass_makespan.values())
+        if best is None or total < best[0]:
+            best = (total, plan, sched, sim)
+    _, plan, cand.schedule, cand.sim = best
+    if plan is not cand.plan:
+        cand.plan = plan
+        cand.knobs = plan.knobs | {"order": f"auto:{plan.knobs['order']}"}
+    cand.predicted, cand.model_level = predicted(cand.schedule, topo, cand.sim, ccr), "simulated"
+    return cand
+
+
+def reduces(cand: Candidate, topo: Topology) -> bool:
+    """Whether the simulator can simulate one node's ranks for this candidate (its schedule's programs are alike
+    up to a node permutation, :mod:`meshplan.cost.symmetry`). Builds the first variant's schedule to find out."""
+    from meshplan.cost.cost import CostModel
+    from meshplan.cost.symmetry import DURATION_TOLERANCE, find_reduction
+
+    alg = algorithms.get(cand.algorithm)
+    sched = alg.schedule(alg.variants(cand.plan, topo)[0], topo)
+    red = find_reduction(sched, topo, CostModel(topo).op_durations(sched), sched.match_transfers()[0],
+                         DURATION_TOLERANCE)
+    return red.n_reps < sched.n_ranks
+
+
+def _noise_free(x: float, scale: float) -> float:
+    """max(x, 0), with float round-off (below 1e-9 of ``scale``) reported as 0."""
+    return x if x > 1e-9 * max(scale, 1e-30) else 0.0
+
+
+def closed_form_predicted(cand: Candidate, ccr: float | None) -> dict[str, Any]:
+    """``predicted`` from the closed form: makespan = the lower bound (model level ``closed-form``)."""
+    from meshplan.cost.metrics import imbalance
+
+    parts = {}
+    for name, t in cand.timing.items():
+        comm = t.comm_s
+        by_rank = _plan_flops_by_rank(cand, name)
+        parts[name] = {
+            "makespan_s": t.bound_s, "compute_s": t.compute_s,
+            "exposed_comm_s": _noise_free(t.bound_s - t.compute_s, t.bound_s),
+            "comm_busy_s": comm, "comm_bytes_per_gpu_max": t.recv_bytes_max,
+            "inter_node_bytes_per_gpu_max": t.inter_node_bytes_max,
+            "compute_to_comm": t.compute_s / comm if comm else None,
+            "bytes_per_flop": t.recv_bytes_total / t.flops_total if t.flops_total else None,
+            "peak_memory_bytes": t.peak_memory_bytes,
+            "peak_memory_total_bytes": t.peak_memory_bytes if t.peak_memory_total_bytes is None
+            else t.peak_memory_total_bytes,
+            "_recv_by_rank": np.array([t.recv_bytes_max]), "_cross_by_rank": np.array([t.inter_node_bytes_max]),
+            "_flops": t.flops_total, "work_imbalance": None if by_rank is None else imbalance(by_rank),
+            "_flops_by_rank": np.zeros(cand.n_ranks) if by_rank is None else by_rank,
+        }
+    return combine(parts, ccr)
+
+
+def _plan_flops_by_rank(cand: Candidate, pass_: str) -> np.ndarray | None:
+    """FLOPs each rank computes by the plan's block owners (None where blocks are split by heads, e.g. Ulysses)."""
+    plan = cand.plan
+    if plan is None:
+        return None
+    m, owner = plan.matrix, plan.owner
+    ok = m.permitted
+    if owner.shape != ok.shape or (owner[ok] < 0).any():
+        return None
+    return np.bincount(owner[ok], weights=m.flops(pass_)[ok], minlength=cand.n_ranks)
+
+
+def ring_ccr(workload: Workload, topo: Topology, n_ranks: int) -> float | None:
+    """CHARM+'s CCR of Ring on this workload: Σ over steps of the slowest rank's block time divided by
+    Σ over steps of the slowest hop's transfer time (KV forward; KV and dK/dV in fp32 backward), every rank's
+    hop of a step running at once (their max-min shares where they meet: :meth:`Rotation.hop_concurrent`).
+
+    Uses the workload's layout, or contiguous when the layout cannot split the sequence. None for N = 1.
+    """
+    if n_ranks == 1:
+        return None
+    w = workload
+    try:
+        matrix = attn_matrix(w, n_ranks)
+    except UserError:
+        w = workload.with_(layout="contiguous")
+        matrix = attn_matrix(w, n_ranks)
+    ring = algorithms.get("ring")
+    plan = ring.plan(w, topo, n_ranks, ring.normalize({}), matrix)
+    rot = Rotation(plan, topo, rows=True)
+    comp = comm = 0.0
+    kv = size_of(plan, "kv", w.dtype)
+    dkv = size_of(plan, "dkv", "fp32")
+    for pass_ in w.pass_list:
+        comp += rot.blocks(pass_, 0.0).max(axis=0).sum()
+        if pass_ == "fwd":
+            comm += (n_ranks - 1) * rot.hop_concurrent(kv).max()
+        else:  # N−1 steps move KV and dK/dV over the same hop, the last one dK/dV alone
+            comm += (n_ranks - 1) * rot.hop_concurrent(kv + dkv).max() + rot.hop_concurrent(dkv).max()
+    return float(comp / comm) if comm else None
+
+
+def predict(name: str, workload: Workload, topo: Topology, n_ranks: int, knobs: dict[str, Any]) -> Candidate:
+    """Plan, schedule and simulate one algorithm (what ``meshplan simulate --algo`` does).
+
+    Raises:
+        UserError: bad knobs, or the method cannot run this workload on ``n_ranks`` ranks (search skips such
+            combinations; asked for by name, it is an error).
+    """
+    try:
+        cand = make_candidate(name, workload, topo, n_ranks, knobs)
+    except SkipCandidate as skip:
+        raise UserError("--algo", f"{name} cannot run this on {n_ranks} ranks: {skip.detail or skip.reason}",
+                        "see meshplan search for the methods that can") from None
+    return simulate_candidate(cand, topo, ring_ccr(workload, topo, n_ranks))
+
+
+def result_json(cand: Candidate) -> dict[str, Any]:
+    """The ``--json`` body of ``simulate`` for a candidate."""
+    pred = cand.predicted if cand.predicted else {}
+    body = {"algorithm": cand.algorithm, "knobs": cand.knobs, "workload": cand.workload.to_dict(),
+            "pass": cand.workload.passes, "model_level": cand.model_level, "predicted": jsonable(pred)}
+    if cand.sim is not None:
+        body["simulation"] = {"ranks_simulated": cand.sim.reps, "exact": cand.sim.exact, "events": cand.sim.events,
+                              "wall_s": cand.sim.wall_s}
+    return body
+
+
+def jsonable(d: Any) -> Any:
+    """A copy without internal ``_``-keys and numpy scalars, ready for ``json.dumps``."""
+    if isinstance(d, dict):
+        return {k: jsonable(v) for k, v in d.items() if not k.startswith("_")}
+    if isinstance(d, (np.floating, np.integer)):
+        return d.item()
+    return d
+
+
+__all__ = ["KEYS", "Candidate", "make_candidate", "simulate_candidate", "closed_form_predicted", "ring_ccr",
+           "predict", "result_json", "jsonable"]

@@ -1,0 +1,1 @@
+"""CP-SAT stream orders (model), their greedy hint, and the order they produce."""

@@ -1,0 +1,136 @@
+"""Will a run fit this host? The memory the run's ranks will hold against the memory the host has, before any
+rank starts (``meshplan run``).
+
+A run that does not fit is ended by the kernel's out-of-memory killer minutes later with no reason given (16
+CPU ranks of a 1M-token plan on a 24 GB host). So before spawning, ``meshplan run`` adds up what each rank holds:
+
+* the schedule's tensors and the kernels' workspace at their peak: the memory model (:mod:`meshplan.cost.memory`,
+  timed by simulating the schedule on the device the ranks run on — ``cpu-local`` for CPU ranks, the schedule's
+  topology for GPUs);
+* what the executor holds beside them (:func:`executor_bytes`): every rank draws the whole sequence's inputs
+  (Q, K, V, dO in the input dtype, identical from one seed) and converts its results to float32 for the
+  numerics check, which rank 0 gathers and assembles for the whole sequence (float32, twice while they arrive);
+* on CPU, each rank's process (``base_bytes``: this process's resident set, the interpreter, torch and the
+  schedule, which every spawned rank loads too);
+
+and refuses unless the ranks on this host take at most ``HOST_SHARE`` of its available memory (``MemAvailable``;
+GPU ranks: of each local device's free memory, for the tensors, workspace and inputs). A refusal names the
+numbers and, for masks a sequence length can scale (full, causal, window), the longest power-of-two fraction of
+``--seq-len`` whose run fits by the same sum, as the ``meshplan simulate`` command that writes it (planned and
+checked here).
+"""
+
+from __future__ import annotations
+
+from meshplan.core.errors import UserError
+from meshplan.core.units import fmt_bytes
+
+HOST_SHARE = 0.9          # of the available memory, what a run may take (the page cache, this process, noise)
+MAX_HALVINGS = 10
+
+
+def rank_peak_bytes(sched, topo) -> float:
+    """The memory model's peak of the busiest rank (bytes), over the passes, simulated on ``topo``."""
+    from meshplan.cost.memory import model_peak_bytes
+    from meshplan.cost.simulate import simulate
+
+    sim = simulate(sched, topo)
+    peaks = []
+    for p in sched.passes:
+        off = sim.pass_offset[p]
+        peaks.append(model_peak_bytes(sched, topo.memory_model, p, sim.start - off, sim.end - off))
+    return max(peaks, default=0.0)
+
+
+def run_topology(sched, gpu: bool):
+    """The topology whose device the ranks run on: ``cpu-local`` with the schedule's ranks for CPU ranks, else the
+    schedule's own."""
+    from meshplan.model.topology import Topology
+    if not gpu:
+        return Topology.load("cpu-local", sched.n_ranks)
+    return Topology.load(sched.topology.get("name"), sched.topology.get("devices"))
+
+
+def executor_bytes(w, n_ranks: int, gathers: bool) -> tuple[float, float]:
+    """(bytes every rank holds, bytes rank 0 holds besides) of the executor's own, beside the schedule's tensors
+    (module docstring): the inputs [B, S, H or Hkv, D] x (Q, dO, K, V) in the input dtype, per rank, with its
+    share of the results in float32 and (sampled check) the float64 dK, dV it checks at its keys (four arrays);
+    when rank 0 ``gathers`` every result (the full check, ``--dump``), the results (O, dQ, dK, dV float32 and
+    LSE) three times on it while they arrive (pickled, unpickled, assembled), the masked dO and six float64
+    [B, S, Hkv, D] arrays of the check. Measured on 16 CPU ranks of 8K tokens gathering: rank 0 peaked at 2.4 GB
+    where this and the memory model gave 2.1 GB."""
+    from meshplan.core.units import DTYPE_BYTES
+
+    tokens = w.batch * w.seq_len * w.head_dim
+    inputs = tokens * (2 * w.n_heads + 2 * w.n_kv_heads) * DTYPE_BYTES[w.dtype]
+    results = tokens * (2 * w.n_heads + 2 * w.n_kv_heads) * 4 + w.batch * w.n_heads * w.seq_len * 4
+    dkv64 = tokens * w.n_kv_heads * 8
+    each = inputs + (results + 4 * dkv64) / n_ranks
+    first = 3 * results + tokens * w.n_heads * DTYPE_BYTES[w.dtype] + 6 * dkv64 if gathers else 0.0
+    return float(each), float(first)
+
+
+def host_need_bytes(sched, host, peak: float, gathers: bool) -> float:
+    """Bytes the run takes of what ``host`` offers (GPU: one device's; CPU: the host's, all local ranks)."""
+    each, first = executor_bytes(sched.workload, sched.n_ranks, gathers)
+    if host.gpu:
+        return peak + each
+    return host.local_ranks * (peak + each + host.base_bytes) + first
+
+
+def check_fits(sched, host, name: str, gathers: bool = False) -> None:
+    """Refuse (UserError, before anything starts) a run whose predicted memory exceeds the host's
+    (``host``: a :class:`meshplan.executor.host.HostMemory`).
+
+    Raises:
+        UserError: one line with the numbers and a smaller workload that fits (see the module docstring).
+    ``gathers``: rank 0 gathers every result (the full numerics check, or ``--dump``).
+    """
+    topo = run_topology(sched, host.gpu)
+    peak = rank_peak_bytes(sched, topo)
+    need = host_need_bytes(sched, host, peak, gathers)
+    if need <= HOST_SHARE * host.available_bytes:
+        return
+    each, first = executor_bytes(sched.workload, sched.n_ranks, gathers)
+    where = "the least free GPU has" if host.gpu else "this host has"
+    parts = f"{fmt_bytes(peak)} of tensors and workspace by the memory model, {fmt_bytes(each)} of inputs and results"
+    if not host.gpu:
+        parts += f", {fmt_bytes(host.base_bytes)} of process each"
+        parts += f"; rank 0 {fmt_bytes(first)} more to gather the results" if first else ""
+    who = "each GPU rank needs" if host.gpu else f"{host.local_ranks} rank{'s' if host.local_ranks > 1 else ''} need"
+    raise UserError(name, f"{who} {fmt_bytes(need)} ({parts}), {where} {fmt_bytes(host.available_bytes)} "
+                    "available; nothing was started",
+                    _smaller(sched, topo, host, gathers) or "run it on a host with more memory, or plan it for fewer "
+                    "tokens")
+
+
+def _smaller(sched, topo, host, gathers: bool) -> str | None:
+    """The ``simulate`` command of the longest power-of-two fraction of the sequence whose plan fits, or None."""
+    from meshplan.algorithms.base import knob_flag
+    from meshplan.search.candidate import predict
+    from meshplan.model.topology import Topology
+
+    w = sched.workload
+    if w.mask.kind == "docs" or w.prefix_len or w.valid_len is not None:
+        return None
+    try:
+        planned_on = Topology.load(sched.topology.get("name"), sched.topology.get("devices"))
+    except UserError:
+        return None
+    seq = w.seq_len
+    for _ in range(MAX_HALVINGS):
+        seq //= 2
+        try:
+            cand = predict(sched.algorithm, w.with_(seq_len=seq), planned_on, sched.n_ranks, dict(sched.knobs))
+        except UserError:
+            return None
+        peak = rank_peak_bytes(cand.schedule, run_topology(cand.schedule, host.gpu))
+        need = host_need_bytes(cand.schedule, host, peak, gathers)
+        if need <= HOST_SHARE * host.available_bytes:
+            knobs = " ".join(f"{knob_flag(k)}={v}" if knob_flag(k).startswith("--knob") else f"{knob_flag(k)} {v}"
+                             for k, v in sched.knobs.items() if v is not None)
+            flags = f"{w.with_(seq_len=seq).cli_flags()}{' ' + knobs if knobs else ''}"
+            return (f"plan {seq} tokens instead ({fmt_bytes(need)}): meshplan simulate "
+                    f"--algo {sched.algorithm} --gpus {sched.n_ranks} --topo {planned_on.name} {flags} --out "
+                    "smaller.json && meshplan run smaller.json")
+    return None

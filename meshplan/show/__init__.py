@@ -1,0 +1,1 @@
+"""Tables, plots and traces of what the lower layers computed."""

@@ -1,0 +1,221 @@
+"""Human-readable tables for the CLI (rich), printed on stdout; units converted here only."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from meshplan.core.units import fmt_bytes, fmt_seconds
+
+_ROWS = [("makespan_s", "makespan", fmt_seconds), ("compute_s", "compute (critical rank)", fmt_seconds),
+         ("exposed_comm_s", "exposed communication", fmt_seconds), ("comm_busy_s", "communication busy", fmt_seconds),
+         ("comm_bytes_per_gpu_max", "bytes received / GPU (max)", fmt_bytes),
+         ("inter_node_bytes_per_gpu_max", "inter-node bytes / GPU (max)", fmt_bytes),
+         ("compute_to_comm", "compute / communication", lambda x: f"{x:.3g}"),
+         ("ring_ccr", "Ring CCR (CHARM+ definition)", lambda x: f"{x:.3g}"),
+         ("bytes_per_flop", "bytes / FLOP", lambda x: f"{x:.3g}"),
+         ("peak_memory_bytes", "peak buffer memory / GPU", fmt_bytes),
+         ("peak_memory_total_bytes", "peak memory / GPU (+ workspace)", fmt_bytes),
+         ("work_imbalance", "work imbalance (max / mean rank)", lambda x: f"{x:.3g}")]
+
+
+def _fmt(value: Any, f) -> str:
+    return "-" if value is None else f(value)
+
+
+def print_simulation(body: dict[str, Any], console: Console, title: str) -> None:
+    """The predicted metrics of one schedule, a column per pass."""
+    pred = body["predicted"]
+    parts = [p for p in ("fwd", "bwd", "total") if p in pred] or [body["pass"]]
+    console.print(title, soft_wrap=True)
+    table = Table()
+    table.add_column("predicted")
+    for p in parts:
+        table.add_column(p, justify="right")
+    for key, label, f in _ROWS:
+        table.add_row(label, *[_fmt((pred[p] if p in pred else pred).get(key), f) for p in parts])
+    console.print(table)
+
+
+def _knob_text(knobs: dict[str, Any], algorithm: str | None = None) -> str:
+    """Knobs that differ from the algorithm's defaults (an ``auto`` that resolved shows what it chose)."""
+    from meshplan.algorithms import REGISTRY
+    defaults = {k: kn.default for k, kn in REGISTRY[algorithm].knobs.items()} if algorithm in REGISTRY else {}
+    return " ".join(f"{k}={v}" for k, v in knobs.items()
+                    if v not in (None, "auto") and (k not in defaults or v != defaults[k]))
+
+
+def print_search(body: dict[str, Any], console: Console, top: int) -> None:
+    """The ranked candidates of a search."""
+    topo, counts = body["topology"], body["counts"]
+    console.print(f"{topo['name']} x {body['n_ranks']} ranks; {_workload_text(body['workload'])}", soft_wrap=True)
+    table = Table()
+    for col, just in (("#", "right"), ("algorithm", "left"), ("layout", "left"), ("knobs", "left"),
+                      ("level", "left"), ("time", "right"), ("fwd", "right"), ("bwd", "right"),
+                      ("exposed comm", "right"), ("bytes/GPU", "right"), ("inter-node/GPU", "right"),
+                      ("comp/comm", "right"), ("peak mem (+ws)", "right")):
+        table.add_column(col, justify=just)
+    solver = any(c["scheduler"]["requested"] != "greedy" for c in body["candidates"])
+    if solver:
+        table.add_column("order kept (CP-SAT status, gap to its own bound)", justify="left")
+    job = body.get("job")
+    if job:
+        table.add_column(f"job: {job['groups']} CP groups at once", justify="right")
+    for i, c in enumerate(body["candidates"][:top], start=1):
+        p = c["predicted"]
+        sim = c["model_level"] == "simulated"
+        t = fmt_seconds if sim else (lambda x: "≥" + fmt_seconds(x))  # bounds are lower bounds
+        one = body["workload"]["passes"]                       # a single-pass search: its total is that pass
+        part = lambda name, p=p, one=one: (p["makespan_s"] if one == name else  # noqa: E731
+                                           (p.get(name) or {}).get("makespan_s"))  # (bwd: null: forward-only)
+        table.add_row(str(i), c["algorithm"], c["layout"], _knob_text(c["knobs"], c["algorithm"]),
+                      "sim" if sim else "bound", _fmt(p["makespan_s"], t), _fmt(part("fwd"), t), _fmt(part("bwd"), t),
+                      _fmt(p["exposed_comm_s"], fmt_seconds), _fmt(p["comm_bytes_per_gpu_max"], fmt_bytes),
+                      _fmt(p["inter_node_bytes_per_gpu_max"], fmt_bytes),
+                      _fmt(p["compute_to_comm"], lambda x: f"{x:.3g}"),
+                      _fmt(p.get("peak_memory_total_bytes"), fmt_bytes),
+                      *([_order_text(c["scheduler"])] if solver else []),
+                      *([_fmt((c.get("job") or {}).get("together_s"), fmt_seconds)] if job else []))
+    console.print(table)
+    if lead := _lead_text(body["candidates"]):
+        console.print(lead, soft_wrap=True)
+    for i, c in enumerate(body["candidates"], start=1):
+        m = c.get("mapping_search")
+        if m:
+            console.print(f"#{i} placement search: {fmt_seconds(m['start_s'])} -> {fmt_seconds(m['best_s'])} "
+                          f"({m['gain']:.1%}, {m['swaps']} swaps in {m['evals']} simulations, {m['wall_s']:.1f} s); "
+                          f"rank -> device {m['device_of_rank']}", soft_wrap=True)
+        if c["schedule_path"]:
+            console.print(f"#{i} written to {c['schedule_path']}", soft_wrap=True)
+    for r in body.get("rejected", []):
+        if r.startswith("not written:"):
+            console.print(r, soft_wrap=True)
+    skipped = ", ".join(f"{v} {k}" for k, v in counts["skipped"].items()) or "none"
+    unsim = "".join(f", {v} not simulated: {k}" for k, v in counts.get("not_simulated", {}).items())
+    console.print(f"{counts['enumerated']} enumerated, {counts['simulated']} simulated, {counts['pruned']} left at "
+                  f"their closed-form bound (prune slack {counts['prune_slack']:.0%}{unsim}); skipped: {skipped}; "
+                  f"{body['wall_s']:.2f} s", soft_wrap=True)
+    if job:
+        console.print(f"job TP {job['tp']} x CP {job['cp']} x DP {job['dp']} ({job['order']}, innermost first) on "
+                      f"{job['topology']['devices']} GPUs: time = one CP group as planned (on {job['cp']} devices of "
+                      f"one topology; job.alone_s in --json is it on its real GPUs); the best {job['ranked_as_job']} "
+                      f"(each method's best among them) re-ranked by all {job['groups']} groups at once",
+                      soft_wrap=True)
+    if body.get("inference"):
+        print_inference(body["inference"], console)
+    if body.get("frameworks"):
+        print_frameworks(body["frameworks"], console)
+
+
+NEAR_TIE = 0.03      # predicted margins below this are near-ties: the CPU validation's error is several times it
+
+
+def _lead_text(candidates: list[dict[str, Any]]) -> str | None:
+    """How far #1 (simulated) leads #2 — at least that far when #2 was left at its closed-form lower bound — and a
+    near-tie warning under :data:`NEAR_TIE`: a margin smaller than the model's error does not say which is
+    faster. None without a simulated #1 and a #2."""
+    if len(candidates) < 2 or candidates[0]["model_level"] != "simulated":
+        return None
+    a, b = (c["predicted"]["makespan_s"] for c in candidates[:2])
+    if a <= 0:
+        return None
+    bound = candidates[1]["model_level"] != "simulated"
+    gap = (b - a) / a
+    text = (f"#1 leads #2 by {'at least ' if bound else ''}{gap:.1%} (predicted"
+            f"{'; #2 at its closed-form lower bound' if bound else ''})")
+    if gap < NEAR_TIE:
+        text += (f"; under {NEAR_TIE:.0%} that is a near-tie, closer than the model's error (README, Accuracy): "
+                 "run both (meshplan search --write 2, then meshplan run) to pick")
+    return text
+
+
+def print_inference(inf: dict[str, Any], console: Console) -> None:
+    """Meta's pass-KV / pass-Q rule beside the simulated best of each (search with --prefix-len)."""
+    rule, sim = inf["rule"], inf["simulated"]
+    times = ", ".join(f"{k} {fmt_seconds(v['time_s'])}" for k, v in sim.items())
+    verdict = ("agrees" if inf["agree"] else f"disagrees (its pick is {inf['rule_regret_pct']:.1f}% slower)") \
+        if inf["agree"] is not None else "cannot be compared (one method only)"
+    console.print(f"inference, {inf['prefix_len']} cached + {inf['new_tokens']} new tokens: Meta's rule picks "
+                  f"{rule['choice']} ({rule['reason']}); simulated: {times}; the rule {verdict}", soft_wrap=True)
+
+
+def print_frameworks(frameworks: list[dict[str, Any]], console: Console) -> None:
+    """Each framework's best setting, its predicted time and its ratio to the search's best plan."""
+    table = Table(title="the best setting each framework offers (simulated)", title_justify="left")
+    for col, just in (("framework", "left"), ("settings", "left"), ("plan", "left"), ("time", "right"),
+                      ("vs best", "right")):
+        table.add_column(col, justify=just)
+    for f in frameworks:
+        if f["settings"] is None:
+            table.add_row(f["framework"], f"not expressible: {f['reason']}", "-", "-", "-")
+            continue
+        plan = f"{f['algorithm']} {f['layout']} {_knob_text(f['knobs'], f['algorithm'])}".strip()
+        table.add_row(f["framework"], f["cli"], plan, fmt_seconds(f["time_s"]),
+                      _fmt(f["vs_best"], lambda x: f"{x:.2f}x"))
+    console.print(table)
+    for f in frameworks:
+        if f["expresses_best"]:
+            console.print(f"the best plan in {f['framework']}: {f['expresses_best']}", soft_wrap=True)
+    left = sum(len(f.get("not_evaluated", [])) for f in frameworks)
+    if left:
+        console.print(f"{left} framework settings the search does not list were not evaluated at this size (--json "
+                      "lists them, each with the simulate command that times it)", soft_wrap=True)
+    faster = [f for f in frameworks if f["settings"] is not None and f["vs_best"] is not None and f["vs_best"] < 1]
+    lossy = [f for f in faster if (f.get("knobs") or {}).get("dkv_dtype") not in (None, "fp32")]
+    for f in lossy:
+        console.print(f"vs best < 1 for {f['framework']}: its plan sends dK/dV in {f['knobs']['dkv_dtype']} (lossy); "
+                      "the search keeps fp32 gradients on the wire unless given --dkv-dtype bf16", soft_wrap=True)
+    if any(f not in lossy for f in faster):
+        console.print("vs best < 1: that setting's plan is outside what search enumerates (knobs it keeps at their "
+                      "defaults); pin them with the knob flags to rank it", soft_wrap=True)
+
+
+def _order_text(s: dict[str, Any]) -> str:
+    """The order kept, and the solver's status and gap in its own model."""
+    if s["status"] == "not_run":
+        return f"{s['kept']} (not run: {s['reason']})" if s.get("reason") else f"{s['kept']} (not run)"
+    gap = f", gap {s['gap']:.1%}" if s["gap"] is not None else ""
+    return f"{s['kept']} ({s['status']}{gap}, {s['solve_s']:.1f} s)"
+
+
+def _workload_text(w: dict[str, Any]) -> str:
+    from meshplan.core.units import fmt_count
+    return (f"{w.get('model') or 'custom'} B={w['batch']} S={fmt_count(w['seq_len'])} H={w['n_heads']} "
+            f"Hkv={w['n_kv_heads']} D={w['head_dim']} {w['dtype']} {w['mask']} {w['layout']} {w['passes']}")
+
+
+def print_topology(info: dict[str, Any], console: Console) -> None:
+    """A topology's devices and link classes."""
+    console.print(f"[bold]{info['name']}[/bold]: {info['description']}")
+    console.print(f"{info['devices']} devices = {info['nodes']} node(s) x {info['devices_per_node']} "
+                  f"in {info['domains']} domain(s); "
+                  f"{info['device']['model']}, {info['device']['peak_bf16_tflops']} TFLOP/s BF16, "
+                  f"{info['device']['memory_GB']:.0f} GB; kernel table {info['device']['kernel']}")
+    table = Table(title="links by class (per direction)", title_justify="left")
+    for col in ("class", "links", "usable GB/s", "latency us", "per-flow cap GB/s", "kappa"):
+        table.add_column(col, justify="right" if col != "class" else "left")
+    for row in info["link_classes"]:
+        table.add_row(row["class"], str(row["links"]), row["GBps"], row["latency_us"], row["flow_cap_GBps"],
+                      f"{row['kappa']:.2f}")
+    console.print(table)
+    net = info.get("network") or {}
+    if info["nodes"] > 1 and net:
+        if net["kind"] == "rail":
+            how = ("NVLink to the source node's GPU on the destination's rail, then that GPU's NIC (PXN)"
+                   if net["cross_rail"] == "pxn" else
+                   "leaf -> spine -> leaf, " + (f"{net['spine_oversubscription']:g}:1 oversubscribed"
+                                                  if net['spine_oversubscription'] > 1 else "non-blocking")
+                   + f" (+{net['spine_latency_us']:g} us)")
+            console.print(f"network: rail-optimised, {net['rails']} rails (NIC k on leaf k); same-rail traffic stays "
+                          f"in its leaf; cross-rail: {how}", soft_wrap=True)
+        else:
+            console.print(f"network: non-blocking switch ({net['latency_us']:g} us)", soft_wrap=True)
+    routes = Table(title="example routes", title_justify="left")
+    for col in ("from", "to", "hops", "GB/s", "latency us"):
+        routes.add_column(col)
+    for r in info["routes"]:
+        routes.add_row(str(r["src"]), str(r["dst"]), " -> ".join(r["path"]), f"{r['GBps']:.4g}",
+                       f"{r['latency_us']:.3g}")
+    console.print(routes)
