@@ -21,9 +21,9 @@ sys.path.insert(0, str(HERE.parent))
 
 from meshplan.algorithms import NAMES  # noqa: E402
 from meshplan.core.fileio import write_atomic  # noqa: E402
-from meshplan.search import run_search  # noqa: E402
 from meshplan.model.topology import Topology  # noqa: E402
 from meshplan.model.workload import resolve  # noqa: E402
+from meshplan.search import run_search  # noqa: E402
 
 TOPOLOGIES = [("h100x8", 8), ("h100x16", 16), ("h20x16", 16), ("l20x8", 8), ("a100x8", 8)]
 WORKLOADS = {"A: llama3-8b, S=120960, fwd+bwd, causal": dict(seq_len=120_960, passes="fwd+bwd"),

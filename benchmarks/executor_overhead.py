@@ -26,10 +26,10 @@ CASES = [("ring", {}, 4096), ("ring", {}, 8192), ("pass-q", {}, 4096), ("mesh", 
 def main() -> None:
     from exec_cases import Case
 
-    from meshplan.truth.compare import compare_files
+    from meshplan.core.fileio import write_atomic
     from meshplan.executor.launch import run
     from meshplan.executor.worker import RunConfig
-    from meshplan.core.fileio import write_atomic
+    from meshplan.truth.compare import compare_files
 
     ranks = 2
     rows = []

@@ -15,12 +15,12 @@ import time
 from pathlib import Path
 
 from meshplan.core.fileio import write_atomic
-from meshplan.search.candidate import make_candidate, simulate_candidate
-from meshplan.search.ilp.model import model as ilp
 from meshplan.cost.simulate import simulate
 from meshplan.model.topology import Topology
-from meshplan.plan.verify import verify
 from meshplan.model.workload import resolve
+from meshplan.plan.verify import verify
+from meshplan.search.candidate import make_candidate, simulate_candidate
+from meshplan.search.ilp import model as ilp
 
 CASES = [  # (topology, GPUs, sequence, algorithm, knobs)
     ("l20x8", 4, "16K", "mesh", {"tile": "2x2"}),

@@ -16,11 +16,11 @@ import time
 from pathlib import Path
 
 from meshplan.core.fileio import write_atomic
+from meshplan.model.topology import Topology
+from meshplan.model.workload import resolve
 from meshplan.plan.job import JobShape
 from meshplan.search import run_search
 from meshplan.search.job import rerank_for_job
-from meshplan.model.topology import Topology
-from meshplan.model.workload import resolve
 
 TOPO, WORLD, SEQ, MODEL, TOP = "h100x16", 16, "128K", "llama3-70b", 8
 

@@ -17,10 +17,10 @@ import numpy as np
 
 from meshplan.core.errors import SkipCandidate
 from meshplan.core.fileio import write_atomic
-from meshplan.search.candidate import make_candidate, simulate_candidate
-from meshplan.search.mapping import makespan_s, search_mapping, with_devices
 from meshplan.model.topology import Topology
 from meshplan.model.workload import resolve
+from meshplan.search.candidate import make_candidate, simulate_candidate
+from meshplan.search.mapping import makespan_s, search_mapping, with_devices
 
 CASES = [("l20x8", 8, "32K"), ("h100x16", 16, "64K")]
 METHODS = [("ring", {}), ("ulysses", {}), ("usp", {}), ("mesh", {}), ("charm", {})]

@@ -41,13 +41,13 @@ QUICK = [c for c in CASES if c[1] == 2][:3]
 
 def measure(cases, folder: Path) -> list[dict]:
     """Plan, write, run and compare every case; a row per case (predicted/measured bytes, error %)."""
-    from meshplan.truth.compare import compare_files
     from meshplan.executor.launch import run_batch
     from meshplan.executor.worker import RunConfig
-    from meshplan.search.candidate import predict
-    from meshplan.plan.json.io import write_schedule
     from meshplan.model.topology import Topology
     from meshplan.model.workload import resolve
+    from meshplan.plan.json.io import write_schedule
+    from meshplan.search.candidate import predict
+    from meshplan.truth.compare import compare_files
 
     by_world: dict[int, list] = {}
     for k, (algo, n, knobs, flags) in enumerate(cases):

@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 
 from meshplan.algorithms.mesh.order import TileCosts, brute_force, evaluate, greedy_order, plan_order
-from meshplan.search.candidate import make_candidate, simulate_candidate
 from meshplan.model.topology import Topology
 from meshplan.model.workload import resolve
+from meshplan.search.candidate import make_candidate, simulate_candidate
 
 
 def random_tiles(count: int = 2000, seed: int = 0) -> dict:

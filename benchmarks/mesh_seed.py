@@ -14,9 +14,9 @@ import json
 import time
 from pathlib import Path
 
-from meshplan.search import run_search
 from meshplan.model.topology import Topology
 from meshplan.model.workload import resolve
+from meshplan.search import run_search
 
 
 def one(topo_name: str, partial: str | None) -> dict:

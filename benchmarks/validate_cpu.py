@@ -50,11 +50,11 @@ import validate_stats  # noqa: E402  (beside this file)
 
 from meshplan.core.errors import SkipCandidate, UserError  # noqa: E402
 from meshplan.core.fileio import write_atomic  # noqa: E402
-from meshplan.search.candidate import predict  # noqa: E402
-from meshplan.plan.json.io import write_schedule  # noqa: E402
-from meshplan.search import run_search  # noqa: E402
 from meshplan.model.topology import Topology  # noqa: E402
 from meshplan.model.workload import resolve  # noqa: E402
+from meshplan.plan.json.io import write_schedule  # noqa: E402
+from meshplan.search import run_search  # noqa: E402
+from meshplan.search.candidate import predict  # noqa: E402
 
 # (label, workload flags): sequence length, GQA ratio, mask, dtype, head dim and pass vary.
 WORKLOADS = [
@@ -124,11 +124,11 @@ def measure_interleaved(paths: list[str], rounds: int, timeout_s: float = 600.0)
 def serialized_ccr(path: str) -> float:
     """Ring's CCR from a ``--serialize`` run: max over ranks of Σ compute over max over ranks of Σ transfer time
     (each transfer from when both sides had posted; a batch counts its longest transfer)."""
-    from meshplan.truth.compare import transfer_spans
     from meshplan.executor.launch import run
     from meshplan.executor.worker import RunConfig
-    from meshplan.plan.schedule import COMPUTE
     from meshplan.plan.json.io import from_json, read_document
+    from meshplan.plan.schedule import COMPUTE
+    from meshplan.truth.compare import transfer_spans
 
     body = run(path, None, RunConfig(backend="gloo", iters=3, warmup=1, check=False, serialize=True,
                                      timeout_s=600.0, memory=False))

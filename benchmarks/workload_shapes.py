@@ -17,12 +17,12 @@ import time
 from pathlib import Path
 
 from meshplan.core.fileio import write_atomic
-from meshplan.search.inference import rule_report
-from meshplan.search.candidate import predict
-from meshplan.truth.reproduce import reproduce_memory
-from meshplan.search import run_search
 from meshplan.model.topology import Topology
 from meshplan.model.workload import resolve
+from meshplan.search import run_search
+from meshplan.search.candidate import predict
+from meshplan.search.inference import rule_report
+from meshplan.truth.reproduce import reproduce_memory
 
 INFERENCE = [("8K cached + 128K new", 136 * 1024, 8 * 1024, 1), ("112K cached + 16K new", 128 * 1024, 112 * 1024, 1),
              ("1M cached + 1 new (decode, batch 8)", 2**20 + 1, 2**20, 8)]

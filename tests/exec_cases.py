@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 
 from meshplan.algorithms import get
-from meshplan.plan.json.io import write_schedule
 from meshplan.model.topology import Topology
 from meshplan.model.workload import resolve
+from meshplan.plan.json.io import write_schedule
 
 
 @dataclass

@@ -16,8 +16,8 @@ torch = pytest.importorskip("torch")
 
 from test_executor_kernels import _reference  # noqa: E402
 
-from meshplan.model.blockmask import MAX_PIECES, Blocks, KeyRanges, Piece, pieces, rows_overlap  # noqa: E402
 from meshplan.executor.kernels import block_backward, block_backward_from_out, block_forward, cover  # noqa: E402
+from meshplan.model.blockmask import MAX_PIECES, Blocks, KeyRanges, Piece, pieces, rows_overlap  # noqa: E402
 
 MASKS = [Mask("full"), Mask("causal"), Mask("window", window=5), Mask("docs", doc_lens=(7, 20, 13))]
 

@@ -12,10 +12,17 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from meshplan.model.calibration_file import CalibrationSpec, HostFacts, Raw, dump_yaml, fit_calibration, load_calibration
 from meshplan.cli.app import app
 from meshplan.core.errors import UserError
+from meshplan.model.calibration_file import (
+    CalibrationSpec,
+    HostFacts,
+    Raw,
+    dump_yaml,
+    load_calibration,
+)
 from meshplan.model.topology import Topology
+from meshplan.truth.calibration_fit import fit_calibration
 
 MODEL = "CPU rank (torch CPU attention, 1 thread)"       # cpu-local's device.model
 TOKENS = [64, 128, 256]
@@ -138,8 +145,8 @@ def test_backward_from_d_factor_by_dtype(tmp_path):
     whose query side carries D (pass-Q's) by the workload dtype's factor, and nothing else."""
     from meshplan.cost.cost import CostModel
     from meshplan.model.kernels import KernelTable
-    from meshplan.search.candidate import predict
     from meshplan.model.workload import resolve
+    from meshplan.search.candidate import predict
 
     raw = synthetic_raw().model_copy(update={
         "recurrence": [(128, 1.05e-3, 1e-3), (256, 4.2e-3, 4e-3)],
@@ -300,7 +307,7 @@ def test_calibrate_quick_end_to_end(tmp_path):
     assert 0 <= calib.overlap_kappa["loopback"] < 1
     assert np.all(np.asarray(calib.kernel.fwd) > 0) and np.all(np.asarray(calib.kernel.bwd) > 0)
     assert {row["name"] for row in body["fitted"]} >= {"p2p_overhead_us", "overlap_kappa.loopback"}
-    from meshplan.executor.calibrate.bench import QUICK
+    from meshplan.executor.calibrate.common import QUICK
     dims = sorted(set(QUICK.head_dims) | {QUICK.head_dim})      # the dtype sweep: one row per round and shape
     assert calib.kernel.dtype_head_dims == dims and calib.kernel.dtype_tokens == sorted(QUICK.dtype_tokens)
     counts = Counter((d, p, hd, s) for d, p, hd, s, _, _ in calib.raw.dtype_sweep)

@@ -10,9 +10,10 @@ import yaml
 from test_calibrate import facts, synthetic_raw
 from typer.testing import CliRunner
 
-from meshplan.model.calibration_file import Raw, fit_calibration, load_calibration
-from meshplan.truth.calibration_merge import merge_raws
 from meshplan.cli.app import app
+from meshplan.model.calibration_file import Raw, load_calibration
+from meshplan.truth.calibration_fit import fit_calibration
+from meshplan.truth.calibration_merge import merge_raws
 
 
 def _run(scale: float) -> dict:

@@ -10,11 +10,11 @@ from test_schedule import build, recv_bytes
 from meshplan.algorithms import get
 from meshplan.algorithms.charm.lists import partner_lists, roles
 from meshplan.core.errors import SkipCandidate, UserError
-from meshplan.search.candidate import predict
-from meshplan.plan.schedule import COMPUTE, expand_blocks
 from meshplan.model.topology import Topology
-from meshplan.plan.verify import verify
 from meshplan.model.workload import resolve
+from meshplan.plan.schedule import COMPUTE, expand_blocks
+from meshplan.plan.verify import verify
+from meshplan.search.candidate import predict
 
 
 def test_partner_lists_for_8_ranks_are_algorithm_1s():

@@ -9,10 +9,10 @@ def test_block_merges_take_the_dtypes_merge_factor():
     """A compute op that merges its block into O (combine: merge) takes merge_dtype[dtype] x 3 x its output bytes /
     the merge rate for its merge; accumulating ops (the backward's fp32 gradients) keep 1x."""
     from meshplan.cost.cost import CostModel
-    from meshplan.search.candidate import predict
-    from meshplan.plan.schedule import COMBINES, COMPUTE
     from meshplan.model.topology import Topology
     from meshplan.model.workload import resolve
+    from meshplan.plan.schedule import COMBINES, COMPUTE
+    from meshplan.search.candidate import predict
 
     topo = Topology.load("cpu-local", 2)
     w = resolve(seq_len=2048, heads=4, kv_heads=4, head_dim=64, dtype="bf16", mask="causal", passes="fwd+bwd")

@@ -143,8 +143,8 @@ def test_compare_notes_a_calibration_from_another_host():
     host, a GPU run or a run that does not record its host get none."""
     from types import SimpleNamespace
 
-    from meshplan.truth.compare import host_match
     from meshplan.model.topology import Topology
+    from meshplan.truth.compare import host_match
 
     topo = Topology.load("cpu-local")
     dev = topo.calibration.device
@@ -160,9 +160,9 @@ def test_compare_notes_a_calibration_from_another_host():
 
 def test_transfer_spans_count_from_when_both_sides_posted(ring2):
     """A recv's span is its end less the later of its own post and its send's post; other ops 0."""
-    from meshplan.truth.compare import transfer_spans
-    from meshplan.plan.schedule import OP_KINDS
     from meshplan.plan.json.io import from_json, read_document
+    from meshplan.plan.schedule import OP_KINDS
+    from meshplan.truth.compare import transfer_spans
 
     sched = from_json(read_document(ring2)[0])
     n = len(sched.ops)

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from conftest import unit_topology, unit_workload
 
-from meshplan.truth import fit
 from meshplan.algorithms import get
-from meshplan.plan.schedule import COMPUTE, SEND
 from meshplan.cost.simulate import simulate
+from meshplan.plan.schedule import COMPUTE, SEND
+from meshplan.truth import fit
 
 SIZES = [1 << k for k in range(10, 27, 2)]          # 1 KiB .. 64 MiB, as the benchmark sweeps
 

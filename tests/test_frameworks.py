@@ -8,6 +8,9 @@ import pytest
 from typer.testing import CliRunner
 
 from meshplan.cli.app import app
+from meshplan.model.topology import Topology
+from meshplan.model.workload import resolve
+from meshplan.search import enumerate_candidates, run_search
 from meshplan.search.framework_settings import (
     FRAMEWORKS,
     Choice,
@@ -20,10 +23,7 @@ from meshplan.search.framework_settings import (
     YunchangSettings,
     express,
 )
-from meshplan.search import enumerate_candidates, run_search
 from meshplan.search.frameworks import framework_bests, frameworks_json
-from meshplan.model.topology import Topology
-from meshplan.model.workload import resolve
 
 LLAMA = resolve(seq_len="32K")                                   # 32 query / 8 KV heads, causal, fwd+bwd
 GQA4 = resolve(seq_len="32K", heads=8, kv_heads=2, head_dim=64)

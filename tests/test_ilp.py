@@ -10,17 +10,17 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from meshplan.cost.bounds import schedule_timing
 from meshplan.cli.app import app
+from meshplan.cost.bounds import schedule_timing
 from meshplan.cost.cost import CostModel
-from meshplan.search.candidate import make_candidate, simulate_candidate
-from meshplan.plan.schedule import KIND
-from meshplan.search.ilp.model import model as ilp
-from meshplan.search.improve import STATUSES_RUN
 from meshplan.cost.simulate import simulate
 from meshplan.model.topology import Topology
-from meshplan.plan.verify import verify
 from meshplan.model.workload import resolve
+from meshplan.plan.schedule import KIND
+from meshplan.plan.verify import verify
+from meshplan.search.candidate import make_candidate, simulate_candidate
+from meshplan.search.ilp import model as ilp
+from meshplan.search.improve import STATUSES_RUN
 
 
 def _cand(topo_name: str, n: int, alg: str, knobs: dict, seq: str = "16K", passes: str = "fwd+bwd"):

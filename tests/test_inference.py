@@ -12,12 +12,12 @@ from typer.testing import CliRunner
 from meshplan.algorithms import get
 from meshplan.cli.app import app
 from meshplan.core.errors import UserError
-from meshplan.search.inference import meta_rule
 from meshplan.model.matrix import AttnMatrix
-from meshplan.search.candidate import predict
 from meshplan.model.topology import Topology
-from meshplan.plan.verify import verify
 from meshplan.model.workload import Mask, resolve
+from meshplan.plan.verify import verify
+from meshplan.search.candidate import predict
+from meshplan.search.inference import meta_rule
 
 
 def wl(**kw):

@@ -11,12 +11,12 @@ from typer.testing import CliRunner
 
 from meshplan.cli.app import app
 from meshplan.core.errors import UserError
-from meshplan.plan.job import JobShape, job_schedule
-from meshplan.search.candidate import predict
-from meshplan.plan.schedule import SEND
 from meshplan.cost.simulate import simulate
 from meshplan.model.topology import Topology
 from meshplan.model.workload import resolve
+from meshplan.plan.job import JobShape, job_schedule
+from meshplan.plan.schedule import SEND
+from meshplan.search.candidate import predict
 
 
 @pytest.mark.parametrize("tp,cp,dp,order,groups", [

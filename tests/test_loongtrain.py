@@ -8,10 +8,10 @@ from test_schedule import build, recv_bytes, sizes
 
 from meshplan.algorithms import get
 from meshplan.core.errors import UserError
-from meshplan.plan.schedule import SEND
 from meshplan.model.topology import Topology
-from meshplan.plan.verify import verify
 from meshplan.model.workload import resolve
+from meshplan.plan.schedule import SEND
+from meshplan.plan.verify import verify
 
 
 @pytest.mark.parametrize("n,w", [(8, 1), (8, 2), (8, 4), (8, 8), (16, 8), (16, 4)])

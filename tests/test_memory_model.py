@@ -12,13 +12,15 @@ from conftest import unit_topology, unit_workload
 from typer.testing import CliRunner
 
 from meshplan.cli.app import app
-from meshplan.plan.dataflow import peak_memory
-from meshplan.cost.memory import MemorySpec, OpCoefficients, fit_memory, kernel_workspace_bytes, op_workspace_bytes
-from meshplan.search.candidate import predict
-from meshplan.plan.schedule import COMPUTE, KIND, RECV, SEND
-from meshplan.search import run_search
+from meshplan.cost.memory import kernel_workspace_bytes, op_workspace_bytes
+from meshplan.model.memory_spec import MemorySpec, OpCoefficients
 from meshplan.model.topology import Topology
 from meshplan.model.workload import resolve
+from meshplan.plan.dataflow import peak_memory
+from meshplan.plan.schedule import COMPUTE, KIND, RECV, SEND
+from meshplan.search import run_search
+from meshplan.search.candidate import predict
+from meshplan.truth.memory_fit import fit_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 # the band the CPU runs are held to. Under-prediction is the dangerous side (a plan passes a memory limit it
@@ -122,10 +124,10 @@ def test_plans_are_held_to_the_device_memory_and_written_files_to_the_limit(tmp_
     smallest); with one, every written file simulates within it and so does each framework's best setting."""
     from meshplan.core.errors import UserError
     from meshplan.cost.metrics import predicted
+    from meshplan.cost.simulate import simulate
     from meshplan.plan.json.io import read_schedule
     from meshplan.search import write_best
     from meshplan.search.frameworks import framework_bests
-    from meshplan.cost.simulate import simulate
 
     topo = Topology.load("h100x8")
     with pytest.raises(UserError, match=r"^--gpus: no plan fits in the device's 80 GB; the smallest needs 1\d\d GB"):

@@ -11,12 +11,12 @@ from meshplan.algorithms import get
 from meshplan.algorithms.mesh.grid import Grid, factorisations, parse_tile, volumes
 from meshplan.algorithms.mesh.order import TileCosts, brute_force, evaluate, greedy_order, naive_orders, plan_order
 from meshplan.core.errors import UserError
-from meshplan.search.candidate import make_candidate, simulate_candidate
-from meshplan.plan.schedule import RECV, SEND
-from meshplan.search import run_search
 from meshplan.model.topology import Topology
-from meshplan.plan.verify import verify
 from meshplan.model.workload import resolve
+from meshplan.plan.schedule import RECV, SEND
+from meshplan.plan.verify import verify
+from meshplan.search import run_search
+from meshplan.search.candidate import make_candidate, simulate_candidate
 
 MESH = get("mesh")
 

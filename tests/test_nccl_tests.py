@@ -15,11 +15,11 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from meshplan.truth import nccl_tests
-from meshplan.model.calibration_file import load_calibration
 from meshplan.cli.app import app
 from meshplan.core.errors import UserError
+from meshplan.model.calibration_file import load_calibration
 from meshplan.model.topology import Topology
+from meshplan.truth import nccl_tests
 
 DIR = Path(__file__).parent / "data" / "nccl_tests"
 BW_REL, ALPHA_REL = 0.02, 0.10          # the stated tolerances: bandwidth 2 %, alpha 10 % (noise is ±0.5 %)

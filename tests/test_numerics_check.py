@@ -13,10 +13,10 @@ from meshplan.executor.data import Inputs, make_inputs, single_process  # noqa: 
 from meshplan.executor.numerics import judge  # noqa: E402
 from meshplan.executor.program import program_of  # noqa: E402
 from meshplan.executor.sample import check_mode, pick_sample  # noqa: E402
-from meshplan.plan.json.measurement import Numerics  # noqa: E402
-from meshplan.search.candidate import predict  # noqa: E402
 from meshplan.model.topology import Topology  # noqa: E402
 from meshplan.model.workload import resolve  # noqa: E402
+from meshplan.plan.json.measurement import Numerics  # noqa: E402
+from meshplan.search.candidate import predict  # noqa: E402
 
 
 def _program(seq_len: int, mask: str, heads: int = 2, head_dim: int = 128, dtype: str = "bf16",

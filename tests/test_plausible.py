@@ -11,10 +11,10 @@ import pytest
 from test_cli import run
 from test_plot import fake_measurement
 
+from meshplan.model.topology import Topology
+from meshplan.plan.json.io import read_schedule
 from meshplan.truth.compare import compare_files, read_measurement
 from meshplan.truth.plausible import DATASHEET_HEADROOM, MEASURED_HEADROOM, ceilings, implausible
-from meshplan.plan.json.io import read_schedule
-from meshplan.model.topology import Topology
 
 
 @pytest.fixture(scope="module")

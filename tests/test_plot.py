@@ -33,11 +33,11 @@ def files(tmp_path_factory):
 
 def fake_measurement(schedule_path, out, scale: float = 1.25):
     """A Measurement JSON of ``schedule_path`` whose op times are the simulated ones times ``scale`` (no torch)."""
-    from meshplan.plan.json.measurement import MeasurementJSON
-    from meshplan.plan.schedule import PASS_NAMES
-    from meshplan.plan.json.io import from_json, read_document
     from meshplan.cost.simulate import simulate
     from meshplan.model.topology import Topology
+    from meshplan.plan.json.io import from_json, read_document
+    from meshplan.plan.json.measurement import MeasurementJSON
+    from meshplan.plan.schedule import PASS_NAMES
 
     doc, raw = read_document(schedule_path)
     sched = from_json(doc)

@@ -13,10 +13,10 @@ from typer.testing import CliRunner
 from meshplan.algorithms import get
 from meshplan.cli.app import app
 from meshplan.core.errors import UserError
+from meshplan.model.topology import Topology
 from meshplan.truth.published import H100Row, kv_step_bytes, load_rows, ring_block_flops
 from meshplan.truth.reproduce import reproduce_ablation, reproduce_h100
 from meshplan.truth.reproduce_fit import DECLARED, FittedParams, fit_kernel, fit_transfer, is_declared, topology_values
-from meshplan.model.topology import Topology
 
 runner = CliRunner()
 

@@ -11,9 +11,9 @@ import yaml
 from typer.testing import CliRunner
 
 from meshplan.cli.app import app
-from meshplan.search.candidate import predict
 from meshplan.model.topology import Topology
 from meshplan.model.workload import resolve
+from meshplan.search.candidate import predict
 
 
 def rail(tmp_path, **network) -> str:

@@ -10,8 +10,15 @@ import pytest
 from test_cli import one_line_error, run
 
 from meshplan.core.errors import UserError
-from meshplan.search.run_memory import HOST_SHARE, check_fits, executor_bytes, host_need_bytes, rank_peak_bytes, run_topology
 from meshplan.plan.json.io import read_schedule
+from meshplan.search.run_memory import (
+    HOST_SHARE,
+    check_fits,
+    executor_bytes,
+    host_need_bytes,
+    rank_peak_bytes,
+    run_topology,
+)
 
 
 class Host:

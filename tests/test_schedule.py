@@ -7,9 +7,9 @@ import pytest
 
 from meshplan.algorithms import get
 from meshplan.model.matrix import AttnMatrix
-from meshplan.plan.schedule import COMPUTE, RECV
 from meshplan.model.topology import Topology
 from meshplan.model.workload import resolve
+from meshplan.plan.schedule import COMPUTE, RECV
 
 
 def build(name, n, passes="fwd+bwd", topo="h100x32", **kw):

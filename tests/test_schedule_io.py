@@ -12,10 +12,10 @@ from conftest import DATA
 
 from meshplan.algorithms import get
 from meshplan.core.errors import UserError
-from meshplan.plan.json.io import read_schedule, schema, to_json_dict, write_schedule
 from meshplan.model.topology import Topology
-from meshplan.plan.verify import verify
 from meshplan.model.workload import resolve
+from meshplan.plan.json.io import read_schedule, schema, to_json_dict, write_schedule
+from meshplan.plan.verify import verify
 
 OP_FIELDS = ("rank", "kind", "stream", "phase", "step", "peer", "tensor", "size_bytes", "dtype", "combine", "h0",
              "h1", "s_q", "s_kv", "mask", "deps", "dep_ptr", "inputs", "outputs", "q_chunks", "kv_chunks")

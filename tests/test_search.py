@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from meshplan.search.candidate import simulate_candidate
-from meshplan.search import enumerate_candidates, run_search
 from meshplan.model.topology import Topology
 from meshplan.model.workload import resolve
+from meshplan.search import enumerate_candidates, run_search
+from meshplan.search.candidate import simulate_candidate
 
 
 @pytest.mark.parametrize("topo_name,n", [("h100x16", 16), ("l20x8", 8), ("dgx-h100", 8)])

@@ -9,11 +9,11 @@ import pytest
 from typer.testing import CliRunner
 
 from meshplan.cli.app import app
-from meshplan.search import run_search
-from meshplan.search.sensitivity import Factors, draw_factors, perturbed_topology, run_sensitivity, sample_times
 from meshplan.cost.simulate import simulate
 from meshplan.model.topology import LINK_CLASSES, Topology
 from meshplan.model.workload import resolve
+from meshplan.search import run_search
+from meshplan.search.sensitivity import Factors, draw_factors, perturbed_topology, run_sensitivity, sample_times
 
 runner = CliRunner()
 SMALL = ["search", "--gpus", "4", "--topo", "h100x8", "--seq-len", "16K", "--write", "0"]

@@ -8,10 +8,10 @@ from conftest import unit_topology, unit_workload
 
 from meshplan.algorithms import get
 from meshplan.cost.maxmin import max_min_fair
-from meshplan.search.candidate import predict
 from meshplan.cost.simulate import simulate
 from meshplan.model.topology import Topology
 from meshplan.model.workload import resolve
+from meshplan.search.candidate import predict
 
 
 def test_two_flows_on_one_link_get_half_each():

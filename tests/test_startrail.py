@@ -9,8 +9,8 @@ from test_schedule import build, recv_bytes, sizes
 from meshplan.algorithms import get
 from meshplan.core.errors import SkipCandidate, UserError
 from meshplan.model.topology import Topology
-from meshplan.plan.verify import verify
 from meshplan.model.workload import resolve
+from meshplan.plan.verify import verify
 
 
 @pytest.mark.parametrize("n,C", [(4, 2), (8, 2), (16, 2), (16, 4), (9, 3)])

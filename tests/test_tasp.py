@@ -9,10 +9,10 @@ from test_schedule import build, recv_bytes, sizes
 from meshplan.algorithms import get
 from meshplan.algorithms.tasp_cycles import check_decomposition, shipped
 from meshplan.core.errors import SkipCandidate
-from meshplan.plan.schedule import SEND
 from meshplan.model.topology import Topology
-from meshplan.plan.verify import verify
 from meshplan.model.workload import resolve
+from meshplan.plan.schedule import SEND
+from meshplan.plan.verify import verify
 
 
 @pytest.mark.parametrize("n", [8, 12, 16, 20])

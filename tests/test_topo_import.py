@@ -16,12 +16,12 @@ from typer.testing import CliRunner
 
 from meshplan.cli.app import app
 from meshplan.core.errors import UserError
+from meshplan.model.topology import LINK_CLASSES, Topology
+from meshplan.model.topology_spec import TopologySpec
 from meshplan.topo_import.dumps import parse_nvidia_smi
 from meshplan.topo_import.importer import ImportFlags, import_topology
 from meshplan.topo_import.layout import node_layout, read_dumps
 from meshplan.topo_import.yaml_text import dump_spec, validate
-from meshplan.model.topology import LINK_CLASSES, Topology
-from meshplan.model.topology_spec import TopologySpec
 
 DATA = Path(__file__).parent / "data" / "topo"
 DGX_SMI, DGX_XML = str(DATA / "dgx-h100.nvidia-smi.txt"), str(DATA / "dgx-h100.nccl-topo.xml")

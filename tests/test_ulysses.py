@@ -8,10 +8,10 @@ from test_schedule import build, recv_bytes
 
 from meshplan.algorithms import get
 from meshplan.core.errors import SkipCandidate, UserError
-from meshplan.plan.schedule import SEND
 from meshplan.model.topology import Topology
-from meshplan.plan.verify import verify
 from meshplan.model.workload import resolve
+from meshplan.plan.schedule import SEND
+from meshplan.plan.verify import verify
 
 
 def closed_form(w, n, u, dkv_bytes=4, hops="n"):

@@ -7,10 +7,10 @@ import pytest
 
 from meshplan.algorithms import get
 from meshplan.core.csr import csr_ptr
-from meshplan.plan.schedule import COMPUTE, RECV, SEND, OpTable, Schedule
 from meshplan.model.topology import Topology
-from meshplan.plan.verify import verify
 from meshplan.model.workload import resolve
+from meshplan.plan.schedule import COMPUTE, RECV, SEND, OpTable, Schedule
+from meshplan.plan.verify import verify
 
 
 def build(name="ring", n=4, passes="fwd+bwd", **kw):

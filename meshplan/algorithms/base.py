@@ -13,13 +13,13 @@ from typing import Any, Callable
 
 import numpy as np
 
-from meshplan.cost.bounds import PassTiming, schedule_timing
 from meshplan.core.errors import UserError
+from meshplan.cost.bounds import PassTiming, schedule_timing
 from meshplan.model.matrix import AttnMatrix
-from meshplan.plan.plan import Plan
-from meshplan.plan.schedule import DTYPES, Schedule
 from meshplan.model.topology import Topology
 from meshplan.model.workload import Workload
+from meshplan.plan.plan import Plan
+from meshplan.plan.schedule import DTYPES, Schedule
 
 #: Knobs with their own CLI flag; every other knob is ``--knob name=value``.
 KNOB_FLAGS = {"tile": "--tile", "mapping": "--mapping", "partial_dtype": "--partial-dtype",

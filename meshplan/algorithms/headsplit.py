@@ -20,8 +20,8 @@ from functools import cached_property
 import numpy as np
 
 from meshplan.core.errors import SkipCandidate
-from meshplan.plan.build import ScheduleBuilder
 from meshplan.model.workload import Workload
+from meshplan.plan.build import ScheduleBuilder
 
 RANK_ORDERS = ("ulysses-first", "ring-first")
 

@@ -19,10 +19,10 @@ from meshplan.algorithms.base import DTYPE_KNOB, Algorithm, Knob, PassTiming
 from meshplan.algorithms.ring import MAPPINGS, new_builder, ring_plan, topology_record
 from meshplan.algorithms.rotate import rotate_backward, rotate_forward_merge
 from meshplan.algorithms.rotate_timing import Rotation, backward, forward, size_of
+from meshplan.model.topology import Topology
+from meshplan.plan.build import ScheduleBuilder
 from meshplan.plan.plan import Plan
 from meshplan.plan.schedule import Schedule
-from meshplan.plan.build import ScheduleBuilder
-from meshplan.model.topology import Topology
 
 
 class PassQ(Algorithm):

@@ -19,11 +19,11 @@ from meshplan.algorithms.base import DTYPE_KNOB, Algorithm, Knob, PassTiming
 from meshplan.algorithms.rotate import rotate_backward, rotate_forward_merge
 from meshplan.algorithms.rotate_timing import Rotation, backward, forward, size_of
 from meshplan.model.matrix import AttnMatrix, attn_matrix
-from meshplan.plan.plan import Plan
-from meshplan.plan.schedule import Schedule
-from meshplan.plan.build import ScheduleBuilder
 from meshplan.model.topology import Topology
 from meshplan.model.workload import Workload
+from meshplan.plan.build import ScheduleBuilder
+from meshplan.plan.plan import Plan
+from meshplan.plan.schedule import Schedule
 
 MAPPINGS = ("auto", "identity")
 

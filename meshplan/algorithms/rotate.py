@@ -18,8 +18,8 @@ from typing import Callable
 
 import numpy as np
 
-from meshplan.plan.plan import Plan
 from meshplan.plan.build import ScheduleBuilder
+from meshplan.plan.plan import Plan
 
 BlockFn = Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
 

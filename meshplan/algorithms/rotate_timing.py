@@ -16,9 +16,9 @@ from meshplan.algorithms.base import PassTiming
 from meshplan.cost.bounds import pool_bound
 from meshplan.cost.cost import CostModel
 from meshplan.cost.memory import closed_form_peak_bytes
+from meshplan.model.topology import Topology
 from meshplan.plan.plan import Plan
 from meshplan.plan.schedule import tensor_bytes
-from meshplan.model.topology import Topology
 
 
 def size_of(plan: Plan, kind: str, dtype: str) -> float:

@@ -25,10 +25,10 @@ from meshplan.algorithms.rotate import RingSpec, rotate_backward, rotate_forward
 from meshplan.algorithms.ulysses import _last
 from meshplan.core.errors import SkipCandidate, UserError
 from meshplan.model.matrix import attn_matrix
+from meshplan.model.topology import Topology
+from meshplan.plan.build import ScheduleBuilder
 from meshplan.plan.plan import Plan
 from meshplan.plan.schedule import Schedule
-from meshplan.plan.build import ScheduleBuilder
-from meshplan.model.topology import Topology
 
 
 class StarTrail(BuiltTiming):

@@ -22,9 +22,9 @@ from meshplan.algorithms.ring import MAPPINGS, new_builder, topology_record
 from meshplan.algorithms.tasp_cycles import IMPOSSIBLE, shipped
 from meshplan.core.errors import SkipCandidate, UserError
 from meshplan.model.matrix import attn_matrix
+from meshplan.model.topology import Topology
 from meshplan.plan.plan import Plan
 from meshplan.plan.schedule import Schedule
-from meshplan.model.topology import Topology
 
 
 class TASP(BuiltTiming):

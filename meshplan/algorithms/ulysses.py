@@ -43,10 +43,10 @@ from meshplan.algorithms.ring import new_builder, topology_record
 from meshplan.algorithms.rotate import RingSpec, rotate_backward, rotate_forward_merge
 from meshplan.core.errors import SkipCandidate, UserError
 from meshplan.model.matrix import attn_matrix
+from meshplan.model.topology import Topology
+from meshplan.plan.build import ScheduleBuilder
 from meshplan.plan.plan import Plan
 from meshplan.plan.schedule import Schedule
-from meshplan.plan.build import ScheduleBuilder
-from meshplan.model.topology import Topology
 
 
 class USP(BuiltTiming):

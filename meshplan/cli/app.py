@@ -158,9 +158,9 @@ class _SearchSteps:
 
     def run(self, base, topology, gpus, layout_pinned: bool, out: str, job):
         """(result, framework bests, sensitivity body, job body, best group time, inference report)."""
-        from meshplan.search.inference import rule_report
         from meshplan.search import run_search, write_best
         from meshplan.search.frameworks import framework_bests
+        from meshplan.search.inference import rule_report
 
         progress = _progress()
         with progress:
@@ -321,8 +321,8 @@ def schema() -> None:
 def topo_show(topo: Annotated[str, typer.Argument(help="topology file or shipped name")],
               gpus: o.Gpus = None, as_json: o.Json = False) -> None:
     """Show a topology: devices, link classes with capacities and latencies, example routes."""
-    from meshplan.show.tables import print_topology
     from meshplan.cli.simulate import topology_info
+    from meshplan.show.tables import print_topology
     info = topology_info(topo, gpus)
     _emit(info, as_json, lambda c: print_topology(info, c))
 

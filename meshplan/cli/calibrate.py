@@ -24,10 +24,11 @@ _LINK_CLASS = {"loopback": "loopback", "nvswitch": "nvlink", "pcie": "pcie"}
 def calibrate_command(topo: str, backend: str, quick: bool, out: str, as_json: bool, repeat: int = 1) -> int:
     """Measure (``repeat`` times, merged by :func:`meshplan.truth.calibration_merge.merge_raws`), fit, write ``out``
     atomically, print; returns the exit status (1: a rank failed)."""
-    from meshplan.model.calibration_file import HostFacts, Raw, dump_yaml, fit_calibration
-    from meshplan.truth.calibration_merge import merge_raws
     from meshplan.core.fileio import write_atomic
+    from meshplan.model.calibration_file import HostFacts, Raw, dump_yaml
     from meshplan.model.topology import Topology
+    from meshplan.truth.calibration_fit import fit_calibration
+    from meshplan.truth.calibration_merge import merge_raws
 
     if not out.endswith((".yaml", ".yml")):
         raise UserError("--out", f"{out!r} is not a .yaml name", "name the file *.yaml")
@@ -37,7 +38,8 @@ def calibrate_command(topo: str, backend: str, quick: bool, out: str, as_json: b
         raise UserError("calibrate", "the micro-benchmarks need torch, which is not installed",
                         "install the [exec] extra: pip install -e '.[exec]'")
     topology = Topology.load(topo)
-    from meshplan.executor.calibrate.bench import log, measure
+    from meshplan.executor.calibrate.bench import measure
+    from meshplan.executor.calibrate.common import log
     from meshplan.executor.launch import RunFailed, resolve_backend
 
     resolved = resolve_backend(backend)
@@ -47,12 +49,13 @@ def calibrate_command(topo: str, backend: str, quick: bool, out: str, as_json: b
                         f"({'CPU ranks' if resolved == 'gloo' else 'GPUs'})",
                         "calibrate cpu-local with gloo, and a GPU topology with nccl on its GPUs")
     t0 = time.perf_counter()
+    memory = _memory_schedules(resolved == "nccl", quick)
     runs = []
     try:
         for i in range(repeat):
             if repeat > 1:
                 log(f"run {i + 1} of {repeat}")
-            runs.append(measure(resolved, quick, _LINK_CLASS[kind]))
+            runs.append(measure(memory, resolved, quick, _LINK_CLASS[kind]))
     except RunFailed as err:
         sys.stderr.write(f"error: calibration failed: {err}\n")
         return 1
@@ -76,8 +79,9 @@ def calibrate_refit(topo: str, out: str, as_json: bool) -> int:
     """``--refit``: every parameter of the calibration file ``out`` fitted again from its own ``raw`` measurements
     (the same host facts, date and wall time), written back atomically; nothing is measured and torch is not
     needed. For a file measured before meshplan's fits changed."""
-    from meshplan.model.calibration_file import dump_yaml, fit_calibration
     from meshplan.core.fileio import write_atomic
+    from meshplan.model.calibration_file import dump_yaml
+    from meshplan.truth.calibration_fit import fit_calibration
 
     old, topology = _existing(out, topo, "--refit")
     try:
@@ -118,8 +122,8 @@ def _existing(out: str, topo: str, flag: str):
 def calibrate_memory_only(topo: str, backend: str, quick: bool, out: str, as_json: bool) -> int:
     """``--memory-only``: measure the memory model's samples again and replace ``memory`` (and ``raw.memory``) of
     the existing calibration file ``out``, keeping everything else; print the fitted coefficients."""
-    from meshplan.model.calibration_file import CalibrationSpec, dump_yaml
     from meshplan.core.fileio import write_atomic
+    from meshplan.model.calibration_file import CalibrationSpec, dump_yaml
 
     old, topology = _existing(out, topo, "--memory-only")
     if importlib.util.find_spec("torch") is None:
@@ -131,7 +135,7 @@ def calibrate_memory_only(topo: str, backend: str, quick: bool, out: str, as_jso
     from meshplan.executor.host import cpu_isa, cpu_name
     from meshplan.executor.launch import resolve_backend
     from meshplan.executor.memory import reuse_freed_memory
-    from meshplan.cost.memory import fit_memory
+    from meshplan.truth.memory_fit import fit_memory
 
     cuda = resolve_backend(backend) == "nccl"
     here = (torch.cuda.get_device_name(0) if cuda else None, cpu_name(), cpu_isa())
@@ -142,7 +146,8 @@ def calibrate_memory_only(topo: str, backend: str, quick: bool, out: str, as_jso
     t0 = time.perf_counter()
     reuse_freed_memory()
     with _threads(None if cuda else 1):
-        samples = memory_samples(torch.device("cuda", 0) if cuda else torch.device("cpu"), quick)
+        samples = memory_samples(torch.device("cuda", 0) if cuda else torch.device("cpu"),
+                                 _memory_schedules(cuda, quick))
     body = old.model_dump(mode="json", by_alias=True)
     body["raw"]["memory"] = samples
     body["memory"] = fit_memory(samples).model_dump(mode="json")
@@ -162,7 +167,7 @@ def calibrate_memory_only(topo: str, backend: str, quick: bool, out: str, as_jso
 
 def memory_rows(calib, before=None) -> list[dict[str, Any]]:
     """Rows of the memory model's fitted coefficients (``replaces``: ``before``'s, else the uncalibrated default's)."""
-    from meshplan.cost.memory import DEFAULTS
+    from meshplan.model.memory_spec import DEFAULTS
 
     m = calib.memory
     if m is None:
@@ -276,10 +281,11 @@ def _print(calib, rows: list[dict], out: str, console: Console) -> None:
 def calibrate_from_nccl_tests(topo: str, files: list[str], out: str, as_json: bool) -> int:
     """``--from-nccl-tests``: fit the files (``[CLASS:]FILE``, comma-separated or repeated), check that the topology
     takes the result, write ``out`` atomically, print. No torch (:mod:`meshplan.model.nccl_calibration_file`)."""
-    from meshplan.truth import nccl_tests
-    from meshplan.model.nccl_calibration_file import PREFIXES, apply_nccl_calibration, build, dump_yaml
     from meshplan.core.fileio import write_atomic
+    from meshplan.model.nccl_calibration_file import PREFIXES, apply_nccl_calibration, dump_yaml
     from meshplan.model.topology import Topology
+    from meshplan.truth import nccl_tests
+    from meshplan.truth.nccl_fit import build
 
     if not out.endswith((".yaml", ".yml")):
         raise UserError("--out", f"{out!r} is not a .yaml name", "name the file *.yaml")
@@ -339,3 +345,14 @@ def _nccl_rows(old, new, calib) -> list[dict[str, Any]]:
                  ("nics port + gpu_link latency_us", "us",
                   lambda s: s.node.nics.port.latency_us + s.node.nics.gpu_link.latency_us)]
     return [{"name": n, "unit": u, "fitted": get(new), "replaces": get(old)} for n, u, get in keys]
+
+
+def _memory_schedules(cuda: bool, quick: bool):
+    """The schedules the memory samples run, planned here and handed to the executor: the small ones whose ops
+    run alone, and on CPU the declared run (1 time with --quick, else 3; on GPUs none is declared yet)."""
+    from meshplan.executor.calibrate.bench import MemorySchedules
+    from meshplan.truth.memory_fit import declared_candidate, sample_schedules
+
+    repeats = 0 if cuda else 1 if quick else 3
+    return MemorySchedules(tuple(sample_schedules(cuda, quick)),
+                           declared_candidate().schedule if repeats else None, repeats)

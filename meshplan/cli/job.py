@@ -36,10 +36,10 @@ def simulate_job(algo, gpus, topo, workload, knobs, tp, dp, rank_order, out, tra
     from meshplan.algorithms import get
     from meshplan.cli.options import topology
     from meshplan.cli.simulate import _title, _write_trace, _write_verified
-    from meshplan.plan.job import JobShape, job_schedule
     from meshplan.cost.metrics import predicted
-    from meshplan.search.candidate import jsonable, predict, result_json, ring_ccr
     from meshplan.cost.simulate import simulate
+    from meshplan.plan.job import JobShape, job_schedule
+    from meshplan.search.candidate import jsonable, predict, result_json, ring_ccr
 
     if algo is None:
         raise UserError("--algo", "simulate --tp/--dp needs an algorithm", "give --algo NAME (ring, pass-q, ...)")

@@ -17,9 +17,9 @@ from meshplan.core.units import fmt_bytes, fmt_seconds
 def run_command(schedule: str, nproc, backend, iters, warmup, check, serialize, timeout_s, out, trace, dump_dir,
                 seed, inputs, as_json: bool) -> int:
     """Run, write the files, print; returns the exit status (0 ok, 1 numerics failed or a rank failed)."""
+    from meshplan.core.fileio import write_atomic
     from meshplan.executor.launch import RunFailed, run
     from meshplan.executor.worker import RunConfig
-    from meshplan.core.fileio import write_atomic
     from meshplan.plan.json.measurement import MeasurementJSON
     from meshplan.search.run_memory import check_fits
 
@@ -62,8 +62,8 @@ def _say_implausible(cmp: dict[str, Any] | None) -> None:
 
 def _compare_quietly(schedule: str, meas) -> dict[str, Any] | None:
     """The comparison with the prediction, or None when the schedule's topology is not shipped here."""
-    from meshplan.truth.compare import compare
     from meshplan.plan.json.io import from_json, read_document
+    from meshplan.truth.compare import compare
     doc, _ = read_document(schedule)
     try:
         return compare(from_json(doc), [op.id for r in doc.ranks for op in r.ops], meas)
@@ -73,8 +73,8 @@ def _compare_quietly(schedule: str, meas) -> dict[str, Any] | None:
 
 
 def _write_measured_trace(schedule: str, meas, path: str) -> None:
-    from meshplan.show.plot_data import measured_times
     from meshplan.plan.json.io import from_json, read_document
+    from meshplan.show.plot_data import measured_times
     from meshplan.show.trace import trace_events, write_trace
     doc, _ = read_document(schedule)
     sched = from_json(doc)

@@ -32,8 +32,8 @@ def print_sensitivity(body: dict[str, Any], console) -> None:
     """The ``sensitivity`` table of a search, if it has one."""
     from rich.table import Table
 
-    from meshplan.show.tables import _knob_text
     from meshplan.core.units import fmt_seconds
+    from meshplan.show.tables import _knob_text
 
     s = body.get("sensitivity")
     if not s:

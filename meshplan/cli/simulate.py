@@ -17,8 +17,8 @@ def simulate_named(algo, gpus, topo, workload, knobs, out, trace, as_json, emit)
     """``meshplan simulate --algo NAME``: plan, schedule, simulate; optionally write schedule and trace."""
     from meshplan.algorithms import get
     from meshplan.cli.options import topology
-    from meshplan.show.tables import print_simulation
     from meshplan.search.candidate import predict, result_json
+    from meshplan.show.tables import print_simulation
 
     if algo is None:
         raise UserError("--algo", "simulate needs an algorithm or a schedule file",
@@ -72,13 +72,13 @@ def _write_trace(sched, sim, path: str) -> None:
 
 def simulate_file(path, topo, trace, as_json, emit) -> None:
     """``meshplan simulate SCHEDULE.json [--topo T]``: verify, then simulate on its topology or ``T``."""
-    from meshplan.show.tables import print_simulation
     from meshplan.cost.metrics import predicted
-    from meshplan.search.candidate import ring_ccr
-    from meshplan.plan.json.io import read_schedule
     from meshplan.cost.simulate import simulate
     from meshplan.model.topology import Topology
+    from meshplan.plan.json.io import read_schedule
     from meshplan.plan.verify import verify
+    from meshplan.search.candidate import ring_ccr
+    from meshplan.show.tables import print_simulation
 
     sched = read_schedule(path)
     name = topo or sched.topology.get("name")
@@ -101,8 +101,8 @@ def simulate_file(path, topo, trace, as_json, emit) -> None:
 
 def validate_file(path, topo, as_json: bool) -> int:
     """``meshplan validate``: 0 valid, 1 invalid, 2 unreadable (raised as UserError)."""
-    from meshplan.plan.json.io import read_schedule
     from meshplan.model.topology import Topology
+    from meshplan.plan.json.io import read_schedule
     from meshplan.plan.verify import verify
 
     sched = read_schedule(path)

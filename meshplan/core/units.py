@@ -81,3 +81,8 @@ def fmt_seconds(t: float) -> str:
     if t >= 1e-3:
         return f"{t * 1e3:.3g} ms"
     return f"{t * 1e6:.3g} us"
+
+
+def round_sig(x: float, digits: int = 4) -> float:
+    """``x`` rounded to ``digits`` significant digits (fitted parameters as files store them)."""
+    return float(f"{float(x):.{digits}g}")

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from meshplan.cost.cost import CostModel
-from meshplan.plan.dataflow import build_items, evaluate, peak_memory
 from meshplan.cost.memory import model_peak_bytes, op_workspace_bytes
-from meshplan.plan.schedule import COMPUTE, KIND, PASS_NAMES, RECV, SEND, Schedule
 from meshplan.cost.symmetry import find_reduction
 from meshplan.model.topology import Topology
+from meshplan.plan.dataflow import build_items, evaluate, peak_memory
+from meshplan.plan.schedule import COMPUTE, KIND, PASS_NAMES, RECV, SEND, Schedule
 
 _BUSY = np.array([KIND["compute"], KIND["merge"], KIND["accumulate"]])
 

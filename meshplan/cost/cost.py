@@ -28,8 +28,8 @@ import numpy as np
 
 from meshplan.core.csr import csr_sum
 from meshplan.model.matrix import attn_matrix
-from meshplan.plan.schedule import COMBINES, COMPUTE, KIND, PASS_NAMES, TENSOR_KIND_NAMES, Schedule, expand_blocks
 from meshplan.model.topology import Topology
+from meshplan.plan.schedule import COMBINES, COMPUTE, KIND, PASS_NAMES, TENSOR_KIND_NAMES, Schedule, expand_blocks
 
 
 def _runs_by_block(sched: Schedule, m, ops: np.ndarray) -> np.ndarray:

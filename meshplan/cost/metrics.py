@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from meshplan.plan.dataflow import peak_memory
 from meshplan.cost.memory import model_peak_bytes
-from meshplan.plan.schedule import COMPUTE, KIND, PASS_NAMES, RECV, SEND, Schedule
 from meshplan.cost.simulate import SimResult
 from meshplan.model.topology import Topology
+from meshplan.plan.dataflow import peak_memory
+from meshplan.plan.schedule import COMPUTE, KIND, PASS_NAMES, RECV, SEND, Schedule
 
 KEYS = ("makespan_s", "compute_s", "exposed_comm_s", "comm_busy_s", "comm_bytes_per_gpu_max",
         "inter_node_bytes_per_gpu_max", "ring_ccr", "compute_to_comm", "bytes_per_flop", "peak_memory_bytes",

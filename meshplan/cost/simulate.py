@@ -24,11 +24,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshplan.cost.cost import CostModel
-from meshplan.plan.dataflow import build_items
 from meshplan.cost.maxmin import fair_rates
-from meshplan.plan.schedule import KIND, SEND, Schedule
 from meshplan.cost.symmetry import DURATION_TOLERANCE, Reduction, find_reduction, identity, link_orbit_rep
 from meshplan.model.topology import Topology
+from meshplan.plan.dataflow import build_items
+from meshplan.plan.schedule import KIND, SEND, Schedule
 
 _EPS = 1e-12
 

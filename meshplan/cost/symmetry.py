@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meshplan.plan.schedule import Schedule
 from meshplan.model.topology import Topology
+from meshplan.plan.schedule import Schedule
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from meshplan.model.blockmask import Blocks, KeyRanges
 from meshplan.executor.kernels import (
     block_backward,
     block_backward_from_out,
@@ -24,6 +23,7 @@ from meshplan.executor.kernels import (
 )
 from meshplan.executor.program import FP32_PARTS, KV_PARTS, PARTS, Program
 from meshplan.executor.store import Store
+from meshplan.model.blockmask import Blocks, KeyRanges
 
 Q_SIDE = ("q", "out", "dout", "qside", "dside")
 

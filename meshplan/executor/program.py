@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 
 from meshplan.core.errors import UserError
-from meshplan.plan.json.format import ScheduleJSON
 from meshplan.core.units import DTYPE_BYTES
 from meshplan.model.workload import Mask, Workload
+from meshplan.plan.json.format import ScheduleJSON
 
 PARTS = {
     "q": ("q",), "kv": ("k", "v"), "out": ("o", "lse"), "dout": ("do",),

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from meshplan.model.blockmask import KeyRanges
 from meshplan.executor.kernels import block_backward, block_backward_from_out, block_forward
 from meshplan.executor.program import Program
+from meshplan.model.blockmask import KeyRanges
 from meshplan.model.workload import Workload
 
 FULL_CHECK_FLOPS = 2e10          # the float64 reference of the whole sequence up to this: seconds on a CPU

@@ -18,7 +18,7 @@ Per class (the files' own fits are kept in ``fits``, each number's files in ``so
   model's ``T(S) = alpha_sw + Σ hop latency + S / rate`` gives at S = 0 — else of its collectives (a whole
   collective's zero-size time: an upper bound on one transfer's).
 
-How a topology takes them is :func:`apply_nccl_calibration`.
+How a topology takes them is :func:`apply_nccl_calibration`; the fit itself is :mod:`meshplan.truth.nccl_fit`.
 """
 
 from __future__ import annotations
@@ -26,11 +26,10 @@ from __future__ import annotations
 import datetime
 from typing import Literal
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 
 from meshplan.core.errors import UserError
-from meshplan.truth.nccl_tests import CollectiveFit, cross_node_rate
+from meshplan.core.units import round_sig
 from meshplan.model.topology_spec import TopologySpec
 
 ClassName = Literal["nvlink", "net"]
@@ -88,67 +87,6 @@ class NcclCalibrationSpec(_Strict):
     fits: list[FileFit]
 
 
-def _r(x: float) -> float:
-    return float(f"{x:.4g}")
-
-
-def _median(xs) -> float:
-    return _r(float(np.median(xs)))
-
-
-def build(fits: list[tuple[CollectiveFit, str]], spec: TopologySpec) -> NcclCalibrationSpec:
-    """The calibration of ``spec`` from fitted files, each with its class (``nvlink`` or ``net``)."""
-    rows = [_file_fit(f, cls, spec) for f, cls in fits]
-    body = {"kind": "nccl-tests", "name": spec.name, "model": spec.node.device.model,
-            "fitted_at": datetime.date.today(), "fits": rows}
-    intra = [r for r in rows if r.link_class == "nvlink"]
-    if intra:
-        alpha, a_src = _alpha(intra)
-        body["nvlink"] = IntraFit(alpha_us=alpha, usable_GBps=_median([r.rate_GBps for r in intra]),
-                                  source=f"usable_GBps: {_names(intra)}; alpha_us: {a_src}")
-    net = [r for r in rows if r.link_class == "net"]
-    if net:
-        alpha, a_src = _alpha(net)
-        flows, colls = [r for r in net if r.collective == "sendrecv"], [r for r in net if r.collective != "sendrecv"]
-        src = [f"alpha_us: {a_src}"] + [f"{k}: {_names(v)}" for k, v in (("per_flow_GBps", flows),
-                                                                        ("node_aggregate_GBps", colls)) if v]
-        body["net"] = NetFit(alpha_us=alpha, per_flow_GBps=_median([r.rate_GBps for r in flows]) if flows else None,
-                             node_aggregate_GBps=_median([r.rate_GBps for r in colls]) if colls else None,
-                             source="; ".join(src))
-    return NcclCalibrationSpec.model_validate(body)
-
-
-def _file_fit(f: CollectiveFit, cls: str, spec: TopologySpec) -> FileFit:
-    run, rate = f.run, f.busbw_bytes_per_s
-    if cls == "net":
-        if run.hosts == 1:
-            raise UserError(f"--from-nccl-tests net:{run.source}", "its ranks are all on one host: no transfer "
-                            "crossed a node", "give a multi-node run, or leave out the prefix")
-        rate = cross_node_rate(f)
-        nics = spec.node.nics
-        if nics is None:
-            raise UserError(f"--from-nccl-tests {run.source}", f"a net fit, but {spec.name} has no NICs",
-                            "give a multi-node topology (node.nics)")
-        if run.collective != "sendrecv":    # the NICs the run's ranks used, of the node's count
-            used = (min(run.ranks_per_host, spec.node.gpus) - 1) * nics.count // spec.node.gpus + 1
-            rate *= nics.count / used
-    return FileFit(file=run.source, collective=run.collective, ranks=run.ranks, hosts=run.hosts, gpu=run.gpu,
-                   link_class=cls, alpha_us=_r(f.alpha_s * 1e6), busbw_GBps=_r(f.busbw_bytes_per_s / 1e9),
-                   rate_GBps=_r(rate / 1e9), max_error=_r(f.max_error),
-                   rows=[(int(s), float(f"{t * 1e6:.6g}")) for s, t in zip(run.size_bytes, run.time_s)])
-
-
-def _alpha(rows: list[FileFit]) -> tuple[float, str]:
-    p2p = [r for r in rows if r.collective == "sendrecv"]
-    if p2p:
-        return _median([r.alpha_us for r in p2p]), _names(p2p)
-    return _median([r.alpha_us for r in rows]), f"{_names(rows)} (a collective's zero-size time: an upper bound)"
-
-
-def _names(rows: list[FileFit]) -> str:
-    return ", ".join(r.file for r in rows)
-
-
 def apply_nccl_calibration(spec: TopologySpec, calib: NcclCalibrationSpec) -> TopologySpec:
     """The topology with the fitted link classes in place of its own values:
 
@@ -188,14 +126,14 @@ def _apply_net(d: dict, spec: TopologySpec, net: NetFit) -> None:
     if net.alpha_us < over:
         raise UserError("calibration: net.alpha_us", f"{net.alpha_us} us is below {spec.name}'s p2p_overhead_us "
                         f"({over} us), which every transfer pays", "fit an intra-node file too (it sets it)")
-    d["network"]["latency_us"] = _r(net.alpha_us - over)
+    d["network"]["latency_us"] = round_sig(net.alpha_us - over)
     n = d["node"]["nics"]
     n["gpu_link"]["latency_us"] = n["port"]["latency_us"] = 0.0
     port, gpu_link = nics.port.bytes_per_s / 1e9, nics.gpu_link.bytes_per_s / 1e9
     if net.node_aggregate_GBps is not None:
         n["node_aggregate_GBps"] = net.node_aggregate_GBps
         port = net.node_aggregate_GBps / nics.count
-        n["port"] = {"usable_GBps": _r(port), "latency_us": 0.0}
+        n["port"] = {"usable_GBps": round_sig(port), "latency_us": 0.0}
     if net.per_flow_GBps is not None:
         r = net.per_flow_GBps
         n["per_flow_GBps"] = r
@@ -211,6 +149,6 @@ def dump_yaml(calib: NcclCalibrationSpec) -> str:
     import yaml
 
     head = (f"# {calib.name}: link classes fitted by `meshplan calibrate --from-nccl-tests` on {calib.fitted_at}\n"
-            "# (meshplan/calibration_nccl.py); each class's `source` names its files, `fits` holds each file's fit.\n")
+            "# (meshplan/truth/nccl_fit.py); each class's `source` names its files, `fits` holds each file's fit.\n")
     body = calib.model_dump(mode="json")
     return head + yaml.safe_dump(body, sort_keys=False, default_flow_style=None, width=160, allow_unicode=True)

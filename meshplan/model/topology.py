@@ -22,11 +22,11 @@ from pathlib import Path
 import networkx as nx
 import numpy as np
 
-from meshplan.model.calibration_file import calibrated
 from meshplan.core.errors import UserError
+from meshplan.model.calibration_file import calibrated
 from meshplan.model.kernels import KernelTable, load_kernel_table
-from meshplan.cost.memory import DEFAULTS as MEMORY_DEFAULTS
-from meshplan.cost.memory import MemorySpec
+from meshplan.model.memory_spec import DEFAULTS as MEMORY_DEFAULTS
+from meshplan.model.memory_spec import MemorySpec
 from meshplan.model.topo_files import find_topology, parse_topology, place_devices
 from meshplan.model.topology_spec import LinkSpec, TopologySpec
 

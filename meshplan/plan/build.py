@@ -9,6 +9,7 @@ import numpy as np
 
 from meshplan.core.csr import csr_ptr, csr_take
 from meshplan.model.matrix import AttnMatrix
+from meshplan.model.workload import Workload
 from meshplan.plan.schedule import (
     COMBINES,
     DTYPES,
@@ -24,7 +25,6 @@ from meshplan.plan.schedule import (
     _one_or_each,
     tensor_bytes,
 )
-from meshplan.model.workload import Workload
 
 _SCALARS = {  # op field -> (dtype, default)
     "step": (np.int32, -1), "peer": (np.int32, -1), "tensor": (np.int64, -1), "size_bytes": (np.int64, 0),

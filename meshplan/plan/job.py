@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshplan.core.errors import UserError
-from meshplan.plan.schedule import OpTable, Schedule, TensorTable
 from meshplan.model.workload import Workload
+from meshplan.plan.schedule import OpTable, Schedule, TensorTable
 
 DIMS = ("tp", "cp", "dp")
 #: every order of the three dimensions, innermost first ("tp-cp-dp": Megatron-LM's default, TP innermost)

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from meshplan.model.matrix import AttnMatrix, attn_matrix
 from meshplan.plan.dataflow import build_items, evaluate, peak_memory
 from meshplan.plan.hazards import check_hazards
-from meshplan.model.matrix import AttnMatrix, attn_matrix
 from meshplan.plan.schedule import (
     COMPUTE,
     DTYPES,

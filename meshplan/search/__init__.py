@@ -19,8 +19,11 @@ from typing import Any, Callable
 
 from meshplan import algorithms
 from meshplan.core.errors import SkipCandidate, UserError
-from meshplan.model.matrix import attn_matrix
+from meshplan.core.units import fmt_bytes
 from meshplan.cost.memory import estimated_peak_bytes
+from meshplan.model.matrix import attn_matrix
+from meshplan.model.topology import Topology
+from meshplan.model.workload import LAYOUTS, Workload
 from meshplan.search.candidate import (
     Candidate,
     closed_form_predicted,
@@ -29,9 +32,6 @@ from meshplan.search.candidate import (
     ring_ccr,
     simulate_candidate,
 )
-from meshplan.model.topology import Topology
-from meshplan.core.units import fmt_bytes
-from meshplan.model.workload import LAYOUTS, Workload
 
 PRUNE_SLACK = 0.01
 #: Above this many ranks a schedule without node symmetry (every rank simulated, e.g. a causal contiguous Mesh:

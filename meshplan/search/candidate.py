@@ -15,13 +15,13 @@ from meshplan import algorithms
 from meshplan.algorithms.base import PassTiming
 from meshplan.algorithms.rotate_timing import Rotation, size_of
 from meshplan.core.errors import SkipCandidate, UserError
-from meshplan.model.matrix import AttnMatrix, attn_matrix
 from meshplan.cost.metrics import KEYS, combine, predicted
-from meshplan.plan.plan import Plan
-from meshplan.plan.schedule import Schedule
 from meshplan.cost.simulate import SimResult, simulate
+from meshplan.model.matrix import AttnMatrix, attn_matrix
 from meshplan.model.topology import Topology
 from meshplan.model.workload import Workload
+from meshplan.plan.plan import Plan
+from meshplan.plan.schedule import Schedule
 
 
 @dataclass

@@ -24,11 +24,11 @@ from typing import Any
 from meshplan import algorithms
 from meshplan.algorithms.base import BuiltTiming, knob_flag
 from meshplan.core.errors import SkipCandidate, UserError
-from meshplan.search.framework_settings import BWD_KNOBS, FRAMEWORKS, Choice, NotExpressible, express
-from meshplan.cost.memory import estimated_peak_bytes
-from meshplan.search.candidate import Candidate, make_candidate, simulate_candidate
-from meshplan.search import FULL_SIM_MAX_RANKS, SearchResult
 from meshplan.core.units import fmt_bytes
+from meshplan.cost.memory import estimated_peak_bytes
+from meshplan.search import FULL_SIM_MAX_RANKS, SearchResult
+from meshplan.search.candidate import Candidate, make_candidate, simulate_candidate
+from meshplan.search.framework_settings import BWD_KNOBS, FRAMEWORKS, Choice, NotExpressible, express
 
 #: Every setting a framework offers is evaluated up to this many ranks.
 FULL_RANKS = 16

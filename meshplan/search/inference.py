@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
+from meshplan.core.units import DTYPE_BYTES
 from meshplan.cost.cost import CostModel
 from meshplan.model.matrix import attn_matrix
 from meshplan.model.topology import Topology
-from meshplan.core.units import DTYPE_BYTES
 from meshplan.model.workload import Workload
 
 RING, PASS_Q = "ring", "pass-q"

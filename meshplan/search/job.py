@@ -17,10 +17,10 @@ from __future__ import annotations
 from typing import Any
 
 from meshplan import algorithms
-from meshplan.plan.job import JobShape, job_schedule
-from meshplan.search import SearchResult
 from meshplan.cost.simulate import simulate
 from meshplan.model.topology import Topology
+from meshplan.plan.job import JobShape, job_schedule
+from meshplan.search import SearchResult
 
 
 def best_group_s(result: SearchResult) -> float | None:

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from meshplan.plan.schedule import Schedule
 from meshplan.cost.simulate import simulate
 from meshplan.model.topology import Topology
+from meshplan.plan.schedule import Schedule
 
 MAX_RANKS = 64
 

@@ -107,8 +107,8 @@ def check_fits(sched, host, name: str, gathers: bool = False) -> None:
 def _smaller(sched, topo, host, gathers: bool) -> str | None:
     """The ``simulate`` command of the longest power-of-two fraction of the sequence whose plan fits, or None."""
     from meshplan.algorithms.base import knob_flag
-    from meshplan.search.candidate import predict
     from meshplan.model.topology import Topology
+    from meshplan.search.candidate import predict
 
     w = sched.workload
     if w.mask.kind == "docs" or w.prefix_len or w.valid_len is not None:

@@ -32,9 +32,9 @@ import numpy as np
 
 from meshplan import algorithms
 from meshplan.core.errors import UserError
-from meshplan.search.candidate import jsonable, simulate_candidate
 from meshplan.cost.simulate import simulate
 from meshplan.model.topology import LINK_CLASSES, Topology
+from meshplan.search.candidate import jsonable, simulate_candidate
 
 PICKS = ("nominal", "robust")
 PERTURBED = ("bandwidth", "latency", "efficiency")

@@ -72,9 +72,9 @@ def both_timelines(schedule_path: str, measurement_path: str | None = None, topo
     Raises:
         UserError: unreadable files, a measurement of another schedule, or op ids the schedule lacks.
     """
-    from meshplan.plan.json.io import from_json, no_gc, read_document
     from meshplan.cost.simulate import simulate
     from meshplan.model.topology import Topology
+    from meshplan.plan.json.io import from_json, no_gc, read_document
 
     doc, raw = read_document(schedule_path)
     meas = _matching_measurement(measurement_path, raw, schedule_path) if measurement_path else None
@@ -280,8 +280,8 @@ def scaling_data(topo: str, gpus: list[int], algos: list[str], workload) -> Scal
         UserError: an unknown algorithm, or a GPU count the topology refuses.
     """
     from meshplan import algorithms
-    from meshplan.search.candidate import make_candidate, simulate_candidate
     from meshplan.model.topology import Topology
+    from meshplan.search.candidate import make_candidate, simulate_candidate
 
     for name in algos:
         if name not in algorithms.NAMES:

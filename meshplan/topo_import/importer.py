@@ -15,10 +15,10 @@ from importlib import resources
 from pathlib import Path
 
 from meshplan.core.errors import UserError
+from meshplan.model.topology_spec import TopologySpec
 from meshplan.topo_import.dumps import NodeDump
 from meshplan.topo_import.layout import Layout, node_layout, read_dumps
 from meshplan.topo_import.yaml_text import S, comments, render, validate
-from meshplan.model.topology_spec import TopologySpec
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The kernel table's fit from a calibration's raw samples (:func:`kernel_table`, used by
-:func:`meshplan.model.calibration_file.fit_calibration`): every form is :mod:`meshplan.truth.fit`'s or a median ratio of timings,
+:func:`meshplan.truth.calibration_fit.fit_calibration`): every form is :mod:`meshplan.truth.fit`'s or a median ratio of timings,
 written to 4 significant digits."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from meshplan.truth import fit
+from meshplan.core.units import round_sig
 from meshplan.model.kernels import KernelTableSpec
+from meshplan.truth import fit
 
 if TYPE_CHECKING:
     from meshplan.model.calibration_file import Raw
@@ -36,14 +37,14 @@ def kernel_table(raw: Raw, peak: float, launch_s: float, peak_ratios: dict[str, 
         for s, a, b in zip(masked, e, full_e):
             per.setdefault(s.s_q, []).append(a / b)
         if set(per) == set(tokens):
-            by_size = [min(1.5, fitted(float(np.median(per[t])))) for t in tokens]
+            by_size = [min(1.5, round_sig(float(np.median(per[t])))) for t in tokens]
     return KernelTableSpec(
         name="calibrated", source=f"meshplan calibrate: {raw.dtype} kernels timed on this host; efficiency = "
         "FLOPs / ((time − launch) · peak), symmetric (a cell and its mirror share their mean time)",
-        launch_us=fitted(launch_s * 1e6), tokens=tokens, fwd=_table(tables["fwd"]), bwd=_table(tables["bwd"]),
-        elementwise_factor=fitted(ratio), elementwise=by_size, **_head_dim_factors(raw, peak, launch_s),
+        launch_us=round_sig(launch_s * 1e6), tokens=tokens, fwd=_table(tables["fwd"]), bwd=_table(tables["bwd"]),
+        elementwise_factor=round_sig(ratio), elementwise=by_size, **_head_dim_factors(raw, peak, launch_s),
         **_dtype_factors(raw, peak_ratios),
-        bwd_delta_factor=max(1.0, fitted(float(np.median([a / b for _, a, b in raw.recurrence])))) if raw.recurrence
+        bwd_delta_factor=max(1.0, round_sig(float(np.median([a / b for _, a, b in raw.recurrence])))) if raw.recurrence
         else 1.0, bwd_delta_dtype=_delta_by_dtype(raw))
 
 
@@ -53,7 +54,7 @@ def _delta_by_dtype(raw: Raw) -> dict[str, float] | None:
     ratios: dict[str, list[float]] = {}
     for dt, _, t_rec, t_flash in raw.dtype_recurrence:
         ratios.setdefault(dt, []).append(t_rec / t_flash)
-    return {dt: max(1.0, fitted(float(np.median(r)))) for dt, r in sorted(ratios.items())} or None
+    return {dt: max(1.0, round_sig(float(np.median(r)))) for dt, r in sorted(ratios.items())} or None
 
 
 def merge_by_dtype(raw: Raw, merge_rate: float) -> dict[str, float] | None:
@@ -62,7 +63,7 @@ def merge_by_dtype(raw: Raw, merge_rate: float) -> dict[str, float] | None:
     ratios: dict[str, list[float]] = {}
     for dt, size, t in raw.dtype_merges:
         ratios.setdefault(dt, []).append(t * merge_rate / size)
-    return {dt: fitted(float(np.median(r))) for dt, r in sorted(ratios.items())} or None
+    return {dt: round_sig(float(np.median(r))) for dt, r in sorted(ratios.items())} or None
 
 
 def _head_dim_factors(raw: Raw, peak: float, launch_s: float) -> dict:
@@ -78,7 +79,7 @@ def _head_dim_factors(raw: Raw, peak: float, launch_s: float) -> dict:
     eff = {(p, d, s): float(fit.efficiencies([f], [t], peak, launch_s)[0]) for p, d, s, f, t in rows}
     out = {"head_dims": dims}
     for p in ("fwd", "bwd"):
-        out[f"head_dim_{p}"] = [fitted(float(np.median([eff[(p, d, s)] / eff[(p, d0, s)] for q, dd, s, *_ in rows
+        out[f"head_dim_{p}"] = [round_sig(float(np.median([eff[(p, d, s)] / eff[(p, d0, s)] for q, dd, s, *_ in rows
                                                      if q == p and dd == d and (p, d0, s) in eff]))) for d in dims]
     return out
 
@@ -105,18 +106,13 @@ def _dtype_factors(raw: Raw, peak_ratios: dict[str, float]) -> dict:
                        for size in sizes]
                 if any(not g for g in got):
                     raise ValueError(f"dtype sweep: {dt} {p} at head dim {d} lacks a size of {sizes}")
-                table.append([fitted(float(np.median(g)) / peak_ratios[dt]) for g in got])
+                table.append([round_sig(float(np.median(g)) / peak_ratios[dt]) for g in got])
             out[f"dtype_{p}"][dt] = table
     return out
 
 
-def fitted(x: float, digits: int = 4) -> float:
-    """``x`` to ``digits`` significant digits (fitted values; the raw data keep 6)."""
-    return float(f"{x:.{digits}g}")
-
-
 def _table(t: list[list[float]]) -> list[list[float]]:
-    return [[max(fitted(x), 1e-4) for x in row] for row in t]
+    return [[max(round_sig(x), 1e-4) for x in row] for row in t]
 
 
 # ------------------------------------------------------------------------------------------------ files

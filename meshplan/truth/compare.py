@@ -19,8 +19,8 @@ import numpy as np
 
 from meshplan.core.errors import UserError
 from meshplan.plan.json.measurement import MeasurementJSON
-from meshplan.truth.plausible import ceilings, implausible
 from meshplan.plan.schedule import OP_KINDS, PASS_NAMES
+from meshplan.truth.plausible import ceilings, implausible
 
 KIND_GROUPS = {"compute": "compute", "send": "transfer", "recv": "transfer", "merge": "merge",
                "accumulate": "accumulate", "collective": "collective"}

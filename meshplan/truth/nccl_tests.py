@@ -33,8 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-from meshplan.truth import fit
 from meshplan.core.errors import UserError
+from meshplan.truth import fit
 
 SUPPORTED = ("sendrecv", "all_gather", "alltoall")
 EXPECTED = "expected the output of nccl-tests' sendrecv_perf, alltoall_perf or all_gather_perf"

@@ -14,10 +14,17 @@ from typing import Any
 import numpy as np
 
 from meshplan.core.errors import UserError
-from meshplan.truth.published import AblationRow, H100Row, load_rows
-from meshplan.truth.reproduce_fit import DECLARED, FittedParams, calibrated_topology, fit_declared, fit_micro, is_declared
 from meshplan.model.topology import Topology
 from meshplan.model.workload import resolve
+from meshplan.truth.published import AblationRow, H100Row, load_rows
+from meshplan.truth.reproduce_fit import (
+    DECLARED,
+    FittedParams,
+    calibrated_topology,
+    fit_declared,
+    fit_micro,
+    is_declared,
+)
 
 METHODS = ("ring", "charm", "tasp")
 ABLATION_BATCH = 16
@@ -137,9 +144,9 @@ def reproduce_memory(data: str | None = None) -> dict[str, Any]:
     the process's own memory (the CUDA context, NCCL's buffers, the allocator's cache), so absolute values are not
     comparable. Both of the model's peaks: the buffers (``predicted_MB``) and buffers + workspace + runtime
     (``predicted_total_MB``, :mod:`meshplan.cost.memory`, FlashAttention-2's allocations on the uncalibrated L20)."""
+    from meshplan.model.workload import resolve
     from meshplan.search.candidate import predict
     from meshplan.truth.published import MemoryRow
-    from meshplan.model.workload import resolve
 
     rows: list[MemoryRow] = load_rows("charm-memory", data)
     topo = Topology.load("l20x8", gpus=8)

@@ -30,8 +30,8 @@ import numpy as np
 import yaml
 
 from meshplan.algorithms.charm.charm import QUERY_ORDERS
-from meshplan.truth.published import H100Row, kv_step_bytes, ring_block_flops
 from meshplan.model.topology import Topology
+from meshplan.truth.published import H100Row, kv_step_bytes, ring_block_flops
 
 TOKENS = [2 ** k for k in range(6, 18)]  # the kernel table's grid, 64 .. 131072 tokens
 # Declared subset: Ring's most compute-bound and a communication-bound row, forward and backward.

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshplan.algorithms.charm.lists import KV, Q, levels, roles
-from meshplan.plan.plan import Plan
 from meshplan.plan.build import ScheduleBuilder
+from meshplan.plan.plan import Plan
 
 
 @dataclass

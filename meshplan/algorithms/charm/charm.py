@@ -32,9 +32,9 @@ from meshplan.algorithms.charm.lists import domain_size, power_of_two
 from meshplan.algorithms.ring import new_builder, topology_record
 from meshplan.core.errors import SkipCandidate, UserError
 from meshplan.model.matrix import attn_matrix
+from meshplan.model.topology import Topology
 from meshplan.plan.plan import Plan
 from meshplan.plan.schedule import Schedule
-from meshplan.model.topology import Topology
 
 COMMON = {
     "partial_dtype": DTYPE_KNOB("partial_dtype", None, "dtype of partial outputs on the wire (default: input)"),

@@ -15,8 +15,8 @@ import numpy as np
 
 from meshplan.algorithms.mesh.grid import Grid
 from meshplan.algorithms.mesh.order import TilePlan
-from meshplan.plan.plan import Plan
 from meshplan.plan.build import ScheduleBuilder
+from meshplan.plan.plan import Plan
 
 
 class _Uses:

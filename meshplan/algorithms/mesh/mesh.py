@@ -27,14 +27,14 @@ from meshplan.algorithms.mesh.grid import Grid, block_mapping, block_shapes, fac
 from meshplan.algorithms.mesh.order import ORDERS, TileCosts, TilePlan, plan_order, streams_estimate
 from meshplan.algorithms.mesh.timing import cheap_timing, geometry
 from meshplan.algorithms.ring import new_builder, topology_record
+from meshplan.core.errors import UserError
 from meshplan.cost.bounds import schedule_timing
 from meshplan.cost.cost import CostModel
-from meshplan.core.errors import UserError
 from meshplan.model.matrix import attn_matrix
-from meshplan.plan.plan import Plan
-from meshplan.plan.schedule import Schedule, tensor_bytes
 from meshplan.model.topology import Topology
 from meshplan.model.workload import Workload
+from meshplan.plan.plan import Plan
+from meshplan.plan.schedule import Schedule, tensor_bytes
 
 _BUILT: dict[tuple, Schedule] = {}   # recent builds, shared by plans that differ only in their mapping
 JUDGE_ORDERS_UP_TO = 256               # ranks up to which the simulator judges the candidate fetch orders

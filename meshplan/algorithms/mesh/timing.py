@@ -23,9 +23,9 @@ from meshplan.algorithms.mesh.grid import Grid
 from meshplan.cost.bounds import PassTiming, pool_bound
 from meshplan.cost.cost import CostModel
 from meshplan.cost.memory import closed_form_peak_bytes
+from meshplan.model.topology import Topology
 from meshplan.plan.plan import Plan
 from meshplan.plan.schedule import tensor_bytes
-from meshplan.model.topology import Topology
 
 #: transfer families: (peer kind, direction) -> "in" = peer sends to the rank, "out" = the rank sends to peer
 FAMILIES = (("row", "in"), ("row", "out"), ("col", "in"), ("col", "out"))

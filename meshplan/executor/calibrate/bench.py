@@ -26,7 +26,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -35,61 +34,31 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from meshplan.model.blockmask import KeyRanges
+from meshplan.executor.calibrate.common import FULL, GPU, QUICK, Sweep, log, qkv, sync, typical
 from meshplan.executor.host import cpu_isa, cpu_name
 from meshplan.executor.kernels import TORCH_DTYPE, block_backward, block_backward_from_out, block_forward
 from meshplan.executor.launch import resolve_backend
 from meshplan.executor.memory import reuse_freed_memory
 from meshplan.executor.probe import probe_ms
-
-
-@dataclass(frozen=True)
-class Sweep:
-    """What to measure and how often."""
-
-    tokens: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048, 4096)      # above: the edge value holds
-    batch: int = 1
-    heads: int = 4
-    head_dim: int = 64
-    dtype: str = "fp32"                         # CPU: the dtype the executor computes in (kernels.compute_dtype)
-    head_dims: tuple[int, ...] = (32, 64, 128)  # the head-dim multiplier's dims (head_dim among them)
-    head_dim_tokens: tuple[int, ...] = (512, 2048)
-    dtype_tokens: tuple[int, ...] = (128, 256, 512, 1024, 2048)   # the dtype multipliers' sizes (s × s)
-    dtype_rounds: int = 7                       # interleaved rounds of the dtype sweep (one row each)
-    samples: int = 5
-    min_sample_s: float = 0.005
-    gemm_n: int = 2048
-    merge_tokens: tuple[int, ...] = (512, 2048, 8192)
-    p2p_sizes: tuple[int, ...] = tuple(1 << k for k in range(10, 27, 2))      # 1 KiB .. 64 MiB
-    overlap_tokens: int = 2048
-    overlap_msg_bytes: int = 4 << 20
-    sharing_tokens: int = 2048                  # blocks as large as real ones: cores share caches and memory
-    sharing_ranks: tuple[int, ...] = (1, 2, 3, 4)
-    backend: str = "gloo"
-    init_method: str = ""
-
-
-FULL = Sweep()
-QUICK = Sweep(tokens=(64, 256), samples=2, gemm_n=512, merge_tokens=(256, 1024),
-              p2p_sizes=(4096, 65536, 1 << 20, 4 << 20), overlap_tokens=256, overlap_msg_bytes=1 << 20,
-              sharing_tokens=256, sharing_ranks=(1, 2), head_dims=(64, 128), head_dim_tokens=(256,),
-              dtype_tokens=(64, 256), dtype_rounds=2)
-GPU = replace(FULL, tokens=tuple(256 << k for k in range(7)), heads=32, head_dim=128, gemm_n=8192,   # untested here
-              dtype="bf16", head_dims=(64, 128, 256), head_dim_tokens=(1024, 8192),
-              merge_tokens=(1024, 4096, 16384), p2p_sizes=tuple(1 << k for k in range(10, 29, 2)), overlap_tokens=16384,
-              overlap_msg_bytes=64 << 20)
-
+from meshplan.model.blockmask import KeyRanges
+from meshplan.plan.schedule import Schedule
 
 LONG_CALL_S = 0.1      # calls longer than this get 3 samples: their noise is small, their time is not
 
 
-def log(msg: str) -> None:
-    """One progress line on stderr."""
-    sys.stderr.write(f"calibrate: {msg}\n")
-    sys.stderr.flush()
+@dataclass(frozen=True)
+class MemorySchedules:
+    """What the memory samples run, planned by the caller (the executor is handed schedules; it never plans):
+    ``compute``, small schedules whose compute ops run alone; ``declared``, the declared run (None: not run) and
+    how many times."""
+
+    compute: tuple[Schedule, ...]
+    declared: Schedule | None = None
+    repeats: int = 0
 
 
-def measure(backend: str = "auto", quick: bool = False, link_class: str | None = None) -> tuple[dict, dict]:
+def measure(memory: MemorySchedules, backend: str = "auto", quick: bool = False,
+            link_class: str | None = None) -> tuple[dict, dict]:
     """Run every micro-benchmark; returns (raw measurements, host facts) as plain dicts.
 
     Raises:
@@ -108,7 +77,7 @@ def measure(backend: str = "auto", quick: bool = False, link_class: str | None =
         probes.append(probe_ms(device))
         raw = {"dtype": sweep.dtype, "gemm": _gemm(sweep, device), "launch_s": _launch(sweep, device),
                "kernels": _kernels(sweep, device, probes), "dtype_sweep": dtype_sweep(sweep, device),
-               "memory": memory_samples(device, quick)}
+               "memory": memory_samples(device, memory)}
         merges = _merges(sweep, device)
         raw["merges"] = [r[1:] for r in merges if r[0] == sweep.dtype]
         raw["dtype_merges"] = [r for r in merges if r[0] != sweep.dtype]
@@ -161,19 +130,6 @@ def _others_busy_cores(before, after) -> float | None:
     return round(max(0.0, (b1 - b0) - (m1 - m0)) / max(w1 - w0, 1e-9), 3)
 
 
-# ---------------------------------------------------------------------------------------------- timing
-def sync(device: torch.device) -> None:
-    """Wait for the device's queued work (a no-op on CPU)."""
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
-
-
-def typical(xs: list[float]) -> float:
-    """The median, 6 significant digits. (A lower quartile would pick the fast phases of a shared host, whose
-    speed drifts by ±15% over tens of seconds here, while the runs it predicts see its typical speed.)"""
-    return float(f"{float(np.median(xs)):.6g}")
-
-
 def _time(fn, device, sweep: Sweep, samples: int | None = None) -> float:
     """Typical seconds of one call: a warm-up, then samples of enough calls to last ``min_sample_s``."""
     reps, n = _plan(fn, device, sweep)
@@ -202,14 +158,6 @@ def _gemm(sweep: Sweep, device) -> list:
         rows.append((name, n, _time(lambda: a @ b, device, sweep, 3)))         # noqa: B023 - called at once
         log(f"matmul {name}: {2 * n ** 3 / rows[-1][2] / 1e9:.1f} GFLOP/s")
     return rows
-
-
-def qkv(sweep: Sweep, s_q: int, s_kv: int, device):
-    """Random Q [B, H, s_q, D] and K, V [B, H, s_kv, D] in the sweep's dtype."""
-    dt, shape = TORCH_DTYPE[sweep.dtype], (sweep.batch, sweep.heads)
-    q = torch.randn(*shape, s_q, sweep.head_dim, dtype=dt, device=device)
-    k = torch.randn(*shape, s_kv, sweep.head_dim, dtype=dt, device=device)
-    return q, k, torch.randn_like(k)
 
 
 def _launch(sweep: Sweep, device) -> list[float]:
@@ -367,13 +315,15 @@ def _recurrence(sweep: Sweep, device) -> list:
     return rows
 
 
-def memory_samples(device, quick: bool) -> list[dict]:
-    """The memory model's samples (:mod:`meshplan.executor.calibrate.memory`)."""
+def memory_samples(device, memory: MemorySchedules) -> list[dict]:
+    """The memory model's samples (:mod:`meshplan.executor.calibrate.memory`): the compute ops of
+    ``memory.compute`` alone, then the declared run ``memory.repeats`` times."""
     from meshplan.executor.calibrate.memory import declared_run_samples, measure_memory
 
-    repeats = 0 if device.type == "cuda" else 1 if quick else 3
+    repeats = memory.repeats if memory.declared is not None else 0
     log("memory: each executor op alone" + (f", then the declared run ({repeats}x)" if repeats else ""))
-    return measure_memory(device, quick) + (declared_run_samples(repeats) if repeats else [])
+    return measure_memory(device, memory.compute) + (declared_run_samples(memory.declared, repeats) if repeats
+                                                     else [])
 
 
 def _merges(sweep: Sweep, device) -> list:

@@ -5,11 +5,13 @@ at a few sizes and in the dtypes measured, runs alone through the executor's own
 (:class:`~meshplan.executor.ops.OpRunner`) with its inputs and outputs already allocated; its workspace is how
 far the process's memory rises meanwhile — on CPU the resident set (:mod:`meshplan.executor.memory`: freed heap
 returned first, then the high-water mark reset), on CUDA the allocator's peak. Merges and wire images are
-measured the same way. These are micro-level samples: :func:`meshplan.cost.memory.fit_memory` fits the model's
+measured the same way. These are micro-level samples: :func:`meshplan.truth.memory_fit.fit_memory` fits the model's
 coefficients to them, and the end-to-end runs the model is judged on are never among them.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -17,8 +19,7 @@ from meshplan.executor.kernels import TORCH_DTYPE
 from meshplan.executor.memory import memory_mark, memory_top
 from meshplan.executor.ops import OpRunner
 from meshplan.executor.store import Store, pack
-
-ALGOS = ("ring", "pass-q")
+from meshplan.plan.schedule import Schedule
 
 
 def _rise(fn, device: torch.device, repeats: int = 2) -> int:
@@ -34,39 +35,24 @@ def _rise_once(fn, device: torch.device) -> int:
     return max(int(top) - int(base), 0) if base is not None and top is not None else 0
 
 
-def _schedule(algo: str, tokens_per_rank: int, dtype: str, heads: int, head_dim: int):
-    from meshplan import algorithms
-    from meshplan.search.candidate import make_candidate
-    from meshplan.model.topology import Topology
-    from meshplan.model.workload import Workload
-
-    topo = Topology.load("cpu-local", 2)
-    w = Workload(batch=1, seq_len=2 * tokens_per_rank, n_heads=heads, n_kv_heads=heads, head_dim=head_dim,
-                 dtype=dtype)
-    cand = make_candidate(algo, w, topo, 2, {})
-    return algorithms.get(algo).schedule(cand.plan, topo)
-
-
-def compute_samples(tokens: tuple[int, ...], dtypes: tuple[str, ...], heads: int, head_dim: int,
-                    device: torch.device) -> list[dict]:
-    """One sample per compute op of rank 0: pass, kernel shape (s_q, s_kv, heads), dtype and its rise."""
+def compute_samples(schedules: Sequence[Schedule], device: torch.device) -> list[dict]:
+    """One sample per compute op of rank 0 of each schedule: pass, kernel shape (s_q, s_kv, heads), dtype and its
+    rise. ``schedules``: small 2-rank schedules planned by the caller
+    (:func:`meshplan.truth.memory_fit.sample_schedules`); the executor only runs them."""
     from meshplan.executor.program import program_of
 
     out = []
-    for dtype in dtypes:
-        for algo in ALGOS:
-            for t in tokens:
-                sched = _schedule(algo, t, dtype, heads, head_dim)
-                prog = program_of(sched)
-                o = sched.ops
-                for pass_ in prog.passes:
-                    for op in prog.ops_of(0, pass_):
-                        if op.kind != "compute":
-                            continue
-                        i = op.id
-                        out.append({"dtype": dtype, "pass": pass_, "s_q": int(o.s_q[i]), "s_kv": int(o.s_kv[i]),
-                                    "batch": 1, "heads": int(o.h1[i] - o.h0[i]), "head_dim": head_dim,
-                                    "rise_bytes": _op_rise(prog, op, dtype, head_dim, device)})
+    for sched in schedules:
+        w, o = sched.workload, sched.ops
+        prog = program_of(sched)
+        for pass_ in prog.passes:
+            for op in prog.ops_of(0, pass_):
+                if op.kind != "compute":
+                    continue
+                i = op.id
+                out.append({"dtype": w.dtype, "pass": pass_, "s_q": int(o.s_q[i]), "s_kv": int(o.s_kv[i]),
+                            "batch": 1, "heads": int(o.h1[i] - o.h0[i]), "head_dim": w.head_dim,
+                            "rise_bytes": _op_rise(prog, op, w.dtype, w.head_dim, device)})
     return out
 
 
@@ -104,38 +90,36 @@ def wire_samples(sizes_bytes: tuple[int, ...], device: torch.device) -> list:
     return rows
 
 
-def declared_run_samples(repeats: int = 3) -> list[dict]:
-    """The declared run (:data:`meshplan.cost.memory.DECLARED_RUN`) by the executor on gloo ranks, ``repeats``
-    times: each run's memory (the largest over ranks and passes of ``peak_rise_bytes``), for ``overhead_factor``
-    (their median; one run's rise varied from 1.01x to 1.32x the model's peak here). CPU calibrations only: on
-    GPUs the factor stays 1 until a GPU run is declared."""
+def declared_run_samples(declared: Schedule, repeats: int = 3) -> list[dict]:
+    """The declared run (``declared``: the schedule of :data:`meshplan.truth.memory_fit.DECLARED_RUN`, planned by
+    the caller) by the executor on gloo ranks, ``repeats`` times: each run's memory (the largest over ranks and
+    passes of ``peak_rise_bytes``), for ``overhead_factor`` (their median; one run's rise varied from 1.01x to 1.32x
+    the model's peak here). CPU calibrations only: on GPUs the factor stays 1 until a GPU run is declared."""
     import tempfile
     from pathlib import Path
 
     from meshplan.executor.launch import run
     from meshplan.executor.worker import RunConfig
-    from meshplan.cost.memory import declared_candidate
     from meshplan.plan.json.io import write_schedule
 
-    cand = declared_candidate()
     rises = []
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_schedule(cand.schedule, Path(tmp) / "declared.json")
+        path = write_schedule(declared, Path(tmp) / "declared.json")
         for _ in range(repeats):
             meas = run(str(path), None, RunConfig(backend="gloo", iters=1, warmup=1, check=False))
             rises.append(meas.get("peak_rise_bytes") if meas else None)
     return [{"kind": "declared-run", "rise_bytes": int(r)} for r in rises if r is not None]
 
 
-def measure_memory(device: torch.device, quick: bool = False) -> list[dict]:
-    """Every memory sample but the declared run's (the ``raw.memory`` of a calibration file)."""
-    tokens = (256, 1024) if quick else (512, 1024, 2048)
-    dtypes = ("bf16", "fp32")
-    heads, head_dim = (4, 64) if device.type != "cuda" else (16, 128)
-    samples = [{"kind": "compute", **s} for s in compute_samples(tokens, dtypes, heads, head_dim, device)]
-    for dtype in dtypes:
+def measure_memory(device: torch.device, schedules: Sequence[Schedule]) -> list[dict]:
+    """Every memory sample but the declared run's (the ``raw.memory`` of a calibration file): the compute ops of
+    ``schedules`` (2-rank, one head shape), and merges and wire images at the sizes of their workloads."""
+    samples = [{"kind": "compute", **s} for s in compute_samples(schedules, device)]
+    w = schedules[0].workload
+    seq_lens = tuple(sorted({s.workload.seq_len for s in schedules}))
+    for dtype in dict.fromkeys(s.workload.dtype for s in schedules):
         samples += [{"kind": "merge", "dtype": dtype, "size_bytes": b, "rise_bytes": r}
-                    for b, r in merge_samples(tuple(2 * t for t in tokens), dtype, heads, head_dim, device)]
+                    for b, r in merge_samples(seq_lens, dtype, w.n_heads, w.head_dim, device)]
     samples += [{"kind": "transfer", "size_bytes": b, "rise_bytes": r}
-                for b, r in wire_samples(tuple(t * heads * head_dim * 16 for t in tokens), device)]
+                for b, r in wire_samples(tuple(s // 2 * w.n_heads * w.head_dim * 16 for s in seq_lens), device)]
     return samples

@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from meshplan.executor.calibrate.bench import Sweep, log, qkv, sync, typical
+from meshplan.executor.calibrate.common import Sweep, log, qkv, sync, typical
 from meshplan.executor.kernels import block_forward
 from meshplan.executor.launch import _free_port, spawn_ranks
 from meshplan.executor.memory import reuse_freed_memory

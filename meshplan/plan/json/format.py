@@ -10,8 +10,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from meshplan.plan.schedule import SCHEMA_VERSION
 from meshplan.model.topology_spec import MAX_DEVICES
+from meshplan.plan.schedule import SCHEMA_VERSION
 
 Dtype = Literal["bf16", "fp16", "fp32"]
 # integers are bounded by what the in-memory arrays hold (int64 ids and sizes; int32 peers, steps and heads)

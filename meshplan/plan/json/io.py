@@ -20,6 +20,8 @@ import numpy as np
 from meshplan.core.errors import UserError
 from meshplan.core.fileio import write_atomic
 from meshplan.model.matrix import AttnMatrix, attn_matrix
+from meshplan.model.workload import Mask, Workload
+from meshplan.plan.json.format import SEMANTICS, ScheduleJSON
 from meshplan.plan.schedule import (
     COMBINES,
     DTYPES,
@@ -33,8 +35,6 @@ from meshplan.plan.schedule import (
     Streams,
     TensorTable,
 )
-from meshplan.plan.json.format import SEMANTICS, ScheduleJSON
-from meshplan.model.workload import Mask, Workload
 
 
 def to_json_text(sched: Schedule) -> str:

@@ -7,6 +7,8 @@ import numpy as np
 from meshplan.core.csr import csr_ptr
 from meshplan.core.errors import UserError
 from meshplan.model.matrix import AttnMatrix
+from meshplan.model.workload import Workload
+from meshplan.plan.json.format import ScheduleJSON
 from meshplan.plan.schedule import (
     COMBINES,
     DTYPES,
@@ -19,8 +21,6 @@ from meshplan.plan.schedule import (
     Streams,
     TensorTable,
 )
-from meshplan.plan.json.format import ScheduleJSON
-from meshplan.model.workload import Workload
 
 _LISTS = ("deps", "inputs", "outputs", "q_chunks", "kv_chunks")
 _PTRS = {"deps": "dep_ptr", "inputs": "in_ptr", "outputs": "out_ptr", "q_chunks": "qc_ptr", "kv_chunks": "kvc_ptr"}

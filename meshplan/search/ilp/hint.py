@@ -13,6 +13,11 @@ from __future__ import annotations
 
 import heapq
 
+from meshplan.plan.schedule import KIND
+
+BUSY = (KIND["compute"], KIND["merge"], KIND["accumulate"])   # op kinds that hold a rank's compute
+SCALE = 1000            # integer demand units per link capacity
+
 
 class _Profile:
     """Reservations [start, end) × demand on one resource of capacity ``cap``."""
@@ -45,11 +50,10 @@ def _earliest(profiles: list[tuple[_Profile, int, int, int]], t: int) -> int:
 
 def greedy_solution(model) -> tuple[dict, int]:
     """(variable → value, makespan ns) of the greedy order under ``model``'s constraints."""
-    from meshplan.search.ilp.model import _SCALE
 
     value: dict = {}
     state = {"rank": {}, "link": {}, "pool": _Profile(model.pool_cap) if model.pool_cap is not None else None,
-             "scale": _SCALE}
+             "scale": SCALE}
     by_pass: dict[int, list[int]] = {}
     for k, info in enumerate(model.xinfo):
         by_pass.setdefault(info[0], []).append(k)
@@ -62,7 +66,6 @@ def greedy_solution(model) -> tuple[dict, int]:
 
 def _one_pass(model, p: int, items, barrier: int, xs: list[int], state: dict, value: dict) -> int:
     """List-schedule one pass from ``barrier``; fills ``value``; returns the pass's end."""
-    from meshplan.search.ilp.model import _BUSY
 
     o, n, scale = model.sched.ops, items.n, state["scale"]
     after_end, after_start, remaining = _precedences(model, p, n)
@@ -107,7 +110,7 @@ def _one_pass(model, p: int, items, barrier: int, xs: list[int], state: dict, va
                 finish(i, t + 1)
             continue
         members = items.members[items.member_ptr[i]:items.member_ptr[i + 1]]
-        d = max(int(model.dur[members[0]]), 1) if o.kind[members[0]] in _BUSY else 1
+        d = max(int(model.dur[members[0]]), 1) if o.kind[members[0]] in BUSY else 1
         profs = []
         if i in busy_rank:
             profs.append((state["rank"].setdefault(busy_rank[i], _Profile(1)), 0, d, 1))

@@ -48,15 +48,13 @@ import numpy as np
 
 from meshplan.cost.bounds import transfer_seconds
 from meshplan.cost.cost import CostModel
-from meshplan.plan.dataflow import build_items
-from meshplan.plan.hazards import hazard_orders
-from meshplan.plan.schedule import KIND, RECV, SEND, Schedule
-from meshplan.search.ilp.order import apply_order, orbit_pairs
 from meshplan.cost.symmetry import find_reduction, identity, link_orbit_rep
 from meshplan.model.topology import Topology
-
-_BUSY = (KIND["compute"], KIND["merge"], KIND["accumulate"])
-_SCALE = 1000            # integer demand units per link capacity
+from meshplan.plan.dataflow import build_items
+from meshplan.plan.hazards import hazard_orders
+from meshplan.plan.schedule import RECV, SEND, Schedule
+from meshplan.search.ilp.hint import BUSY, SCALE, greedy_solution
+from meshplan.search.ilp.order import apply_order, orbit_pairs
 
 
 @dataclass
@@ -179,7 +177,7 @@ class _Model:
                 self.comm_size[p, i] = size
                 iv = m.NewIntervalVar(s, size, e, f"b{p}_{i}")
             else:
-                d = max(int(self.dur[members[0]]), 1) if o.kind[members[0]] in _BUSY else 1
+                d = max(int(self.dur[members[0]]), 1) if o.kind[members[0]] in BUSY else 1
                 e = m.NewIntVar(0, self.horizon, f"e{p}_{i}")
                 iv = m.NewIntervalVar(s, d, e, f"o{p}_{i}")
             if barrier is not None:
@@ -240,7 +238,7 @@ class _Model:
         busy: dict[int, list] = {}
         for i, op in enumerate(first.tolist()):
             groups.setdefault((int(o.rank[op]), int(o.stream[op])), []).append(i)
-            if o.kind[op] in _BUSY:
+            if o.kind[op] in BUSY:
                 busy.setdefault(int(o.rank[op]), []).append((int(o.stream[op]), self.interval[p, i], i))
         for seq in groups.values():     # items are numbered in (rank, stream, program) order
             if len(seq) > 1:
@@ -310,8 +308,8 @@ class _Model:
             rate = np.minimum(bw[ks], cap) * np.asarray([w for _, w in entries])
             if rate.sum() <= cap * (1 + 1e-9):
                 continue
-            demand = np.minimum(np.ceil(rate / cap * _SCALE), _SCALE).astype(int).tolist()
-            self.m.AddCumulative([self.transfers[k][1] for k in ks], demand, _SCALE)
+            demand = np.minimum(np.ceil(rate / cap * SCALE), SCALE).astype(int).tolist()
+            self.m.AddCumulative([self.transfers[k][1] for k in ks], demand, SCALE)
             for k, d in zip(ks, demand):
                 self.link_demand.setdefault(k, []).append((link, d))
 
@@ -322,10 +320,10 @@ class _Model:
             return
         o = self.sched.ops
         ivs = [self.interval[p, i] for p, items in self.items.items() for i in range(items.n)
-               if not items.is_comm[i] and o.kind[items.members[items.member_ptr[i]]] in _BUSY]
+               if not items.is_comm[i] and o.kind[items.members[items.member_ptr[i]]] in BUSY]
         if len(ivs) > 1:
-            self.pool_cap = max(_SCALE, int(round(pool * _SCALE)))
-            self.m.AddCumulative(ivs, [_SCALE] * len(ivs), self.pool_cap)
+            self.pool_cap = max(SCALE, int(round(pool * SCALE)))
+            self.m.AddCumulative(ivs, [SCALE] * len(ivs), self.pool_cap)
 
 
 def solve(sched: Schedule, topo: Topology, *, time_limit_s: float = 10.0, workers: int = 0, seed: int = 0,
@@ -354,7 +352,6 @@ def solve(sched: Schedule, topo: Topology, *, time_limit_s: float = 10.0, worker
     if problem:
         raise RuntimeError(f"internal error: invalid CP-SAT model: {problem}")
     # the greedy order, timed in this model by list scheduling: the baseline, the buffer levels, a complete hint
-    from meshplan.search.ilp.hint import greedy_solution
     value, greedy_ns = greedy_solution(model)
     greedy_s = greedy_ns / 1e9
     model.add_reservoirs(lambda v: value[v], topo.memory_bytes if memory_bytes is None else memory_bytes)

@@ -4,7 +4,7 @@ Each file is laid out as nccl-tests 2.x prints it (``src/common.cu``: version an
 line per rank, the column header, one row per size from 8 B to 1 GiB by factors of 2, the trailer), but its
 times are made here from known parameters, not measured: ``t = alpha + bytes / rate``, times a seeded noise
 uniform in ±0.5 %. What ``bytes`` and ``rate`` are (per the physics of each test, written out independently of
-``meshplan/nccl_tests.py`` so the fit is checked against it):
+``meshplan/truth/nccl_tests.py`` so the fit is checked against it):
 
 * one host: ``rate`` is a GPU's port and ``bytes`` what a rank moves through it — sendrecv S, all_gather and
   alltoall S (n − 1)/n (nccl-tests' bus bandwidth, doc/PERFORMANCE.md);
