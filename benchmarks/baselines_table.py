@@ -55,7 +55,7 @@ def table(w) -> dict:
             if best is None:
                 rows[name][topo_name] = {"skipped": sorted(res.counts["skipped"])}
                 continue
-            p = best.predicted
+            p = best.predicted.json()
             fwd_only = p.get("bwd", 0) is None
             rows[name][topo_name] = {"makespan_s": p["fwd"]["makespan_s"] if fwd_only else p["makespan_s"],
                                      "forward_only": fwd_only, "layout": best.workload.layout,

@@ -39,7 +39,7 @@ def one(topo_name: str, n: int, seq: str, alg: str, knobs: dict, limit_s: float)
     c = simulate_candidate(make_candidate(alg, w, topo, n, knobs), topo, None)
     r = ilp.solve(c.schedule, topo, time_limit_s=limit_s, workers=0)
     row = {"topology": topo_name, "gpus": n, "seq": seq, "algorithm": alg, "knobs": c.knobs,
-           "intervals": r.n_intervals, "greedy_sim_s": c.predicted["makespan_s"], "closed_form_bound_s": c.bound_s,
+           "intervals": r.n_intervals, "greedy_sim_s": c.predicted.makespan_s, "closed_form_bound_s": c.bound_s,
            "status": r.status, "objective_s": r.objective_s, "bound_s": r.bound_s, "gap": r.gap,
            "greedy_model_s": r.greedy_s, "solve_s": r.solve_s, "ilp_sim_s": None}
     if r.start_s is not None:

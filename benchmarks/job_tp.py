@@ -40,12 +40,12 @@ def main() -> None:
             result = run_search(w, Topology.load(TOPO, gpus=cp), cp)
             job = rerank_for_job(result, shape, job_topo, TOP)
             best = result.candidates[0]
-            group_best = min((c for c in result.candidates[:TOP] if c.job), key=lambda c: c.predicted["makespan_s"])
+            group_best = min((c for c in result.candidates[:TOP] if c.job), key=lambda c: c.predicted.makespan_s)
             rows.append({"tp": tp, "cp": cp, "order": order, "group0": job["cp_groups"][0],
                          "algorithm": best.algorithm, "layout": best.workload.layout,
                          "knobs": {k: v for k, v in best.knobs.items() if v is not None},
                          "job_s": best.job["together_s"], "alone_s": best.job["alone_s"],
-                         "group_s": best.predicted["makespan_s"],
+                         "group_s": best.predicted.makespan_s,
                          "group_best": f"{group_best.algorithm} {group_best.workload.layout}",
                          "group_best_job_s": group_best.job["together_s"], "wall_s": time.perf_counter() - t0})
             r = rows[-1]

@@ -42,7 +42,7 @@ def main() -> None:
                 print(f"{topo_name} {alg}: skipped ({skip.reason})")
                 continue
             sched = c.schedule
-            own = c.predicted["makespan_s"]
+            own = c.predicted.makespan_s
             identity = makespan_s(with_devices(sched, np.arange(n)), topo)
             rand = [makespan_s(with_devices(sched, rng.permutation(n)), topo) for _ in range(RANDOM_PLACEMENTS)]
             res = search_mapping(sched, topo, max_evals=MAX_EVALS)

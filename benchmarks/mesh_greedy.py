@@ -43,7 +43,7 @@ def real_tiles() -> list[dict]:
         times = {}
         for order in ("auto", "greedy", "q-first", "kv-first", "alternate"):
             c = simulate_candidate(make_candidate("mesh", w, topo, 256, {"tile": tile, "order": order}), topo, None)
-            times[order] = c.predicted["makespan_s"]
+            times[order] = c.predicted.makespan_s
         naive = min(times[k] for k in ("q-first", "kv-first", "alternate"))
         rows.append({"tile": tile, **{k: round(v * 1e3, 2) for k, v in times.items()},
                      "gain_over_greedy_pct": round(100 * (times["greedy"] / times["auto"] - 1), 2),

@@ -25,22 +25,22 @@ def one(topo_name: str, partial: str | None) -> dict:
     filters = {"partial_dtype": partial} if partial else {}
     ring = run_search(w, topo, 256, algos=["ring"], layout_pinned=True, prune_slack=0.0).candidates[0]
     mesh = run_search(w, topo, 256, algos=["mesh"], layout_pinned=True, filters=filters, prune_slack=0.0)
-    rb, rt = ring.predicted["comm_bytes_per_gpu_max"], ring.predicted["makespan_s"]
+    rb, rt = ring.predicted.total.comm_bytes_per_gpu_max, ring.predicted.makespan_s
     tiles = {}
     for c in mesh.candidates:          # simulated ones first, then closed-form (bytes exact, time a bound)
         t = c.knobs["tile"]
-        if t not in tiles or c.predicted["makespan_s"] < tiles[t]["time_ms"] / 1e3:
+        if t not in tiles or c.predicted.makespan_s < tiles[t]["time_ms"] / 1e3:
             tiles[t] = {"mapping": c.knobs["mapping"], "order": c.knobs["order"], "level": c.model_level,
-                        "time_ms": round(c.predicted["makespan_s"] * 1e3, 2),
-                        "bytes_per_gpu_GB": round(c.predicted["comm_bytes_per_gpu_max"] / 1e9, 3),
-                        "saving_pct": round(100 * (1 - c.predicted["comm_bytes_per_gpu_max"] / rb), 1),
-                        "speedup": round(rt / c.predicted["makespan_s"], 2),
-                        "inter_node_GB": round(c.predicted["inter_node_bytes_per_gpu_max"] / 1e9, 3)}
+                        "time_ms": round(c.predicted.makespan_s * 1e3, 2),
+                        "bytes_per_gpu_GB": round(c.predicted.total.comm_bytes_per_gpu_max / 1e9, 3),
+                        "saving_pct": round(100 * (1 - c.predicted.total.comm_bytes_per_gpu_max / rb), 1),
+                        "speedup": round(rt / c.predicted.makespan_s, 2),
+                        "inter_node_GB": round(c.predicted.total.inter_node_bytes_per_gpu_max / 1e9, 3)}
     best = min(((t, v) for t, v in tiles.items() if v["level"] == "simulated"), key=lambda kv: kv[1]["time_ms"])
     savings = [v["saving_pct"] for v in tiles.values()]
     return {"topology": topo_name, "partial_dtype": partial or "bf16 (input dtype)",
             "ring": {"time_ms": round(rt * 1e3, 2), "bytes_per_gpu_GB": round(rb / 1e9, 3),
-                     "compute_ms": round(ring.predicted["compute_s"] * 1e3, 2)},
+                     "compute_ms": round(ring.predicted.total.compute_s * 1e3, 2)},
             "best_tile": best[0], "best": best[1], "max_saving_pct": max(savings),
             "tiles": dict(sorted(tiles.items(), key=lambda kv: kv[1]["time_ms"]))}
 

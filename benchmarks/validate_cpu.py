@@ -200,7 +200,7 @@ def run_workload(label: str, flags: dict, n: int, rounds: int, race_rounds: int,
         ring = _ccr_ring(w, topo, n)
         path = tmp / f"{n}-ring-serial.json"
         write_schedule(ring.schedule, path)
-        ccr = {"predicted": ring.predicted.get("ring_ccr"), "measured": serialized_ccr(str(path))}
+        ccr = {"predicted": ring.predicted.ring_ccr, "measured": serialized_ccr(str(path))}
     except UserError as err:
         print(f"  no CCR for {label} on {n} ranks: {err}", file=sys.stderr)
     out = {"workload": label, "ranks": n, "rows": rows, "ring_ccr": ccr, "probe_ms": probes, "race": race}
@@ -216,7 +216,7 @@ def _row(c, got: list[tuple[float, float]], ref: float | None) -> dict:
     t, probe = np.asarray([m for m, _ in got]), np.asarray([p for _, p in got])
     adj = t * (ref / probe) if ref else t          # each round at the calibration's host speed
     return _errors({"algorithm": c.algorithm, "layout": c.workload.layout, "knobs": c.knobs,
-                    "predicted_s": c.predicted["makespan_s"], "measured_s": float(np.median(t)),
+                    "predicted_s": c.predicted.makespan_s, "measured_s": float(np.median(t)),
                     "rounds_s": [float(x) for x in t], "probe_ms": [float(x) for x in probe],
                     "sigma_s": float(t.std(ddof=1)) if len(t) > 1 else 0.0,
                     "adjusted_s": float(np.median(adj)),
@@ -253,10 +253,10 @@ def repredict(results: dict) -> dict:
         w = resolve(**flags[wl["workload"]])
         for r in wl["rows"]:
             r["predicted_s"] = predict(r["algorithm"], w.with_(layout=r["layout"]), topo, n,
-                                       _as_run(r["knobs"])).predicted["makespan_s"]
+                                       _as_run(r["knobs"])).predicted.makespan_s
             _errors(r)
         if wl.get("ring_ccr"):
-            wl["ring_ccr"]["predicted"] = _ccr_ring(w, topo, n).predicted.get("ring_ccr")
+            wl["ring_ccr"]["predicted"] = _ccr_ring(w, topo, n).predicted.ring_ccr
         wl |= rankings(wl["rows"], wl.get("race"))
     results["summary"] = validate_stats.summary(results["workloads"])
     results["repredicted"] = time.strftime("%Y-%m-%d %H:%M")

@@ -41,7 +41,7 @@ def main() -> None:
     docs = {}
     for layout, doc_layout in (("zigzag", "per-doc"), ("zigzag", "packed"), ("contiguous", "packed")):
         w = resolve(seq_len=512, mask=DOCS, layout=layout, doc_layout=doc_layout)
-        docs[f"{layout} {doc_layout}"] = predict("ring", w, cpu, 4, {}).predicted["work_imbalance"]
+        docs[f"{layout} {doc_layout}"] = predict("ring", w, cpu, 4, {}).predicted.total.work_imbalance
     print(docs, flush=True)
     out = {"date": time.strftime("%Y-%m-%d %H:%M"), "inference": inference, "docs_mask": DOCS, "docs": docs,
            "memory": reproduce_memory()}

@@ -137,7 +137,7 @@ def test_valid_rank_counts_and_domains():
 def makespan(algo, topo, n, S, passes="fwd", B=16):
     """The CHARM+ shape (12 heads x 192, MHA, bf16, full); B is not stated in the paper: 16 assumed."""
     w = resolve(model="charm-h100", seq_len=S, batch=B, passes=passes)
-    return predict(algo, w, Topology.load(topo, gpus=n), n, {}).predicted
+    return predict(algo, w, Topology.load(topo, gpus=n), n, {}).predicted.json()
 
 
 @pytest.mark.parametrize("S", [1792, 7168])
@@ -163,7 +163,7 @@ def test_foreign_first_hides_the_cross_domain_transfers():
     paper's ``fused`` reading exposes the first Q transfer and the last return (> 10%)."""
     w = resolve(model="charm-h100", seq_len=215040, batch=1, passes="fwd")
     topo = Topology.load("h100x16", gpus=16)
-    got = {o: predict("charm", w, topo, 16, {"query_order": o}).predicted for o in ("foreign-first", "fused")}
+    got = {o: predict("charm", w, topo, 16, {"query_order": o}).predicted.json() for o in ("foreign-first", "fused")}
     ff, fused = got["foreign-first"], got["fused"]
     assert ff["exposed_comm_s"] < 0.01 * ff["makespan_s"]
     assert fused["exposed_comm_s"] > 0.10 * fused["makespan_s"]

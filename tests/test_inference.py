@@ -39,10 +39,10 @@ def test_prefix_bytes_by_hand():
     """Pass-Q moves query chunks of T/N tokens, Ring KV chunks of S/N tokens (ALGORITHMS.md sizes)."""
     t = Topology.load("h100x16", gpus=8)
     w = wl(seq_len=65536 + 8192, prefix_len=65536, heads=32, kv_heads=8, head_dim=128)
-    ring = predict("ring", w, t, 8, {}).predicted
+    ring = predict("ring", w, t, 8, {}).predicted.json()
     kv_chunk = 2 * (73728 // 8) * 8 * 128 * 2
     assert ring["comm_bytes_per_gpu_max"] == 7 * kv_chunk                      # (N − 1) · KVc
-    passq = predict("pass-q", w, t, 8, {}).predicted
+    passq = predict("pass-q", w, t, 8, {}).predicted.json()
     q_chunk, o_chunk = (8192 // 8) * 32 * 128 * 2, (8192 // 8) * 32 * (128 * 2 + 4)
     assert passq["comm_bytes_per_gpu_max"] == 7 * q_chunk + 7 * o_chunk        # (N − 1) · (Qc + Oc + Lc)
 
@@ -115,7 +115,7 @@ def test_per_document_zigzag_balances_the_work():
     t = Topology.load("cpu-local", gpus=4)
     docs = "docs:100+4,1+7,396+4"
     imb = {lay: predict("ring", resolve(seq_len=512, mask=docs, layout=lay[0], doc_layout=lay[1]), t, 4,
-                        {}).predicted["work_imbalance"]
+                        {}).predicted.total.work_imbalance
            for lay in [("zigzag", "per-doc"), ("zigzag", "packed"), ("contiguous", "packed")]}
     assert imb[("zigzag", "per-doc")] < 1.05 < imb[("zigzag", "packed")] < imb[("contiguous", "packed")]
     pairs = AttnMatrix(resolve(seq_len=512, mask=docs), 4).pairs.sum()
@@ -148,4 +148,4 @@ def test_closed_forms_bound_inference(name, seq, prefix, batch):
     t = Topology.load("h100x16", gpus=16)
     w = wl(seq_len=seq, prefix_len=prefix, batch=batch)
     c = predict(name, w, t, 16, {"ulysses_degree": "4"} if name == "usp" else {})
-    assert c.bound_s <= c.predicted["makespan_s"] * (1 + 1e-9), (c.bound_s, c.predicted["makespan_s"])
+    assert c.bound_s <= c.predicted.makespan_s * (1 + 1e-9), (c.bound_s, c.predicted.makespan_s)

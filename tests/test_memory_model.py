@@ -110,12 +110,12 @@ def test_memory_limit_filters_on_the_model_not_the_buffers():
     topo, w = Topology.load("h100x8"), resolve(seq_len="1M")
     free = run_search(w, topo, 8)
     uly = next(c for c in free.candidates if c.algorithm == "ulysses" and c.model_level == "simulated")
-    assert uly.predicted["peak_memory_bytes"] < 12e9 < uly.predicted["peak_memory_total_bytes"] < 16e9
+    assert uly.predicted.total.peak_memory_bytes < 12e9 < uly.predicted.total.peak_memory_total_bytes < 16e9
     with pytest.raises(UserError, match=r"no plan fits in 12 GB per GPU; the smallest needs 14.4 GB \(ulysses"):
         run_search(w, topo, 8, memory_limit=12e9)
     limited = run_search(w, topo, 8, memory_limit=16e9)
     assert limited.rejected and limited.candidates[0].algorithm == "ulysses"
-    assert all(c.predicted["peak_memory_total_bytes"] <= 16e9 for c in limited.candidates
+    assert all(c.predicted.total.peak_memory_total_bytes <= 16e9 for c in limited.candidates
                if c.model_level == "simulated")
 
 
@@ -138,7 +138,7 @@ def test_plans_are_held_to_the_device_memory_and_written_files_to_the_limit(tmp_
     assert files
     for f in files:
         sched = read_schedule(str(f))
-        assert predicted(sched, topo, simulate(sched, topo), None)["peak_memory_total_bytes"] <= 16e9, f.name
+        assert predicted(sched, topo, simulate(sched, topo), None).total.peak_memory_total_bytes <= 16e9, f.name
     refused = [why for fb in framework_bests(result) for _, why in fb.refused]
     assert any(why.endswith("by the memory model, more than 16 GB") for why in refused)   # torchtitan's Ring
 

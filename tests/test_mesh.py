@@ -153,13 +153,13 @@ def test_search_pick_equals_exhaustive_on_dgx_h100():
     topo = Topology.load("dgx-h100", gpus=32)
     w = resolve(seq_len="256K", heads=32, kv_heads=32, passes="fwd")
     result = run_search(w, topo, 32, algos=["mesh"], prune_slack=0.0)
-    best = result.candidates[0].predicted["makespan_s"]
+    best = result.candidates[0].predicted.makespan_s
     every = []
     for tile in (f"{a}x{b}" for a, b in factorisations(32)):
         for knobs in MESH.knob_space(w.with_(layout="zigzag"), topo, 32, {"tile": tile}):
             for layout in ("zigzag", "contiguous", "striped"):
                 c = make_candidate("mesh", w.with_(layout=layout), topo, 32, knobs)
-                every.append(simulate_candidate(c, topo, None).predicted["makespan_s"])
+                every.append(simulate_candidate(c, topo, None).predicted.makespan_s)
     assert best == pytest.approx(min(every), rel=1e-12)
 
 
@@ -185,7 +185,7 @@ def test_closed_forms_bound_the_simulation(topo_name, n, seq, layout, mask, keep
         exact = MESH.refine(cand.plan, topo)
         simulate_candidate(cand, topo, None)
         for p, cheap in cand.timing.items():
-            sim = cand.predicted[p]["makespan_s"]
+            sim = cand.predicted.passes[p].makespan_s
             assert cheap.bound_s <= exact[p].bound_s * (1 + 1e-9), (a, b, p)
             assert exact[p].makespan_s <= sim * (1 + 1e-9), (a, b, p)
 
@@ -198,7 +198,7 @@ def test_keeping_forward_chunks_trades_bytes_for_memory():
         cand = make_candidate("mesh", w, topo, 16, {"tile": "4x4", "bwd_inputs": keep})
         simulate_candidate(cand, topo, None)
         assert verify(cand.schedule).ok
-        runs[keep] = cand.predicted
+        runs[keep] = cand.predicted.json()
     assert runs["keep"]["bwd"]["comm_bytes_per_gpu_max"] < runs["refetch"]["bwd"]["comm_bytes_per_gpu_max"]
     assert runs["keep"]["fwd"]["peak_memory_bytes"] > runs["refetch"]["fwd"]["peak_memory_bytes"]
     assert runs["keep"]["fwd"]["comm_bytes_per_gpu_max"] == runs["refetch"]["fwd"]["comm_bytes_per_gpu_max"]

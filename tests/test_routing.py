@@ -67,7 +67,7 @@ def test_oversubscribed_spine_slows_the_ring_and_pxn_avoids_it(tmp_path):
     for name, net in (("nonblocking", {"kind": "nonblocking"}), ("spine4", {"spine_oversubscription": 4.0}),
                       ("pxn", {"cross_rail": "pxn", "spine_oversubscription": 4.0})):
         t = Topology.load(rail(tmp_path, **net), gpus=16)
-        time[name] = predict("ring", w, t, 16, {}).predicted["makespan_s"]
+        time[name] = predict("ring", w, t, 16, {}).predicted.makespan_s
     assert time["spine4"] > 1.2 * time["nonblocking"]
     assert time["pxn"] < time["spine4"]
 

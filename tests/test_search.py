@@ -17,8 +17,8 @@ def test_pruned_search_matches_exhaustive(topo_name, n, slack):
     w = resolve(seq_len="32K", heads=8, kv_heads=2, head_dim=64)
     result = run_search(w, topo, n, prune_slack=slack)
     every, _ = enumerate_candidates(w, topo, n, None, {}, False)
-    exhaustive = min(simulate_candidate(c, topo, None).predicted["makespan_s"] for c in every)
-    best = result.candidates[0].predicted["makespan_s"]
+    exhaustive = min(simulate_candidate(c, topo, None).predicted.makespan_s for c in every)
+    best = result.candidates[0].predicted.makespan_s
     assert exhaustive <= best <= exhaustive / (1 - slack) * (1 + 1e-9)
     counts = result.counts
     assert counts["enumerated"] == len(every) == counts["pruned"] + counts["simulated"]
@@ -44,7 +44,7 @@ def test_memory_limit_rejects_with_reason():
     assert sum("pass-q" in r for r in result.rejected) == 6    # pass-Q holds N−1 partial outputs: every setting
     assert all(r.split(": peak memory ")[1].split(" GB")[0] for r in result.rejected)
     assert result.candidates and not any(c.algorithm == "pass-q" for c in result.candidates)
-    assert all(c.predicted["peak_memory_total_bytes"] <= 3e9 for c in result.candidates
+    assert all(c.predicted.total.peak_memory_total_bytes <= 3e9 for c in result.candidates
                if c.model_level == "simulated")
 
 
@@ -64,10 +64,10 @@ def test_forward_only_methods_are_listed_last_with_bwd_null_under_fwd_and_bwd():
     both = run_search(resolve(seq_len=8 * 7 * 2 * 16, passes="fwd+bwd"), topo, 8, layout_pinned=True)
     tasp = [i for i, c in enumerate(both.candidates) if c.algorithm == "tasp"]
     assert tasp and tasp == list(range(len(both.candidates) - len(tasp), len(both.candidates)))
-    assert all(both.candidates[i].predicted["bwd"] is None and both.candidates[i].predicted["fwd"]["makespan_s"] > 0
-               for i in tasp)
+    assert all(both.candidates[i].predicted.json()["bwd"] is None
+               and both.candidates[i].predicted.passes["fwd"].makespan_s > 0 for i in tasp)
     fwd = run_search(resolve(seq_len=8 * 7 * 2 * 16, passes="fwd"), topo, 8, layout_pinned=True)
-    assert any(c.algorithm == "tasp" and c.predicted["makespan_s"] > 0 for c in fwd.candidates)
+    assert any(c.algorithm == "tasp" and c.predicted.makespan_s > 0 for c in fwd.candidates)
 
 
 def test_closed_form_exposed_communication_has_no_round_off_residue():

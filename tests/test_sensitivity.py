@@ -78,7 +78,7 @@ def test_perturbed_copy_scales_the_model_and_leaves_the_topology_alone(close_cal
     assert half.pair_stats(0, 7)[0] == pytest.approx(lat[0] * 2, rel=1e-12)
     assert half.content_hash != topo.content_hash
     c = close_call.candidates[0]
-    nominal = c.predicted["makespan_s"]
+    nominal = c.predicted.makespan_s
     same, slow_links, slow_kernels = sample_times(
         [c], topo, [uniform(), uniform(bw=0.5), uniform(fwd=0.5, bwd=0.5)])[0]
     assert same == nominal                                   # factors of 1: bit-identical to the nominal run
@@ -90,7 +90,7 @@ def test_perturbed_copy_scales_the_model_and_leaves_the_topology_alone(close_cal
 
 def test_a_hair_win_is_not_stable_and_robust_pick_reorders(close_call):
     result = close_call
-    first, second = (c.predicted["makespan_s"] for c in result.candidates[:2])
+    first, second = (c.predicted.makespan_s for c in result.candidates[:2])
     assert second / first - 1 < 0.01, "the premise: the two best plans within 1%"
     order = [id(c) for c in result.candidates]
     nominal = run_sensitivity(result, 20, samples=10, top=4)

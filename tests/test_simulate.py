@@ -110,7 +110,7 @@ def test_closed_form_bound_below_simulation(topo_name, n, name, hops, layout, ma
     knob = "dkv_hops" if name == "ring" else "dq_hops"
     cand = predict(name, w, Topology.load(topo_name, gpus=n), n, {knob: hops})
     for part, timing in cand.timing.items():
-        sim = cand.predicted[part]["makespan_s"]
+        sim = cand.predicted.passes[part].makespan_s
         assert timing.makespan_s <= timing.bound_s <= sim * (1 + 1e-9)
 
 

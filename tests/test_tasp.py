@@ -56,7 +56,7 @@ def test_tasp_contends_on_pcie_and_matches_ring_on_nvswitch():
 
     def t(algo, topo):
         w = resolve(seq_len=896, batch=64, heads=8, kv_heads=8, head_dim=128, passes="fwd", mask="full")
-        return predict(algo, w, Topology.load(topo, gpus=8), 8, {}).predicted
+        return predict(algo, w, Topology.load(topo, gpus=8), 8, {}).predicted.json()
     assert t("tasp", "l20x8")["makespan_s"] > 1.2 * t("ring", "l20x8")["makespan_s"]
     nv_t, nv_r = t("tasp", "h100x8"), t("ring", "h100x8")
     assert nv_t["comm_busy_s"] == pytest.approx(nv_r["comm_busy_s"], rel=0.05)

@@ -39,7 +39,7 @@ def simulate_job(algo, gpus, topo, workload, knobs, tp, dp, rank_order, out, tra
     from meshplan.cost.metrics import predicted
     from meshplan.cost.simulate import simulate
     from meshplan.plan.job import JobShape, job_schedule
-    from meshplan.search.candidate import jsonable, predict, result_json, ring_ccr
+    from meshplan.search.candidate import predict, result_json, ring_ccr
 
     if algo is None:
         raise UserError("--algo", "simulate --tp/--dp needs an algorithm", "give --algo NAME (ring, pass-q, ...)")
@@ -64,7 +64,7 @@ def simulate_job(algo, gpus, topo, workload, knobs, tp, dp, rank_order, out, tra
     ccr = ring_ccr(cp_w, group_topo, gpus)
     body_predicted = predicted(job, job_topo, sim, ccr)
     body = result_json(cand) | {"topology": {"name": job_topo.name, "devices": job_topo.n_devices}}
-    body["predicted"] = jsonable(body_predicted)
+    body["predicted"] = body_predicted.json()
     body["simulation"] = {"ranks_simulated": sim.reps, "exact": sim.exact, "events": sim.events, "wall_s": sim.wall_s}
     body["job"] = shape.to_dict() | {
         "cp_groups": groups.tolist() if len(groups) <= 64 else None, "groups": len(groups),

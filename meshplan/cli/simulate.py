@@ -89,10 +89,9 @@ def simulate_file(path, topo, trace, as_json, emit) -> None:
     sim = simulate(sched, topo_obj)
     if topo is None and topo_obj.content_hash != sched.topology.get("hash"):     # after any refusal: one line
         _log(f"warning: the shipped {name} differs from the one the schedule was planned for (hash)")
-    from meshplan.search.candidate import jsonable
     body = {"algorithm": sched.algorithm, "knobs": sched.knobs, "workload": sched.workload.to_dict(),
             "pass": sched.workload.passes, "model_level": "simulated",
-            "predicted": jsonable(predicted(sched, topo_obj, sim, ring_ccr(sched.workload, topo_obj, sched.n_ranks))),
+            "predicted": predicted(sched, topo_obj, sim, ring_ccr(sched.workload, topo_obj, sched.n_ranks)).json(),
             "topology": {"name": topo_obj.name, "devices": topo_obj.n_devices}}
     if trace is not None:
         _write_trace(sched, sim, trace)

@@ -15,9 +15,15 @@ last:
   (Ring's Σ compute / Σ communication for this workload and topology, the CHARM+ definition).
 
 ``total`` sums times over passes (the passes are separated by a barrier) and takes the max of peaks.
+
+In code a prediction is typed: :class:`PassMetrics` per pass (with the per-rank arrays the total folds) inside a
+:class:`Prediction`; :meth:`Prediction.json` gives the contract's ``predicted`` object.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -55,8 +61,75 @@ def union_length(start: np.ndarray, end: np.ndarray) -> float:
     return float((seg_end - seg_start).sum())
 
 
-def pass_metrics(sched: Schedule, topo: Topology, sim: SimResult, phase: int) -> dict[str, float]:
-    """The predicted keys (but ``ring_ccr``) of one pass."""
+@dataclass(frozen=True)
+class PassMetrics:
+    """One pass's predicted metrics (or the total over passes); definitions in the module docstring. The per-rank
+    arrays ([n_ranks]; a closed form has only its busiest rank's) are what a total folds, not part of the contract."""
+
+    makespan_s: float
+    compute_s: float
+    exposed_comm_s: float
+    comm_busy_s: float
+    comm_bytes_per_gpu_max: float
+    inter_node_bytes_per_gpu_max: float
+    compute_to_comm: float | None
+    bytes_per_flop: float | None
+    peak_memory_bytes: float
+    peak_memory_total_bytes: float
+    work_imbalance: float | None
+    recv_bytes_by_rank: np.ndarray = field(repr=False, compare=False)
+    cross_bytes_by_rank: np.ndarray = field(repr=False, compare=False)
+    flops: float
+    flops_by_rank: np.ndarray = field(repr=False, compare=False)
+
+    def json(self, ring_ccr: float | None) -> dict:
+        """The contract's keys (:data:`KEYS`), plain floats."""
+        out = {k: _plain(getattr(self, k)) for k in KEYS if k != "ring_ccr"}
+        return out | {"ring_ccr": ring_ccr}
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A candidate's prediction: :class:`PassMetrics` per pass (``"fwd"``, ``"bwd"``), their ``total`` and Ring's
+    CCR for the workload. ``total`` is None for a forward-only method ranked in a fwd+bwd search (it has no
+    backward: its flat keys and ``total`` are null in the contract, and it is ranked on its forward)."""
+
+    passes: dict[str, PassMetrics]
+    total: PassMetrics | None
+    ring_ccr: float | None = None
+
+    @property
+    def makespan_s(self) -> float | None:
+        """The total makespan (None for a forward-only method in a fwd+bwd search)."""
+        return None if self.total is None else self.total.makespan_s
+
+    @property
+    def rank_s(self) -> float:
+        """What ranks this candidate: its total makespan, or its forward's when it has no backward."""
+        return self.passes["fwd"].makespan_s if self.total is None else self.total.makespan_s
+
+    def forward_only(self) -> Prediction:
+        """This prediction as a forward-only method's in a fwd+bwd search (``bwd`` and the totals null)."""
+        return dataclasses.replace(self, total=None)
+
+    def json(self) -> dict:
+        """The contract's ``predicted``: flat keys for a single pass; ``fwd``/``bwd``/``total`` plus flat
+        (= total) keys for fwd+bwd."""
+        parts = {name: m.json(self.ring_ccr) for name, m in self.passes.items()}
+        if self.total is None:
+            return {k: None for k in KEYS} | {"fwd": parts["fwd"], "bwd": None, "total": None}
+        if len(parts) == 1:
+            return next(iter(parts.values()))
+        total = self.total.json(self.ring_ccr)
+        return {**total, **parts, "total": total}
+
+
+def _plain(x):
+    return x.item() if isinstance(x, (np.floating, np.integer)) else x
+
+
+def pass_metrics(sched: Schedule, topo: Topology, sim: SimResult, phase: int) -> PassMetrics:
+    """The metrics of pass ``phase`` along the simulated execution ``sim`` (module docstring)."""
     o = sched.ops
     sel = o.phase == phase
     off = sim.pass_offset[phase]
@@ -78,41 +151,40 @@ def pass_metrics(sched: Schedule, topo: Topology, sim: SimResult, phase: int) ->
     flops_rank = np.bincount(o.rank[work], weights=o.flops[work], minlength=sched.n_ranks)
     flops = float(flops_rank.sum())
     makespan = sim.pass_makespan[phase]
-    return {
-        "makespan_s": makespan, "compute_s": compute_s, "exposed_comm_s": max(makespan - compute_s, 0.0),
-        "comm_busy_s": comm_s, "comm_bytes_per_gpu_max": float(by_rank.max()),
-        "inter_node_bytes_per_gpu_max": float(cross_rank.max()),
-        "compute_to_comm": compute_s / comm_s if comm_s > 0 else None,
-        "bytes_per_flop": float(by_rank.sum()) / flops if flops else None,
-        "peak_memory_bytes": float(peak_memory(sched, phase, start, end).max()),
-        "peak_memory_total_bytes": model_peak_bytes(sched, topo.memory_model, phase, start, end),
-        "work_imbalance": imbalance(flops_rank),
-        "_recv_by_rank": by_rank, "_cross_by_rank": cross_rank, "_flops": flops, "_flops_by_rank": flops_rank,
-    }
+    return PassMetrics(
+        makespan_s=makespan, compute_s=compute_s, exposed_comm_s=max(makespan - compute_s, 0.0),
+        comm_busy_s=comm_s, comm_bytes_per_gpu_max=float(by_rank.max()),
+        inter_node_bytes_per_gpu_max=float(cross_rank.max()),
+        compute_to_comm=compute_s / comm_s if comm_s > 0 else None,
+        bytes_per_flop=float(by_rank.sum()) / flops if flops else None,
+        peak_memory_bytes=float(peak_memory(sched, phase, start, end).max()),
+        peak_memory_total_bytes=model_peak_bytes(sched, topo.memory_model, phase, start, end),
+        work_imbalance=imbalance(flops_rank), recv_bytes_by_rank=by_rank, cross_bytes_by_rank=cross_rank,
+        flops=flops, flops_by_rank=flops_rank)
 
 
-def predicted(sched: Schedule, topo: Topology, sim: SimResult, ring_ccr: float | None) -> dict:
-    """The contract's ``predicted`` of a simulated schedule: :func:`pass_metrics` of every pass, :func:`combine`d."""
+def predicted(sched: Schedule, topo: Topology, sim: SimResult, ring_ccr: float | None) -> Prediction:
+    """The prediction of a simulated schedule: :func:`pass_metrics` of every pass, :func:`combine`d."""
     return combine({PASS_NAMES[p]: pass_metrics(sched, topo, sim, p) for p in sched.passes}, ring_ccr)
 
 
-def combine(parts: dict[str, dict], ring_ccr: float | None) -> dict:
-    """The contract's ``predicted``: flat keys for a single pass; ``fwd``/``bwd``/``total`` plus flat
-    (= total) keys for fwd+bwd. Internal per-rank arrays are folded into totals."""
-    out = {}
-    for name, p in parts.items():
-        out[name] = {k: p[k] for k in KEYS if k != "ring_ccr"} | {"ring_ccr": ring_ccr}
-    if len(parts) == 1:
-        return next(iter(out.values()))
+def combine(parts: dict[str, PassMetrics], ring_ccr: float | None) -> Prediction:
+    """A :class:`Prediction` of per-pass metrics: the total sums times over passes and folds the per-rank arrays
+    (bytes and FLOPs by rank) before taking maxima; peaks are the larger pass's."""
     ps = list(parts.values())
-    recv = sum(p["_recv_by_rank"] for p in ps)
-    cross = sum(p["_cross_by_rank"] for p in ps)
-    flops = sum(p["_flops"] for p in ps)
-    tot = {k: sum(p[k] for p in ps) for k in ("makespan_s", "compute_s", "exposed_comm_s", "comm_busy_s")}
-    tot.update(comm_bytes_per_gpu_max=float(np.max(recv)), inter_node_bytes_per_gpu_max=float(np.max(cross)),
-               ring_ccr=ring_ccr, compute_to_comm=tot["compute_s"] / tot["comm_busy_s"] if tot["comm_busy_s"] else None,
-               bytes_per_flop=float(np.sum(recv)) / flops if flops else None,
-               peak_memory_bytes=max(p["peak_memory_bytes"] for p in ps),
-               peak_memory_total_bytes=max(p["peak_memory_total_bytes"] for p in ps),
-               work_imbalance=imbalance(sum(p["_flops_by_rank"] for p in ps)))
-    return {**tot, **out, "total": tot}
+    if len(ps) == 1:
+        return Prediction(parts, ps[0], ring_ccr)
+    recv = sum(p.recv_bytes_by_rank for p in ps)
+    cross = sum(p.cross_bytes_by_rank for p in ps)
+    flops = sum(p.flops for p in ps)
+    by_rank = sum(p.flops_by_rank for p in ps)
+    times = {k: sum(getattr(p, k) for p in ps) for k in ("makespan_s", "compute_s", "exposed_comm_s", "comm_busy_s")}
+    total = PassMetrics(
+        **times, comm_bytes_per_gpu_max=float(np.max(recv)), inter_node_bytes_per_gpu_max=float(np.max(cross)),
+        compute_to_comm=times["compute_s"] / times["comm_busy_s"] if times["comm_busy_s"] else None,
+        bytes_per_flop=float(np.sum(recv)) / flops if flops else None,
+        peak_memory_bytes=max(p.peak_memory_bytes for p in ps),
+        peak_memory_total_bytes=max(p.peak_memory_total_bytes for p in ps),
+        work_imbalance=imbalance(by_rank), recv_bytes_by_rank=recv, cross_bytes_by_rank=cross, flops=flops,
+        flops_by_rank=by_rank)
+    return Prediction(parts, total, ring_ccr)

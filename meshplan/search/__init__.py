@@ -143,7 +143,7 @@ def run_search(base: Workload, topo: Topology, n: int, *, algos: list[str] | Non
         bnb.visit(c)
     algorithms.get("mesh").forget_builds()
     cands = [c for c in cands if c.model_level != "over-memory"]
-    sim = sorted((c for c in cands if c.model_level == "simulated"), key=lambda c: c.predicted["makespan_s"])
+    sim = sorted((c for c in cands if c.model_level == "simulated"), key=lambda c: c.predicted.makespan_s)
     cf = sorted((c for c in cands if c.model_level != "simulated"), key=lambda c: c.bound_s)
     _rank_forward_only(fwd_only, topo, ccr)
     if bnb.over and not sim and not cf and not fwd_only:
@@ -196,7 +196,7 @@ class _BranchAndBound:
             _forget(c)
             return
         simulate_candidate(c, self.topo, self.ccr)
-        total = c.predicted["peak_memory_total_bytes"]
+        total = c.predicted.total.peak_memory_total_bytes
         if total > self.memory_limit:
             self.skipped[_OVER[self.given]] += 1                 # the simulated total: wire images included
             self.rejected.append(_over(c, total, self.memory_limit, "simulated"))
@@ -204,10 +204,10 @@ class _BranchAndBound:
             c.predicted, c.model_level = None, "over-memory"
             _forget(c)
             return
-        if c.predicted["makespan_s"] < self.best:
+        if c.predicted.makespan_s < self.best:
             if self.leader is not None:
                 _forget(self.leader)
-            self.best, self.leader = c.predicted["makespan_s"], c
+            self.best, self.leader = c.predicted.makespan_s, c
         else:
             _forget(c)
 
@@ -254,9 +254,9 @@ def _rank_forward_only(cands: list[Candidate], topo: Topology, ccr: float | None
     """Simulate forward-only candidates of a fwd+bwd search on their forward; ``bwd`` and totals null."""
     for c in cands:
         simulate_candidate(c, topo, ccr)
-        c.predicted = {k: None for k in c.predicted} | {"fwd": c.predicted, "bwd": None, "total": None}
+        c.predicted = c.predicted.forward_only()
         _forget(c)
-    cands.sort(key=lambda c: c.predicted["fwd"]["makespan_s"])
+    cands.sort(key=lambda c: c.predicted.rank_s)
 
 
 def _forget(c: Candidate) -> None:

@@ -6,7 +6,7 @@ after the other), the same for every candidate of a workload and topology.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -15,7 +15,7 @@ from meshplan import algorithms
 from meshplan.algorithms.base import PassTiming
 from meshplan.algorithms.rotate_timing import Rotation, size_of
 from meshplan.core.errors import SkipCandidate, UserError
-from meshplan.cost.metrics import KEYS, combine, predicted
+from meshplan.cost.metrics import KEYS, PassMetrics, Prediction, combine, imbalance, predicted
 from meshplan.cost.simulate import SimResult, simulate
 from meshplan.model.matrix import AttnMatrix, attn_matrix
 from meshplan.model.topology import Topology
@@ -36,7 +36,7 @@ class Candidate:
     timing: dict[str, PassTiming] | None = None
     schedule: Schedule | None = None
     sim: SimResult | None = None
-    predicted: dict[str, Any] = field(default_factory=dict)
+    predicted: Prediction | None = None     # simulated (model_level "simulated") or the closed form's
     model_level: str = "closed-form"
     schedule_path: str | None = None
     forward_only: bool = False     # a forward-only method in a fwd+bwd search: ranked on its forward alone
@@ -58,7 +58,7 @@ class Candidate:
     @property
     def makespan_s(self) -> float:
         """Best known total makespan: simulated, else the bound."""
-        return self.predicted["makespan_s"] if self.predicted else self.bound_s
+        return self.predicted.rank_s if self.predicted is not None else self.bound_s
 
 
 def make_candidate(name: str, workload: Workload, topo: Topology, n_ranks: int, knobs: dict[str, Any],
@@ -117,28 +117,26 @@ def _noise_free(x: float, scale: float) -> float:
     return x if x > 1e-9 * max(scale, 1e-30) else 0.0
 
 
-def closed_form_predicted(cand: Candidate, ccr: float | None) -> dict[str, Any]:
-    """``predicted`` from the closed form: makespan = the lower bound (model level ``closed-form``)."""
-    from meshplan.cost.metrics import imbalance
+def closed_form_predicted(cand: Candidate, ccr: float | None) -> Prediction:
+    """The prediction of the closed form: makespan = the lower bound (model level ``closed-form``)."""
 
     parts = {}
     for name, t in cand.timing.items():
         comm = t.comm_s
         by_rank = _plan_flops_by_rank(cand, name)
-        parts[name] = {
-            "makespan_s": t.bound_s, "compute_s": t.compute_s,
-            "exposed_comm_s": _noise_free(t.bound_s - t.compute_s, t.bound_s),
-            "comm_busy_s": comm, "comm_bytes_per_gpu_max": t.recv_bytes_max,
-            "inter_node_bytes_per_gpu_max": t.inter_node_bytes_max,
-            "compute_to_comm": t.compute_s / comm if comm else None,
-            "bytes_per_flop": t.recv_bytes_total / t.flops_total if t.flops_total else None,
-            "peak_memory_bytes": t.peak_memory_bytes,
-            "peak_memory_total_bytes": t.peak_memory_bytes if t.peak_memory_total_bytes is None
+        parts[name] = PassMetrics(
+            makespan_s=t.bound_s, compute_s=t.compute_s,
+            exposed_comm_s=_noise_free(t.bound_s - t.compute_s, t.bound_s),
+            comm_busy_s=comm, comm_bytes_per_gpu_max=t.recv_bytes_max,
+            inter_node_bytes_per_gpu_max=t.inter_node_bytes_max,
+            compute_to_comm=t.compute_s / comm if comm else None,
+            bytes_per_flop=t.recv_bytes_total / t.flops_total if t.flops_total else None,
+            peak_memory_bytes=t.peak_memory_bytes,
+            peak_memory_total_bytes=t.peak_memory_bytes if t.peak_memory_total_bytes is None
             else t.peak_memory_total_bytes,
-            "_recv_by_rank": np.array([t.recv_bytes_max]), "_cross_by_rank": np.array([t.inter_node_bytes_max]),
-            "_flops": t.flops_total, "work_imbalance": None if by_rank is None else imbalance(by_rank),
-            "_flops_by_rank": np.zeros(cand.n_ranks) if by_rank is None else by_rank,
-        }
+            work_imbalance=None if by_rank is None else imbalance(by_rank),
+            recv_bytes_by_rank=np.array([t.recv_bytes_max]), cross_bytes_by_rank=np.array([t.inter_node_bytes_max]),
+            flops=t.flops_total, flops_by_rank=np.zeros(cand.n_ranks) if by_rank is None else by_rank)
     return combine(parts, ccr)
 
 
@@ -201,9 +199,9 @@ def predict(name: str, workload: Workload, topo: Topology, n_ranks: int, knobs: 
 
 def result_json(cand: Candidate) -> dict[str, Any]:
     """The ``--json`` body of ``simulate`` for a candidate."""
-    pred = cand.predicted if cand.predicted else {}
+    pred = cand.predicted.json() if cand.predicted is not None else {}
     body = {"algorithm": cand.algorithm, "knobs": cand.knobs, "workload": cand.workload.to_dict(),
-            "pass": cand.workload.passes, "model_level": cand.model_level, "predicted": jsonable(pred)}
+            "pass": cand.workload.passes, "model_level": cand.model_level, "predicted": pred}
     if cand.sim is not None:
         body["simulation"] = {"ranks_simulated": cand.sim.reps, "exact": cand.sim.exact, "events": cand.sim.events,
                               "wall_s": cand.sim.wall_s}
@@ -211,9 +209,9 @@ def result_json(cand: Candidate) -> dict[str, Any]:
 
 
 def jsonable(d: Any) -> Any:
-    """A copy without internal ``_``-keys and numpy scalars, ready for ``json.dumps``."""
+    """A copy without numpy scalars, ready for ``json.dumps``."""
     if isinstance(d, dict):
-        return {k: jsonable(v) for k, v in d.items() if not k.startswith("_")}
+        return {k: jsonable(v) for k, v in d.items()}
     if isinstance(d, (np.floating, np.integer)):
         return d.item()
     return d

@@ -115,7 +115,7 @@ def _evaluate(fb: FrameworkBest, entries: list, result: SearchResult, listed: di
     for s, ch in entries:
         k = ch.key(w)
         c = listed.get(k)
-        t = times.get(k, c.predicted["makespan_s"] if c is not None and c.model_level == "simulated" else None)
+        t = times.get(k, c.predicted.makespan_s if c is not None and c.model_level == "simulated" else None)
         if t is not None:
             if t < best_t:
                 best_t = _keep(fb, s, ch, t, k in listed)
@@ -152,9 +152,9 @@ def _evaluate(fb: FrameworkBest, entries: list, result: SearchResult, listed: di
             fb.simulated += 1
             if cand.plan is not None:
                 cand.plan.extra.pop("schedule", None)
-            if _too_big(fb, s, cand.predicted["peak_memory_total_bytes"], result.memory_limit):
+            if _too_big(fb, s, cand.predicted.total.peak_memory_total_bytes, result.memory_limit):
                 continue
-            times[k] = cand.predicted["makespan_s"]
+            times[k] = cand.predicted.makespan_s
         if times[k] < best_t:
             best_t = _keep(fb, s, ch, times[k], k in listed)
 

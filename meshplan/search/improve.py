@@ -62,7 +62,7 @@ def improve(result, scheduler: str, *, time_limit_s: float, workers: int = 0, wr
     sim = [c for c in result.candidates if c.model_level == "simulated" and not c.forward_only]
     if not sim:
         return
-    best = min(c.predicted["makespan_s"] for c in sim)
+    best = min(c.predicted.makespan_s for c in sim)
     chosen = [c for k, c in enumerate(sim) if k < max(write, 1) or c.bound_s < best]
     picked = {id(c) for c in chosen}          # by identity: candidates hold arrays, == would compare them
     for c in sim:
@@ -71,7 +71,7 @@ def improve(result, scheduler: str, *, time_limit_s: float, workers: int = 0, wr
     for k, c in enumerate(chosen):
         if progress:
             progress(k, len(chosen), f"CP-SAT {c.algorithm} {c.workload.layout}")
-        greedy_s = c.predicted["makespan_s"]
+        greedy_s = c.predicted.makespan_s
         if scheduler == "auto" and greedy_s <= c.bound_s * (1 + AUTO_GAP):
             c.scheduler = not_run(scheduler, f"greedy within {AUTO_GAP:.0%} of the bound")
             continue
@@ -127,7 +127,7 @@ def improve_mapping(result, max_evals: int, *, write: int = 1,
         sched = _schedule_of(c, topo)
         res = search_mapping(sched, topo, max_evals=max_evals)
         c.mapping_search = res.to_dict()
-        if res.best_s < c.predicted["makespan_s"] * (1 - 1e-9):
+        if res.best_s < c.predicted.makespan_s * (1 - 1e-9):
             new = with_devices(sched, res.device_of_rank)
             _keep(c, new, simulate(new, topo), topo, result.ring_ccr)
     _rerank(result, sim)
@@ -144,7 +144,7 @@ def _schedule_of(c: Candidate, topo):
 def _rerank(result, sim: list[Candidate]) -> None:
     """The simulated candidates by predicted makespan, then the rest in their order."""
     ids = {id(c) for c in sim}
-    result.candidates[:] = sorted(sim, key=lambda c: c.predicted["makespan_s"]) + \
+    result.candidates[:] = sorted(sim, key=lambda c: c.predicted.makespan_s) + \
         [c for c in result.candidates if id(c) not in ids]
 
 

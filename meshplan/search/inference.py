@@ -103,8 +103,8 @@ def rule_report(result) -> dict[str, Any] | None:
         if not done:
             c = min(mine, key=lambda c: c.bound_s)
             done = [simulate_candidate(dataclasses.replace(c), topo, result.ring_ccr)]
-        c = min(done, key=lambda c: c.predicted["makespan_s"])
-        best[name] = {"time_s": c.predicted["makespan_s"], "layout": c.workload.layout, "knobs": c.knobs,
+        c = min(done, key=lambda c: c.predicted.makespan_s)
+        best[name] = {"time_s": c.predicted.makespan_s, "layout": c.workload.layout, "knobs": c.knobs,
                       "as": "group"}
     if not best:
         return None

@@ -25,8 +25,8 @@ from meshplan.search import SearchResult
 
 def best_group_s(result: SearchResult) -> float | None:
     """The fastest simulated CP-group time of a search (seconds), or None."""
-    return min((c.predicted["makespan_s"] for c in result.candidates
-                if c.model_level == "simulated" and c.predicted.get("makespan_s")), default=None)
+    return min((c.predicted.makespan_s for c in result.candidates
+                if c.model_level == "simulated" and c.predicted.makespan_s), default=None)
 
 
 def rerank_for_job(result: SearchResult, shape: JobShape, job_topo: Topology, top: int,

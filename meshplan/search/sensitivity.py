@@ -144,7 +144,7 @@ def _eligible(result, top: int, progress) -> tuple[list, set[int]]:
             fresh.add(id(c))
     sim = [c for c in result.candidates if c.model_level == "simulated" and not c.forward_only]
     ids = {id(c) for c in sim}
-    result.candidates[:] = sorted(sim, key=lambda c: c.predicted["makespan_s"]) + \
+    result.candidates[:] = sorted(sim, key=lambda c: c.predicted.makespan_s) + \
         [c for c in result.candidates if id(c) not in ids]
     return [c for c in result.candidates if not c.forward_only][:top], fresh
 
@@ -204,7 +204,7 @@ def run_sensitivity(result, percent: float, *, samples: int = 20, top: int = 5, 
     if not cands:
         return body | {"wall_s": time.perf_counter() - t0}
     times = sample_times(cands, result.topology, draw_factors(percent, samples, seed), progress, fresh)
-    nominal = np.asarray([c.predicted["makespan_s"] for c in cands])
+    nominal = np.asarray([c.predicted.makespan_s for c in cands])
     stats = summarize(times)
     picked = robust_index(stats["regret_worst_pct"], nominal) if pick == "robust" else 0
     for k, c in enumerate(cands):

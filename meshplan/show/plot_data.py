@@ -297,6 +297,6 @@ def scaling_data(topo: str, gpus: list[int], algos: list[str], workload) -> Scal
                 out.skipped_at.setdefault(name, []).append(n)
                 continue
             out.gpus.setdefault(name, []).append(n)
-            out.makespan_s.setdefault(name, []).append(float(cand.predicted["makespan_s"]))
-            out.recv_bytes.setdefault(name, []).append(float(cand.predicted["comm_bytes_per_gpu_max"]))
+            out.makespan_s.setdefault(name, []).append(float(cand.predicted.makespan_s))
+            out.recv_bytes.setdefault(name, []).append(float(cand.predicted.total.comm_bytes_per_gpu_max))
     return out

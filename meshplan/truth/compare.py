@@ -72,8 +72,8 @@ def compare(sched, ids: list[int], meas: MeasurementJSON, topo: str | None = Non
             if op.id in index:
                 m_start[index[op.id]], m_end[index[op.id]] = op.start_s, op.end_s
     metrics = [pass_metrics(sched, topo_obj, sim, p) for p in sched.passes]
-    peak_pred = max(m["peak_memory_bytes"] for m in metrics)
-    total_pred = max(m["peak_memory_total_bytes"] for m in metrics)
+    peak_pred = max(m.peak_memory_bytes for m in metrics)
+    total_pred = max(m.peak_memory_total_bytes for m in metrics)
     speed = host_speed(topo_obj, meas)
     gpu_run = meas.env.get("backend") == "nccl"
     comparable = gpu_run == (topo_obj.name != "cpu-local")

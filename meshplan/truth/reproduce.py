@@ -49,7 +49,7 @@ def predict_rows(rows: list[H100Row], topo: Topology, methods=METHODS,
         w = _workload(row, row.pass_name)
         for m in methods:
             if row.measured_ms(m) is not None:
-                out.append((row, m, predict(m, w, topo, row.gpus, knobs.get(m, {})).predicted["makespan_s"]))
+                out.append((row, m, predict(m, w, topo, row.gpus, knobs.get(m, {})).predicted.makespan_s))
     return out
 
 
@@ -118,7 +118,7 @@ def reproduce_ablation(data: str | None = None) -> dict[str, Any]:
                             "use rows on l20 (4, 8) or h20 (4, 8, 16)")
         topo = Topology.load(name, gpus=row.gpus)
         w = _workload(row, "fwd", ABLATION_BATCH)
-        pred = {m: predict(m, w, topo, row.gpus, {}).predicted["makespan_s"] * 1e3
+        pred = {m: predict(m, w, topo, row.gpus, {}).predicted.makespan_s * 1e3
                 for m in ("ring", "rmplus", "charm") if m == "ring" or getattr(row, f"{m}_ms") is not None}
         item = {"topology": row.topology, "gpus": row.gpus, "S": row.S, "predicted_ms": pred,
                 "measured_ms": {m: getattr(row, f"{m}_ms") for m in pred}}
@@ -155,8 +155,8 @@ def reproduce_memory(data: str | None = None) -> dict[str, Any]:
         w = resolve(batch=row.B, seq_len=row.S, heads=row.heads, kv_heads=row.heads, head_dim=MEMORY_HEAD_DIM,
                     mask="full", passes="fwd+bwd", layout="zigzag")
         got = {m: predict(m, w, topo, 8, {}).predicted for m in ("ring", "charm")}
-        pred = {m: p["peak_memory_bytes"] / MiB for m, p in got.items()}
-        total = {m: p["peak_memory_total_bytes"] / MiB for m, p in got.items()}
+        pred = {m: p.total.peak_memory_bytes / MiB for m, p in got.items()}
+        total = {m: p.total.peak_memory_total_bytes / MiB for m, p in got.items()}
         out.append({"B": row.B, "S": row.S, "heads": row.heads, "predicted_MB": pred, "predicted_total_MB": total,
                     "total_difference_MB": total["charm"] - total["ring"],
                     "measured_MB": {"ring": row.ring_MB, "charm": row.charm_MB},
