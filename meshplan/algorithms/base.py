@@ -69,6 +69,29 @@ class Knob:
 DTYPE_KNOB = lambda name, default, help_: Knob(name, default, DTYPES, help_)  # noqa: E731
 
 
+class BuildCache:
+    """Recent schedule builds shared by plans that build the same ops (Mesh plans that differ only in their
+    mapping), keyed by what determines the ops. Owned by whoever plans many candidates (a search run creates one,
+    attaches it to its plans as ``plan.extra["builds"]`` and clears it when done); a plan without one builds alone.
+    Holds at most ``size`` builds (a 1024-rank build is gigabytes)."""
+
+    def __init__(self, size: int = 4) -> None:
+        self.size, self._built = size, {}
+
+    def get(self, key: tuple, build: Callable[[], Schedule]) -> Schedule:
+        """The build under ``key``, made by ``build()`` on a miss (the oldest dropped past ``size``)."""
+        sched = self._built.get(key)
+        if sched is None:
+            sched = self._built[key] = build()
+            while len(self._built) > self.size:
+                self._built.pop(next(iter(self._built)))
+        return sched
+
+    def clear(self) -> None:
+        """Drop every build."""
+        self._built.clear()
+
+
 class Algorithm:
     """Base class: subclasses set ``name``, ``knobs`` and implement plan/schedule/timing."""
 

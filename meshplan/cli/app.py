@@ -112,11 +112,11 @@ def search(gpus: o.Gpus = None, topo: o.Topo = None, model: o.Model = None, seq_
     """Rank every algorithm, layout and knob setting for a workload on a cluster; write the best schedules.
     With --tp/--dp, --gpus is the CP group size and the best plans are re-ranked by the whole job's time."""
     from meshplan.core.errors import UserError
-    from meshplan.search import search_json
-    from meshplan.search.frameworks import frameworks_json
+    from meshplan.search.pipeline import JobRerank, SearchRequest, Sensitivity, run_pipeline
+    from meshplan.search.sensitivity import check_args
+    from meshplan.show.tables import print_search
 
     _check_search_flags(gpus, scheduler, ilp_time_limit_s, ilp_workers, write, top, map_search, prune_slack)
-    from meshplan.search.sensitivity import check_args
     sensitivity_samples, sensitivity_top, sensitivity_seed = check_args(
         sensitivity, sensitivity_samples, sensitivity_top, sensitivity_seed, pick, job=o.is_job(tp, dp, rank_order))
     topology = o.topology(topo, gpus, "search")
@@ -125,77 +125,25 @@ def search(gpus: o.Gpus = None, topo: o.Topo = None, model: o.Model = None, seq_
     job = None
     if o.is_job(tp, dp, rank_order):
         from meshplan.cli.job import job_setup
-        job, base, job_topo = job_setup(gpus, topo, base, tp, dp, rank_order, scheduler, map_search)
-    filters = o.knobs(tile, mapping, partial_dtype, dkv_dtype, ulysses_degree, inner_ring, team_size, domains, knob)
-    names = [a.strip() for a in algos.split(",")] if algos else None
-    limit = _memory_limit(memory_limit)
-    steps = _SearchSteps(names, filters, limit, prune_slack, write, top, map_search, scheduler, ilp_time_limit_s,
-                         ilp_workers, (sensitivity, sensitivity_samples, sensitivity_top, sensitivity_seed, pick))
-    result, bests, sens, job_body, group_best_s, inference = steps.run(
-        base, topology, gpus, layout is not None, out, None if job is None else (job, job_topo))
-    if not result.candidates:
+        shape, base, job_topo = job_setup(gpus, topo, base, tp, dp, rank_order, scheduler, map_search)
+        job = JobRerank(shape, job_topo)
+    names = tuple(a.strip() for a in algos.split(",")) if algos else None
+    request = SearchRequest(
+        base, topology, gpus, algos=names,
+        filters=o.knobs(tile, mapping, partial_dtype, dkv_dtype, ulysses_degree, inner_ring, team_size, domains, knob),
+        layout_pinned=layout is not None, memory_limit_bytes=_memory_limit(memory_limit), prune_slack=prune_slack,
+        write=write, out_dir=out, top=top, map_search=map_search, scheduler=scheduler,
+        ilp_time_limit_s=ilp_time_limit_s, ilp_workers=ilp_workers, job=job,
+        sensitivity=None if sensitivity is None else Sensitivity(sensitivity, sensitivity_samples, sensitivity_top,
+                                                                 sensitivity_seed, pick))
+    with _progress() as bar:
+        task = bar.add_task("simulating", total=None)
+        report = run_pipeline(request, lambda k, n, label: bar.update(task, total=n, completed=k, description=label))
+    if not report.result.candidates:
         raise UserError("--algos" if names else "--gpus", "no candidate can run this workload",
                         "see the skipped reasons with --json, or change the filters")
-    body = search_json(result, scheduler)
-    # the frameworks' plans are timed as one CP group: compare them with the best group time (not a job time)
-    best_s = group_best_s if job is not None else body["candidates"][0]["predicted"].get("makespan_s")
-    body["frameworks"] = frameworks_json(bests, best_s)
-    body |= {k: v for k, v in (("inference", inference), ("job", job_body), ("sensitivity", sens)) if v is not None}
-    from meshplan.show.tables import print_search
+    body = report.json()
     _emit(body, as_json, lambda c: (print_search(body, c, top), sv.print_sensitivity(body, c)))
-
-
-class _SearchSteps:
-    """search's pipeline under one progress bar: candidates, the frameworks' settings, mapping search, CP-SAT,
-    sensitivity, the job re-rank, the inference rules, writing the best schedules."""
-
-    def __init__(self, names, filters, limit, prune_slack, write, top, map_search, scheduler, ilp_time_limit_s,
-                 ilp_workers, sensitivity) -> None:
-        self.names, self.filters, self.limit, self.prune_slack = names, filters, limit, prune_slack
-        self.write, self.top = write, top
-        self.map_search, self.scheduler, self.ilp = map_search, scheduler, (ilp_time_limit_s, ilp_workers)
-        self.sensitivity = sensitivity
-
-    def run(self, base, topology, gpus, layout_pinned: bool, out: str, job):
-        """(result, framework bests, sensitivity body, job body, best group time, inference report)."""
-        from meshplan.search import run_search, write_best
-        from meshplan.search.frameworks import framework_bests
-        from meshplan.search.inference import rule_report
-
-        progress = _progress()
-        with progress:
-            task = progress.add_task("simulating", total=None)
-            step = lambda k, n, label: progress.update(task, total=n, completed=k, description=label)  # noqa: E731
-            result = run_search(base, topology, gpus, algos=self.names, filters=self.filters,
-                                layout_pinned=layout_pinned, memory_limit=self.limit, prune_slack=self.prune_slack,
-                                progress=step)
-            progress.update(task, description="the frameworks' settings")
-            bests = framework_bests(result, self.names, self.filters)
-            if self.map_search:
-                from meshplan.search.improve import improve_mapping
-                improve_mapping(result, self.map_search, write=self.write, progress=step)
-            if self.scheduler != "greedy":
-                from meshplan.search.improve import improve
-                improve(result, self.scheduler, time_limit_s=self.ilp[0], workers=self.ilp[1], write=self.write,
-                        memory_limit=self.limit, progress=step)
-            sens = self._sensitivity(result, step)
-            job_body = group_best_s = None
-            if job is not None:
-                from meshplan.search.job import best_group_s, rerank_for_job
-                group_best_s = best_group_s(result)          # before the job re-ranks the candidates
-                job_body = rerank_for_job(result, *job, max(self.top, self.write), progress=step)
-            inference = rule_report(result)
-            if self.write > 0:
-                progress.update(task, description=f"verifying and writing {self.write} schedule(s)")
-                write_best(result, self.write, out)
-        return result, bests, sens, job_body, group_best_s, inference
-
-    def _sensitivity(self, result, step):
-        kind, samples, top, seed, pick = self.sensitivity
-        if kind is None:
-            return None
-        from meshplan.search.sensitivity import run_sensitivity
-        return run_sensitivity(result, kind, samples=samples, top=top, seed=seed, pick=pick, progress=step)
 
 
 def _memory_limit(text: str | None) -> float | None:

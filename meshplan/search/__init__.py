@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from meshplan import algorithms
+from meshplan.algorithms.base import BuildCache
 from meshplan.core.errors import SkipCandidate, UserError
 from meshplan.core.units import fmt_bytes
 from meshplan.cost.memory import estimated_peak_bytes
@@ -60,8 +61,10 @@ class SearchResult:
 
 
 def enumerate_candidates(base: Workload, topo: Topology, n: int, algos: list[str] | None,
-                         filters: dict[str, Any], layout_pinned: bool) -> tuple[list[Candidate], Counter]:
-    """Every (algorithm, layout, knobs) the filters allow, with closed-form timing; skips counted."""
+                         filters: dict[str, Any], layout_pinned: bool,
+                         builds: BuildCache | None = None) -> tuple[list[Candidate], Counter]:
+    """Every (algorithm, layout, knobs) the filters allow, with closed-form timing; skips counted. ``builds``: the
+    run's cache of schedule builds, attached to every plan."""
     skipped: Counter = Counter()
     cands: list[Candidate] = []
     for name in algos or algorithms.NAMES:
@@ -97,7 +100,7 @@ def enumerate_candidates(base: Workload, topo: Topology, n: int, algos: list[str
             wc = w.with_(passes="fwd") if fwd_only else w
             for knobs in settings:
                 try:
-                    c = make_candidate(name, wc, topo, n, knobs, None if fwd_only else matrix)
+                    c = make_candidate(name, wc, topo, n, knobs, None if fwd_only else matrix, builds)
                 except SkipCandidate as skip:
                     skipped[skip.reason] += 1
                     continue
@@ -128,7 +131,8 @@ def run_search(base: Workload, topo: Topology, n: int, *, algos: list[str] | Non
     t0 = time.perf_counter()
     given = memory_limit is not None
     memory_limit = memory_limit if given else topo.memory_bytes
-    cands, skipped = enumerate_candidates(base, topo, n, algos, filters or {}, layout_pinned)
+    builds = BuildCache()           # this run's shared builds: dropped when it ends
+    cands, skipped = enumerate_candidates(base, topo, n, algos, filters or {}, layout_pinned, builds)
     ccr_w = base if layout_pinned else base.with_(layout="zigzag")
     ccr = ring_ccr(ccr_w, topo, n)
     rejected: list[str] = []
@@ -141,7 +145,7 @@ def run_search(base: Workload, topo: Topology, n: int, *, algos: list[str] | Non
         if progress:
             progress(k, len(cands), _label(c))
         bnb.visit(c)
-    algorithms.get("mesh").forget_builds()
+    builds.clear()
     cands = [c for c in cands if c.model_level != "over-memory"]
     sim = sorted((c for c in cands if c.model_level == "simulated"), key=lambda c: c.predicted.makespan_s)
     cf = sorted((c for c in cands if c.model_level != "simulated"), key=lambda c: c.bound_s)

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from meshplan import algorithms
-from meshplan.algorithms.base import PassTiming
+from meshplan.algorithms.base import BuildCache, PassTiming
 from meshplan.algorithms.rotate_timing import Rotation, size_of
 from meshplan.core.errors import SkipCandidate, UserError
 from meshplan.cost.metrics import KEYS, PassMetrics, Prediction, combine, imbalance, predicted
@@ -62,8 +62,9 @@ class Candidate:
 
 
 def make_candidate(name: str, workload: Workload, topo: Topology, n_ranks: int, knobs: dict[str, Any],
-                   matrix: AttnMatrix | None = None) -> Candidate:
-    """Normalise knobs, check, plan, and compute the closed-form timing.
+                   matrix: AttnMatrix | None = None, builds: BuildCache | None = None) -> Candidate:
+    """Normalise knobs, check, plan, and compute the closed-form timing. ``builds``: the caller's cache of
+    schedule builds shared between its plans (a search run's), attached to the plan.
 
     Raises:
         UserError: bad knob values or an impossible workload; SkipCandidate: the method cannot do this.
@@ -73,6 +74,8 @@ def make_candidate(name: str, workload: Workload, topo: Topology, n_ranks: int, 
     alg.check(workload, topo, n_ranks, norm)
     plan = alg.plan(workload, topo, n_ranks, norm, matrix)
     plan.check()
+    if builds is not None:
+        plan.extra["builds"] = builds
     return Candidate(name, workload, plan.knobs, n_ranks, plan=plan, timing=alg.timing(plan, topo))
 
 

@@ -168,7 +168,10 @@ def sample_times(cands: list, topo: Topology, factors: list[Factors], progress=N
             times[i, s] = sum(simulate(sched, t).pass_makespan.values())
         if rebuilt or id(c) in drop:
             _forget(c)
-    algorithms.get("mesh").forget_builds()
+    for c in cands:                  # the shared builds of the search the plans came from
+        builds = c.plan.extra.get("builds")
+        if builds is not None:
+            builds.clear()
     return times
 
 

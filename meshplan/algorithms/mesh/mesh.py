@@ -36,7 +36,6 @@ from meshplan.model.workload import Workload
 from meshplan.plan.plan import Plan
 from meshplan.plan.schedule import Schedule, tensor_bytes
 
-_BUILT: dict[tuple, Schedule] = {}   # recent builds, shared by plans that differ only in their mapping
 JUDGE_ORDERS_UP_TO = 256               # ranks up to which the simulator judges the candidate fetch orders
 
 
@@ -87,7 +86,8 @@ class Mesh(Algorithm):
         """Forward and/or backward dataflows (see the module docstring).
 
         The ops depend on the tile plan, not on the mapping, so plans that differ only in their mapping
-        share one build (a copy with its own ``device_of_rank`` and symmetries).
+        share one build (a copy with its own ``device_of_rank`` and symmetries) through the
+        :class:`~meshplan.algorithms.base.BuildCache` of the search that made them.
         """
         cached = plan.extra.get("schedule")
         if cached is not None:
@@ -96,11 +96,9 @@ class Mesh(Algorithm):
         key = (id(plan.matrix), plan.extra["grid"], tuple(sorted((k, str(v)) for k, v in plan.knobs.items()
                                                                 if k != "mapping")),
                tuple((p, t.order, tuple(t.groups), tuple(t.returns)) for p, t in tiles.items()), topo.name)
-        base = _BUILT.get(key)
-        if base is None:
-            base = _BUILT[key] = self._build(plan, topo, tiles)
-            while len(_BUILT) > 4:
-                _BUILT.pop(next(iter(_BUILT)))
+        builds = plan.extra.get("builds")            # a search run's BuildCache, if the plan came from one
+        base = self._build(plan, topo, tiles) if builds is None else \
+            builds.get(key, lambda: self._build(plan, topo, tiles))
         sched = dataclasses.replace(base, device_of_rank=plan.device_of_rank, knobs=plan.knobs)
         grid = plan.extra["grid"]
         p, q = _block_of(plan.knobs["mapping"], grid, topo)
@@ -218,11 +216,6 @@ class Mesh(Algorithm):
             out[p] = min(timings, key=lambda t: t.bound_s)
             out[p].estimate_s = min(t.estimate_s for t in timings)
         return out
-
-    @staticmethod
-    def forget_builds() -> None:
-        """Drop the shared builds (search calls this when it is done)."""
-        _BUILT.clear()
 
     def refine(self, plan: Plan, topo: Topology) -> dict[str, PassTiming]:
         """The uncontended evaluation of the built schedule (tighter; builds it), least over the variants."""

@@ -1,0 +1,139 @@
+"""The search ``meshplan search`` runs, as one library call: :func:`run_pipeline` takes a :class:`SearchRequest`
+and returns a :class:`SearchReport`; the CLI parses flags into the request and prints the report.
+
+The steps, in order: enumerate, prune and simulate the candidates (:func:`meshplan.search.run_search`); the
+frameworks' settings (:mod:`meshplan.search.frameworks`); the rank -> GPU placement search
+(``map_search``); CP-SAT stream orders (``scheduler``); the sensitivity study; the re-rank by the whole job's
+time (``job``); the inference rules; verifying and writing the best schedules. ``progress(done, total, label)``
+is called as the steps go (``total`` None: a step without a count).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from meshplan.model.topology import Topology
+from meshplan.model.workload import Workload
+from meshplan.plan.job import JobShape
+from meshplan.search import PRUNE_SLACK, SearchResult, run_search, search_json, write_best
+from meshplan.search.frameworks import FrameworkBest, framework_bests, frameworks_json
+from meshplan.search.inference import rule_report
+
+Progress = Callable[[int, "int | None", str], None]
+
+
+@dataclass(frozen=True)
+class Sensitivity:
+    """``search --sensitivity``: perturb the topology's parameters by ``percent`` % (``samples`` draws, the
+    ``top`` candidates, ``seed``) and pick by ``pick`` (:mod:`meshplan.search.sensitivity`)."""
+
+    percent: float
+    samples: int = 20
+    top: int = 5
+    seed: int = 0
+    pick: str = "nominal"
+
+
+@dataclass(frozen=True)
+class JobRerank:
+    """``search --tp/--dp``: re-rank the best plans by the whole job's time on ``topology`` (the job's GPUs)."""
+
+    shape: JobShape
+    topology: Topology
+
+
+@dataclass(frozen=True)
+class SearchRequest:
+    """Everything a search needs. ``gpus``: the CP group size; ``algos`` None: every method; ``filters``: knob
+    values to hold fixed; ``layout_pinned``: search only ``workload.layout``; ``memory_limit_bytes`` None: the
+    device's memory; ``write``: schedules to verify and write to ``out_dir`` (0: none); ``top``: how many the job
+    re-rank considers (with ``write``); ``map_search``: placement-search simulations per written candidate (0:
+    off); ``scheduler``: greedy | ilp | auto, with the CP-SAT limits."""
+
+    workload: Workload
+    topology: Topology
+    gpus: int
+    algos: tuple[str, ...] | None = None
+    filters: dict[str, Any] = field(default_factory=dict)
+    layout_pinned: bool = False
+    memory_limit_bytes: float | None = None
+    prune_slack: float = PRUNE_SLACK
+    write: int = 0
+    out_dir: str = "schedules"
+    top: int = 10
+    map_search: int = 0
+    scheduler: str = "greedy"
+    ilp_time_limit_s: float = 10.0
+    ilp_workers: int = 0
+    sensitivity: Sensitivity | None = None
+    job: JobRerank | None = None
+
+
+@dataclass(frozen=True)
+class SearchReport:
+    """What a search found: ``result`` (the ranked candidates, best first, each with its typed prediction), the
+    frameworks' best settings, and the optional steps' reports (None when the step did not run)."""
+
+    request: SearchRequest
+    result: SearchResult
+    frameworks: list[FrameworkBest]
+    sensitivity: dict[str, Any] | None = None
+    job: dict[str, Any] | None = None
+    group_best_s: float | None = None
+    inference: dict[str, Any] | None = None
+
+    @property
+    def best(self):
+        """The pick (a :class:`~meshplan.search.candidate.Candidate`), or None when nothing could run."""
+        return self.result.candidates[0] if self.result.candidates else None
+
+    def json(self) -> dict[str, Any]:
+        """The contract's ``search --json`` body."""
+        body = search_json(self.result, self.request.scheduler)
+        # the frameworks' plans are timed as one CP group: compare them with the best group time (not a job time)
+        best_s = self.group_best_s if self.job is not None else body["candidates"][0]["predicted"].get("makespan_s")
+        body["frameworks"] = frameworks_json(self.frameworks, best_s)
+        body |= {k: v for k, v in (("inference", self.inference), ("job", self.job),
+                                   ("sensitivity", self.sensitivity)) if v is not None}
+        return body
+
+
+def run_pipeline(request: SearchRequest, progress: Progress | None = None) -> SearchReport:
+    """Run every step of the request (module docstring) and report.
+
+    Raises:
+        UserError: no plan fits the memory limit; bad request values the steps check (CP-SAT, sensitivity).
+    """
+    say = progress or (lambda done, total, label: None)
+    req = request
+    result = run_search(req.workload, req.topology, req.gpus, algos=list(req.algos) if req.algos else None,
+                        filters=req.filters, layout_pinned=req.layout_pinned, memory_limit=req.memory_limit_bytes,
+                        prune_slack=req.prune_slack, progress=say)
+    if not result.candidates:
+        return SearchReport(req, result, [])
+    say(0, None, "the frameworks' settings")
+    bests = framework_bests(result, list(req.algos) if req.algos else None, req.filters)
+    if req.map_search:
+        from meshplan.search.improve import improve_mapping
+        improve_mapping(result, req.map_search, write=req.write, progress=say)
+    if req.scheduler != "greedy":
+        from meshplan.search.improve import improve
+        improve(result, req.scheduler, time_limit_s=req.ilp_time_limit_s, workers=req.ilp_workers,
+                write=req.write, memory_limit=req.memory_limit_bytes, progress=say)
+    sens = None
+    if req.sensitivity is not None:
+        from meshplan.search.sensitivity import run_sensitivity
+        s = req.sensitivity
+        sens = run_sensitivity(result, s.percent, samples=s.samples, top=s.top, seed=s.seed, pick=s.pick,
+                               progress=say)
+    job_body = group_best_s = None
+    if req.job is not None:
+        from meshplan.search.job import best_group_s, rerank_for_job
+        group_best_s = best_group_s(result)          # before the job re-ranks the candidates
+        job_body = rerank_for_job(result, req.job.shape, req.job.topology, max(req.top, req.write), progress=say)
+    inference = rule_report(result)
+    if req.write > 0:
+        say(0, None, f"verifying and writing {req.write} schedule(s)")
+        write_best(result, req.write, req.out_dir)
+    return SearchReport(req, result, bests, sens, job_body, group_best_s, inference)
