@@ -6,7 +6,7 @@ writes ``benchmarks/results/baselines_table.json``. Two workloads: (A) the llama
 ranks), forward + backward — TASP is forward only (its cell shows its forward time, marked); (B) the CHARM+
 paper's shape (12 heads × 192, MHA, full attention), B = 16, S = 26,880, forward — communication matters
 more. Each cell is the best of that method's knob settings and layouts (``meshplan search --algos NAME
---prune-slack 0``). The model is not calibrated (README, accuracy): predictions, not measurements.
+--prune-slack 0``). The model is not calibrated (docs/accuracy.md): predictions, not measurements.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """GPU check for a machine with one CUDA GPU, in a few minutes: ``bash benchmarks/gpu_check.sh [OUT_DIR]``.
 
 1. The executor's kernel path on one rank against float64 (bf16 and fp16; full, causal and ragged masks;
-   forward and backward) with the BUGCASES.md criterion's floor as the bound.
+   forward and backward) with the docs/bugcases.md criterion's floor as the bound.
 2. A sweep of block sizes (s_q = s_kv from 256 to 16K tokens, H = 32, D = 128, bf16) timing the forward
    and backward kernels: achieved TFLOP/s and efficiency against ``--peak-tflops`` — the rows of a kernel
    efficiency table (``meshplan/topologies/kernels/*.yaml``; FLOPs 4·B·H·D·s_q·s_kv forward, 2.5× that

@@ -1,5 +1,5 @@
 """Validation on our own runs: predicted vs measured makespan and CCR on CPU ranks (gloo), every candidate
-that search proposes for a set of workloads (COSTMODEL.md, "Validation"; a benchmark, not a CI gate).
+that search proposes for a set of workloads (docs/cost-model.md, "Validation"; a benchmark, not a CI gate).
 
 ``python benchmarks/validate_cpu.py [--quick] [--rounds R]`` — for each workload and rank count (2 ranks: ranks
 ≤ cores; 4 ranks on the 2 cores: the shared-core pool modelled, reported separately), every candidate of

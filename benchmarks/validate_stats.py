@@ -1,5 +1,5 @@
 """The statistics of ``validate_cpu.py``: Kendall τ over pairs measurably apart, top-1 regret, and the race that
-measures the regret of the planner's pick without the winner's curse (COSTMODEL.md, "Validation").
+measures the regret of the planner's pick without the winner's curse (docs/cost-model.md, "Validation").
 
 **Why a race.** Top-1 regret = (measured time of the predicted best − measured best) / measured best. With ~30
 candidates whose medians each carry a few percent of noise, the smallest measured median is the luckiest one,

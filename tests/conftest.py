@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 
 DATA = Path(__file__).parent / "data"
-SHARED = Path(__file__).resolve().parents[2] / "shared"
 
 
 def unit_topology(gpus: int, *, port_Bps: float = 16.0, kappa: float = 0.0, kind: str = "nvswitch",
@@ -36,11 +34,3 @@ def unit_workload(n: int, passes: str = "fwd", mask: str = "full", layout: str =
 
     return Workload(batch=1, seq_len=4 * n, n_heads=1, n_kv_heads=1, head_dim=1, dtype="bf16",
                     mask=Mask.parse(mask), layout=layout, passes=passes)
-
-
-@pytest.fixture
-def shared_dir() -> Path:
-    """../shared, skipping the test when it is not there."""
-    if not SHARED.exists():
-        pytest.skip("../shared is not present beside the project")
-    return SHARED

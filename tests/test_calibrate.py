@@ -331,7 +331,7 @@ def test_kernel_table_applies_the_head_dim_and_size_dependent_mask_multipliers(c
 
 
 def test_p2p_error_on_the_calibrations_own_transfers(calib):
-    """The micro-level transfer error (COSTMODEL.md: <= 8% for messages >= 1 MB): 0 on transfers the model
+    """The micro-level transfer error (docs/cost-model.md: <= 8% for messages >= 1 MB): 0 on transfers the model
     generated; one large transfer 10% slower than the model shows as 1 - 1/1.1 = 9.09%."""
     from meshplan.cli.calibrate import p2p_error_pct
     assert p2p_error_pct(calib) == pytest.approx(0.0, abs=0.01)

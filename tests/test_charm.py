@@ -18,10 +18,10 @@ from meshplan.search.candidate import predict
 
 
 def test_partner_lists_for_8_ranks_are_algorithm_1s():
-    """ALGORITHMS.md: rank 0 — level 1 KV {1}; level 2 KV {2}, Q {3}; level 3 KV {4, 5}, Q {6, 7}."""
+    """docs/algorithms.md: rank 0 — level 1 KV {1}; level 2 KV {2}, Q {3}; level 3 KV {4, 5}, Q {6, 7}."""
     assert partner_lists(8, "rmplus", 0) == [{"kv": [1], "q": []}, {"kv": [2], "q": [3]},
                                              {"kv": [4, 5], "q": [6, 7]}]
-    # WORKED_EXAMPLES.md, n = 4: KV peers l^1 and l^2, Q peer l^3, for every local rank
+    # docs/worked-examples.md, n = 4: KV peers l^1 and l^2, Q peer l^3, for every local rank
     for r in range(4):
         assert partner_lists(4, "rmplus", r) == [{"kv": [r ^ 1], "q": []}, {"kv": [r ^ 2], "q": [r ^ 3]}]
     assert all(lv["q"] == [] for lv in partner_lists(16, "merge", 5))
@@ -50,7 +50,7 @@ def blocks_per_rank(sched, phase=0):
 
 
 def test_worked_example_blocks_on_8_gpus_in_2_domains():
-    """WORKED_EXAMPLES.md's table: GPU 0 computes (q0,kv0), (q4,kv0), (q3,kv0)*, (q7,kv0)*, (q0,kv2), (q4,kv2),
+    """docs/worked-examples.md's table: GPU 0 computes (q0,kv0), (q4,kv0), (q3,kv0)*, (q7,kv0)*, (q0,kv2), (q4,kv2),
     (q4,kv1), (q0,kv1) — 8 blocks; every GPU by the same rule."""
     s, _ = build("charm", 8, passes="fwd", topo="cpu-local", mask="full", knobs={"domains": "2"})
     got = blocks_per_rank(s)
@@ -65,7 +65,7 @@ def test_worked_example_blocks_on_8_gpus_in_2_domains():
 
 def test_worked_example_bytes_per_gpu():
     """Forward, per GPU: cross-domain one Q and one O + LSE; intra-domain 2 KV chunks, 2 Q chunks (the peer's
-    own and its cross Q) and 2 partial outputs + LSE (WORKED_EXAMPLES.md)."""
+    own and its cross Q) and 2 partial outputs + LSE (docs/worked-examples.md)."""
     s, w = build("charm", 8, passes="fwd", topo="cpu-local", mask="full", knobs={"domains": "2"})
     c = w.seq_len // 8
     qc = w.batch * c * w.n_heads * w.head_dim * w.elem_bytes

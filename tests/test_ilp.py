@@ -1,5 +1,5 @@
 """CP-SAT stream orders (meshplan.search.ilp.model) and search --scheduler: references are the flow-shop optimum of a
-plain ring (COSTMODEL.md: Johnson's rule, no search needed), the order-independent compute bound, and the
+plain ring (docs/cost-model.md: Johnson's rule, no search needed), the order-independent compute bound, and the
 simulator re-run on the reordered schedule."""
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ def test_prefill_and_decode_schedules_verify(name, seq, prefix):
 
 
 def test_prefix_bytes_by_hand():
-    """Pass-Q moves query chunks of T/N tokens, Ring KV chunks of S/N tokens (ALGORITHMS.md sizes)."""
+    """Pass-Q moves query chunks of T/N tokens, Ring KV chunks of S/N tokens (docs/algorithms.md sizes)."""
     t = Topology.load("h100x16", gpus=8)
     w = wl(seq_len=65536 + 8192, prefix_len=65536, heads=32, kv_heads=8, head_dim=128)
     ring = predict("ring", w, t, 8, {}).predicted.json()

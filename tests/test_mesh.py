@@ -1,4 +1,4 @@
-"""Mesh-Attention against the oracles of ALGORITHMS.md and issue 3."""
+"""Mesh-Attention against the oracles of docs/algorithms.md and issue 3."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The README's numbers are generated from benchmarks/results/ (benchmarks/readme.py): they cannot drift."""
+"""The numbers of README.md and docs/ are generated from benchmarks/results/ (benchmarks/readme.py): they cannot
+drift."""
 
 from __future__ import annotations
 
@@ -15,20 +16,20 @@ def _readme_module():
     return mod
 
 
-def test_readme_blocks_equal_what_the_results_give():
+def test_generated_blocks_equal_what_the_results_give():
     mod = _readme_module()
-    text = (ROOT / "README.md").read_text()
-    names = [m.group("name") for m in mod.BLOCK.finditer(text)]
-    assert sorted(names) == sorted(mod.BLOCKS), "every generated block appears once in README.md"
-    assert mod.render(text) == text, "README.md is stale: run `python benchmarks/readme.py`"
+    names = [m.group("name") for p in mod.pages() for m in mod.BLOCK.finditer(p.read_text())]
+    assert sorted(names) == sorted(mod.BLOCKS), "every generated block appears once in README.md and docs/"
+    for path, (text, rendered) in mod.render_pages().items():
+        assert rendered == text, f"{path.relative_to(ROOT)} is stale: run `python benchmarks/readme.py`"
 
 
-def test_a_changed_result_changes_the_readme(tmp_path, monkeypatch):
+def test_a_changed_result_changes_its_page(monkeypatch):
     mod = _readme_module()
-    text = (ROOT / "README.md").read_text()
     speed = mod.load("planner_speed")
     assert speed, "benchmarks/results/planner_speed.json is committed"
     monkeypatch.setattr(mod, "load", lambda name: speed | {"help_s": 9.87} if name == "planner_speed"
                         else mod.json.loads((mod.RESULTS / f"{name}.json").read_text())
                         if (mod.RESULTS / f"{name}.json").exists() else {})
-    assert "| `meshplan --help` | 9.87 s |" in mod.render(text)
+    (text, rendered), = [v for p, v in mod.render_pages().items() if p.name == "speed.md"]
+    assert "| `meshplan --help` | 9.87 s |" in rendered and rendered != text

@@ -1,5 +1,5 @@
 """Reproduction of the CHARM+ tables: data loading, the micro fits against closed forms, the shipped
-H100 parameters against a fresh fit, and the reported errors (COSTMODEL.md targets)."""
+H100 parameters against a fresh fit, and the reported errors (docs/cost-model.md targets)."""
 
 from __future__ import annotations
 
@@ -111,7 +111,7 @@ def test_shipped_parameters_give_the_fitted_errors_and_meet_ring_target(fresh_fi
     for m in ("ring", "charm"):
         assert shipped["summary"][m]["mape_pct"] == pytest.approx(fresh_fit["summary"][m]["mape_pct"], abs=0.5)
         assert shipped["summary"][m]["rows"] == 50          # 54 rows less the 4 declared
-    assert shipped["summary"]["ring"]["mape_pct"] <= 10.0   # COSTMODEL.md target
+    assert shipped["summary"]["ring"]["mape_pct"] <= 10.0   # docs/cost-model.md target
     # declared rows are listed but never counted
     declared = [r for r in shipped["rows"] if r["declared"]]
     assert {r["row"] for r in declared} == {f"{p} B={b} S={s}" for p, b, s in DECLARED}

@@ -1,4 +1,4 @@
-"""Schedules from Ring and pass-Q against the closed forms of ALGORITHMS.md."""
+"""Schedules from Ring and pass-Q against the closed forms of docs/algorithms.md."""
 
 from __future__ import annotations
 

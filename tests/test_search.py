@@ -59,7 +59,7 @@ def test_knob_filters_pin_and_exclude():
 
 
 def test_forward_only_methods_are_listed_last_with_bwd_null_under_fwd_and_bwd():
-    """ARCHITECTURE.md: TASP ranks normally under --pass fwd; under fwd+bwd it follows the others, bwd null."""
+    """docs/formats.md: TASP ranks normally under --pass fwd; under fwd+bwd it follows the others, bwd null."""
     topo = Topology.load("h100x8", gpus=8)
     both = run_search(resolve(seq_len=8 * 7 * 2 * 16, passes="fwd+bwd"), topo, 8, layout_pinned=True)
     tasp = [i for i, c in enumerate(both.candidates) if c.algorithm == "tasp"]

@@ -201,7 +201,7 @@ def test_block_time_matrix_equals_the_per_block_formula(layout, mask):
 def test_an_op_the_executor_runs_block_by_block_is_priced_as_its_blocks():
     """A striped Mesh 2 x 2 op (one query chunk x two KV chunks, e.g. 1 x {0, 2}: not alternate residues) costs
     the sum of its blocks' own times, each with its launch (the executor runs it block by block); a zigzag one
-    the blocks' FLOPs at the efficiency of the op's shape grown by √(a·b), one launch (COSTMODEL.md)."""
+    the blocks' FLOPs at the efficiency of the op's shape grown by √(a·b), one launch (docs/cost-model.md)."""
     from meshplan.cost.cost import CostModel
     from meshplan.model.matrix import attn_matrix
     from meshplan.plan.schedule import COMPUTE, expand_blocks

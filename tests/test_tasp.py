@@ -50,7 +50,7 @@ def test_refusals_name_the_reason(n, passes, seq, needle):
 
 
 def test_tasp_contends_on_pcie_and_matches_ring_on_nvswitch():
-    """ALGORITHMS.md: its N−1 concurrent rings contend on PCIe (slower than Ring there); on NVSwitch every
+    """docs/algorithms.md: its N−1 concurrent rings contend on PCIe (slower than Ring there); on NVSwitch every
     GPU port carries the same bytes either way (the model has no per-flow limit below the port's)."""
     from meshplan.search.candidate import predict
 

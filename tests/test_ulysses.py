@@ -15,7 +15,7 @@ from meshplan.plan.verify import verify
 
 
 def closed_form(w, n, u, dkv_bytes=4, hops="n"):
-    """ALGORITHMS.md / the module docstring, written out: bytes received per rank, (fwd, bwd)."""
+    """docs/algorithms.md / the module docstring, written out: bytes received per rank, (fwd, bwd)."""
     B, D, beta, h = w.batch, w.head_dim, w.elem_bytes, w.n_heads
     c, R, hr = w.seq_len // n, n // u, h // u
     kvr = -(-hr // w.gqa_group)                      # KV heads a head range reads (replicated when u > h_kv)
@@ -36,7 +36,7 @@ def test_ulysses_bytes_per_rank(n, heads, kv_heads):
 
 
 def test_ulysses_forward_matches_the_papers_volume_without_replication():
-    """(u−1)/u · B·c·(2h + 2h_kv)·D·β (ALGORITHMS.md), plus the fp32 LSE that returns with O."""
+    """(u−1)/u · B·c·(2h + 2h_kv)·D·β (docs/algorithms.md), plus the fp32 LSE that returns with O."""
     n, s_len = 8, 8 * 64
     s, w = build("ulysses", n, passes="fwd", heads=32, kv_heads=8, seq_len=s_len)
     c = s_len // n

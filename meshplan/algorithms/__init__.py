@@ -1,4 +1,4 @@
-"""The algorithm registry: the names ``search --algos`` and ``simulate --algo`` take (ARCHITECTURE.md).
+"""The algorithm registry: the names ``search --algos`` and ``simulate --algo`` take (docs/formats.md).
 
 Every name of the contract is listed; those whose modules have not landed yet are refused with the issue
 that brings them (``simulate``) or skipped and counted (``search``).

@@ -3,10 +3,10 @@
 N ranks form R = N/u Ulysses groups of u ranks. Rank (g, p) — group g, index p — holds sequence chunk r
 (its own rank id) with every head; after the head-scatter all-to-all it holds the chunks of its group
 (``groups[g]``, [u]) for the query heads H_p = [p·h/u, (p+1)·h/u) (KV: the KV heads those read; when
-u > h_kv a KV head goes to u/h_kv ranks — the replication ALGORITHMS.md asks to state and cost). The
+u > h_kv a KV head goes to u/h_kv ranks — the replication docs/algorithms.md asks to state and cost). The
 gather all-to-all is the reverse. An all-to-all is one P2P batch per rank on its own stream: the (u−1)
 pieces to and from the other members posted together (NCCL's all-to-all is grouped send/recv too; on gloo
-this is the point-to-point lowering COSTMODEL.md asks for), simulated flow by flow on the topology.
+this is the point-to-point lowering docs/cost-model.md asks for), simulated flow by flow on the topology.
 
 ``rank_order``: ``ulysses-first`` puts a group on consecutive ranks (inside a node when u divides the node
 size: USP's default), ``ring-first`` strides it by R (the ring inside the node).

@@ -4,7 +4,7 @@ Liu et al., "Ring Attention with Blockwise Transformers" (arXiv 2310.01889); the
 zhuzilin/ring-flash-attention: at step s rank r computes block (r, r − s mod N) while it forwards that KV
 chunk to rank r + 1. The layout (contiguous, zigzag, striped) is a workload flag.
 
-Bytes received per rank (ALGORITHMS.md):
+Bytes received per rank (docs/algorithms.md):
     forward   (N − 1) · KVc
     backward  (N − 1) · KVc + N · dKVc   (``dkv_hops = n``, ring-flash-attention)
               (N − 1) · KVc + (N − 1) · dKVc   (``dkv_hops = n-1``: the owner keeps its own partial)

@@ -10,7 +10,7 @@ Backward mirrors it: Q side (Q, dO, LSE, D) and KV all-gathered, dK/dV ride the 
 reduce-scattered in the team, each KV group's dK/dV sum (one per member ring) added at the chunk owners.
 The paper leaves the initial placement open; the initial fetch is our reading. Needs C² | N.
 
-Bytes received per rank, forward (KVc, Qc, Oc + Lc per ALGORITHMS.md): team all-gather (C − 1)·(Qc + KVc);
+Bytes received per rank, forward (KVc, Qc, Oc + Lc per docs/algorithms.md): team all-gather (C − 1)·(Qc + KVc);
 initial fetch C·KVc (members t > 0); sub-ring (M/C − 1)·C·KVc; reduce-scatter (C − 1)·(Oc + Lc).
 The P2P part is about N/C · KVc instead of Ring's (N − 1)·KVc.
 """

@@ -21,7 +21,7 @@ heads per rank (replication when u > h_kv):
             + (R−1)·u·2·B·c·h_kv'·D·β + R·u·2·B·c·h_kv'·D·β_dkv    (ring: KV and the dK/dV accumulators;
                                                                     R−1 of those with dkv_hops = n-1)
             + (u−1)·B·c·(h/u + 2·h_kv')·D·β                       (gather of dQ, dK, dV)
-With u = N (Ulysses) the ring terms vanish: about (u−1)/u · B·c·(2h + 2h_kv)·D·β forward (ALGORITHMS.md).
+With u = N (Ulysses) the ring terms vanish: about (u−1)/u · B·c·(2h + 2h_kv)·D·β forward (docs/algorithms.md).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class USP(BuiltTiming):
         return max(inside) if inside else min(ok)
 
     def check(self, workload, topo, n_ranks, knobs) -> None:
-        """u must divide N and fit the heads (ALGORITHMS.md); a user-given bad degree is an error."""
+        """u must divide N and fit the heads (docs/algorithms.md); a user-given bad degree is an error."""
         super().check(workload, topo, n_ranks, knobs)
         u = self.degree(workload, topo, n_ranks, knobs)
         if knobs["ulysses_degree"] == "auto":
@@ -202,7 +202,7 @@ class Ulysses(USP):
         return n
 
     def check(self, workload, topo, n_ranks, knobs) -> None:
-        """N must fit the heads (ALGORITHMS.md): else skipped with the reason."""
+        """N must fit the heads (docs/algorithms.md): else skipped with the reason."""
         Algorithm.check(self, workload, topo, n_ranks, knobs)
         why = head_degree_problem(workload, n_ranks)
         if why:

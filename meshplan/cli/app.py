@@ -1,4 +1,4 @@
-"""The ``meshplan`` command line (ARCHITECTURE.md, CLI contract).
+"""The ``meshplan`` command line (docs/formats.md, CLI contract).
 
 Human tables on stdout by default, JSON on stdout with ``--json``; progress, logs and warnings on stderr.
 Bad input: one line on stderr naming the field and the fix, exit status 2, nothing written.

@@ -236,7 +236,7 @@ def summary(calib, topology) -> list[dict[str, Any]]:
 
 def p2p_error_pct(calib) -> float | None:
     """The largest error, in %, of the fitted transfer model on the calibration's own transfers of 1 MiB and more
-    (COSTMODEL.md's micro-level target: <= 8%): one flow ``alpha + S / bw``, k at once ``alpha + S / min(bw,
+    (docs/cost-model.md's micro-level target: <= 8%): one flow ``alpha + S / bw``, k at once ``alpha + S / min(bw,
     shared / k)``; None without transfers."""
     if not calib.links or calib.p2p_overhead_us is None:
         return None

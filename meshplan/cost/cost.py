@@ -1,4 +1,4 @@
-"""Closed-form costs (COSTMODEL.md level L0): compute, merges and uncontended alpha-beta transfers.
+"""Closed-form costs (docs/cost-model.md level L0): compute, merges and uncontended alpha-beta transfers.
 
 All times in seconds, sizes in bytes, rates in bytes/s.
 
@@ -8,14 +8,14 @@ All times in seconds, sizes in bytes, rates in bytes/s.
   An op over several blocks runs as one kernel of the op's shape (the rows and columns of its chunks that
   take part: Ulysses runs the whole sequence, USP u·c × u·c, CHARM+ 2c × c, TASP c × c from N − 1
   sub-chunks): one launch, every block's FLOPs at the efficiency of its shape grown by √(a·b) for an op
-  over a × b chunks, the elementwise factor on the blocks that need a mask (COSTMODEL.md: ``e`` is keyed
+  over a × b chunks, the elementwise factor on the blocks that need a mask (docs/cost-model.md: ``e`` is keyed
   by the kernel's shape, not by FLOPs). Except where the op's tokens interleave so that its mask has no
   short cover by kernels (a striped op over chunks that are not alternate residues,
   :func:`meshplan.model.blockmask.runs_by_block`): the executor runs such an op block by block, so it is priced
   as its blocks, each at its own shape with its own launch.
 * Combining a result into an accumulator (LSE merge or gradient add) is memory bound:
   ``t = t_launch + bytes_touched / (f · HBM bandwidth)`` with f = the table's ``merge_hbm_fraction``
-  (0.8, COSTMODEL.md). A compute op with ``combine`` merge/accumulate pays it for each output:
+  (0.8, docs/cost-model.md). A compute op with ``combine`` merge/accumulate pays it for each output:
   3 x the output's bytes (read accumulator, read partial, write accumulator).
 * Transfer alone on its route: ``T(S) = alpha_sw + Σ hop latency + S / min(link capacity, per-flow cap)``.
 

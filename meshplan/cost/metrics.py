@@ -1,6 +1,6 @@
 """Metrics of a simulated schedule: the contract's ``predicted`` keys, per pass and in total.
 
-Definitions (ARCHITECTURE.md, COSTMODEL.md), all per pass; the critical rank is the one whose last op ends
+Definitions (docs/formats.md, docs/cost-model.md), all per pass; the critical rank is the one whose last op ends
 last:
 
 * ``makespan_s``: the pass's duration; ``compute_s``: time the critical rank's compute stream is busy

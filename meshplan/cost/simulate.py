@@ -1,4 +1,4 @@
-"""Flow-level event simulation (COSTMODEL.md level L1) with max-min fair sharing.
+"""Flow-level event simulation (docs/cost-model.md level L1) with max-min fair sharing.
 
 Every transfer is a flow on its route: first its latency (alpha_sw + hop latencies), then its bytes,
 sharing every link by max-min fairness (progressive filling) with per-flow caps, recomputed only on the

@@ -1,7 +1,7 @@
 """Inputs, the float64 reference and the single-process run — what the numerics check compares against.
 
 Shapes (natural token order, as ``run --dump`` writes them): q, dout, out, dq [B, S, H, D]; k, v, dk, dv
-[B, S, Hkv, D]; lse [B, H, S] fp32/fp64. The reference follows BUGCASES.md: single-process attention on
+[B, S, Hkv, D]; lse [B, H, S] fp32/fp64. The reference follows docs/bugcases.md: single-process attention on
 the whole sequence in float64, on the *same dtype-rounded inputs*. Padding (positions ≥ valid_len, and a
 document's padding) never contributes as a key, and its query rows are not computed; nor are the rows of a
 cached prefix (inference), whose tokens are keys only.
@@ -90,7 +90,7 @@ def attention_rows(inp: Inputs, w: Workload, rows: np.ndarray, h0: int, h1: int)
 
 
 def single_process(inp: Inputs, w: Workload, backward: bool) -> dict[str, torch.Tensor]:
-    """The executor's own kernels on the whole sequence in one process (the 3× yardstick of BUGCASES.md)."""
+    """The executor's own kernels on the whole sequence in one process (the 3× yardstick of docs/bugcases.md)."""
     pos = np.arange(w.seq_len)
     ok = torch.from_numpy(allowed(w, pos, pos))
     q, k, v, do = (t.transpose(1, 2).contiguous() for t in (inp.q, inp.k, inp.v, inp.dout))

@@ -1,6 +1,6 @@
 """Gather the distributed results, judge them against the float64 reference, and dump them.
 
-Criterion (BUGCASES.md), per tensor (out, lse, dq, dk, dv): the ∞-norm error against the float64
+Criterion (docs/bugcases.md), per tensor (out, lse, dq, dk, dv): the ∞-norm error against the float64
 reference, over every row the ranks return (padding rows included: their O must be 0, their LSE −inf, their
 dQ 0; a cached prefix's rows are not returned) and every key for dk, dv, is at
 most max(floor, 3 × the single-process error in the same dtype), floor = ε·max|reference| with ε = 2⁻⁸
@@ -113,7 +113,7 @@ def numerics_of(prog: Program, tally: dict[str, Tally], mode: str, triples: int 
     """The Numerics of merged tallies: each tensor's bound from its dtype's ε (or a coarser wire dtype's)."""
     eps, wire = EPSILON[prog.workload.dtype], wire_epsilon(prog)
     tensors = {name: t.error(max(eps, wire.get(name, 0.0))) for name, t in tally.items()}
-    how = ("float64 single-process attention on the dtype-rounded inputs (BUGCASES.md), every returned row"
+    how = ("float64 single-process attention on the dtype-rounded inputs (docs/bugcases.md), every returned row"
            if mode == "full" else
            f"float64 attention of {triples} sampled (batch, row, head) triples against every key, with dO zero outside "
            "them (dK, dV: their contributions, on every key); padding rows O = 0, LSE = -inf; dQ = 0 elsewhere")

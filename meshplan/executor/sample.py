@@ -15,7 +15,7 @@ nothing gathered but the errors, at O(P·S·D / N) per rank for P triples on N r
 * **padding** rows (and rows with no permitted key) must hold O = 0 and LSE = −inf: checked on every row,
   sampled or not (no reference needed).
 
-The same criterion as the full check (BUGCASES.md): the ∞-norm error at most max(floor, 3 × the error of one
+The same criterion as the full check (docs/bugcases.md): the ∞-norm error at most max(floor, 3 × the error of one
 process in the same dtype on the same triples). A wrong KV chunk, a missing or doubled block, a bad merge or a
 padding row computed as real moves the sampled rows' results (or their contributions) by orders of magnitude
 more; a fault confined to rows outside the sample is caught only in dK/dV (every sampled row's contribution

@@ -1,6 +1,6 @@
 """Attention-kernel efficiency tables: achieved FLOP/s as a fraction of the device's peak, by kernel shape.
 
-COSTMODEL.md: ``t_block = t_launch + FLOPs / (peak · e(shape, pass, mask))``, with ``e`` keyed by the
+docs/cost-model.md: ``t_block = t_launch + FLOPs / (peak · e(shape, pass, mask))``, with ``e`` keyed by the
 kernel's shape (s_q query rows, s_kv key columns), not by FLOPs, because zigzag blocks run as c × c/2
 kernels. Tables live in ``meshplan/topologies/kernels/*.yaml`` with their sources; a topology's
 ``device.kernel`` names one (or gives a path). Calibration (``meshplan calibrate``) writes new ones.

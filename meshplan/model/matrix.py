@@ -1,6 +1,6 @@
 """The attention matrix: the Nq x Nkv chunk grid of a layout and the exact work of every block.
 
-No ranks, no topology: this module describes the work, algorithms decide the split (STYLE.md rule 4).
+No ranks, no topology: this module describes the work, algorithms decide the split (docs/style.md rule 4).
 
 A *chunk* is the token set a layout gives one rank: ``contiguous`` chunk i = [i·c, (i+1)·c);
 ``zigzag`` chunk i = pieces i and 2N−1−i of p = S/(2N) tokens; ``striped`` chunk i = {t : t mod N = i}.
@@ -8,7 +8,7 @@ Every chunk is stored as *segments*, arithmetic progressions ``(start, stride, c
 positions, so one closed form counts query-key pairs for every layout and mask
 (:func:`count_pairs`). Block (i, j) = query chunk i against KV chunk j.
 
-Exact work (ALGORITHMS.md, zigzag oracle): an off-diagonal zigzag block holds exactly 2p² of 4p² pairs, a
+Exact work (docs/algorithms.md, zigzag oracle): an off-diagonal zigzag block holds exactly 2p² of 4p² pairs, a
 diagonal one 2p² + p (fraction ½ + 1/(4p)); the causal total is S(S+1)/2. FLOPs per block (FlashAttention
 convention): forward 4·B·H·D·pairs, backward 2.5× forward.
 """

@@ -1,7 +1,7 @@
 """The topology YAML format: pydantic models with unit-suffixed keys, unknown keys refused.
 
 A file describes one node template (device, intra-node fabric, NICs), a node count and the network
-between nodes. Every number carries its source in a YAML comment (ARCHITECTURE.md invariant 6).
+between nodes. Every number carries its source in a YAML comment (docs/architecture.md invariant 6).
 Human units here (``GBps`` = 1e9 bytes/s per direction, ``us``, ``TFLOPS``, ``GB``/``GiB``); the
 :class:`~meshplan.model.topology.Topology` converts them once to bytes/s, seconds and FLOP/s.
 """

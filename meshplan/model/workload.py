@@ -1,6 +1,6 @@
 """The attention workload: shapes, dtype, mask, token layout and pass.
 
-Vocabulary (STYLE.md): B batch, S tokens of the whole sequence, H query heads, Hkv KV heads
+Vocabulary (docs/style.md): B batch, S tokens of the whole sequence, H query heads, Hkv KV heads
 (GQA group g = H / Hkv), D head dim. ``valid_len`` marks tokens at positions >= valid_len as padding:
 they never contribute as keys and their outputs are not computed. A ``docs`` mask may carry padding inside
 each document's slot (``docs:1000+24``, TransformerEngine's ``cu_seqlens`` vs ``cu_seqlens_padded``).

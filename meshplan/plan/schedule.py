@@ -69,7 +69,7 @@ SEND, RECV, COMPUTE = KIND["send"], KIND["recv"], KIND["compute"]
 def tensor_bytes(workload: Workload, kind: str, tokens: int, heads: int, dtype: str) -> int:
     """Bytes of a tensor of ``kind`` over ``tokens`` tokens and ``heads`` query heads (KV kinds scale by 1/g).
 
-    Sizes per ALGORITHMS.md: Qc = B·c·h·D·β, KVc = 2·B·c·h_kv·D·β, Oc + Lc = B·c·h·D·β_o + 4·B·c·h.
+    Sizes per docs/algorithms.md: Qc = B·c·h·D·β, KVc = 2·B·c·h_kv·D·β, Oc + Lc = B·c·h·D·β_o + 4·B·c·h.
     ``tokens`` may be an int array (one size per tensor; returned as an int64 array then).
     """
     B, D, beta = workload.batch, workload.head_dim, DTYPE_BYTES[dtype]

@@ -1,6 +1,6 @@
 """The verifier: proves a schedule is complete, matched, deadlock-free and within memory.
 
-Checks (ARCHITECTURE.md invariant 4), each reported as one line per violation (first few of each kind):
+Checks (docs/architecture.md invariant 4), each reported as one line per violation (first few of each kind):
 
 * structure: known kinds, comm ops on comm streams with a peer in range, compute-type ops on compute
   streams, one communicator per comm stream; deps on earlier ops of the same rank and pass (so a rank can

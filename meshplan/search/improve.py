@@ -7,7 +7,7 @@ whose model has at most ``ILP_MAX_INTERVALS`` intervals (:func:`meshplan.search.
 solves only where the greedy makespan is more than ``AUTO_GAP`` above the closed-form bound; ``ilp`` wherever the
 size allows. The solver's order is written into a copy of the schedule (:func:`meshplan.search.ilp.model.apply_order`),
 verified and re-simulated; the faster of greedy and CP-SAT after re-simulation is kept, and the candidates are
-ranked again. Each candidate's ``scheduler`` object (ARCHITECTURE.md) says what was requested, which order was
+ranked again. Each candidate's ``scheduler`` object (docs/formats.md) says what was requested, which order was
 kept, the solver's status, its objective and proven bound (in its own model: not the candidate's closed-form
 ``bound_s``), the gap and the solve time (model building included); also the greedy order's makespan in that
 model and simulated, the CP-SAT order's simulated makespan, and why the solver did not run where it did not.

@@ -4,7 +4,7 @@ Meta, "Context Parallelism for Scalable Million-Token Inference" (arXiv 2411.017
 tokens and T new ones on N ranks, choose **pass-KV** (``ring``) when its KV transfer hides behind the
 attention compute of a ring step, else compare the bytes each step moves — Q (T·H query rows) against KV
 (2·(T + P)·Hkv rows), i.e. pass-KV when T / (T + P) ≥ 2·Hkv / H — and choose **pass-Q** otherwise
-(ALGORITHMS.md). Here both sides of the first test are evaluated with meshplan's own numbers (the topology's
+(docs/algorithms.md). Here both sides of the first test are evaluated with meshplan's own numbers (the topology's
 kernel efficiency table and the slowest ring hop's alpha and bandwidth), so the rule and the simulator
 disagree only where the rule's simplifications do (pass-Q's final all-to-all of partial outputs, the causal
 imbalance of a step, contention).

@@ -126,7 +126,7 @@ def _lead_text(candidates: list[dict[str, Any]]) -> str | None:
     text = (f"#1 leads #2 by {'at least ' if bound else ''}{gap:.1%} (predicted"
             f"{'; #2 at its closed-form lower bound' if bound else ''})")
     if gap < NEAR_TIE:
-        text += (f"; under {NEAR_TIE:.0%} that is a near-tie, closer than the model's error (README, Accuracy): "
+        text += (f"; under {NEAR_TIE:.0%} that is a near-tie, closer than the model's error (docs/accuracy.md): "
                  "run both (meshplan search --write 2, then meshplan run) to pick")
     return text
 

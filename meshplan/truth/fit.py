@@ -1,11 +1,11 @@
-"""Fitting the cost model's parameters from micro-benchmarks (COSTMODEL.md, Calibration). No torch here.
+"""Fitting the cost model's parameters from micro-benchmarks (docs/cost-model.md, Calibration). No torch here.
 
 Every function takes plain measurements (seconds, bytes, FLOPs) and returns the parameter the model uses,
 in the model's own form, so a fitted value means what :mod:`meshplan.cost.cost` and :mod:`meshplan.cost.simulate`
 do with it:
 
 * transfers: ``T(S) = alpha + S / bw`` (:func:`fit_alpha_beta`); bandwidth from large messages, alpha from
-  small ones (≤ 64 KB), as COSTMODEL.md says;
+  small ones (≤ 64 KB), as docs/cost-model.md says;
 * concurrent flows through one shared pool: aggregate bytes/s = flows · S / (T − alpha)
   (:func:`fit_shared_bandwidth`);
 * attention kernels: ``t = t_launch + FLOPs / (peak · e(s_q, s_kv))`` (:func:`fit_efficiency_table`);
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
-SMALL_MAX_BYTES = 64 * 1024         # COSTMODEL.md: alpha from messages ≤ 64 KB
-LARGE_MIN_BYTES = 1 << 20           # bandwidth from messages ≥ 1 MiB (COSTMODEL.md asks ≥ 64 MB; see fit_alpha_beta)
+SMALL_MAX_BYTES = 64 * 1024         # docs/cost-model.md: alpha from messages ≤ 64 KB
+LARGE_MIN_BYTES = 1 << 20           # bandwidth from messages ≥ 1 MiB (docs/cost-model.md asks ≥ 64 MB; see fit_alpha_beta)
 
 
 def _as_float(*xs) -> list[np.ndarray]:
@@ -45,7 +45,7 @@ def fit_alpha_beta(sizes_bytes, times_s, small_max_bytes: float = SMALL_MAX_BYTE
     Two steps, each on the sizes where its term dominates: ``bw`` = 1 / slope of the least-squares line
     through the messages of at least ``large_min_bytes`` (two sizes at least), then ``alpha`` = the median
     over messages of at most ``small_max_bytes`` of ``T − S / bw`` (≥ 0). A single least-squares line over
-    all sizes would let the few large messages set alpha from their noise. COSTMODEL.md puts "large" at
+    all sizes would let the few large messages set alpha from their noise. docs/cost-model.md puts "large" at
     ≥ 64 MB; the sweep goes to 64 MB, so the line starts at 1 MiB to have several points.
     """
     s, t = _as_float(sizes_bytes, times_s)

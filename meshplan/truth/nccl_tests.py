@@ -21,7 +21,7 @@ alltoall       (n − 1)/n    S a rank's send buffer: S/n to each of the n − 1
 
 so the fit is ``t(S) = alpha + factor · S / busbw`` (:func:`meshplan.truth.fit.fit_alpha_beta`): the bandwidth from
 the rows of ≥ 64 MiB on the wire (≥ 1 MiB when fewer than two are), alpha from those of ≤ 64 KiB
-(COSTMODEL.md, Calibration). busbw is the rate of a GPU's port inside a node; between nodes
+(docs/cost-model.md, Calibration). busbw is the rate of a GPU's port inside a node; between nodes
 :func:`cross_node_rate` says what it measures.
 """
 
@@ -38,7 +38,7 @@ from meshplan.truth import fit
 
 SUPPORTED = ("sendrecv", "all_gather", "alltoall")
 EXPECTED = "expected the output of nccl-tests' sendrecv_perf, alltoall_perf or all_gather_perf"
-BW_MIN_BYTES = 64 * 2**20           # COSTMODEL.md: bandwidth from messages >= 64 MB
+BW_MIN_BYTES = 64 * 2**20           # docs/cost-model.md: bandwidth from messages >= 64 MB
 _TESTS = re.compile(r"all_reduce|all_gather|reduce_scatter|alltoallv|alltoall|sendrecv|broadcast|reduce|gather|"
                     r"scatter|hypercube")
 _RANK = re.compile(r"#\s*Rank\s+(\d+)\s+Group\s+\d+\s+Pid\s+\d+\s+on\s+(\S+)\s+device\s+\d+\s+\[[^\]]*\]\s*(.*)")
@@ -220,7 +220,7 @@ def cross_node_rate(f: CollectiveFit) -> float:
     * alltoall: ``B · g (n − g) / (n − 1)`` out of the node — each of its g ranks sends S (n − g)/n to ranks
       elsewhere.
 
-    The last two are a node aggregate (all NICs at once), the first a per-flow rate (COSTMODEL.md, Multi-node).
+    The last two are a node aggregate (all NICs at once), the first a per-flow rate (docs/cost-model.md, Multi-node).
     """
     r, B = f.run, f.busbw_bytes_per_s
     if r.collective == "alltoall":

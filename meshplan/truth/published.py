@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError,
 
 from meshplan.core.errors import UserError
 
-# The CHARM+ H100 experiments' attention shape (shared/data/README.md).
+# The CHARM+ H100 experiments' attention shape (docs/published-data.md).
 CHARM_HEADS, CHARM_HEAD_DIM, CHARM_ELEM_BYTES = 12, 192, 2
 
 
@@ -135,6 +135,6 @@ def kv_step_bytes(row: H100Row) -> float:
 
 
 def ring_block_flops(row: H100Row) -> float:
-    """FLOPs of one Ring step's block: 4·B·H·s²·D forward, × 2.5 backward (COSTMODEL.md)."""
+    """FLOPs of one Ring step's block: 4·B·H·s²·D forward, × 2.5 backward (docs/cost-model.md)."""
     f = 4.0 * row.B * CHARM_HEADS * row.S_per_gpu ** 2 * CHARM_HEAD_DIM
     return f if row.pass_name == "fwd" else 2.5 * f

@@ -133,7 +133,7 @@ def reproduce_ablation(data: str | None = None) -> dict[str, Any]:
             "directions_right": int(sum(agree)), "directions_total": len(agree)}
 
 
-MEMORY_HEAD_DIM = 128   # the memory table does not state it (shared/data/README.md); Llama-style heads assumed
+MEMORY_HEAD_DIM = 128   # the memory table does not state it (docs/published-data.md); Llama-style heads assumed
 MiB = 2.0**20
 
 

@@ -1,4 +1,4 @@
-"""Fit the H100 cluster's model parameters to the CHARM+ tables, honestly (COSTMODEL.md, "How to use the
+"""Fit the H100 cluster's model parameters to the CHARM+ tables, honestly (docs/cost-model.md, "How to use the
 published CHARM+ tables honestly").
 
 Two kinds of parameters:

@@ -14,7 +14,7 @@ the returning partial. The CHARM+ 2×8 H100 table fits it better (the published 
 66.74 ms, is the predicted compute alone, 66.6 ms: nothing exposed); the fit's declared grid picks it
 (:mod:`meshplan.truth.reproduce_fit`).
 
-Bytes received per rank (forward; KVc, Qc, Oc + Lc per ALGORITHMS.md, Oc in ``partial_dtype``), p ranks
+Bytes received per rank (forward; KVc, Qc, Oc + Lc per docs/algorithms.md, Oc in ``partial_dtype``), p ranks
 per domain, m domains, P_Q = number of Q-peers = p/2 − 1 for RM+ (0 for merge), P_KV = p − 1 − P_Q:
     P_KV·KVc  +  m·P_Q·(Qc + Oc + Lc)  +  (m − 1)·(Qc + Oc + Lc)
 (m Q slots pass through the Q-peers: the own one and m − 1 foreign ones; m = 1 for merge and rmplus).

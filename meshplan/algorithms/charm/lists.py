@@ -7,7 +7,7 @@ so far (sorted, starting with level 1's pair), takes KV-peers = first and Q-peer
 lower half of g3, else the reverse; then ``g3 ∪= group``. KV-peers swap KV (each computes its Q against
 the other's KV); Q-peers swap Q (each computes the other's Q against its own KV and returns the partial
 output and LSE). The relation is mutual, so both are swaps; every block is computed once and every rank
-computes p blocks (ALGORITHMS.md oracle; for p = 8, rank 0: level 1 KV {1}; level 2 KV {2}, Q {3};
+computes p blocks (docs/algorithms.md oracle; for p = 8, rank 0: level 1 KV {1}; level 2 KV {2}, Q {3};
 level 3 KV {4, 5}, Q {6, 7}).
 """
 

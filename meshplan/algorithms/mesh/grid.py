@@ -7,7 +7,7 @@ owns them). So every tile holds its rank's own (Q_g, KV_g) block; a rank receive
 row peers and b−1 KV chunks from its column peers, returns a−1 partial outputs, and every KV owner sends
 to b−1 peers. At step k a rank fetches from row peer (r, c + k) and column peer (r + k, c): a permutation.
 
-Bytes received per rank, forward (ALGORITHMS.md): ``(a−1)·(Qc + Oc + Lc) + (b−1)·KVc``; a = 1 is Ring's
+Bytes received per rank, forward (docs/algorithms.md): ``(a−1)·(Qc + Oc + Lc) + (b−1)·KVc``; a = 1 is Ring's
 ``(N−1)·KVc``; MHA square tiles without LSE give ``V_mesh / V_ring = 2 / (√N + 1)``.
 
 Node-block mapping: each node (or NUMA domain of a single node) holds a p × q block of the grid, so a

@@ -2,7 +2,7 @@
 
 A rank holds its own Q and KV chunk, fetches a−1 Q chunks (remote rows) and b−1 KV chunks (remote columns),
 computes the a × b blocks of its tile and returns a−1 partial outputs. The order is planned once, on a
-one-rank model (the seed's setting and WORKED_EXAMPLES.md's toy), and is the same on every rank, so each
+one-rank model (the seed's setting and docs/worked-examples.md's toy), and is the same on every rank, so each
 step of the real schedule is a permutation:
 
 * fetches share one link, one at a time, in the chosen order; partial outputs return after the fetches,
@@ -13,7 +13,7 @@ step of the real schedule is a permutation:
   ready), so remote rows finish early and their returns hide behind the own row (the seed's two rules).
 
 The greedy picks the next fetch by blocks unlocked per unit of transfer time (the seed's first rule; ties
-go to Q); since that rule can lose to a naive order (WORKED_EXAMPLES.md), :func:`plan_order` also evaluates
+go to Q); since that rule can lose to a naive order (docs/worked-examples.md), :func:`plan_order` also evaluates
 all-Q-first, all-KV-first and alternating and keeps the best. :func:`brute_force` is the reference optimum.
 """
 

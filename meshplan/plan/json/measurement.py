@@ -75,7 +75,7 @@ class TensorError(_Strict):
 
 
 class Numerics(_Strict):
-    """The numerics check (BUGCASES.md criterion); ``passed`` is None when the check did not run.
+    """The numerics check (docs/bugcases.md criterion); ``passed`` is None when the check did not run.
 
     Rows with no permitted key (padding) must come back with O = 0 and LSE = −inf (FlashAttention writes +inf
     there, torch's math path NaN); both checks hold them to it.

@@ -1,6 +1,6 @@
 """Optimal stream orders by CP-SAT (OR-Tools): the schedule as a job shop with shared links, and its proven bound.
 
-The model (COSTMODEL.md, "Scheduling notes"), in integer nanoseconds, one pass after another (a barrier between
+The model (docs/cost-model.md, "Scheduling notes"), in integer nanoseconds, one pass after another (a barrier between
 them, :mod:`meshplan.plan.schedule` rule 5):
 
 * an interval per item of :func:`meshplan.plan.dataflow.build_items` — a compute, merge, accumulate, alloc or free op
