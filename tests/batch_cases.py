@@ -1,4 +1,4 @@
-"""Spawned-rank side of tests/test_batches.py: the executor's worker with torch.distributed's point-to-point calls
+"""Spawned-rank side of tests/plan/test_batches.py: the executor's worker with torch.distributed's point-to-point calls
 counted — every isend/irecv must be posted inside a ``batch_isend_irecv`` group."""
 
 from __future__ import annotations

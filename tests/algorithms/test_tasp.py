@@ -1,0 +1,62 @@
+"""TASP: shipped Hamiltonian decompositions, Ring's bytes spread over N−1 links, refusals, coverage."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import build, recv_bytes, sizes
+
+from meshplan.algorithms import get
+from meshplan.algorithms.tasp_cycles import check_decomposition, shipped
+from meshplan.core.errors import SkipCandidate
+from meshplan.model.topology import Topology
+from meshplan.model.workload import resolve
+from meshplan.plan.schedule import SEND
+from meshplan.plan.verify import verify
+
+
+@pytest.mark.parametrize("n", [8, 12, 16, 20])
+def test_shipped_decompositions_are_hamiltonian_and_cover_every_arc_once(n):
+    assert check_decomposition(shipped()[n])
+
+
+def test_the_checker_rejects_a_non_decomposition():
+    bad = shipped()[8].copy()
+    bad[[0, 1]] = bad[[1, 0]]
+    bad[0] = bad[1]                                          # two equal cycles: arcs used twice
+    assert not check_decomposition(bad)
+
+
+@pytest.mark.parametrize("n", [8, 16])
+@pytest.mark.parametrize("mask,layout", [("causal", "zigzag"), ("causal", "contiguous"), ("full", "contiguous")])
+def test_ring_bytes_over_n_minus_1_links_and_every_block_once(n, mask, layout):
+    s, w = build("tasp", n, passes="fwd", topo="h100x16", seq_len=2 * n * (n - 1) * 4, mask=mask, layout=layout)
+    assert verify(s).ok
+    kvc = sizes(w, n)[0]
+    assert np.all(recv_bytes(s, 0) == (n - 1) * kvc)
+    o = s.ops
+    sends = (o.kind == SEND) & (o.step == 0)
+    assert len(set(zip(o.rank[sends].tolist(), o.peer[sends].tolist()))) == n * (n - 1)   # every link at once
+
+
+@pytest.mark.parametrize("n,passes,seq,needle", [(4, "fwd", 1200, "Tillson"), (6, "fwd", 1200, "Tillson"),
+                                                 (10, "fwd", 1800, "not 10"), (8, "fwd", 1000, "multiple of 112"),
+                                                 (8, "fwd+bwd", 1120, "no backward")])
+def test_refusals_name_the_reason(n, passes, seq, needle):
+    alg = get("tasp")
+    w = resolve(seq_len=seq, passes=passes)
+    with pytest.raises(SkipCandidate, match=needle):
+        alg.check(w, Topology.load("h100x16", gpus=16), n, alg.normalize({}))
+
+
+def test_tasp_contends_on_pcie_and_matches_ring_on_nvswitch():
+    """docs/algorithms.md: its N−1 concurrent rings contend on PCIe (slower than Ring there); on NVSwitch every
+    GPU port carries the same bytes either way (the model has no per-flow limit below the port's)."""
+    from meshplan.search.candidate import predict
+
+    def t(algo, topo):
+        w = resolve(seq_len=896, batch=64, heads=8, kv_heads=8, head_dim=128, passes="fwd", mask="full")
+        return predict(algo, w, Topology.load(topo, gpus=8), 8, {}).predicted.json()
+    assert t("tasp", "l20x8")["makespan_s"] > 1.2 * t("ring", "l20x8")["makespan_s"]
+    nv_t, nv_r = t("tasp", "h100x8"), t("ring", "h100x8")
+    assert nv_t["comm_busy_s"] == pytest.approx(nv_r["comm_busy_s"], rel=0.05)

@@ -1,0 +1,108 @@
+"""A run that cannot fit is refused before it starts (issue 22, part 5): the memory model's peak per rank times the
+local ranks against the host's available memory, one line with the numbers and a smaller workload that fits (whose
+command runs); a rank killed by the system is reported as such."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+from helpers import one_line_error, run
+
+from meshplan.core.errors import UserError
+from meshplan.plan.json.io import read_schedule
+from meshplan.search.run_memory import (
+    HOST_SHARE,
+    check_fits,
+    executor_bytes,
+    host_need_bytes,
+    rank_peak_bytes,
+    run_topology,
+)
+
+
+class Host:
+    """A stand-in for :class:`meshplan.executor.host.HostMemory` (no torch)."""
+
+    def __init__(self, available_bytes: float, local_ranks: int, base_bytes: float = 1e8, gpu: bool = False):
+        self.available_bytes, self.local_ranks = available_bytes, local_ranks
+        self.base_bytes, self.gpu = base_bytes, gpu
+
+
+def _schedule(tmp_path, seq_len: str, name: str = "s.json"):
+    path = tmp_path / name
+    r = run("simulate", "--algo", "ring", "--gpus", 4, "--topo", "h100x8", "--seq-len", seq_len, "--heads", 8,
+            "--kv-heads", 2, "--head-dim", 64, "--out", path)
+    assert r.exit_code == 0, r.stderr
+    return read_schedule(path)
+
+
+def test_a_plan_too_big_for_the_host_is_refused_with_one_that_fits(tmp_path):
+    big, quarter = _schedule(tmp_path, "64K"), _schedule(tmp_path, "16K", "q.json")
+    probe = Host(0, 4)                                                # CPU ranks, 4 on this host, 100 MB each
+    need = lambda s: host_need_bytes(s, probe, rank_peak_bytes(s, run_topology(s, False)), False)  # noqa: E731
+    assert need(big) > 4 * (executor_bytes(big.workload, 4, False)[0] + 1e8)      # the executor's own is in it
+    host = Host(need(quarter) * 1.02 / HOST_SHARE, 4)
+    assert need(big) > HOST_SHARE * host.available_bytes
+    with pytest.raises(UserError) as e:
+        check_fits(big, host, "s.json")
+    line = str(e.value)
+    assert "\n" not in line and line.startswith("s.json: 4 ranks need ") and "nothing was started" in line
+    assert "plan 16384 tokens instead" in line                     # 32K does not fit, 16K does
+    cmd = shlex.split(line.split("meshplan simulate ", 1)[1].split(" && ")[0])
+    cmd[cmd.index("--out") + 1] = str(tmp_path / "smaller.json")
+    r = run("simulate", *cmd)
+    assert r.exit_code == 0, r.stderr
+    smaller = read_schedule(tmp_path / "smaller.json")
+    assert smaller.workload.seq_len == 16384 and smaller.knobs == big.knobs
+    check_fits(smaller, host, "smaller.json")                       # the suggestion fits
+
+
+def test_documents_get_the_numbers_without_a_command(tmp_path):
+    path = tmp_path / "d.json"
+    assert run("simulate", "--algo", "ring", "--gpus", 2, "--topo", "cpu-local", "--mask", "docs:1000,3096",
+               "--heads", 2, "--kv-heads", 2, "--head-dim", 64, "--out", path).exit_code == 0
+    with pytest.raises(UserError, match="available; nothing was started; run it on a host with more memory"):
+        check_fits(read_schedule(path), Host(1e6, 2), "d.json")
+
+
+def test_gpu_ranks_are_held_to_their_devices_free_memory(tmp_path):
+    s = _schedule(tmp_path, "64K")
+    need = rank_peak_bytes(s, run_topology(s, True)) + executor_bytes(s.workload, 4, False)[0]   # on the device
+    check_fits(s, Host(need / HOST_SHARE * 1.01, 1, gpu=True), "s.json")
+    with pytest.raises(UserError, match="each GPU rank needs .* the least free GPU has"):
+        check_fits(s, Host(need / HOST_SHARE * 0.99, 1, gpu=True), "s.json")
+
+
+def test_gathering_every_result_on_rank_0_is_counted(tmp_path):
+    """The full check and --dump gather the whole results on rank 0: three copies of them, and the check's own."""
+    s = _schedule(tmp_path, "16K")
+    each, first = executor_bytes(s.workload, 4, True)
+    w = s.workload
+    results = w.batch * w.seq_len * w.head_dim * (2 * 8 + 2 * 2) * 4 + w.batch * 8 * w.seq_len * 4
+    assert first > 3 * results and executor_bytes(s.workload, 4, False) == (each, 0.0)
+
+
+def test_meshplan_run_refuses_before_spawning(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    import meshplan.executor.launch as launch
+
+    path = tmp_path / "r.json"
+    assert run("simulate", "--algo", "ring", "--gpus", 2, "--topo", "cpu-local", "--seq-len", "4K", "--out",
+               path).exit_code == 0
+    monkeypatch.setattr(launch, "available_memory_bytes", lambda: 1e6)
+    monkeypatch.setattr(launch, "spawn", lambda *a, **k: pytest.fail("ranks were started"))
+    out = tmp_path / "m.json"
+    one_line_error(run("run", path, "--out", out), "r.json: 2 ranks need", "this host has 1 MB available")
+    assert not out.exists()
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_killed_by_the_system_is_reported_as_such():
+    pytest.importorskip("torch")
+    import exec_cases
+
+    from meshplan.executor.launch import RunFailed, spawn_ranks
+
+    with pytest.raises(RunFailed, match=r"^rank 1 was killed by the system \(SIGKILL\), likely out of memory"):
+        spawn_ranks(exec_cases.killed_by_the_system, 2, None)

@@ -1,0 +1,99 @@
+"""Search: every candidate accounted for, pruning loses nothing it promises to keep."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshplan.model.topology import Topology
+from meshplan.model.workload import resolve
+from meshplan.search import enumerate_candidates, run_search
+from meshplan.search.candidate import simulate_candidate
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("topo_name,n", [("h100x16", 16), ("l20x8", 8), ("dgx-h100", 8)])
+@pytest.mark.parametrize("slack", [0.0, 0.01])
+def test_pruned_search_matches_exhaustive(topo_name, n, slack):
+    topo = Topology.load(topo_name, gpus=n)
+    w = resolve(seq_len="32K", heads=8, kv_heads=2, head_dim=64)
+    result = run_search(w, topo, n, prune_slack=slack)
+    every, _ = enumerate_candidates(w, topo, n, None, {}, False)
+    exhaustive = min(simulate_candidate(c, topo, None).predicted.makespan_s for c in every)
+    best = result.candidates[0].predicted.makespan_s
+    assert exhaustive <= best <= exhaustive / (1 - slack) * (1 + 1e-9)
+    counts = result.counts
+    assert counts["enumerated"] == len(every) == counts["pruned"] + counts["simulated"]
+    for c in result.candidates:
+        if c.model_level == "closed-form":
+            assert c.bound_s > best * (1 - slack)
+
+
+def test_layouts_the_sequence_cannot_use_are_skipped_and_counted():
+    topo = Topology.load("h100x8", gpus=8)
+    w = resolve(seq_len=8 * 101)                     # a multiple of 8 but not of 16: zigzag cannot split it
+    result = run_search(w, topo, 8)
+    from meshplan.algorithms import REGISTRY
+    assert result.counts["skipped"]["sequence cannot be split by the zigzag layout"] == len(REGISTRY)
+    assert {c.workload.layout for c in result.candidates} == {"contiguous", "striped"}
+
+
+@pytest.mark.heavy
+def test_memory_limit_rejects_with_reason():
+    topo = Topology.load("h100x32", gpus=64)
+    w = resolve(seq_len="1M")
+    result = run_search(w, topo, 64, memory_limit=3e9)
+    assert result.counts["skipped"].get("over --memory-limit", 0) > 0
+    assert sum("pass-q" in r for r in result.rejected) == 6    # pass-Q holds N−1 partial outputs: every setting
+    assert all(r.split(": peak memory ")[1].split(" GB")[0] for r in result.rejected)
+    assert result.candidates and not any(c.algorithm == "pass-q" for c in result.candidates)
+    assert all(c.predicted.total.peak_memory_total_bytes <= 3e9 for c in result.candidates
+               if c.model_level == "simulated")
+
+
+def test_knob_filters_pin_and_exclude():
+    topo = Topology.load("h100x8", gpus=8)
+    w = resolve(seq_len="16K")
+    result = run_search(w, topo, 8, filters={"dkv_dtype": "bf16"})
+    assert {c.algorithm for c in result.candidates} == {"ring", "usp", "loongtrain", "startrail", "merge", "rmplus",
+                                                            "mesh"}
+    assert all(c.knobs["dkv_dtype"] == "bf16" for c in result.candidates)
+    assert result.counts["skipped"]["dkv_dtype does not apply"] == 3    # pass-Q, Ulysses, TASP: no dK/dV wire
+
+
+def test_forward_only_methods_are_listed_last_with_bwd_null_under_fwd_and_bwd():
+    """docs/formats.md: TASP ranks normally under --pass fwd; under fwd+bwd it follows the others, bwd null."""
+    topo = Topology.load("h100x8", gpus=8)
+    both = run_search(resolve(seq_len=8 * 7 * 2 * 16, passes="fwd+bwd"), topo, 8, layout_pinned=True)
+    tasp = [i for i, c in enumerate(both.candidates) if c.algorithm == "tasp"]
+    assert tasp and tasp == list(range(len(both.candidates) - len(tasp), len(both.candidates)))
+    assert all(both.candidates[i].predicted.json()["bwd"] is None
+               and both.candidates[i].predicted.passes["fwd"].makespan_s > 0 for i in tasp)
+    fwd = run_search(resolve(seq_len=8 * 7 * 2 * 16, passes="fwd"), topo, 8, layout_pinned=True)
+    assert any(c.algorithm == "tasp" and c.predicted.makespan_s > 0 for c in fwd.candidates)
+
+
+def test_closed_form_exposed_communication_has_no_round_off_residue():
+    """A bound equal to the compute time up to float round-off reports 0 exposed communication, not 1e-12 s."""
+    from meshplan.search.candidate import _noise_free
+
+    assert _noise_free(0.1 + 0.2 - 0.3, 0.3) == 0.0 and _noise_free(-1e-3, 1.0) == 0.0
+    assert _noise_free(2e-6, 1.0) == 2e-6
+
+
+def test_above_the_limit_asymmetric_candidates_stay_at_their_bound(monkeypatch):
+    """With the full-simulation limit lowered to 8 ranks, a 16-rank search simulates the node-symmetric zigzag
+    candidates and leaves causal contiguous ones (every rank's work differs) at their bound, counted."""
+    import meshplan.search as search
+    from meshplan.search.candidate import make_candidate, reduces
+    topo = Topology.load("h100x16", gpus=16)
+    w = resolve(seq_len="32K", heads=8, kv_heads=2, head_dim=64, passes="fwd")
+    assert reduces(make_candidate("ring", w, topo, 16, {}), topo)
+    assert not reduces(make_candidate("ring", w.with_(layout="contiguous"), topo, 16, {}), topo)
+    monkeypatch.setattr(search, "FULL_SIM_MAX_RANKS", 8)
+    result = search.run_search(w, topo, 16, algos=["ring", "mesh"], prune_slack=0.0)
+    reason = "no node symmetry above 8 ranks (simulate it alone)"
+    assert result.counts["not_simulated"].get(reason, 0) >= 1
+    contiguous = [c for c in result.candidates if c.workload.layout == "contiguous"]
+    assert contiguous and all(c.model_level == "closed-form" for c in contiguous)
+    assert any(c.model_level == "simulated" and c.workload.layout == "zigzag" for c in result.candidates)
+    assert result.counts["enumerated"] == result.counts["pruned"] + result.counts["simulated"]
