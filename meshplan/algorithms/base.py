@@ -18,6 +18,7 @@ from meshplan.cost.bounds import PassTiming, schedule_timing
 from meshplan.model.matrix import AttnMatrix
 from meshplan.model.topology import Topology
 from meshplan.model.workload import Workload
+from meshplan.plan.build import ScheduleBuilder
 from meshplan.plan.plan import Plan
 from meshplan.plan.schedule import DTYPES, Schedule
 
@@ -176,3 +177,22 @@ class BuiltTiming(Algorithm):
         """The built schedule's closed form (uncontended evaluation, busiest link)."""
         cached = plan.extra.get("schedule")
         return schedule_timing(cached if cached is not None else self.build(plan, topo), topo)
+
+
+def new_builder(alg: Algorithm, plan: Plan, topo: Topology) -> ScheduleBuilder:
+    """A builder for ``plan`` with its topology recorded."""
+    return ScheduleBuilder(plan.workload, plan.matrix, plan.n_ranks, algorithm=alg.name, knobs=plan.knobs,
+                           device_of_rank=plan.device_of_rank)
+
+
+def topology_record(topo: Topology) -> dict:
+    """What a schedule records about the topology it was planned for."""
+    return {"name": topo.name, "hash": topo.content_hash, "devices": topo.n_devices}
+
+
+def last_compute_op(steps: list[np.ndarray], n: int) -> np.ndarray:
+    """[n] each rank's last compute op over the ring's steps."""
+    last = np.full(n, -1)
+    for ops in steps:
+        last = np.where(ops >= 0, ops, last)
+    return last

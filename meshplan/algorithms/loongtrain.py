@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from meshplan.algorithms.base import Knob, positive_int_or_auto
+from meshplan.algorithms.base import Knob, last_compute_op, positive_int_or_auto
 from meshplan.algorithms.headsplit import Grid
 from meshplan.algorithms.rotate import RingSpec, rotate_backward, rotate_forward_merge
-from meshplan.algorithms.ulysses import USP, _last
+from meshplan.algorithms.ulysses import USP
 from meshplan.core.errors import UserError
 
 
@@ -120,7 +120,7 @@ class LoongTrain(USP):
             nxt, sent = self._send_on(b, grid, o, travel, deps, outer_next, incoming), []
             steps = rotate_forward_merge(b, plan, travel, "kv", block, io, ring=inner, first_deps=deps,
                                          step0=o * inner.size, sent=sent)
-            last_o = _last(steps, grid.n)
+            last_o = last_compute_op(steps, grid.n)
             last = np.where(last_o >= 0, last_o, last)
             travel, deps = self._retire(b, o, travel, deps, last_o, nxt, sent)
         return last

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from meshplan.algorithms.base import DTYPE_KNOB, Algorithm, Knob, PassTiming
-from meshplan.algorithms.ring import MAPPINGS, new_builder, ring_plan, topology_record
+from meshplan.algorithms.base import DTYPE_KNOB, Algorithm, Knob, PassTiming, new_builder, topology_record
+from meshplan.algorithms.ring import MAPPINGS, ring_plan
 from meshplan.algorithms.rotate import rotate_backward, rotate_forward_merge
 from meshplan.algorithms.rotate_timing import Rotation, backward, forward, size_of
 from meshplan.model.topology import Topology

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from meshplan.algorithms.base import DTYPE_KNOB, Algorithm, Knob, PassTiming
+from meshplan.algorithms.base import DTYPE_KNOB, Algorithm, Knob, PassTiming, new_builder, topology_record
 from meshplan.algorithms.rotate import rotate_backward, rotate_forward_merge
 from meshplan.algorithms.rotate_timing import Rotation, backward, forward, size_of
+from meshplan.core.errors import UserError
 from meshplan.model.matrix import AttnMatrix, attn_matrix
 from meshplan.model.topology import Topology
 from meshplan.model.workload import Workload
-from meshplan.plan.build import ScheduleBuilder
 from meshplan.plan.plan import Plan
 from meshplan.plan.schedule import Schedule
 
@@ -36,17 +36,6 @@ def ring_plan(alg: Algorithm, workload: Workload, topo: Topology, n: int, knobs:
     owner = np.broadcast_to(idx[:, None] if rows else idx[None, :], (n, n)).copy()
     owner[~m.permitted] = -1
     return Plan(alg.name, knobs, m, n, owner, idx, idx, alg.device_map(topo, n, knobs))
-
-
-def new_builder(alg: Algorithm, plan: Plan, topo: Topology) -> ScheduleBuilder:
-    """A builder for ``plan`` with its topology recorded."""
-    return ScheduleBuilder(plan.workload, plan.matrix, plan.n_ranks, algorithm=alg.name, knobs=plan.knobs,
-                           device_of_rank=plan.device_of_rank)
-
-
-def topology_record(topo: Topology) -> dict:
-    """What a schedule records about the topology it was planned for."""
-    return {"name": topo.name, "hash": topo.content_hash, "devices": topo.n_devices}
 
 
 class Ring(Algorithm):
@@ -110,3 +99,33 @@ class Ring(Algorithm):
             out["bwd"] = backward(rot, "kv", "dkv", plan.knobs["dkv_dtype"], plan.knobs["dkv_hops"],
                                   size_of(plan, "dq", "fp32"), static)
         return out
+
+
+def ring_ccr(workload: Workload, topo: Topology, n_ranks: int) -> float | None:
+    """CHARM+'s CCR of Ring on this workload: Σ over steps of the slowest rank's block time divided by
+    Σ over steps of the slowest hop's transfer time (KV forward; KV and dK/dV in fp32 backward), every rank's
+    hop of a step running at once (their max-min shares where they meet: :meth:`Rotation.hop_concurrent`).
+
+    Uses the workload's layout, or contiguous when the layout cannot split the sequence. None for N = 1.
+    """
+    if n_ranks == 1:
+        return None
+    w = workload
+    try:
+        matrix = attn_matrix(w, n_ranks)
+    except UserError:
+        w = workload.with_(layout="contiguous")
+        matrix = attn_matrix(w, n_ranks)
+    ring = Ring()
+    plan = ring.plan(w, topo, n_ranks, ring.normalize({}), matrix)
+    rot = Rotation(plan, topo, rows=True)
+    comp = comm = 0.0
+    kv = size_of(plan, "kv", w.dtype)
+    dkv = size_of(plan, "dkv", "fp32")
+    for pass_ in w.pass_list:
+        comp += rot.blocks(pass_, 0.0).max(axis=0).sum()
+        if pass_ == "fwd":
+            comm += (n_ranks - 1) * rot.hop_concurrent(kv).max()
+        else:  # N−1 steps move KV and dK/dV over the same hop, the last one dK/dV alone
+            comm += (n_ranks - 1) * rot.hop_concurrent(kv + dkv).max() + rot.hop_concurrent(dkv).max()
+    return float(comp / comm) if comm else None

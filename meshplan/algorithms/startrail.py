@@ -19,10 +19,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from meshplan.algorithms.base import DTYPE_KNOB, BuiltTiming, Knob, positive_int_or_auto
-from meshplan.algorithms.ring import new_builder, topology_record
+from meshplan.algorithms.base import (
+    DTYPE_KNOB,
+    BuiltTiming,
+    Knob,
+    last_compute_op,
+    new_builder,
+    positive_int_or_auto,
+    topology_record,
+)
 from meshplan.algorithms.rotate import RingSpec, rotate_backward, rotate_forward_merge
-from meshplan.algorithms.ulysses import _last
 from meshplan.core.errors import SkipCandidate, UserError
 from meshplan.model.matrix import attn_matrix
 from meshplan.model.topology import Topology
@@ -165,7 +171,7 @@ class StarTrail(BuiltTiming):
             io = lambda ok, s, j, cur: ([q[ok] for q in q_cols] + [x[ok] for x in cur],  # noqa: E731
                                         [acc[ok, c] for c in range(C)], "merge", None)
             steps = rotate_forward_merge(b, plan, travel, "kv", block, io, ring=ring, first_deps=[first, gathered])
-            last = _last(steps, len(r))
+            last = last_compute_op(steps, len(r))
         else:
             home, ready, last = rotate_backward(
                 b, plan, travel=travel, travel_kind="kv", grad_kind="dkv", grad_dtype=k["dkv_dtype"], hops="n",

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from meshplan.algorithms.base import BuiltTiming, Knob
-from meshplan.algorithms.ring import MAPPINGS, new_builder, topology_record
+from meshplan.algorithms.base import BuiltTiming, Knob, new_builder, topology_record
+from meshplan.algorithms.ring import MAPPINGS
 from meshplan.algorithms.tasp_cycles import IMPOSSIBLE, shipped
 from meshplan.core.errors import SkipCandidate, UserError
 from meshplan.model.matrix import attn_matrix

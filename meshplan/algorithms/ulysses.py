@@ -28,7 +28,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from meshplan.algorithms.base import DTYPE_KNOB, Algorithm, BuiltTiming, Knob, positive_int_or_auto
+from meshplan.algorithms.base import (
+    DTYPE_KNOB,
+    Algorithm,
+    BuiltTiming,
+    Knob,
+    last_compute_op,
+    new_builder,
+    positive_int_or_auto,
+    topology_record,
+)
 from meshplan.algorithms.headsplit import (
     RANK_ORDERS,
     Grid,
@@ -39,7 +48,6 @@ from meshplan.algorithms.headsplit import (
     split_inputs,
     valid_degrees,
 )
-from meshplan.algorithms.ring import new_builder, topology_record
 from meshplan.algorithms.rotate import RingSpec, rotate_backward, rotate_forward_merge
 from meshplan.core.errors import SkipCandidate, UserError
 from meshplan.model.matrix import attn_matrix
@@ -176,7 +184,7 @@ class USP(BuiltTiming):
         io = lambda ok, s, j, cur: ([held["q"][ok, t] for t in range(grid.u)] + [c[ok] for c in cur],  # noqa: E731
                                     [acc[ok, t] for t in range(grid.u)], "merge", None)
         steps = rotate_forward_merge(b, plan, held["kv"], "kv", self._block(grid), io, ring=ring, first_deps=got)
-        return _last(steps, plan.n_ranks)
+        return last_compute_op(steps, plan.n_ranks)
 
     def _ring_backward(self, b, plan, grid: Grid, ring: RingSpec, kv: np.ndarray, static: list, dq: np.ndarray, got):
         """The ring backward (dK/dV ride with KV); returns (home dK/dV [n, u], ready ops, last compute)."""
@@ -234,14 +242,6 @@ def _group_tensors(b: ScheduleBuilder, grid: Grid, kind: str, *, dtype: str | No
             if sel.any():
                 out[sel, t] = b.tensor(r[sel], kind, chunks[sel, t], dtype=dtype, role=rl, heads=(h0[sel], h1[sel]))
     return out
-
-
-def _last(steps: list[np.ndarray], n: int) -> np.ndarray:
-    """[n] each rank's last compute op over the ring's steps."""
-    last = np.full(n, -1)
-    for ops in steps:
-        last = np.where(ops >= 0, ops, last)
-    return last
 
 
 def _free_received(b: ScheduleBuilder, grid: Grid, held, last: np.ndarray) -> None:

@@ -34,12 +34,13 @@ def simulate_job(algo, gpus, topo, workload, knobs, tp, dp, rank_order, out, tra
     alone on its own GPUs. ``--out`` writes group 0's schedule on its GPUs of the job's topology (simulating the
     file gives ``alone_s``)."""
     from meshplan.algorithms import get
+    from meshplan.algorithms.ring import ring_ccr
     from meshplan.cli.options import topology
     from meshplan.cli.simulate import _title, _write_trace, _write_verified
     from meshplan.cost.metrics import predicted
     from meshplan.cost.simulate import simulate
     from meshplan.plan.job import JobShape, job_schedule
-    from meshplan.search.candidate import predict, result_json, ring_ccr
+    from meshplan.search.candidate import predict, result_json
 
     if algo is None:
         raise UserError("--algo", "simulate --tp/--dp needs an algorithm", "give --algo NAME (ring, pass-q, ...)")
@@ -71,7 +72,7 @@ def simulate_job(algo, gpus, topo, workload, knobs, tp, dp, rank_order, out, tra
         "alone_s": float(sum(alone.pass_makespan.values())), "together_s": float(sum(sim.pass_makespan.values())),
         "heads_per_group": cp_w.n_heads, "kv_heads_per_group": cp_w.n_kv_heads}
     if out is not None:                      # group 0 on its own GPUs of the job's topology
-        from meshplan.algorithms.ring import topology_record
+        from meshplan.algorithms.base import topology_record
         one = job_schedule(cand.schedule, groups[:1])
         one.topology = topology_record(job_topo)
         _write_verified(one, job_topo, out)

@@ -58,7 +58,7 @@ def _write_verified(sched, topo, path: str) -> None:
     from meshplan.plan.verify import verify
     report = verify(sched, topo.memory_bytes)
     if not report.ok:
-        memory = "more than the device" in report.violations[0]
+        memory = report.over_memory_only
         raise UserError("--out", f"the schedule fails verification: {report.violations[0]}",
                         "the plan does not fit the device: add GPUs, or shorten --seq-len or --batch; nothing was "
                         "written" if memory else "this is a planner bug; nothing was written")
@@ -72,12 +72,12 @@ def _write_trace(sched, sim, path: str) -> None:
 
 def simulate_file(path, topo, trace, as_json, emit) -> None:
     """``meshplan simulate SCHEDULE.json [--topo T]``: verify, then simulate on its topology or ``T``."""
+    from meshplan.algorithms.ring import ring_ccr
     from meshplan.cost.metrics import predicted
     from meshplan.cost.simulate import simulate
     from meshplan.model.topology import Topology
     from meshplan.plan.json.io import read_schedule
     from meshplan.plan.verify import verify
-    from meshplan.search.candidate import ring_ccr
     from meshplan.show.tables import print_simulation
 
     sched = read_schedule(path)

@@ -12,7 +12,7 @@ Mesh's grid translations), else the shift by one node (r -> r + G mod N). A cand
 If the accepted permutations generate orbits holding exactly one rank of every node, the max-min
 trajectory is invariant under them, so simulating node 0's ranks (the representatives), with each flow's
 load counted on the node-0 copy of every link it crosses, gives exactly the full simulation
-(``tests/test_simulate.py`` checks it against the full simulation on up to 64 ranks).
+(``tests/cost/test_simulate.py`` checks it against the full simulation on up to 64 ranks).
 
 Approximate reduction: when durations differ inside orbits by at most ``DURATION_TOLERANCE`` (relative;
 striped layouts, whose blocks differ by c pairs in c², are the case), the quotient is simulated with each

@@ -1,6 +1,6 @@
 """The refusal of a workload that a layout cannot cut evenly, with the padding that fixes it as complete flags.
 
-Every suggestion is a set of flags that plans and runs as written (tests/test_padding.py runs each): pad the
+Every suggestion is a set of flags that plans and runs as written (tests/model/test_padding.py runs each): pad the
 sequence and mark the padding (``--valid-len``), pad each document (``docs:L+P``) or pack them, pad the cache or
 the new tokens of an inference step.
 """

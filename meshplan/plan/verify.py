@@ -62,6 +62,11 @@ class Report:
         """True when the schedule passed every check."""
         return not self.violations
 
+    @property
+    def over_memory_only(self) -> bool:
+        """True when the one kind of violation is the device's memory (a valid schedule for a larger device)."""
+        return set(self.counts) == {"memory"}
+
     def add(self, kind: str, lines: list[str]) -> None:
         """Record violations of one kind (the first few, with a count of the rest)."""
         if lines:

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from meshplan import algorithms
 from meshplan.algorithms.base import BuildCache
+from meshplan.algorithms.ring import ring_ccr
 from meshplan.core.errors import SkipCandidate, UserError
 from meshplan.core.units import fmt_bytes
 from meshplan.cost.memory import estimated_peak_bytes
@@ -30,7 +31,6 @@ from meshplan.search.candidate import (
     closed_form_predicted,
     make_candidate,
     reduces,
-    ring_ccr,
     simulate_candidate,
 )
 
@@ -293,7 +293,7 @@ def write_best(result: SearchResult, k: int, out_dir: str) -> None:
                 result.rejected.append(f"not written: {_over(c, peak, result.memory_limit, 'its schedule')}")
                 continue
         report = verify(c.schedule, topo.memory_bytes)
-        if not report.ok and "more than the device" in report.violations[0]:    # a --memory-limit above it
+        if report.over_memory_only:    # a --memory-limit above it
             result.rejected.append(f"not written: {_label(c)}: {report.violations[0]}")
             continue
         if not report.ok:

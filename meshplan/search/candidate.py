@@ -1,7 +1,7 @@
 """One candidate end to end: plan, schedule, simulate (L1) or closed form (L0), and the contract's keys.
 
-Also Ring's CCR as the CHARM+ paper defines it (Σ compute / Σ communication of Ring's steps run one
-after the other), the same for every candidate of a workload and topology.
+Every candidate reports Ring's CCR for its workload and topology
+(:func:`meshplan.algorithms.ring.ring_ccr`, the CHARM+ paper's definition).
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import numpy as np
 
 from meshplan import algorithms
 from meshplan.algorithms.base import BuildCache, PassTiming
-from meshplan.algorithms.rotate_timing import Rotation, size_of
+from meshplan.algorithms.ring import ring_ccr
 from meshplan.core.errors import SkipCandidate, UserError
 from meshplan.cost.metrics import KEYS, PassMetrics, Prediction, combine, imbalance, predicted
 from meshplan.cost.simulate import SimResult, simulate
-from meshplan.model.matrix import AttnMatrix, attn_matrix
+from meshplan.model.matrix import AttnMatrix
 from meshplan.model.topology import Topology
 from meshplan.model.workload import Workload
 from meshplan.plan.plan import Plan
@@ -155,36 +155,6 @@ def _plan_flops_by_rank(cand: Candidate, pass_: str) -> np.ndarray | None:
     return np.bincount(owner[ok], weights=m.flops(pass_)[ok], minlength=cand.n_ranks)
 
 
-def ring_ccr(workload: Workload, topo: Topology, n_ranks: int) -> float | None:
-    """CHARM+'s CCR of Ring on this workload: Σ over steps of the slowest rank's block time divided by
-    Σ over steps of the slowest hop's transfer time (KV forward; KV and dK/dV in fp32 backward), every rank's
-    hop of a step running at once (their max-min shares where they meet: :meth:`Rotation.hop_concurrent`).
-
-    Uses the workload's layout, or contiguous when the layout cannot split the sequence. None for N = 1.
-    """
-    if n_ranks == 1:
-        return None
-    w = workload
-    try:
-        matrix = attn_matrix(w, n_ranks)
-    except UserError:
-        w = workload.with_(layout="contiguous")
-        matrix = attn_matrix(w, n_ranks)
-    ring = algorithms.get("ring")
-    plan = ring.plan(w, topo, n_ranks, ring.normalize({}), matrix)
-    rot = Rotation(plan, topo, rows=True)
-    comp = comm = 0.0
-    kv = size_of(plan, "kv", w.dtype)
-    dkv = size_of(plan, "dkv", "fp32")
-    for pass_ in w.pass_list:
-        comp += rot.blocks(pass_, 0.0).max(axis=0).sum()
-        if pass_ == "fwd":
-            comm += (n_ranks - 1) * rot.hop_concurrent(kv).max()
-        else:  # N−1 steps move KV and dK/dV over the same hop, the last one dK/dV alone
-            comm += (n_ranks - 1) * rot.hop_concurrent(kv + dkv).max() + rot.hop_concurrent(dkv).max()
-    return float(comp / comm) if comm else None
-
-
 def predict(name: str, workload: Workload, topo: Topology, n_ranks: int, knobs: dict[str, Any]) -> Candidate:
     """Plan, schedule and simulate one algorithm (what ``meshplan simulate --algo`` does).
 
@@ -220,5 +190,5 @@ def jsonable(d: Any) -> Any:
     return d
 
 
-__all__ = ["KEYS", "Candidate", "make_candidate", "simulate_candidate", "closed_form_predicted", "ring_ccr",
+__all__ = ["KEYS", "Candidate", "make_candidate", "simulate_candidate", "closed_form_predicted",
            "predict", "result_json", "jsonable"]

@@ -36,7 +36,7 @@ def rerank_for_job(result: SearchResult, shape: JobShape, job_topo: Topology, to
     Fills each such candidate's ``job`` ({alone_s, together_s}; seconds, all passes) and returns the search's
     ``job`` object (the shape, the CP groups, how many candidates were timed as the job).
     """
-    from meshplan.algorithms.ring import topology_record
+    from meshplan.algorithms.base import topology_record
     from meshplan.search.candidate import simulate_candidate
 
     groups = shape.cp_groups()

@@ -26,10 +26,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from meshplan.algorithms.base import DTYPE_KNOB, BuiltTiming, Knob, positive_int_or_auto
+from meshplan.algorithms.base import DTYPE_KNOB, BuiltTiming, Knob, new_builder, positive_int_or_auto, topology_record
 from meshplan.algorithms.charm.build import Lowering
 from meshplan.algorithms.charm.lists import domain_size, power_of_two
-from meshplan.algorithms.ring import new_builder, topology_record
 from meshplan.core.errors import SkipCandidate, UserError
 from meshplan.model.matrix import attn_matrix
 from meshplan.model.topology import Topology

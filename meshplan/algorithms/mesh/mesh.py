@@ -21,12 +21,11 @@ from typing import Any
 
 import numpy as np
 
-from meshplan.algorithms.base import DTYPE_KNOB, Algorithm, Knob, PassTiming
+from meshplan.algorithms.base import DTYPE_KNOB, Algorithm, Knob, PassTiming, new_builder, topology_record
 from meshplan.algorithms.mesh.build import _Uses, fetch, groups, send_back
 from meshplan.algorithms.mesh.grid import Grid, block_mapping, block_shapes, factorisations, parse_tile, translations
 from meshplan.algorithms.mesh.order import ORDERS, TileCosts, TilePlan, plan_order, streams_estimate
 from meshplan.algorithms.mesh.timing import cheap_timing, geometry
-from meshplan.algorithms.ring import new_builder, topology_record
 from meshplan.core.errors import UserError
 from meshplan.cost.bounds import schedule_timing
 from meshplan.cost.cost import CostModel
