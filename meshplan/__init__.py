@@ -1,8 +1,43 @@
-"""meshplan: plan, simulate and run distributed attention for long-context LLMs.
+"""meshplan: plan, simulate and run distributed attention (context parallelism) for long-context LLMs.
 
 The pipeline (docs/architecture.md): Topology + Workload -> AttnMatrix -> Plan -> Schedule -> Timeline/Metrics,
-and Schedule JSON -> executor -> Measurement -> Comparison. Heavy imports are lazy: importing this
-package imports nothing but the standard library.
+and Schedule JSON -> executor -> Measurement -> Comparison; the packages follow it (core, model, plan, cost,
+algorithms, search, truth, show, cli; the executor at the edge).
+
+The library calls users make, importable from here (each loaded on first use, so ``import meshplan`` imports nothing
+but the standard library)::
+
+    import meshplan
+    topo = meshplan.Topology.load("h100x32", gpus=256)
+    workload = meshplan.resolve(model="llama3-8b", seq_len="1M")
+    report = meshplan.run_pipeline(meshplan.SearchRequest(workload, topo, 256))
+    best = report.best                      # a Candidate: algorithm, knobs, plan, schedule, typed prediction
+    meshplan.write_schedule(best.schedule, "best.json")
 """
 
 __version__ = "0.1.0"
+
+#: name -> the module that defines it
+_FACADE = {
+    "Topology": "meshplan.model.topology",
+    "Workload": "meshplan.model.workload",
+    "resolve": "meshplan.model.workload",
+    "predict": "meshplan.search.candidate",
+    "run_search": "meshplan.search",
+    "SearchRequest": "meshplan.search.pipeline",
+    "SearchReport": "meshplan.search.pipeline",
+    "run_pipeline": "meshplan.search.pipeline",
+    "simulate": "meshplan.cost.simulate",
+    "verify": "meshplan.plan.verify",
+    "read_schedule": "meshplan.plan.json.io",
+    "write_schedule": "meshplan.plan.json.io",
+}
+__all__ = ["__version__", *_FACADE]
+
+
+def __getattr__(name: str):
+    if name in _FACADE:
+        import importlib
+
+        return getattr(importlib.import_module(_FACADE[name]), name)
+    raise AttributeError(f"module 'meshplan' has no attribute {name!r}")

@@ -7,6 +7,13 @@ pick exactly the best of all candidates). Combinations a method cannot do are sk
 the reason. Above ``FULL_SIM_MAX_RANKS`` ranks a candidate whose schedule has no node symmetry is not
 simulated once another has been (it stays at its bound, counted in ``counts.not_simulated``): the simulator
 would run every rank's program, minutes at 1024 ranks.
+
+Modules, in pipeline order: this one (:func:`run_search`, :func:`write_best`), :mod:`candidate` (one candidate:
+plan, closed form, simulation), :mod:`pipeline` (the whole search the CLI runs, as one call: a ``SearchRequest``
+in, a ``SearchReport`` out), :mod:`framework_settings` and :mod:`frameworks` (Megatron-LM/TE, yunchang and
+torchtitan settings), :mod:`improve`, :mod:`mapping` and :mod:`ilp` (CP-SAT orders, placement search),
+:mod:`sensitivity`, :mod:`job` (TP x CP x DP), :mod:`inference` (the KV-cache rule), :mod:`run_memory` (will a run
+fit this host).
 """
 
 from __future__ import annotations

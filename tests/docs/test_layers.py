@@ -7,6 +7,8 @@ Every ``import`` counts, function-level ones included. Pure ``ast`` over the sou
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import networkx as nx
@@ -111,3 +113,15 @@ def test_the_rule_catches_a_wrong_tree(tmp_path):
 @pytest.mark.parametrize("package", sorted(RANK))
 def test_every_package_says_what_it_holds(package):
     assert ast.get_docstring(ast.parse((PKG / package / "__init__.py").read_text())), f"meshplan/{package}"
+
+
+def test_the_facade_names_real_library_calls_and_loads_nothing_until_asked():
+    import importlib
+
+    import meshplan
+
+    for name, module in meshplan._FACADE.items():
+        assert getattr(meshplan, name) is getattr(importlib.import_module(module), name)
+    probe = "import sys, meshplan; print(sorted(m for m in sys.modules if m.startswith(('numpy', 'meshplan.'))))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
