@@ -1,4 +1,5 @@
-"""Spawned-rank side of tests/executor/test_autograd.py: the drop-in attention on sharded inputs, gathered and compared."""
+"""Spawned-rank side of tests/executor/test_autograd.py: the drop-in attention on sharded inputs, gathered and
+compared."""
 
 from __future__ import annotations
 

@@ -4,7 +4,8 @@ how a topology file that names one (``calibration: FILE``) takes its values. No 
 A calibration file holds the host facts (the topology's ``device.model`` it was measured for, CPU, cores,
 torch, backend), the date, the fitted numbers in the topology's units (``*_tflops``, ``*_GBps``,
 ``*_us``), the attention efficiency table inline (:class:`~meshplan.model.kernels.KernelTableSpec`), and the raw
-micro-measurements (``raw``), so :func:`meshplan.truth.calibration_fit.fit_calibration` can be re-run on them. How each number is fitted
+micro-measurements (``raw``), so :func:`meshplan.truth.calibration_fit.fit_calibration` can be re-run on them. How
+each number is fitted
 is in :mod:`meshplan.truth.fit`; which topology keys it replaces is in :func:`apply_calibration`.
 """
 
@@ -192,7 +193,8 @@ def dump_yaml(calib: CalibrationSpec) -> str:
 
     head = (f"# {calib.name}: measured by `meshplan calibrate` on {calib.measured_at} ({calib.device.cpu}, "
             f"{calib.device.cores} CPUs, torch {calib.device.torch}, {calib.device.backend}).\n"
-            "# Fitted values (meshplan/truth/fit.py) replace the topology's placeholders; `raw` holds the measurements.\n")
+            "# Fitted values (meshplan/truth/fit.py) replace the topology's placeholders; "
+            "`raw` holds the measurements.\n")
     body = calib.model_dump(mode="json", by_alias=True)
     return head + yaml.safe_dump(body, sort_keys=False, default_flow_style=None, width=160, allow_unicode=True)
 
@@ -290,7 +292,8 @@ def apply_calibration(spec: TopologySpec, calib: CalibrationSpec) -> TopologySpe
 
 def calibrated(spec: TopologySpec, source: str) -> tuple[TopologySpec, CalibrationSpec | None]:
     """(the spec with its calibration applied, the calibration); unchanged and None without one. A file of link
-    classes fitted from nccl-tests (:mod:`meshplan.model.nccl_calibration_file`) is applied and gives None: it has no kernel
+    classes fitted from nccl-tests (:mod:`meshplan.model.nccl_calibration_file`) is applied and gives None: it has no
+    kernel
     table or host probe, which is what a :class:`CalibrationSpec` adds to the spec."""
     if spec.calibration is None:
         return spec, None

@@ -1,6 +1,7 @@
 """Calibration files fitted from nccl-tests output (``meshplan calibrate --from-nccl-tests``): the link classes'
 alpha and bandwidth of a GPU topology, without torch. A topology names one like any calibration
-(``calibration: FILE``); ``kind: nccl-tests`` tells the two apart (:func:`meshplan.model.calibration_file.load_calibration`).
+(``calibration: FILE``); ``kind: nccl-tests`` tells the two apart
+(:func:`meshplan.model.calibration_file.load_calibration`).
 
 Which class a file calibrates: its prefix (``intra:FILE``, ``nvlink:FILE``, ``net:FILE``), else its ``#  Rank``
 lines — ranks on one host: the intra-node class (``nvlink``, an NVSwitch fabric's ports); on several: ``net``.

@@ -195,7 +195,8 @@ class TopologySpec(_Strict):
         "end computes (CPU ranks: the cores that compute also copy the bytes); 0 on GPUs, whose copy engines and "
         "NICs move data on their own")
     calibration: str | None = Field(None, description="a calibration file (meshplan calibrate), relative to this "
-                                    "file; its measured values replace the ones above (meshplan.model.calibration_file)")
+                                    "file; its measured values replace the ones above "
+                                    "(meshplan.model.calibration_file)")
 
     @model_validator(mode="after")
     def _size(self) -> TopologySpec:

@@ -1,4 +1,5 @@
-"""``search``'s framework table: each framework's best setting (:mod:`meshplan.search.framework_settings`), timed by the simulator.
+"""``search``'s framework table: each framework's best setting (:mod:`meshplan.search.framework_settings`), timed by
+the simulator.
 
 Every setting a framework offers is mapped to its plan. A plan the search simulated keeps its time; any other is
 planned (its closed-form bound) and simulated unless that bound is above the framework's best so far by more

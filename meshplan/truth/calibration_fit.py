@@ -31,8 +31,9 @@ def fit_calibration(raw: Raw, device: HostFacts, name: str, wall_s: float = 0.0,
         peaks[dt] = peaks[raw.dtype] * ratio
     if raw.dtype not in peaks or "fp32" not in peaks:
         raise ValueError(f"need {raw.dtype} and fp32 matmul timings")
-    launch_s = round_sig(float(np.median(raw.launch_s)) * 1e6) * 1e-6     # as written, so the table fits the file's peak
-    peak = round_sig(peaks[raw.dtype] / 1e12) * 1e12                       # and launch exactly
+    # as written, so the table fits the file's peak and launch exactly
+    launch_s = round_sig(float(np.median(raw.launch_s)) * 1e6) * 1e-6
+    peak = round_sig(peaks[raw.dtype] / 1e12) * 1e12
     kernel = kernel_table(raw, peak, launch_s, {dt: round_sig(peaks[dt] / 1e12) / round_sig(peaks[raw.dtype] / 1e12)
                                                  for dt in peaks})
     merge_rate = fit.fit_throughput([b for b, _ in raw.merges], [t for _, t in raw.merges])

@@ -1,5 +1,6 @@
 """The kernel table's fit from a calibration's raw samples (:func:`kernel_table`, used by
-:func:`meshplan.truth.calibration_fit.fit_calibration`): every form is :mod:`meshplan.truth.fit`'s or a median ratio of timings,
+:func:`meshplan.truth.calibration_fit.fit_calibration`): every form is :mod:`meshplan.truth.fit`'s or a median ratio
+of timings,
 written to 4 significant digits."""
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ if TYPE_CHECKING:
 
 
 def kernel_table(raw: Raw, peak: float, launch_s: float, peak_ratios: dict[str, float]) -> KernelTableSpec:
-    """The calibrated kernel table of ``raw`` (a :class:`~meshplan.model.calibration_file.Raw`): efficiencies of the full
+    """The calibrated kernel table of ``raw`` (a :class:`~meshplan.model.calibration_file.Raw`): efficiencies of the
+    full
     s_q × s_kv kernels relative to ``peak`` (FLOP/s of raw.dtype) after ``launch_s``, the causal-piece multiplier
     by size, the head-dim multipliers, the D-carrying backward's factor, and per other dtype the multipliers by
     size (``peak_ratios``: each dtype's peak over raw.dtype's, as the topology will use them)."""

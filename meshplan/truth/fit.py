@@ -22,7 +22,8 @@ from __future__ import annotations
 import numpy as np
 
 SMALL_MAX_BYTES = 64 * 1024         # docs/cost-model.md: alpha from messages ≤ 64 KB
-LARGE_MIN_BYTES = 1 << 20           # bandwidth from messages ≥ 1 MiB (docs/cost-model.md asks ≥ 64 MB; see fit_alpha_beta)
+# bandwidth from messages ≥ 1 MiB (docs/cost-model.md asks ≥ 64 MB; see fit_alpha_beta)
+LARGE_MIN_BYTES = 1 << 20
 
 
 def _as_float(*xs) -> list[np.ndarray]:

@@ -1,4 +1,5 @@
-"""Imports point one way (docs/architecture.md, "Packages and layers"): a package imports only packages of a lower rank, the
+"""Imports point one way (docs/architecture.md, "Packages and layers"): a package imports only packages of a lower
+rank, the
 executor only the contract layers, and no two modules import each other, directly or around a loop.
 
 Every ``import`` counts, function-level ones included. Pure ``ast`` over the source: nothing is imported.

@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from helpers import reference_attention
+from helpers import reference_attention  # noqa: E402
 
 from meshplan.executor.kernels import (  # noqa: E402
     block_backward,

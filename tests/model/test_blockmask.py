@@ -82,8 +82,8 @@ def test_kernels_over_a_cover_of_several_pieces_match_float64(dtype):
     assert pieces(ranges) == [Piece(4, 10, 0, 5, False), Piece(4, 10, 5, 11, True), Piece(10, 16, 0, 14, False)]
     allowed = ranges.dense("cpu")
     scale = 1 / math.sqrt(D)
-    o_ref, lse_ref, dq_ref, dk_ref, dv_ref = reference_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
-                                                        do, scale, allowed)
+    o_ref, lse_ref, dq_ref, dk_ref, dv_ref = reference_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), do, scale, allowed)
     refs = (dq_ref, dk_ref.sum(1, keepdim=True), dv_ref.sum(1, keepdim=True))
     tol = {torch.bfloat16: 2e-2, torch.float32: 1e-5}[dtype]
     o, lse = block_forward(q, k, v, scale, ranges)
@@ -140,8 +140,8 @@ def test_an_op_over_interleaved_striped_chunks_runs_block_by_block_and_matches_f
     q, do = (torch.randn(1, 4, 2 * c, 16, generator=g) for _ in range(2))
     k, v = (torch.randn(1, 2, 2 * c, 16, generator=g) for _ in range(2))       # GQA 2:1
     scale = 0.25
-    o_ref, lse_ref, dq_ref, dk_ref, dv_ref = reference_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
-                                                        do, scale, allowed)
+    o_ref, lse_ref, dq_ref, dk_ref, dv_ref = reference_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), do, scale, allowed)
     refs = (dq_ref, dk_ref.unflatten(1, (-1, 2)).sum(2), dv_ref.unflatten(1, (-1, 2)).sum(2))  # per KV head
     o, lse = block_forward(q, k, v, scale, blocks)
     assert torch.allclose(o.double(), o_ref, atol=1e-5) and torch.allclose(lse.double(), lse_ref, atol=1e-5)
