@@ -123,12 +123,12 @@ def plan_program(algo: str, ranks: int, knobs: dict, seq_len: int = 128, batch: 
 
 def train_step(algo: str = "mesh", ranks: int = 4, knobs: dict | None = None, vocab: int = 64, **sizes) -> dict:
     """Spawn the ranks and run one step; the result of :func:`rank_step` with ``ok`` (within tolerance)."""
-    from meshplan.executor.launch import _free_port, spawn_ranks
+    from meshplan.executor.launch import free_port, spawn_ranks
 
     knobs = {"tile": "2x2" if ranks == 4 else "auto"} if knobs is None and algo == "mesh" else (knobs or {})
     prog = plan_program(algo, ranks, knobs, **sizes)
     res = spawn_ranks(rank_step, ranks, {"program": prog, "vocab": vocab,
-                                         "init": f"tcp://127.0.0.1:{_free_port()}"}, prefix="meshplan-train-")
+                                         "init": f"tcp://127.0.0.1:{free_port()}"}, prefix="meshplan-train-")
     res["loss_rel_err"] = abs(res["loss"] - res["ref_loss"]) / abs(res["ref_loss"])
     res["ok"] = res["loss_rel_err"] <= LOSS_RTOL and all(e <= GRAD_RTOL * m for e, m in res["grads"].values())
     return res

@@ -131,7 +131,7 @@ def calibrate_memory_only(topo: str, backend: str, quick: bool, out: str, as_jso
                         "install the [exec] extra: pip install -e '.[exec]'")
     import torch
 
-    from meshplan.executor.calibrate.bench import _threads, memory_samples
+    from meshplan.executor.calibrate.bench import memory_samples, torch_threads
     from meshplan.executor.host import cpu_isa, cpu_name
     from meshplan.executor.launch import resolve_backend
     from meshplan.executor.memory import reuse_freed_memory
@@ -145,7 +145,7 @@ def calibrate_memory_only(topo: str, backend: str, quick: bool, out: str, as_jso
                         f"{' / '.join(str(x) for x in here if x)}", "calibrate afresh without --memory-only")
     t0 = time.perf_counter()
     reuse_freed_memory()
-    with _threads(None if cuda else 1):
+    with torch_threads(None if cuda else 1):
         samples = memory_samples(torch.device("cuda", 0) if cuda else torch.device("cpu"),
                                  _memory_schedules(cuda, quick))
     body = old.model_dump(mode="json", by_alias=True)

@@ -36,7 +36,7 @@ def simulate_job(algo, gpus, topo, workload, knobs, tp, dp, rank_order, out, tra
     from meshplan.algorithms import get
     from meshplan.algorithms.ring import ring_ccr
     from meshplan.cli.options import topology
-    from meshplan.cli.simulate import _title, _write_trace, _write_verified
+    from meshplan.cli.simulate import schedule_title, write_trace, write_verified
     from meshplan.cost.metrics import predicted
     from meshplan.cost.simulate import simulate
     from meshplan.plan.job import JobShape, job_schedule
@@ -75,11 +75,11 @@ def simulate_job(algo, gpus, topo, workload, knobs, tp, dp, rank_order, out, tra
         from meshplan.algorithms.base import topology_record
         one = job_schedule(cand.schedule, groups[:1])
         one.topology = topology_record(job_topo)
-        _write_verified(one, job_topo, out)
+        write_verified(one, job_topo, out)
         body["schedule_path"] = out
     if trace is not None:
-        _write_trace(job, sim, trace)
-    title = _title(cand.algorithm, cand.knobs, job_topo, shape.world, cp_w)
+        write_trace(job, sim, trace)
+    title = schedule_title(cand.algorithm, cand.knobs, job_topo, shape.world, cp_w)
     emit(body, as_json, lambda console: _print_job(body, console, title, groups[0].tolist()))
 
 

@@ -33,7 +33,7 @@ def print_sensitivity(body: dict[str, Any], console) -> None:
     from rich.table import Table
 
     from meshplan.core.units import fmt_seconds
-    from meshplan.show.tables import _knob_text
+    from meshplan.show.tables import knob_text
 
     s = body.get("sensitivity")
     if not s:
@@ -45,7 +45,7 @@ def print_sensitivity(body: dict[str, Any], console) -> None:
         table.add_column(col, justify=just)
     for k, c in enumerate(s["candidates"]):
         mark = " (picked)" if s["pick"] == "robust" and k == s["picked"] else ""
-        plan = f"{c['algorithm']} {c['layout']} {_knob_text(c['knobs'], c['algorithm'])}".strip()
+        plan = f"{c['algorithm']} {c['layout']} {knob_text(c['knobs'], c['algorithm'])}".strip()
         table.add_row(str(c["rank"]), plan + mark, fmt_seconds(c["nominal_s"]), f"{c['best_fraction']:.0%}",
                       f"{c['regret_mean_pct']:.2f}%", f"{c['regret_worst_pct']:.2f}%", fmt_seconds(c["p95_s"]))
     console.print(table)

@@ -31,11 +31,12 @@ def simulate_named(algo, gpus, topo, workload, knobs, out, trace, as_json, emit)
     cand = predict(algo, workload, topo_obj, n, knobs)
     body = result_json(cand) | {"topology": {"name": topo_obj.name, "devices": topo_obj.n_devices}}
     if out is not None:
-        _write_verified(cand.schedule, topo_obj, out)
+        write_verified(cand.schedule, topo_obj, out)
         body["schedule_path"] = out
     if trace is not None:
-        _write_trace(cand.schedule, cand.sim, trace)
-    emit(body, as_json, lambda c: print_simulation(body, c, _title(cand.algorithm, cand.knobs, topo_obj, n, workload)))
+        write_trace(cand.schedule, cand.sim, trace)
+    title = schedule_title(cand.algorithm, cand.knobs, topo_obj, n, workload)
+    emit(body, as_json, lambda c: print_simulation(body, c, title))
     _warn_memory(body["predicted"]["peak_memory_total_bytes"], topo_obj)
 
 
@@ -47,13 +48,13 @@ def _warn_memory(peak: float, topo) -> None:
                          f"runtime), more than the device's {fmt_bytes(topo.memory_bytes)}\n")
 
 
-def _title(algo, knobs, topo, n, w) -> str:
-    from meshplan.show.tables import _knob_text
-    kn = _knob_text(knobs, algo)
+def schedule_title(algo, knobs, topo, n, w) -> str:
+    from meshplan.show.tables import knob_text
+    kn = knob_text(knobs, algo)
     return f"{algo} ({kn}) on {topo.name} x {n}: {w.describe()}"
 
 
-def _write_verified(sched, topo, path: str) -> None:
+def write_verified(sched, topo, path: str) -> None:
     from meshplan.plan.json.io import write_schedule
     from meshplan.plan.verify import verify
     report = verify(sched, topo.memory_bytes)
@@ -65,7 +66,7 @@ def _write_verified(sched, topo, path: str) -> None:
     write_schedule(sched, path)
 
 
-def _write_trace(sched, sim, path: str) -> None:
+def write_trace(sched, sim, path: str) -> None:
     from meshplan.show.trace import trace_events, write_trace
     write_trace(path, trace_events(sched, sim.start, sim.end))
 
@@ -94,7 +95,7 @@ def simulate_file(path, topo, trace, as_json, emit) -> None:
             "predicted": predicted(sched, topo_obj, sim, ring_ccr(sched.workload, topo_obj, sched.n_ranks)).json(),
             "topology": {"name": topo_obj.name, "devices": topo_obj.n_devices}}
     if trace is not None:
-        _write_trace(sched, sim, trace)
+        write_trace(sched, sim, trace)
     emit(body, as_json, lambda c: print_simulation(body, c, f"{path} on {topo_obj.name}"))
 
 

@@ -110,7 +110,7 @@ def run_batch(jobs: list[tuple[str, RunConfig]]) -> list[dict]:
 
 def spawn(world: int, jobs: list[tuple[Program, RunConfig]]) -> list[dict]:
     """Spawn ``world`` ranks on this host (loopback rendezvous) to run the jobs; rank 0's results."""
-    init = f"tcp://127.0.0.1:{_free_port()}"
+    init = f"tcp://127.0.0.1:{free_port()}"
     return spawn_ranks(rank_main, world, [(prog, replace(cfg, init_method=init)) for prog, cfg in jobs])
 
 
@@ -187,7 +187,7 @@ def _first_error(tmp: Path) -> str | None:
     return min(found)[3] if found else None
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -199,12 +199,12 @@ class _BranchAndBound:
                 c.timing = tighter
         if self.beaten(c):
             c.predicted = closed_form_predicted(c, self.ccr)
-            _forget(c)
+            forget_built(c)
             return
         if self.n > FULL_SIM_MAX_RANKS and self.leader is not None and not reduces(c, self.topo):
             c.predicted = closed_form_predicted(c, self.ccr)
             self.unsimulated[f"no node symmetry above {FULL_SIM_MAX_RANKS} ranks (simulate it alone)"] += 1
-            _forget(c)
+            forget_built(c)
             return
         simulate_candidate(c, self.topo, self.ccr)
         total = c.predicted.total.peak_memory_total_bytes
@@ -213,14 +213,14 @@ class _BranchAndBound:
             self.rejected.append(_over(c, total, self.memory_limit, "simulated"))
             self.over.append((total, _label(c)))
             c.predicted, c.model_level = None, "over-memory"
-            _forget(c)
+            forget_built(c)
             return
         if c.predicted.makespan_s < self.best:
             if self.leader is not None:
-                _forget(self.leader)
+                forget_built(self.leader)
             self.best, self.leader = c.predicted.makespan_s, c
         else:
-            _forget(c)
+            forget_built(c)
 
 
 _OVER = {True: "over --memory-limit", False: "over the device's memory"}
@@ -266,11 +266,11 @@ def _rank_forward_only(cands: list[Candidate], topo: Topology, ccr: float | None
     for c in cands:
         simulate_candidate(c, topo, ccr)
         c.predicted = c.predicted.forward_only()
-        _forget(c)
+        forget_built(c)
     cands.sort(key=lambda c: c.predicted.rank_s)
 
 
-def _forget(c: Candidate) -> None:
+def forget_built(c: Candidate) -> None:
     """Drop a candidate's schedule and timeline (large at 1024 ranks); its numbers stay. Rebuilt if written."""
     c.schedule, c.sim = None, None
     if c.plan is not None:

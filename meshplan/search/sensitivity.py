@@ -155,7 +155,7 @@ def sample_times(cands: list, topo: Topology, factors: list[Factors], progress=N
 
     A schedule the search dropped is rebuilt from the kept plan and dropped again, as are those of ``drop`` (ids).
     """
-    from meshplan.search import _forget
+    from meshplan.search import forget_built
 
     topos = [perturbed_topology(topo, f, f"s{k}") for k, f in enumerate(factors)]
     times = np.empty((len(cands), len(factors)))
@@ -167,7 +167,7 @@ def sample_times(cands: list, topo: Topology, factors: list[Factors], progress=N
         for s, t in enumerate(topos):
             times[i, s] = sum(simulate(sched, t).pass_makespan.values())
         if rebuilt or id(c) in drop:
-            _forget(c)
+            forget_built(c)
     for c in cands:                  # the shared builds of the search the plans came from
         builds = c.plan.extra.get("builds")
         if builds is not None:

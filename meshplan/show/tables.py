@@ -39,7 +39,7 @@ def print_simulation(body: dict[str, Any], console: Console, title: str) -> None
     console.print(table)
 
 
-def _knob_text(knobs: dict[str, Any], algorithm: str | None = None) -> str:
+def knob_text(knobs: dict[str, Any], algorithm: str | None = None) -> str:
     """Knobs that differ from the algorithm's defaults (an ``auto`` that resolved shows what it chose)."""
     from meshplan.algorithms import REGISTRY
     defaults = {k: kn.default for k, kn in REGISTRY[algorithm].knobs.items()} if algorithm in REGISTRY else {}
@@ -70,7 +70,7 @@ def print_search(body: dict[str, Any], console: Console, top: int) -> None:
         one = body["workload"]["passes"]                       # a single-pass search: its total is that pass
         part = lambda name, p=p, one=one: (p["makespan_s"] if one == name else  # noqa: E731
                                            (p.get(name) or {}).get("makespan_s"))  # (bwd: null: forward-only)
-        table.add_row(str(i), c["algorithm"], c["layout"], _knob_text(c["knobs"], c["algorithm"]),
+        table.add_row(str(i), c["algorithm"], c["layout"], knob_text(c["knobs"], c["algorithm"]),
                       "sim" if sim else "bound", _fmt(p["makespan_s"], t), _fmt(part("fwd"), t), _fmt(part("bwd"), t),
                       _fmt(p["exposed_comm_s"], fmt_seconds), _fmt(p["comm_bytes_per_gpu_max"], fmt_bytes),
                       _fmt(p["inter_node_bytes_per_gpu_max"], fmt_bytes),
@@ -151,7 +151,7 @@ def print_frameworks(frameworks: list[dict[str, Any]], console: Console) -> None
         if f["settings"] is None:
             table.add_row(f["framework"], f"not expressible: {f['reason']}", "-", "-", "-")
             continue
-        plan = f"{f['algorithm']} {f['layout']} {_knob_text(f['knobs'], f['algorithm'])}".strip()
+        plan = f"{f['algorithm']} {f['layout']} {knob_text(f['knobs'], f['algorithm'])}".strip()
         table.add_row(f["framework"], f["cli"], plan, fmt_seconds(f["time_s"]),
                       _fmt(f["vs_best"], lambda x: f"{x:.2f}x"))
     console.print(table)

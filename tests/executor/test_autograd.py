@@ -20,7 +20,7 @@ from exec_cases import Case  # noqa: E402
 
 from meshplan.core.errors import UserError  # noqa: E402
 from meshplan.executor import as_program, attention, shard, unshard  # noqa: E402
-from meshplan.executor.launch import RunFailed, _free_port, spawn_ranks  # noqa: E402
+from meshplan.executor.launch import RunFailed, free_port, spawn_ranks  # noqa: E402
 from meshplan.executor.local import local_chunk  # noqa: E402
 
 FP32_RTOL = 1e-5           # max |got − ref| / max |ref| for fp32 ranks against float64
@@ -44,7 +44,7 @@ def _spawn(world: int, cases: list[dict]) -> dict:
 
     for attempt in (1, 2):
         try:
-            return spawn_ranks(autograd_cases.rank_main, world, {"init": f"tcp://127.0.0.1:{_free_port()}",
+            return spawn_ranks(autograd_cases.rank_main, world, {"init": f"tcp://127.0.0.1:{free_port()}",
                                                                  "cases": cases}, prefix="meshplan-autograd-")
         except RunFailed as err:
             if attempt == 2 or not _native_crash(err):
@@ -139,7 +139,7 @@ def test_two_subgroups_run_the_schedule_independently(world4):
 @pytest.fixture(scope="module")
 def world1():
     """A one-process gloo world in this process (torch.distributed needs one even for one rank)."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
 

@@ -62,14 +62,14 @@ def test_the_executor_posts_every_batch_as_one_group(tmp_path):
     pytest.importorskip("torch")
     import batch_cases
 
-    from meshplan.executor.launch import _free_port, spawn_ranks
+    from meshplan.executor.launch import free_port, spawn_ranks
     from meshplan.executor.program import load_program
     from meshplan.executor.worker import RunConfig
 
     path = Case("mesh", "mesh", 4, knobs={"tile": "2x2"}, workload={"seq_len": 256, "heads": 2, "kv_heads": 2,
                                                                      "head_dim": 16}).write(tmp_path)
     prog = load_program(path)
-    cfg = RunConfig(iters=1, warmup=0, check="full", memory=False, init_method=f"tcp://127.0.0.1:{_free_port()}")
+    cfg = RunConfig(iters=1, warmup=0, check="full", memory=False, init_method=f"tcp://127.0.0.1:{free_port()}")
     got = spawn_ranks(batch_cases.counting_rank_main, 4, [(prog, cfg)])
     assert got["result"]["numerics"]["passed"] is True
     units = [u for p in prog.passes for us in prog.units(0, p).values() for u in us if u[0].kind in ("send", "recv")]

@@ -73,7 +73,7 @@ def measure(memory: MemorySchedules, backend: str = "auto", quick: bool = False,
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     probes: list[float] = []
     reuse_freed_memory()                     # the executor's ranks run so (meshplan.executor.memory)
-    with _threads(None if cuda else 1):
+    with torch_threads(None if cuda else 1):
         probes.append(probe_ms(device))
         raw = {"dtype": sweep.dtype, "gemm": _gemm(sweep, device), "launch_s": _launch(sweep, device),
                "kernels": _kernels(sweep, device, probes), "dtype_sweep": dtype_sweep(sweep, device),
@@ -96,7 +96,7 @@ def measure(memory: MemorySchedules, backend: str = "auto", quick: bool = False,
         raw["link_class"] = link_class
     else:
         log("one GPU: no transfers to measure (links, p2p_overhead_us and kappa keep the topology's values)")
-    with _threads(None if cuda else 1):
+    with torch_threads(None if cuda else 1):
         probes.append(probe_ms(device))
     raw["probe_ms"] = [round(p, 4) for p in probes]
     log(f"host-speed probe: {min(probes):.2f}–{max(probes):.2f} ms (median {float(np.median(probes)):.2f})")
@@ -137,7 +137,7 @@ def _time(fn, device, sweep: Sweep, samples: int | None = None) -> float:
 
 
 @contextmanager
-def _threads(n: int | None):
+def torch_threads(n: int | None):
     before = torch.get_num_threads()
     if n:
         torch.set_num_threads(n)

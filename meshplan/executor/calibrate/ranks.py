@@ -20,14 +20,14 @@ import torch.distributed as dist
 
 from meshplan.executor.calibrate.common import Sweep, log, qkv, sync, typical
 from meshplan.executor.kernels import block_forward
-from meshplan.executor.launch import _free_port, spawn_ranks
+from meshplan.executor.launch import free_port, spawn_ranks
 from meshplan.executor.memory import reuse_freed_memory
 from meshplan.executor.store import pack, unpack
 
 
 def spawn(world: int, sweep: Sweep) -> dict:
     """Run :func:`_rank_main` in ``world`` spawned ranks (loopback rendezvous, as ``meshplan run``); rank 0's result."""
-    sweep = replace(sweep, init_method=f"tcp://127.0.0.1:{_free_port()}")
+    sweep = replace(sweep, init_method=f"tcp://127.0.0.1:{free_port()}")
     return spawn_ranks(_rank_main, world, sweep, prefix="meshplan-calibrate-")
 
 
