@@ -202,7 +202,7 @@ class Mesh(Algorithm):
 
     # ------------------------------------------------------------------ timing
     def timing(self, plan: Plan, topo: Topology) -> dict[str, PassTiming]:
-        """Schedule-free bounds: each rank's blocks and each link's bytes (:mod:`mesh_timing`)."""
+        """Schedule-free bounds: each rank's blocks and each link's bytes (:mod:`meshplan.algorithms.mesh.timing`)."""
         out = {}
         for p in plan.workload.pass_list:
             costs = _tile_costs(plan, topo, p)
