@@ -10,9 +10,13 @@ but the standard library)::
     import meshplan
     topo = meshplan.Topology.load("h100x32", gpus=256)
     workload = meshplan.resolve(model="llama3-8b", seq_len="1M")
-    report = meshplan.run_pipeline(meshplan.SearchRequest(workload, topo, 256))
+    report = meshplan.run_pipeline(meshplan.SearchRequest(workload, topo, gpus=256))
     best = report.best                      # a Candidate: algorithm, knobs, plan, schedule, typed prediction
+    best.predicted.makespan_s               # seconds, forward + backward; report.json() is search --json's body
     meshplan.write_schedule(best.schedule, "best.json")
+
+A request searches every token layout unless ``layout_pinned=True`` (then only ``workload.layout``, as
+``meshplan search --layout`` does); see :class:`meshplan.search.pipeline.SearchRequest` for the rest.
 """
 
 __version__ = "0.1.0"

@@ -89,7 +89,7 @@ class SearchReport:
         return self.result.candidates[0] if self.result.candidates else None
 
     def json(self) -> dict[str, Any]:
-        """The contract's ``search --json`` body."""
+        """The contract's ``search --json`` body, as a dict (``json.dumps`` it to print)."""
         body = search_json(self.result, self.request.scheduler)
         # the frameworks' plans are timed as one CP group: compare them with the best group time (not a job time)
         best_s = self.group_best_s if self.job is not None else body["candidates"][0]["predicted"].get("makespan_s")
