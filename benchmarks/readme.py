@@ -406,7 +406,8 @@ def block_results(r) -> str:
         f"{s4['kendall_tau']:.2f}; the pick's held-out regret at most {s2['heldout_regret_pct_max']:.1f}% and "
         f"{s4['heldout_regret_pct_max']:.1f}% ([docs/accuracy.md](docs/accuracy.md#our-own-runs)).",
         f"- **Memory model**: MAPE {mem['mape_pct']:.1f}% over {len(mem['rows'])} CPU runs, against "
-        f"{mem['buffers_mape_pct']:.1f}% for the schedule's buffers alone ([docs/accuracy.md](docs/accuracy.md#memory)).",
+        f"{mem['buffers_mape_pct']:.1f}% for the schedule's buffers alone "
+        "([docs/accuracy.md](docs/accuracy.md#memory)).",
         "- **Numerics**: every run checks out, LSE, dQ, dK and dV against float64; every method passes on 1–8 CPU "
         "ranks, all masks, MHA and GQA, bf16, fp16 and fp32, and the failure cases of public projects "
         "([docs/running.md](docs/running.md#tests), [docs/bugcases.md](docs/bugcases.md)). Executor overhead: at "
@@ -421,7 +422,8 @@ def block_results(r) -> str:
         ""])
 
 
-BLOCKS = {"stamp": block_stamp, "results": block_results, "main-job": block_main_job, "cli-examples": block_cli_examples,
+BLOCKS = {"stamp": block_stamp, "results": block_results, "main-job": block_main_job,
+          "cli-examples": block_cli_examples,
           "run-example": block_run_example, "reproduce": block_reproduce, "validate-cpu": block_validate_cpu,
           "mesh-seed": block_mesh_seed, "mesh-greedy": block_mesh_greedy, "baselines": block_baselines,
           "speed": block_speed, "executor-overhead": block_executor_overhead, "ilp-gap": block_ilp_gap,

@@ -36,7 +36,7 @@ def simulate_job(algo, gpus, topo, workload, knobs, tp, dp, rank_order, out, tra
     from meshplan.algorithms import get
     from meshplan.algorithms.ring import ring_ccr
     from meshplan.cli.options import topology
-    from meshplan.cli.simulate import schedule_title, write_trace, write_verified
+    from meshplan.cli.simulate import schedule_title, write_timeline_trace, write_verified
     from meshplan.cost.metrics import predicted
     from meshplan.cost.simulate import simulate
     from meshplan.plan.job import JobShape, job_schedule
@@ -78,7 +78,7 @@ def simulate_job(algo, gpus, topo, workload, knobs, tp, dp, rank_order, out, tra
         write_verified(one, job_topo, out)
         body["schedule_path"] = out
     if trace is not None:
-        write_trace(job, sim, trace)
+        write_timeline_trace(job, sim, trace)
     title = schedule_title(cand.algorithm, cand.knobs, job_topo, shape.world, cp_w)
     emit(body, as_json, lambda console: _print_job(body, console, title, groups[0].tolist()))
 

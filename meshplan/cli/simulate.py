@@ -34,7 +34,7 @@ def simulate_named(algo, gpus, topo, workload, knobs, out, trace, as_json, emit)
         write_verified(cand.schedule, topo_obj, out)
         body["schedule_path"] = out
     if trace is not None:
-        write_trace(cand.schedule, cand.sim, trace)
+        write_timeline_trace(cand.schedule, cand.sim, trace)
     title = schedule_title(cand.algorithm, cand.knobs, topo_obj, n, workload)
     emit(body, as_json, lambda c: print_simulation(body, c, title))
     _warn_memory(body["predicted"]["peak_memory_total_bytes"], topo_obj)
@@ -49,12 +49,15 @@ def _warn_memory(peak: float, topo) -> None:
 
 
 def schedule_title(algo, knobs, topo, n, w) -> str:
+    """The one-line title of a simulation: method, knobs, topology, ranks, workload."""
     from meshplan.show.tables import knob_text
     kn = knob_text(knobs, algo)
     return f"{algo} ({kn}) on {topo.name} x {n}: {w.describe()}"
 
 
 def write_verified(sched, topo, path: str) -> None:
+    """Verify ``sched`` against ``topo``'s device memory and write it; a failing schedule is refused (UserError),
+    nothing written."""
     from meshplan.plan.json.io import write_schedule
     from meshplan.plan.verify import verify
     report = verify(sched, topo.memory_bytes)
@@ -66,7 +69,8 @@ def write_verified(sched, topo, path: str) -> None:
     write_schedule(sched, path)
 
 
-def write_trace(sched, sim, path: str) -> None:
+def write_timeline_trace(sched, sim, path: str) -> None:
+    """Write the simulated timeline ``sim`` of ``sched`` as a Chrome/Perfetto trace at ``path``."""
     from meshplan.show.trace import trace_events, write_trace
     write_trace(path, trace_events(sched, sim.start, sim.end))
 
@@ -95,7 +99,7 @@ def simulate_file(path, topo, trace, as_json, emit) -> None:
             "predicted": predicted(sched, topo_obj, sim, ring_ccr(sched.workload, topo_obj, sched.n_ranks)).json(),
             "topology": {"name": topo_obj.name, "devices": topo_obj.n_devices}}
     if trace is not None:
-        write_trace(sched, sim, trace)
+        write_timeline_trace(sched, sim, trace)
     emit(body, as_json, lambda c: print_simulation(body, c, f"{path} on {topo_obj.name}"))
 
 

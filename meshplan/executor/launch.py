@@ -188,6 +188,7 @@ def _first_error(tmp: Path) -> str | None:
 
 
 def free_port() -> int:
+    """A TCP port free on the loopback interface now (for a rendezvous address)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -133,7 +133,8 @@ def perturbed_topology(topo: Topology, f: Factors, tag: str = "perturbed") -> To
 
 def _eligible(result, top: int, progress) -> tuple[list, set[int]]:
     """The ``top`` best candidates ranked on all passes, simulated (those left at their bound are simulated now;
-    their ids returned), the search's simulated candidates re-sorted by makespan as :mod:`meshplan.search.improve` does."""
+    their ids returned), the search's simulated candidates re-sorted by makespan as
+    :mod:`meshplan.search.improve` does."""
     chosen = [c for c in result.candidates if not c.forward_only][:top]
     fresh = set()
     for k, c in enumerate(chosen):

@@ -138,6 +138,7 @@ def _time(fn, device, sweep: Sweep, samples: int | None = None) -> float:
 
 @contextmanager
 def torch_threads(n: int | None):
+    """Run the block with torch on ``n`` threads (None: as it is), restoring the count after."""
     before = torch.get_num_threads()
     if n:
         torch.set_num_threads(n)
