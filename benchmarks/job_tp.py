@@ -5,7 +5,7 @@ One job of 16 GPUs on ``h100x16`` (2 nodes x 8 H100, NVSwitch, 8 NICs a node): L
 8 KV heads, D = 128), 128K tokens, causal, fwd+bwd. For TP = 1, 2, 4, 8 (CP = 16 / TP, DP = 1) and the rank
 orders ``tp-cp-dp`` (Megatron-LM's: TP innermost, so a CP group's GPUs are TP apart, spread over both nodes
 once TP ≥ 2) and ``cp-tp-dp`` (CP innermost: a CP group of ≤ 8 sits in one node), the search
-(:func:`meshplan.search.run_search`) ranks one CP group's plans and :func:`meshplan.search.job.rerank_for_job`
+(:func:`meshplan.search.run_search`) ranks one CP group's plans and :func:`meshplan.search.job_rerank.rerank_for_job`
 re-ranks its best 8 by all CP groups at once. Writes ``benchmarks/results/job_tp.json``.
 """
 
@@ -20,7 +20,7 @@ from meshplan.model.topology import Topology
 from meshplan.model.workload import resolve
 from meshplan.plan.job import JobShape
 from meshplan.search import run_search
-from meshplan.search.job import rerank_for_job
+from meshplan.search.job_rerank import rerank_for_job
 
 TOPO, WORLD, SEQ, MODEL, TOP = "h100x16", 16, "128K", "llama3-70b", 8
 

@@ -187,7 +187,7 @@ def memory_rows(calib, before=None) -> list[dict[str, Any]]:
 
 def summary(calib, topology) -> list[dict[str, Any]]:
     """Rows ``{"name", "unit", "fitted", "replaces"}``: each fitted number and the topology file's own value."""
-    from meshplan.model.kernels import load_kernel_table
+    from meshplan.model.kernel_tables import load_kernel_table
 
     f = topology.file_spec
     dev, fab, pool = f.node.device, f.node.fabric, f.node.compute_pool

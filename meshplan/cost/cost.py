@@ -3,7 +3,7 @@
 All times in seconds, sizes in bytes, rates in bytes/s.
 
 * Attention block: ``t = t_launch + FLOPs / (peak(dtype) · e(s_q, s_kv, pass, mask))`` with ``e`` from
-  the device's kernel table (:mod:`meshplan.model.kernels`, by kernel shape and head dim D); FLOPs = 4·B·h·pairs·D
+  the device's kernel table (:mod:`meshplan.model.kernel_tables`, by kernel shape and head dim D); FLOPs = 4·B·h·pairs·D
   forward, 2.5x backward.
   An op over several blocks runs as one kernel of the op's shape (the rows and columns of its chunks that
   take part: Ulysses runs the whole sequence, USP u·c × u·c, CHARM+ 2c × c, TASP c × c from N − 1

@@ -3,7 +3,7 @@ how a topology file that names one (``calibration: FILE``) takes its values. No 
 
 A calibration file holds the host facts (the topology's ``device.model`` it was measured for, CPU, cores,
 torch, backend), the date, the fitted numbers in the topology's units (``*_tflops``, ``*_GBps``,
-``*_us``), the attention efficiency table inline (:class:`~meshplan.model.kernels.KernelTableSpec`), and the raw
+``*_us``), the attention efficiency table inline (:class:`~meshplan.model.kernel_tables.KernelTableSpec`), and the raw
 micro-measurements (``raw``), so :func:`meshplan.truth.calibration_fit.fit_calibration` can be re-run on them. How
 each number is fitted
 is in :mod:`meshplan.truth.fit`; which topology keys it replaces is in :func:`apply_calibration`.
@@ -20,7 +20,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, PositiveInt, field_validator
 
 from meshplan.core.errors import UserError
-from meshplan.model.kernels import KernelTableSpec
+from meshplan.model.kernel_tables import KernelTableSpec
 from meshplan.model.memory_spec import MemorySample, MemorySpec
 from meshplan.model.topology_spec import TopologySpec
 

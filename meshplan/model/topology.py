@@ -24,7 +24,7 @@ import numpy as np
 
 from meshplan.core.errors import UserError
 from meshplan.model.calibration_file import calibrated
-from meshplan.model.kernels import KernelTable, load_kernel_table
+from meshplan.model.kernel_tables import KernelTable, load_kernel_table
 from meshplan.model.memory_spec import DEFAULTS as MEMORY_DEFAULTS
 from meshplan.model.memory_spec import MemorySpec
 from meshplan.model.topo_files import find_topology, parse_topology, place_devices

@@ -12,8 +12,8 @@ Modules, in pipeline order: this one (:func:`run_search`, :func:`write_best`), :
 plan, closed form, simulation), :mod:`pipeline` (the whole search the CLI runs, as one call: a ``SearchRequest``
 in, a ``SearchReport`` out), :mod:`framework_settings` and :mod:`frameworks` (Megatron-LM/TE, yunchang and
 torchtitan settings), :mod:`improve`, :mod:`mapping` and :mod:`ilp` (CP-SAT orders, placement search),
-:mod:`sensitivity`, :mod:`job` (TP x CP x DP), :mod:`inference` (the KV-cache rule), :mod:`run_memory` (will a run
-fit this host).
+:mod:`sensitivity`, :mod:`job_rerank` (ranking by a TP x CP x DP job's time), :mod:`inference` (the KV-cache
+rule), :mod:`run_memory` (will a run fit this host).
 """
 
 from __future__ import annotations

@@ -129,7 +129,7 @@ def run_pipeline(request: SearchRequest, progress: Progress | None = None) -> Se
                                progress=say)
     job_body = group_best_s = None
     if req.job is not None:
-        from meshplan.search.job import best_group_s, rerank_for_job
+        from meshplan.search.job_rerank import best_group_s, rerank_for_job
         group_best_s = best_group_s(result)          # before the job re-ranks the candidates
         job_body = rerank_for_job(result, req.job.shape, req.job.topology, max(req.top, req.write), progress=say)
     inference = rule_report(result)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from meshplan.core.units import round_sig
-from meshplan.model.kernels import KernelTableSpec
+from meshplan.model.kernel_tables import KernelTableSpec
 from meshplan.truth import fit
 
 if TYPE_CHECKING:

@@ -81,14 +81,14 @@ def efficiencies(flops, times_s, peak_flops_per_s: float, launch_s: float = 0.0)
 
 def fit_efficiency_table(shapes, times_s, flops, peak_flops_per_s: float, launch_s: float = 0.0,
                          symmetric: bool = True) -> tuple[list[int], list[list[float]]]:
-    """An efficiency table (:class:`meshplan.model.kernels.KernelTableSpec` form) from kernel timings.
+    """An efficiency table (:class:`meshplan.model.kernel_tables.KernelTableSpec` form) from kernel timings.
 
     Args:
         shapes: (s_q, s_kv) of each timing; the grid is the sorted distinct sizes of both.
         times_s, flops: each timing's seconds and FLOPs (repeated shapes: their median time is used).
         symmetric: the table is made symmetric, ``e(a, b) = e(b, a)`` (the simulator's symmetry reduction
-            needs it, :mod:`meshplan.model.kernels`): a cell and its mirror share the efficiency of their mean time,
-            and one triangle measured is enough.
+            needs it, :mod:`meshplan.model.kernel_tables`): a cell and its mirror share the efficiency of their mean
+            time, and one triangle measured is enough.
     Returns:
         (tokens, table): ``table[i][j]`` the efficiency at s_q = tokens[i], s_kv = tokens[j].
     Raises:

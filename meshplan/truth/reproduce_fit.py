@@ -145,7 +145,7 @@ def calibrated_topology(base: str, params: FittedParams, gpus: int, workdir: str
 
 
 def kernel_table_body(params: FittedParams, name: str) -> dict:
-    """A kernel-table YAML body (:class:`meshplan.model.kernels.KernelTableSpec`) for the fitted kernel."""
+    """A kernel-table YAML body (:class:`meshplan.model.kernel_tables.KernelTableSpec`) for the fitted kernel."""
     return {"name": name, "source": "meshplan reproduce charm-h100 --fit (Ring's T_comp columns, CHARM+ paper)",
             "launch_us": round(params.launch_s * (1.0 - params.kappa) * 1e6, 1), "tokens": TOKENS,
             "fwd": params.efficiency_table(),

@@ -130,7 +130,7 @@ def test_domains_from_sockets_nodes_or_declaration(tmp_path):
 def test_kernel_envelope_is_monotone_and_bounds_the_table():
     """A measured table that dips at a larger size (a CPU's caches): the envelope at the larger shape is the
     best efficiency of any smaller one, so closed forms taken at an op's largest shape stay lower bounds."""
-    from meshplan.model.kernels import KernelTable, KernelTableSpec
+    from meshplan.model.kernel_tables import KernelTable, KernelTableSpec
     spec = KernelTableSpec(name="dip", source="test", launch_us=0, tokens=[64, 256, 1024],
                            fwd=[[0.2, 0.5, 0.4], [0.5, 0.6, 0.3], [0.4, 0.3, 0.35]], bwd_factor=1.0,
                            elementwise=[0.5, 0.9, 0.7])

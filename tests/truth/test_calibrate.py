@@ -101,7 +101,7 @@ def test_dtype_multipliers_by_head_dim_and_size_recovered(tmp_path):
     peak is 0.25 of bf16's here), two rounds each, gives a multiplier per pass, head dim and size: the median
     measured speed ratio over the peak ratio; the kernel table interpolates it by √(s_q·s_kv) and log2 D, holds
     the edges, takes each row's running max as the envelope, and leaves the tables' own dtype alone."""
-    from meshplan.model.kernels import KernelTable
+    from meshplan.model.kernel_tables import KernelTable
 
     m = {("fwd", 64): [0.8, 1.0, 1.2], ("bwd", 64): [0.5, 1.0, 1.5],
          ("fwd", 128): [1.0, 1.1, 1.2], ("bwd", 128): [1.0, 1.25, 1.5]}
@@ -144,7 +144,7 @@ def test_backward_from_d_factor_by_dtype(tmp_path):
     (``dtype_recurrence``, the median ratio; at least 1): the cost model stretches exactly the backward blocks
     whose query side carries D (pass-Q's) by the workload dtype's factor, and nothing else."""
     from meshplan.cost.cost import CostModel
-    from meshplan.model.kernels import KernelTable
+    from meshplan.model.kernel_tables import KernelTable
     from meshplan.model.workload import resolve
     from meshplan.search.candidate import predict
 
@@ -317,7 +317,7 @@ def test_calibrate_quick_end_to_end(tmp_path):
 
 
 def test_kernel_table_applies_the_head_dim_and_size_dependent_mask_multipliers(calib):
-    from meshplan.model.kernels import KernelTable
+    from meshplan.model.kernel_tables import KernelTable
     table = KernelTable(calib.kernel)
     base = table.efficiency(128, 128, "fwd", False)
     assert table.efficiency(128, 128, "fwd", False, head_dim=128) == pytest.approx(1.2 * base, rel=1e-3)
