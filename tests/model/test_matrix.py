@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshplan.core.errors import UserError
-from meshplan.model.matrix import AttnMatrix, count_pairs
+from meshplan.model.matrix import AttnMatrix, count_pairs, restrict
 from meshplan.model.workload import Mask, Workload
 
 
@@ -82,6 +82,28 @@ def test_per_document_layout_matches_brute_force(layout, n, mask):
     assert np.array_equal(m.pairs, brute_pairs(w, m))
     real = sum(Mask.parse(mask).doc_real_lens())
     assert m.valid_count.sum() == real                       # every real token on exactly one rank
+
+
+@pytest.mark.parametrize("layout,n,mask,valid", [
+    ("zigzag", 2, "docs:7+1,9+3,5+3", None), ("zigzag", 4, "docs:3+5,16,1+7,24,8", None),
+    ("zigzag", 4, "docs:16,5+3,24,8", 30), ("contiguous", 3, "docs:7+2,9,8+1", None),
+    ("contiguous", 2, "docs:7+1,9+1,6", 13), ("striped", 3, "docs:7+2,9,8+1,3", None)])
+def test_per_document_pairs_equal_every_segment_against_every_other(layout, n, mask, valid, monkeypatch):
+    """The per-document paths (each document's pieces in closed form; a document's segments against its own, in
+    batches) give what pairing every segment with every other gives: pairs, and which segments take part."""
+    w = wl(sum(Mask.parse(mask).doc_lens), layout, mask, valid)
+    ch = AttnMatrix(w, n).chunks
+    vs, vc, _ = restrict(ch.start, ch.stride, ch.count, 0, ch.real_end)
+    width = 2 if layout == "zigzag" else 1
+    m = AttnMatrix(w, n)
+    ways = [m._same_doc_pairs(vs, vc, vc, ch.stride[0, 0], width, budget=8)]
+    if layout != "striped":
+        ways.append(m._piece_pairs(width))
+    monkeypatch.setattr(AttnMatrix, "_doc_columns", lambda self: 0)
+    every = AttnMatrix(w, n)
+    for pairs, q_involved, kv_involved in ways:
+        assert np.array_equal(pairs, every.pairs)
+        assert np.array_equal(q_involved, every.q_involved) and np.array_equal(kv_involved, every.kv_involved)
 
 
 def test_per_document_zigzag_by_hand():
