@@ -295,6 +295,22 @@ def block_speed(r) -> str:
         f"max difference {d['sim64_max_abs_diff_s']:.2g} s | |", ""])
 
 
+def block_doc_masks(r) -> str:
+    d = r["doc_masks"]
+    if not d:
+        return "(run `python benchmarks/doc_masks.py`)\n"
+    lines = [f"`python benchmarks/doc_masks.py` ({d['cores']} cores, {d['date']}; `meshplan simulate` on "
+             f"`{d['topology']}`, per-document zigzag, 64 heads / 8 KV heads, each run its own process):", "",
+             "| method | ranks | documents | tokens (padded) | wall | peak RSS | budget |",
+             "|---|---|---|---|---|---|---|"]
+    for x in d["rows"]:
+        b = d["budget"][str(x["ranks"])]
+        budget = f"≤ {b['wall_s']} s" + (f", ≤ {b['peak_MB'] / 1024:.0f} GB" if "peak_MB" in b else "")
+        lines.append(f"| {x['method']} | {x['ranks']} | {x['documents']} | {x['tokens']:,} | {x['wall_s']:.1f} s | "
+                     f"{x['peak_rss_MB'] / 1024:.2f} GB | {budget} |")
+    return "\n".join(lines) + "\n"
+
+
 def block_executor_overhead(r) -> str:
     d = r["executor_overhead"]
     return (f"`python benchmarks/executor_overhead.py` ({d['date']}; {d['ranks']} ranks on {d['cores']} cores): "
@@ -426,13 +442,14 @@ BLOCKS = {"stamp": block_stamp, "results": block_results, "main-job": block_main
           "cli-examples": block_cli_examples,
           "run-example": block_run_example, "reproduce": block_reproduce, "validate-cpu": block_validate_cpu,
           "mesh-seed": block_mesh_seed, "mesh-greedy": block_mesh_greedy, "baselines": block_baselines,
-          "speed": block_speed, "executor-overhead": block_executor_overhead, "ilp-gap": block_ilp_gap,
+          "speed": block_speed, "doc-masks": block_doc_masks, "executor-overhead": block_executor_overhead,
+          "ilp-gap": block_ilp_gap,
           "mapping-search": block_mapping_search, "job-tp": block_job_tp,
           "inference": block_inference, "docs-balance": block_docs_balance, "charm-memory": block_charm_memory,
           "memory-cpu": block_memory_cpu}
 SOURCES = ("readme_cli", "reproduce_charm_h100", "reproduce_charm_ablation", "validate_cpu", "mesh_seed",
            "mesh_greedy", "baselines_table", "planner_speed", "executor_overhead", "ilp_gap",
-           "mapping_search", "job_tp", "workload_shapes", "memory_cpu")
+           "mapping_search", "job_tp", "workload_shapes", "memory_cpu", "doc_masks")
 
 
 def render(text: str, stamp: str | None = None) -> str:
