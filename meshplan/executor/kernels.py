@@ -7,11 +7,12 @@ executor passes), a :class:`~meshplan.model.blockmask.Blocks` (key runs per rect
 interleaved chunks), or a dense [Sq, Skv] bool tensor (converted to key runs when its rows are contiguous).
 
 Forward (``block_forward``): on CPU, torch's ``_scaled_dot_product_flash_attention_for_cpu`` on each kernel of
-the mask's cover (:func:`~meshplan.model.blockmask.pieces`: full rectangles without a mask, causal squares
-with ``is_causal``), merged by LSE where two kernels share rows; an additive bias over the dense matrix only
-for masks without a short cover. On CUDA, flash-attn for unmasked half-precision blocks when it is installed,
-else torch's flash op, and torch's memory-efficient op (additive bias, ``compute_log_sumexp``) for masked
-blocks. All return the log-sum-exp. Rows without a permitted key get O = 0 and LSE = −inf (kernels disagree
+the mask's cover (:func:`~meshplan.model.blockmask.kernel_cover`: full rectangles without a mask, causal squares
+with ``is_causal``; a document boundary cuts a block into kernels per document segment), merged by LSE where
+two kernels share rows; an additive bias over the dense matrix only for masks whose kernels would cost more than
+the dense block (a sliding window inside a block). On CUDA, flash-attn for unmasked half-precision blocks when it
+is installed, else torch's flash op, and torch's memory-efficient op (additive bias, ``compute_log_sumexp``) for
+masked blocks. All return the log-sum-exp. Rows without a permitted key get O = 0 and LSE = −inf (kernels disagree
 there: the CPU op returns LSE = 0, others +inf).
 
 Backward from the final O (``block_backward_from_out``): torch's CPU flash-attention backward per kernel of the
@@ -32,7 +33,7 @@ import functools
 
 import torch
 
-from meshplan.model.blockmask import Blocks, KeyRanges, Piece, block_pieces, pieces, rows_overlap
+from meshplan.model.blockmask import Blocks, KeyRanges, Piece, block_pieces, kernel_cover, rows_overlap
 
 TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _HEAD_BLOCK_ELEMS = 1 << 24   # backward score matrices are built this many elements at a time (64 MiB fp32)
@@ -73,14 +74,15 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def cover(mask, n_q: int, n_k: int) -> list[Piece] | None:
-    """The mask's cover by dense kernels (:func:`~meshplan.model.blockmask.pieces`), or None when it has none
-    (a dense mask whose rows are not runs of keys, or one that needs too many kernels)."""
+    """The mask's cover by dense kernels (:func:`~meshplan.model.blockmask.kernel_cover`), or None when it has
+    none (a dense mask whose rows are not runs of keys, or one whose kernels would cost more than the dense
+    block: a sliding window inside it)."""
     if mask is None:
         return [Piece(0, n_q, 0, n_k, False)]
     if isinstance(mask, Blocks):
         return block_pieces(mask)
     ranges = mask if isinstance(mask, KeyRanges) else KeyRanges.from_allowed(mask)
-    return None if ranges is None else pieces(ranges)
+    return None if ranges is None else kernel_cover(ranges)
 
 
 def _dense(mask, device) -> torch.Tensor | None:

@@ -9,9 +9,13 @@ pairs exactly, each pair once, with at most ``MAX_PIECES`` kernels, each either
 * a causal square — row r0 + t sees keys c0 … c0 + t (the kernels' top-left ``is_causal``),
 
 so a zigzag or contiguous diagonal is one causal kernel, a striped block from a later rank (row i sees keys
-< i) is one causal kernel on rows 1… and keys …S−2, and rows or keys that nothing permits are trimmed. Masks
-no short cover fits (a sliding window inside a block, document boundaries cutting a block) return ``None``
-and run with an additive bias over the dense matrix (:meth:`KeyRanges.dense`).
+< i) is one causal kernel on rows 1… and keys …S−2, and rows or keys that nothing permits are trimmed.
+Document boundaries cutting a block give one or two kernels per document segment (each document's rows see a
+run of its own keys: a rectangle of the earlier pieces, a causal square on its own): :func:`pieces` with a
+``budget`` takes any number of kernels as long as their work plus a fixed cost per kernel
+(:data:`PIECE_OVERHEAD_PAIRS`) stays below the dense block's. Masks no such cover fits (a sliding window inside
+a block: a kernel per row) return ``None`` and run with an additive bias over the dense matrix
+(:meth:`KeyRanges.dense`).
 
 An op over several chunks whose tokens interleave (a striped layout's chunks: chunk i holds positions
 ≡ i mod N) has, in position order, key runs that grow by m every m rows — no short cover. The executor then
@@ -34,6 +38,8 @@ if TYPE_CHECKING:
     import torch
 
 MAX_PIECES = 4
+#: a kernel call's fixed cost in score elements (about one 64 x 64 tile): what a long cover pays per kernel
+PIECE_OVERHEAD_PAIRS = 4096
 
 
 @dataclass(frozen=True)
@@ -108,8 +114,9 @@ class Piece:
     causal: bool
 
 
-def pieces(ranges: KeyRanges) -> list[Piece] | None:
-    """An exact cover of the permitted pairs by at most ``MAX_PIECES`` dense kernels, or None.
+def pieces(ranges: KeyRanges, budget: int | None = None) -> list[Piece] | None:
+    """An exact cover of the permitted pairs by dense kernels, or None: at most ``MAX_PIECES`` of them, or with
+    ``budget`` (score elements) any number whose :func:`cover_cost` stays within it.
 
     Rows are taken in runs: a run of equal (lo, hi) is a full rectangle; a run with constant lo whose hi
     grows by one per row is a staircase: keys [lo, hi₀ − 1) seen by every row of it (a rectangle, when not
@@ -122,10 +129,12 @@ def pieces(ranges: KeyRanges) -> list[Piece] | None:
     stair_break = np.flatnonzero((lo[1:] != lo[:-1]) | (hi[1:] != hi[:-1] + 1)) + 1
     live = np.flatnonzero(hi > lo)
     out: list[Piece] = []
+    cost = 0
     i = int(live[0]) if len(live) else n
     while i < n:
         flat_end = _next(flat_break, i, n)
         stair_end = _next(stair_break, i, n)
+        added = len(out)
         if stair_end - i > flat_end - i:
             a, end = int(lo[i]), stair_end
             split = int(hi[i]) - 1
@@ -135,21 +144,43 @@ def pieces(ranges: KeyRanges) -> list[Piece] | None:
         else:
             end = flat_end
             out.append(Piece(i, end, int(lo[i]), int(hi[i]), False))
-        if len(out) > MAX_PIECES:
+        if budget is None and len(out) > MAX_PIECES:
             return None
+        if budget is not None:
+            cost += cover_cost(out[added:])
+            if cost > budget:
+                return None
         k = int(np.searchsorted(live, end))
         i = int(live[k]) if k < len(live) else n
     return out
 
 
+def kernel_cover(ranges: KeyRanges) -> list[Piece] | None:
+    """The cover the executor runs: a short one (at most ``MAX_PIECES`` kernels), else any cover cheaper than the
+    dense block (document boundaries: kernels per document segment), else None (an additive bias)."""
+    short = pieces(ranges)
+    return short if short is not None else pieces(ranges, budget=len(ranges.lo) * ranges.n_keys)
+
+
+def _piece_cost(p: Piece) -> int:
+    rows, cols = p.r1 - p.r0, p.c1 - p.c0
+    return (rows * (rows + 1) // 2 if p.causal else rows * cols) + PIECE_OVERHEAD_PAIRS
+
+
+def cover_cost(plan: list[Piece]) -> int:
+    """The work of running ``plan``'s kernels, in score elements: each kernel's permitted area (a causal square
+    its triangle) plus :data:`PIECE_OVERHEAD_PAIRS` — against ``Sq·Skv`` for one dense masked kernel."""
+    return sum(_piece_cost(p) for p in plan)
+
+
 def block_pieces(blocks: Blocks) -> list[Piece] | None:
-    """The cover of every rectangle of ``blocks`` (:func:`pieces`, at most ``MAX_PIECES`` each), moved to the
-    op's rows and keys; None when a rectangle has no short cover."""
+    """The cover of every rectangle of ``blocks`` (:func:`kernel_cover` each), moved to the op's rows and keys;
+    None when a rectangle has no cover cheaper than its dense matrix."""
     out: list[Piece] = []
     for r0, r1, c0, c1, ranges in blocks.parts:
         if len(ranges.lo) != r1 - r0 or ranges.n_keys != c1 - c0:
             raise ValueError(f"a rectangle [{r0}, {r1}) x [{c0}, {c1}) has key ranges of another shape")
-        got = pieces(ranges)
+        got = kernel_cover(ranges)
         if got is None:
             return None
         out += [Piece(p.r0 + r0, p.r1 + r0, p.c0 + c0, p.c1 + c0, p.causal) for p in got]

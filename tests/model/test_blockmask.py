@@ -17,7 +17,16 @@ torch = pytest.importorskip("torch")
 from helpers import reference_attention  # noqa: E402
 
 from meshplan.executor.kernels import block_backward, block_backward_from_out, block_forward, cover  # noqa: E402
-from meshplan.model.blockmask import MAX_PIECES, Blocks, KeyRanges, Piece, pieces, rows_overlap  # noqa: E402
+from meshplan.model.blockmask import (  # noqa: E402
+    MAX_PIECES,
+    Blocks,
+    KeyRanges,
+    Piece,
+    cover_cost,
+    kernel_cover,
+    pieces,
+    rows_overlap,
+)
 
 MASKS = [Mask("full"), Mask("causal"), Mask("window", window=5), Mask("docs", doc_lens=(7, 20, 13))]
 
@@ -172,3 +181,48 @@ def test_the_models_by_block_rule_is_the_executors_cover(n, data):
     assert striped_runs_by_block(a, b) == whole
     shift = data.draw(st.integers(1, n - 1))                # the closed form holds up to a common cyclic shift
     assert striped_runs_by_block([(i + shift) % n for i in a], [(j + shift) % n for j in b]) == whole
+
+
+def _covered(plan, n_q, n_k):
+    out = np.zeros((n_q, n_k), dtype=int)
+    for p in plan:
+        block = np.ones((p.r1 - p.r0, p.c1 - p.c0), dtype=int)
+        out[p.r0:p.r1, p.c0:p.c1] += np.tril(block) if p.causal else block
+    return out
+
+
+@pytest.mark.parametrize("docs", [(300, 500, 100, 150, 98, 200, 100, 300, 300), (16,) * 100 + (448,)])
+def test_document_boundaries_are_covered_per_segment_not_by_a_dense_bias(docs, monkeypatch):
+    """A block cut by many documents: more kernels than a short cover allows, fewer elements than the dense
+    block — the executor runs one kernel per document segment (forward and backward against float64) and never
+    builds the dense mask."""
+    mask = Mask("docs", doc_lens=docs)
+    total = sum(docs)
+    qp, kp = np.arange(total // 2, total), np.arange(total)          # a later chunk against everything
+    ranges = KeyRanges(*mask.key_ranges(qp, kp), len(kp))
+    assert pieces(ranges) is None
+    plan = kernel_cover(ranges)
+    assert plan is not None and len(plan) > MAX_PIECES and cover_cost(plan) < len(qp) * len(kp)
+    assert np.array_equal(_covered(plan, len(qp), len(kp)), mask.permits(qp, kp).astype(int))
+    monkeypatch.setattr(KeyRanges, "dense", lambda self, device: pytest.fail("dense mask built"))
+    g = torch.Generator().manual_seed(3)
+    q, do = (torch.randn(1, 2, len(qp), 16, generator=g, dtype=torch.float64).float() for _ in range(2))
+    k, v = (torch.randn(1, 1, len(kp), 16, generator=g, dtype=torch.float64).float() for _ in range(2))
+    o, lse = block_forward(q, k, v, 0.25, ranges)
+    allowed = torch.from_numpy(mask.permits(qp, kp))
+    o_ref, lse_ref, dq_ref, dk_ref, dv_ref = reference_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), do, 0.25, allowed)
+    torch.testing.assert_close(o.double(), o_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), lse_ref, atol=1e-5, rtol=1e-5)
+    dq, dk, dv = block_backward_from_out(q, k, v, o, do, lse, 0.25, ranges)
+    torch.testing.assert_close(dq.double(), dq_ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(dk.double(), dk_ref.unflatten(1, (-1, 2)).sum(2), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(dv.double(), dv_ref.unflatten(1, (-1, 2)).sum(2), atol=1e-4, rtol=1e-4)
+
+
+def test_a_window_inside_a_block_stays_one_dense_kernel():
+    """A sliding window: a kernel per row would cost more than the dense block, so there is no cover."""
+    mask = Mask("window", window=5)
+    qp = kp = np.arange(64)
+    ranges = KeyRanges(*mask.key_ranges(qp, kp), len(kp))
+    assert pieces(ranges) is None and kernel_cover(ranges) is None
