@@ -35,8 +35,9 @@ from meshplan.plan.schedule import COMBINES, COMPUTE, KIND, PASS_NAMES, TENSOR_K
 def _runs_by_block(sched: Schedule, m, ops: np.ndarray) -> np.ndarray:
     """[len(ops)] whether the executor runs each multi-block compute op block by block (only striped layouts
     interleave chunks; one check per distinct pair of chunk sets, :func:`meshplan.model.blockmask.runs_by_block`).
-    Causal masks only: a window or document mask inside a striped block has no short cover in either order
-    (the executor's dense fallback, which the model does not price)."""
+    Causal masks only: a window inside a striped block has no short cover in either order (the executor's dense
+    fallback), and a document boundary makes the executor run kernels per document segment, which the model does
+    not price yet (it prices the op as one kernel)."""
     w, o = sched.workload, sched.ops
     out = np.zeros(len(ops), dtype=bool)
     if w.layout != "striped" or w.mask.kind != "causal":    # windows and documents cut blocks: dense anyway
