@@ -22,59 +22,11 @@ from functools import cached_property
 import numpy as np
 
 from meshplan.model.granularity import granularity_error
+from meshplan.model.pair_counts import UNBOUNDED, count_pairs, doc_columns, piece_pairs, restrict, same_doc_pairs
 from meshplan.model.workload import Workload
 
 KV_KINDS = ("kv", "dkv")   # tensor kinds over every token of their chunks; the rest hold query tokens only
 BWD_FLOP_FACTOR = 2.5  # FlashAttention-2 paper (arXiv 2307.08691) §3: backward = 2.5x forward matmul FLOPs
-_INF = 2**50
-
-
-def _ceil_div(x: np.ndarray, s: np.ndarray) -> np.ndarray:
-    return -((-x) // s)
-
-
-def _tri_capped(m: np.ndarray, cap: np.ndarray) -> np.ndarray:
-    """H(m) = sum_{u=1..m} min(cap, u) for m >= 0 (int64, elementwise)."""
-    m = np.maximum(m, 0)
-    small = m * (m + 1) // 2
-    big = cap * (cap + 1) // 2 + (m - cap) * cap
-    return np.where(m <= cap, small, big)
-
-
-def _pairs_delta_le(x: np.ndarray, cq: np.ndarray, ckv: np.ndarray) -> np.ndarray:
-    """C(X) = #{(a, b) in [0,cq) x [0,ckv) : a − b <= X}."""
-    hi = ckv + x
-    lo = ckv + x - cq + 1
-    return _tri_capped(hi, ckv) - _tri_capped(lo - 1, ckv)
-
-
-def count_pairs(q_start, q_count, k_start, k_count, stride, lo, hi) -> np.ndarray:
-    """Count pairs (q, k) with ``lo <= q − k < hi`` between two token progressions of one stride.
-
-    Query tokens are ``q_start + a·stride`` (a < q_count), keys ``k_start + b·stride`` (b < k_count).
-    Causal is (lo, hi) = (0, ∞), a window of W tokens (0, W), full (−∞, ∞); pass ±2**50 for ∞.
-    Exact integer arithmetic on int64 arrays (broadcast); the derivation sums a capped triangle over
-    the diagonals δ = a − b.
-
-    Returns:
-        int64 array of pair counts.
-    """
-    qs, cq, ks, ckv, s = (np.asarray(v, dtype=np.int64) for v in (q_start, q_count, k_start, k_count, stride))
-    lo, hi = np.asarray(lo, dtype=np.int64), np.asarray(hi, dtype=np.int64)
-    delta = qs - ks
-    d_lo = np.maximum(_ceil_div(lo - delta, s), -ckv)       # smallest allowed a − b
-    d_hi = np.minimum((hi - delta - 1) // s, cq)            # largest allowed a − b
-    n = _pairs_delta_le(d_hi, cq, ckv) - _pairs_delta_le(d_lo - 1, cq, ckv)
-    return np.where((cq > 0) & (ckv > 0) & (d_hi >= d_lo), n, 0)
-
-
-def restrict(start, stride, count, lo, hi):
-    """Restrict progressions to positions in [lo, hi): returns (start, count, first_index) arrays."""
-    start, stride, count = (np.asarray(v, dtype=np.int64) for v in (start, stride, count))
-    a0 = np.clip(_ceil_div(np.asarray(lo) - start, stride), 0, count)
-    a1 = np.clip(_ceil_div(np.asarray(hi) - start, stride), 0, count)
-    a1 = np.maximum(a1, a0)
-    return start + a0 * stride, a1 - a0, a0
 
 
 @dataclass(frozen=True)
@@ -225,11 +177,11 @@ class AttnMatrix:
         qs, qc = vs[:, None, :, None], self.q_count[:, None, :, None]       # [n, 1, seg, 1]
         ks, kc = vs[None, :, None, :], vc[None, :, None, :]       # [1, n, 1, seg]
         stride = ch.stride[0, 0]
-        width = self._doc_columns()
+        width = doc_columns(self.workload, ch)
         if width and ch.layout != "striped":    # per-document pieces: closed forms over the documents at once
-            self.pairs, self.q_involved, self.kv_involved = self._piece_pairs(width)
+            self.pairs, self.q_involved, self.kv_involved = piece_pairs(self.workload, self.n, width)
         elif width:                      # per-document layout: only a document's own segments meet
-            self.pairs, self.q_involved, self.kv_involved = self._same_doc_pairs(vs, self.q_count, vc, stride, width)
+            self.pairs, self.q_involved, self.kv_involved = same_doc_pairs(vs, self.q_count, vc, stride, width)
         else:
             seg_pairs = self._seg_pairs(qs, qc, ks, kc, stride)        # [n, n, seg, seg]
             self.q_involved = seg_pairs.sum(axis=3) > 0
@@ -240,87 +192,20 @@ class AttnMatrix:
         self.s_kv = np.einsum("ijk,jk->ij", self.kv_involved, vc)
         self.elementwise = (self.pairs > 0) & (self.pairs != self.s_q * self.s_kv)
 
-    def _doc_columns(self) -> int:
-        """Segment columns per document when every column lies inside one document, the same for every chunk
-        (the per-document layouts: document d owns columns [w·d, w·(d + 1)), w = 2 for zigzag, else 1); 0 when
-        not."""
-        w, ch = self.workload, self.chunks
-        if w.mask.kind != "docs" or w.doc_layout != "per-doc":
-            return 0
-        width = 2 if ch.layout == "zigzag" else 1
-        return width if ch.start.shape[1] == width * len(w.mask.doc_lens) else 0
-
-    def _piece_pairs(self, width: int):
-        """(pairs [n, n], q_involved and kv_involved [n, n, seg]) of a per-document contiguous or zigzag layout, in
-        closed form over all documents at once.
-
-        Each document d (padded to P_d tokens, real_d of them real, the real ones first) is cut into m = w·n
-        pieces of p_d = P_d / m tokens; chunk i holds pieces i (and 2n − 1 − i under zigzag). Piece a has
-        r[d, a] = clip(real_d − a·p_d, 0, p_d) real tokens. Under the causal document mask a query piece a sees
-        every real key of an earlier piece b < a (r[d, a]·r[d, b] pairs), the causal triangle of its own piece
-        (r(r + 1)/2), and nothing later; so the pairs of pieces (a, b) summed over documents are the strictly
-        lower triangle of rᵀr plus the diagonal Σ_d r(r + 1)/2 (exact: float64 products below 2⁵³, else int64).
-        A piece takes part where it is real and meets a real piece on its permitted side.
-        """
-        w, n = self.workload, self.n
-        regions = np.asarray([(a, e, r) for a, e, r, _ in w.regions()], dtype=np.int64)        # [D, 3]
-        m = width * n
-        piece = (regions[:, 1] - regions[:, 0]) // m                                           # p_d
-        real = np.clip(regions[:, 2] - regions[:, 0], 0, None)                                  # real_d
-        r = np.clip(real[:, None] - np.arange(m)[None, :] * piece[:, None], 0, piece[:, None])  # [D, m]
-        if float(r.max(initial=0)) ** 2 * len(r) < 2.0 ** 53:
-            cross = np.rint(r.T.astype(np.float64) @ r.astype(np.float64)).astype(np.int64)
-        else:
-            cross = r.T @ r
-        between = np.tril(cross, -1) + np.diag((r * (r + 1) // 2).sum(axis=0))                  # [m, m]
-        i = np.arange(n)
-        pieces = np.stack([i, m - 1 - i], axis=1) if width == 2 else i[:, None]                  # [n, w]
-        pairs = between[pieces[:, None, :, None], pieces[None, :, None, :]].sum(axis=(2, 3))
-        n_real = -(-real // np.maximum(piece, 1))                                               # real pieces
-        # query piece a of chunk i meets chunk j where a is real and some piece b of j has b <= a (b < a is
-        # real then); key piece b of chunk j meets chunk i where b is real and some real piece a of i has a >= b
-        a = pieces[:, None, None, :]                                                            # [n, 1, 1, w]
-        q_inv = (a < n_real[None, None, :, None]) & (pieces.min(axis=1)[None, :, None, None] <= a)
-        b = pieces[None, :, None, :]                                                            # [1, n, 1, w]
-        held = pieces[:, :, None]                                                               # [n, w, 1]
-        top = np.where(held < n_real[None, None, :], held, -1).max(axis=1)                      # [n, D]
-        kv_inv = (b < n_real[None, None, :, None]) & (top[:, None, :, None] >= b)
-        shape = (n, n, len(r) * width)
-        return pairs, np.broadcast_to(q_inv, (n, n, len(r), width)).reshape(shape), kv_inv.reshape(shape)
-
-    def _same_doc_pairs(self, vs, q_count, vc, stride, width: int, budget: int = 1 << 22):
-        """(pairs [n, n], q_involved and kv_involved [n, n, seg]) of a per-document layout: each document's
-        segments against its own only (causal inside the document), documents taken in batches of at most
-        ``budget`` segment pairs — never the [n, n, seg, seg] tensor of every segment against every other."""
-        n, seg = vs.shape
-        docs = seg // width
-        pairs = np.zeros((n, n), dtype=np.int64)
-        q_inv, kv_inv = np.zeros((n, n, seg), dtype=bool), np.zeros((n, n, seg), dtype=bool)
-        qs, qc, ks, kc = (a.reshape(n, docs, width) for a in (vs, q_count, vs, vc))
-        step = max(1, budget // (n * n * width * width))
-        for d0 in range(0, docs, step):
-            g = slice(d0, min(d0 + step, docs))
-            sp = count_pairs(qs[:, None, g, :, None], qc[:, None, g, :, None], ks[None, :, g, None, :],
-                             kc[None, :, g, None, :], stride, 0, _INF)          # [n, n, docs in g, w, w]
-            pairs += sp.sum(axis=(2, 3, 4))
-            cols = slice(d0 * width, g.stop * width)
-            q_inv[:, :, cols] = (sp.sum(axis=4) > 0).reshape(n, n, -1)
-            kv_inv[:, :, cols] = (sp.sum(axis=3) > 0).reshape(n, n, -1)
-        return pairs, q_inv, kv_inv
 
     def _seg_pairs(self, qs, qc, ks, kc, stride) -> np.ndarray:
         mask = self.workload.mask
         if mask.kind == "full":
             return np.broadcast_to(qc * kc, np.broadcast_shapes(qc.shape, kc.shape)).astype(np.int64)
         if mask.kind in ("causal", "window"):
-            hi = mask.window if mask.kind == "window" else _INF
+            hi = mask.window if mask.kind == "window" else UNBOUNDED
             return count_pairs(qs, qc, ks, kc, stride, 0, hi)
         total = np.zeros(np.broadcast_shapes(qc.shape, kc.shape), dtype=np.int64)
         bounds = mask.doc_bounds
         for lo, hi in zip(bounds[:-1], bounds[1:]):
             dqs, dqc, _ = restrict(qs, stride, qc, lo, hi)
             dks, dkc, _ = restrict(ks, stride, kc, lo, hi)
-            total += count_pairs(dqs, dqc, dks, dkc, stride, 0, _INF)
+            total += count_pairs(dqs, dqc, dks, dkc, stride, 0, UNBOUNDED)
         return total
 
     @cached_property

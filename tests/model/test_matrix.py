@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshplan.core.errors import UserError
-from meshplan.model.matrix import AttnMatrix, count_pairs, restrict
+from meshplan.model.matrix import AttnMatrix
+from meshplan.model.pair_counts import count_pairs, piece_pairs, restrict, same_doc_pairs
 from meshplan.model.workload import Mask, Workload
 
 
@@ -95,11 +96,10 @@ def test_per_document_pairs_equal_every_segment_against_every_other(layout, n, m
     ch = AttnMatrix(w, n).chunks
     vs, vc, _ = restrict(ch.start, ch.stride, ch.count, 0, ch.real_end)
     width = 2 if layout == "zigzag" else 1
-    m = AttnMatrix(w, n)
-    ways = [m._same_doc_pairs(vs, vc, vc, ch.stride[0, 0], width, budget=8)]
+    ways = [same_doc_pairs(vs, vc, vc, ch.stride[0, 0], width, budget=8)]
     if layout != "striped":
-        ways.append(m._piece_pairs(width))
-    monkeypatch.setattr(AttnMatrix, "_doc_columns", lambda self: 0)
+        ways.append(piece_pairs(w, n, width))
+    monkeypatch.setattr("meshplan.model.matrix.doc_columns", lambda workload, chunks: 0)
     every = AttnMatrix(w, n)
     for pairs, q_involved, kv_involved in ways:
         assert np.array_equal(pairs, every.pairs)
