@@ -202,7 +202,8 @@ def summary(calib, topology) -> list[dict[str, Any]]:
             ("kernel fwd efficiency", f"{new.tokens[0]}..{new.tokens[-1]} tokens", _span(new.fwd), _span(old.fwd)),
             ("kernel bwd efficiency", f"{new.tokens[0]}..{new.tokens[-1]} tokens", _span(new.bwd), _span(old_bwd)),
             ("kernel elementwise_factor", "", new.elementwise_factor, old.elementwise_factor),
-            ("kernel bwd_delta_factor", "x flash bwd", new.bwd_delta_factor, old.bwd_delta_factor)]
+            ("kernel bwd_delta_factor", "x flash bwd", new.bwd_delta_factor, old.bwd_delta_factor),
+            ("kernel segment_us", "us per document segment", new.segment_us, old.segment_us)]
     for dt, factor in (new.bwd_delta_dtype or {}).items():
         rows.append((f"kernel bwd_delta_factor, {dt}", "x flash bwd", factor, None))
     for dt, factor in (new.merge_dtype or {}).items():

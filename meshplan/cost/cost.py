@@ -140,6 +140,26 @@ class CostModel:
         np.add.at(launches, op_of, flops > 0)
         return self.kernel.launch_s * np.where(by_block[ops], launches[ops], 1.0) + total[ops]
 
+    def _doc_compute(self, sched: Schedule, dur: np.ndarray) -> None:
+        """Compute ops under a ``docs`` mask, per document segment (:mod:`meshplan.cost.doc_kernels`)."""
+        from meshplan.cost.doc_kernels import DocKernels
+
+        o, doc = sched.ops, DocKernels(self, sched)
+        n, heads = sched.n_chunks, (o.h1 - o.h0) / sched.workload.n_heads
+        blocks = np.diff(o.qc_ptr) * np.diff(o.kvc_ptr)
+        for phase in (0, 1):
+            pass_ = PASS_NAMES[phase]
+            one = np.flatnonzero((o.kind == COMPUTE) & (o.phase == phase) & (blocks == 1))
+            if len(one):
+                fixed, scaled = doc.block_parts(pass_)
+                b = o.q_chunks[o.qc_ptr[one]] * n + o.kv_chunks[o.kvc_ptr[one]]
+                dur[one] = np.where(o.flops[one] > 0, fixed[b] + scaled[b] * heads[one], 0.0)
+            for op in np.flatnonzero((o.kind == COMPUTE) & (o.phase == phase) & (blocks > 1)):
+                qc = tuple(int(x) for x in o.q_chunks[o.qc_ptr[op]:o.qc_ptr[op + 1]])
+                kc = tuple(int(x) for x in o.kv_chunks[o.kvc_ptr[op]:o.kvc_ptr[op + 1]])
+                fixed, scaled = doc.op_parts(qc, kc, int(o.s_q[op]), int(o.s_kv[op]), pass_)
+                dur[op] = fixed + scaled * heads[op] if o.flops[op] > 0 else 0.0
+
     @staticmethod
     def _bwd_without_out(sched: Schedule) -> np.ndarray:
         """Backward compute ops none of whose inputs is an ``out`` tensor (their Q side carries D, not O)."""
@@ -163,6 +183,8 @@ class CostModel:
             multi = np.flatnonzero((o.kind == COMPUTE) & (o.phase == phase) & (blocks > 1))
             if len(multi):
                 dur[multi] = self._one_kernel(sched, multi, PASS_NAMES[phase])
+        if sched.workload.mask.kind == "docs":      # document segments: priced as the kernels run them
+            self._doc_compute(sched, dur)
         delta = self.kernel.bwd_delta(dtype)
         if delta != 1.0:
             dur[self._bwd_without_out(sched)] *= delta

@@ -10,17 +10,16 @@ Forward (``block_forward``): on CPU, torch's ``_scaled_dot_product_flash_attenti
 the mask's cover (:func:`~meshplan.model.blockmask.kernel_cover`: full rectangles without a mask, causal squares
 with ``is_causal``; a document boundary cuts a block into kernels per document segment), merged by LSE where
 two kernels share rows; an additive bias over the dense matrix only for masks whose kernels would cost more than
-the dense block (a sliding window inside a block). On CUDA, flash-attn for unmasked half-precision blocks when it
-is installed, else torch's flash op, and torch's memory-efficient op (additive bias, ``compute_log_sumexp``) for
-masked blocks. All return the log-sum-exp. Rows without a permitted key get O = 0 and LSE = −inf (kernels disagree
+the dense block (a sliding window inside a block). On CUDA, the same cover with no limit on its pieces through
+FlashAttention's varlen kernels (:mod:`meshplan.executor.cuda_kernels`): never a dense mask or score matrix. All
+return the log-sum-exp. Rows without a permitted key get O = 0 and LSE = −inf (kernels disagree
 there: the CPU op returns LSE = 0, others +inf).
 
 Backward from the final O (``block_backward_from_out``): torch's CPU flash-attention backward per kernel of the
 cover. Backward from D = rowsum(dO ∘ O) (``block_backward``, the travelling Q side of pass-Q, Mesh, StarTrail and
-CHARM+ carries D, not O): on CPU the same flash backward with a surrogate O' = dO · D / ‖dO‖² per row — the
+CHARM+ carries D, not O): the same flash backward with a surrogate O' = dO · D / ‖dO‖² per row — the
 FlashAttention-2 backward reads O only through D (Dao 2023, Algorithm 2, line 4), and O' has the same D — so
-both backward paths run the same kernel; on CUDA the FlashAttention-2 recurrence in fp32 with the *final* LSE:
-P = exp(S − LSE), dV = Pᵀ dO, dS = P ∘ (dO Vᵀ − D), dQ = scale·dS K, dK = scale·dSᵀ Q.
+both backward paths run the same kernel, on CPU and on CUDA.
 
 Precision on CPU: torch's CPU kernels in bf16/fp16 are emulated (a bf16 flash backward runs ~7x, fp16 ~14x
 slower than fp32 on an AVX2 core), so on CPUs without native support (AVX512-BF16 / AMX) half-precision blocks
@@ -33,10 +32,11 @@ import functools
 
 import torch
 
+from meshplan.executor import cuda_kernels
+from meshplan.executor.lse import merge_into
 from meshplan.model.blockmask import Blocks, KeyRanges, Piece, block_pieces, kernel_cover, rows_overlap
 
 TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-_HEAD_BLOCK_ELEMS = 1 << 24   # backward score matrices are built this many elements at a time (64 MiB fp32)
 _CPU_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _CPU_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
@@ -96,8 +96,7 @@ def block_forward(q, k, v, scale: float, mask) -> tuple[torch.Tensor, torch.Tens
     group = q.shape[1] // k.shape[1]
     k, v = expand_kv(k, group), expand_kv(v, group)
     if q.is_cuda:
-        o, lse = _cuda_forward(q, k, v, scale, _dense(mask, q.device))
-        return _empty_rows(o, lse.float(), _dense(mask, q.device))
+        return cuda_kernels.forward(q, k, v, scale, cuda_kernels.cuda_cover(mask, q.shape[2], k.shape[2]))
     dt = compute_dtype(q)
     qc, kc, vc = q.to(dt), k.to(dt), v.to(dt)
     plan = cover(mask, q.shape[2], k.shape[2])
@@ -137,65 +136,35 @@ def _bias(allowed: torch.Tensor, dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
 
 
-def _cuda_forward(q, k, v, scale, allowed):
-    """Unmasked half-precision blocks: flash-attn, else torch's flash op; masked or fp32 blocks: torch's
-    memory-efficient op with an additive bias (the flash kernels take no arbitrary mask). All return the LSE."""
-    if allowed is None and q.dtype != torch.float32:
-        try:
-            from flash_attn.flash_attn_interface import flash_attn_func
-        except ImportError:
-            out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)
-            return out[0], out[1]
-        o, lse, _ = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale,
-                                    return_attn_probs=True)
-        return o.transpose(1, 2), lse
-    bias = None if allowed is None else _bias(allowed, q.dtype).expand(q.shape[0], q.shape[1], -1, -1)
-    out = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, scale=scale)
-    return out[0], out[1][..., : q.shape[2]]
-
-
 def block_backward(q, k, v, do, lse, delta, scale: float, mask):
     """Partial gradients of one block in fp32: (dQ [B, H, Sq, D], dK [B, Hkv, Skv, D], dV like dK).
 
     ``lse`` and ``delta`` are the final (merged) LSE and D of the query rows; rows with LSE = −inf
     (nothing permitted anywhere) contribute nothing. On CPU: the flash backward with the surrogate O'
-    (module docstring); on CUDA: the fp32 recurrence.
+    (module docstring), on CUDA through the varlen kernels (:mod:`meshplan.executor.cuda_kernels`).
     """
-    if not q.is_cuda:
-        do32 = do.float()
-        norm = (do32 * do32).sum(dim=-1)
-        o_sur = do32 * torch.where(norm > 0, delta / norm.clamp_min(torch.finfo(torch.float32).tiny), 0.0)[..., None]
-        return _cpu_backward(q.float(), k.float(), v.float(), o_sur, do32, lse, scale, mask)
-    return _recurrence(q, k, v, do, lse, delta, scale, _dense(mask, q.device))
+    do32 = do.float()
+    norm = (do32 * do32).sum(dim=-1)
+    o_sur = do32 * torch.where(norm > 0, delta / norm.clamp_min(torch.finfo(torch.float32).tiny), 0.0)[..., None]
+    if q.is_cuda:
+        return _cuda_backward(q, k, v, o_sur, do32, lse, scale, mask)
+    return _cpu_backward(q.float(), k.float(), v.float(), o_sur, do32, lse, scale, mask)
 
 
-def _recurrence(q, k, v, do, lse, delta, scale: float, allowed):
-    """The FlashAttention-2 backward recurrence in fp32 on dense score matrices, a few heads at a time."""
+def _cuda_backward(q, k, v, o, do, lse, scale: float, mask):
+    """The CUDA kernels' backward over the mask's cover (q's dtype); fp32 gradients, K and V reduced to Hkv."""
     group = q.shape[1] // k.shape[1]
-    q32, do32 = q.float(), do.float()
-    k32, v32 = expand_kv(k.float(), group), expand_kv(v.float(), group)
-    lse = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse)   # −inf rows: P = 0
-    dq, dk, dv = torch.zeros_like(q32), torch.zeros_like(k32), torch.zeros_like(v32)
-    step = max(1, _HEAD_BLOCK_ELEMS // max(1, q.shape[0] * q.shape[2] * k.shape[2]))
-    for h in range(0, q.shape[1], step):
-        sl = slice(h, h + step)
-        s = torch.matmul(q32[:, sl], k32[:, sl].transpose(-1, -2)) * scale
-        if allowed is not None:
-            s = s.masked_fill(~allowed, float("-inf"))
-        p = torch.exp(s - lse[:, sl, :, None])
-        dv[:, sl] = torch.matmul(p.transpose(-1, -2), do32[:, sl])
-        ds = p * (torch.matmul(do32[:, sl], v32[:, sl].transpose(-1, -2)) - delta[:, sl, :, None])
-        dq[:, sl] = torch.matmul(ds, k32[:, sl]) * scale
-        dk[:, sl] = torch.matmul(ds.transpose(-1, -2), q32[:, sl]) * scale
+    dq, dk, dv = cuda_kernels.backward(q, expand_kv(k, group), expand_kv(v, group), o, do, lse, scale,
+                                       cuda_kernels.cuda_cover(mask, q.shape[2], k.shape[2]))
     return dq, reduce_kv(dk, group), reduce_kv(dv, group)
 
 
 def block_backward_from_out(q, k, v, o, do, lse, scale: float, mask):
     """Like :func:`block_backward`, from the final O instead of D: torch's CPU flash-attention backward (it
-    recomputes P from the final LSE and D from O), per kernel of the mask's cover. Returns fp32 (dQ, dK, dV);
-    on CUDA it falls back to the recurrence."""
+    recomputes P from the final LSE and D from O), per kernel of the mask's cover; on CUDA the varlen kernels'
+    backward. Returns fp32 (dQ, dK, dV)."""
     if q.is_cuda:
-        return _recurrence(q, k, v, do, lse, row_delta(o, do), scale, _dense(mask, q.device))
+        return _cuda_backward(q, k, v, o, do, lse, scale, mask)
     dt = compute_dtype(q)
     return _cpu_backward(q.to(dt), k.to(dt), v.to(dt), o.to(dt), do.to(dt), lse, scale, mask)
 
@@ -228,25 +197,6 @@ def _cpu_backward(q, k, v, o, do, lse, scale: float, mask):
             dk[:, :, c] += got[1].float()
             dv[:, :, c] += got[2].float()
     return dq, reduce_kv(dk, group), reduce_kv(dv, group)
-
-
-def merge_into(o_acc: torch.Tensor, lse_acc: torch.Tensor, o_part: torch.Tensor, lse_part: torch.Tensor) -> None:
-    """In place: (o_acc, lse_acc) ← the LSE merge of itself with a partial, in fp32, overflow-free.
-
-    LSE = m + log(e^(a − m) + e^(b − m)), m = max(a, b); O = e^(a − LSE)·O_a + e^(b − LSE)·O_b
-    (ring-flash-attention's form). Rows where both are −inf stay O = 0, LSE = −inf.
-    ``o_*`` [B, H, S, D] (o_acc fp32), ``lse_*`` [B, H, S] fp32.
-    """
-    a, b = lse_acc, lse_part.float()
-    m = torch.maximum(a, b)
-    live = torch.isfinite(m)
-    m_safe = torch.where(live, m, torch.zeros_like(m))
-    wa, wb = torch.exp(a - m_safe), torch.exp(b - m_safe)
-    total = wa + wb
-    new = torch.where(live, m_safe + torch.log(total), m)
-    wa, wb = torch.where(live, wa / total, 0.0), torch.where(live, wb / total, 0.0)
-    o_acc.mul_(wa[..., None]).add_(o_part.float() * wb[..., None])
-    lse_acc.copy_(new)
 
 
 def row_delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:

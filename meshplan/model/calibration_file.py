@@ -66,6 +66,21 @@ class KernelSample(_Strict):
     time_s: PositiveFloat
 
 
+class SegmentSample(_Strict):
+    """One block over packed documents run by the executor (block_forward / block_backward_from_out with the
+    documents' key runs): ``causal``, each document's causal square; ``rect``, each document's second half
+    (⌈L/2⌉ rows) against its first (⌊L/2⌋ keys). The kernel table's ``segment_us`` is the median over samples of
+    (time − the table's price of its kernels) per document."""
+
+    pass_: Literal["fwd", "bwd"] = Field(alias="pass")
+    kind: Literal["causal", "rect"]
+    doc_lens: list[PositiveInt]
+    batch: PositiveInt
+    heads: PositiveInt
+    head_dim: PositiveInt
+    time_s: PositiveFloat
+
+
 class TransferSample(_Strict):
     """Point-to-point transfers: ``flows`` equal flows of ``size_bytes`` each (1: half a ping-pong round trip;
     2: both ranks send to each other at once, time until both are done)."""
@@ -131,6 +146,8 @@ class Raw(_Strict):
         [], description="(ranks running one kernel each at once, seconds of one rank's kernel), a row per rank; "
         "the fit takes the slowest rank of each count: the pool model has them all end together")
     memory: list[MemorySample] = Field([], description="ops run alone, their memory rise: the memory model's fit")
+    segment_mixes: list[SegmentSample] = Field(
+        [], description="blocks over document mixes (each document its own kernel): the kernel table's segment_us")
     repeats: PositiveInt = Field(1, description="calibration runs merged into this raw (calibrate --repeat): a "
                                  "timing taken once per run is their median, sample lists are pooled "
                                  "(meshplan.truth.calibration_merge)")

@@ -48,6 +48,17 @@ class KernelTableSpec(BaseModel):
     bwd_delta_dtype: dict[Literal["bf16", "fp16", "fp32"], Annotated[float, Field(ge=1)]] | None = Field(
         None, description="bwd_delta_factor for the other dtypes (none given: bwd_delta_factor): on a CPU with native "
         "bf16 the surrogate-O backward takes 1.5-1.7x the flash backward in bf16, 1.03-1.07x in fp32")
+    segments: Literal["varlen", "per_call"] = Field(
+        "varlen", description="how a block cut by document boundaries runs (docs/cost-model.md, Documents): varlen = "
+        "one launch, every document segment's tiles at the efficiency of the call's shape (FlashAttention's varlen "
+        "path); per_call = one kernel call per segment at its own shape (torch's CPU flash kernel, as the CPU "
+        "executor runs)")
+    tile_fwd: tuple[PositiveInt, PositiveInt] = Field(
+        (1, 1), description="forward tile (query rows, keys) a segment is rounded up to (1 x 1: no rounding)")
+    tile_bwd: tuple[PositiveInt, PositiveInt] = Field(
+        (1, 1), description="backward tile (query rows, keys)")
+    segment_us: Annotated[float, Field(ge=0)] = Field(
+        0.0, description="fixed cost per document segment beyond its tiles and launch, microseconds")
     merge_hbm_fraction: Annotated[float, Field(gt=0, le=1)] = Field(
         0.8, description="merges and accumulations run at this fraction of the memory bandwidth")
     merge_dtype: dict[Literal["bf16", "fp16", "fp32"], Annotated[float, Field(gt=0)]] | None = Field(
@@ -180,6 +191,10 @@ class KernelTable:
             return self.spec.elementwise_factor
         size = 0.5 * (np.log2(np.maximum(s_q, 1.0)) + np.log2(np.maximum(s_kv, 1.0)))
         return np.interp(size, self._log_tokens, self._masked_envelope if envelope else self.spec.elementwise)
+
+    def tile(self, pass_: str) -> tuple[int, int]:
+        """(query rows, keys) of the kernel's tile in ``pass_`` (what a document segment is rounded up to)."""
+        return tuple(self.spec.tile_fwd if pass_ == "fwd" else self.spec.tile_bwd)
 
     def bwd_delta(self, dtype: str | None) -> float:
         """How many times longer a backward block carrying D instead of O takes in ``dtype``

@@ -315,6 +315,15 @@ def write_best(result: SearchResult, k: int, out_dir: str) -> None:
         c.schedule_path = str(write_schedule(c.schedule, Path(out_dir) / (name + suffix)))
 
 
+def _documents(c: Candidate, topo: Topology) -> dict[str, Any] | None:
+    """A simulated candidate's document costs (:func:`meshplan.cost.doc_kernels.document_stats`); None at a bound."""
+    if c.schedule is None:
+        return None
+    from meshplan.cost.doc_kernels import document_stats
+
+    return document_stats(c.schedule, topo)
+
+
 def search_json(result: SearchResult, scheduler: str) -> dict[str, Any]:
     """The contract's ``--json`` body of ``search``."""
     from meshplan.search.candidate import result_json
@@ -327,7 +336,8 @@ def search_json(result: SearchResult, scheduler: str) -> dict[str, Any]:
         body.pop("workload")
         cands.append(body | {"layout": c.workload.layout, "bound_s": c.bound_s,
                              "scheduler": c.scheduler or not_run(scheduler), "mapping_search": c.mapping_search,
-                             "schedule_path": c.schedule_path} | ({"job": c.job} if c.job else {}))
+                             "schedule_path": c.schedule_path} | ({"job": c.job} if c.job else {})
+                     | ({"documents": _documents(c, topo)} if c.workload.mask.kind == "docs" else {}))
     layout = result.workload.layout if result.layout_pinned else "any"
     return {"workload": result.workload.to_dict() | {"layout": layout},
             "topology": {"name": topo.name, "hash": topo.content_hash, "devices": topo.n_devices,

@@ -63,6 +63,9 @@ def print_search(body: dict[str, Any], console: Console, top: int) -> None:
     job = body.get("job")
     if job:
         table.add_column(f"job: {job['groups']} CP groups at once", justify="right")
+    docs = any("documents" in c for c in body["candidates"])
+    if docs:
+        table.add_column("segments/rank, tile waste", justify="right")
     for i, c in enumerate(body["candidates"][:top], start=1):
         p = c["predicted"]
         sim = c["model_level"] == "simulated"
@@ -77,8 +80,14 @@ def print_search(body: dict[str, Any], console: Console, top: int) -> None:
                       _fmt(p["compute_to_comm"], lambda x: f"{x:.3g}"),
                       _fmt(p.get("peak_memory_total_bytes"), fmt_bytes),
                       *([_order_text(c["scheduler"])] if solver else []),
-                      *([_fmt((c.get("job") or {}).get("together_s"), fmt_seconds)] if job else []))
+                      *([_fmt((c.get("job") or {}).get("together_s"), fmt_seconds)] if job else []),
+                      *([_doc_text(c.get("documents"))] if docs else []))
     console.print(table)
+    if docs:
+        count = next(c["documents"]["count"] for c in body["candidates"] if c.get("documents"))
+        console.print(f"{count} documents: each runs as its own kernel segments; tile waste = the tiles the kernels "
+                      "compute (every segment rounded up to the kernel's tile) over the permitted pairs, forward",
+                      soft_wrap=True)
     if lead := _lead_text(body["candidates"]):
         console.print(lead, soft_wrap=True)
     for i, c in enumerate(body["candidates"], start=1):
@@ -107,6 +116,13 @@ def print_search(body: dict[str, Any], console: Console, top: int) -> None:
         print_inference(body["inference"], console)
     if body.get("frameworks"):
         print_frameworks(body["frameworks"], console)
+
+
+def _doc_text(d: dict[str, Any] | None) -> str:
+    if not d:
+        return "-"
+    waste = d.get("tile_waste")
+    return f"{d['segments']:,}, " + ("-" if waste is None else f"{waste:.2f}x")
 
 
 NEAR_TIE = 0.03      # predicted margins below this are near-ties: the CPU validation's error is several times it

@@ -35,7 +35,8 @@ def fit_calibration(raw: Raw, device: HostFacts, name: str, wall_s: float = 0.0,
     launch_s = round_sig(float(np.median(raw.launch_s)) * 1e6) * 1e-6
     peak = round_sig(peaks[raw.dtype] / 1e12) * 1e12
     kernel = kernel_table(raw, peak, launch_s, {dt: round_sig(peaks[dt] / 1e12) / round_sig(peaks[raw.dtype] / 1e12)
-                                                 for dt in peaks})
+                                                 for dt in peaks},
+                          segments="per_call" if device.backend == "gloo" else "varlen")
     merge_rate = fit.fit_throughput([b for b, _ in raw.merges], [t for _, t in raw.merges])
     kernel = kernel.model_copy(update={"merge_dtype": merge_by_dtype(raw, merge_rate)})
     body = {"name": name, "device": device, "measured_at": measured_at or datetime.date.today(),

@@ -17,7 +17,8 @@ if TYPE_CHECKING:
     from meshplan.model.calibration_file import Raw
 
 
-def kernel_table(raw: Raw, peak: float, launch_s: float, peak_ratios: dict[str, float]) -> KernelTableSpec:
+def kernel_table(raw: Raw, peak: float, launch_s: float, peak_ratios: dict[str, float],
+                 segments: str = "per_call") -> KernelTableSpec:
     """The calibrated kernel table of ``raw`` (a :class:`~meshplan.model.calibration_file.Raw`): efficiencies of the
     full
     s_q × s_kv kernels relative to ``peak`` (FLOP/s of raw.dtype) after ``launch_s``, the causal-piece multiplier
@@ -40,14 +41,40 @@ def kernel_table(raw: Raw, peak: float, launch_s: float, peak_ratios: dict[str, 
             per.setdefault(s.s_q, []).append(a / b)
         if set(per) == set(tokens):
             by_size = [min(1.5, round_sig(float(np.median(per[t])))) for t in tokens]
-    return KernelTableSpec(
+    spec = KernelTableSpec(
         name="calibrated", source=f"meshplan calibrate: {raw.dtype} kernels timed on this host; efficiency = "
         "FLOPs / ((time − launch) · peak), symmetric (a cell and its mirror share their mean time)",
         launch_us=round_sig(launch_s * 1e6), tokens=tokens, fwd=_table(tables["fwd"]), bwd=_table(tables["bwd"]),
         elementwise_factor=round_sig(ratio), elementwise=by_size, **_head_dim_factors(raw, peak, launch_s),
         **_dtype_factors(raw, peak_ratios),
         bwd_delta_factor=max(1.0, round_sig(float(np.median([a / b for _, a, b in raw.recurrence])))) if raw.recurrence
-        else 1.0, bwd_delta_dtype=_delta_by_dtype(raw))
+        else 1.0, bwd_delta_dtype=_delta_by_dtype(raw), segments=segments,
+        **({} if segments == "per_call" else {"tile_fwd": (128, 64), "tile_bwd": (64, 128)}))
+    return spec.model_copy(update={"segment_us": segment_cost_us(raw, spec, peak)})
+
+
+def segment_cost_us(raw: Raw, spec: KernelTableSpec, peak: float) -> float:
+    """``segment_us``: the median over ``raw.segment_mixes`` of (measured time − the table's price of the block's
+    kernels, one per document at its own shape with its launch) per document, microseconds (at least 0; 0 without
+    samples). Per-call tables only (varlen tables price tiles, which one CPU block cannot time)."""
+    from meshplan.model.kernel_tables import KernelTable
+
+    if spec.segments != "per_call" or not raw.segment_mixes:
+        return 0.0
+    table, extra = KernelTable(spec), []
+    for s in raw.segment_mixes:
+        lens = np.asarray(s.doc_lens, dtype=np.float64)
+        if s.kind == "causal":
+            rows, cols, pairs = lens, lens, lens * (lens + 1) / 2
+        else:
+            cols = np.floor(lens / 2)
+            rows = lens - cols
+            pairs = rows * cols
+        flops = 4.0 * s.batch * s.heads * s.head_dim * pairs * (2.5 if s.pass_ == "bwd" else 1.0)
+        e = table.efficiency(rows, cols, s.pass_, s.kind == "causal", s.head_dim, dtype=raw.dtype)
+        model = float((table.launch_s + flops / (peak * e)).sum())
+        extra.append((s.time_s - model) / len(lens))
+    return max(0.0, round_sig(float(np.median(extra)) * 1e6))
 
 
 def _delta_by_dtype(raw: Raw) -> dict[str, float] | None:

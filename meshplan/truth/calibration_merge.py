@@ -19,7 +19,8 @@ import numpy as np
 _TUPLE_KEYED = {"gemm": 1, "merges": 1, "dtype_merges": 1, "head_dim_kernels": 1, "dtype_kernels": 2}
 # dict rows: field -> the timing keys (the other keys are the key)
 _DICT_KEYED = {"kernels": ("time_s",), "p2p": ("time_s",)}
-_POOLED = ("launch_s", "overlap", "dtype_sweep", "recurrence", "dtype_recurrence", "probe_ms", "memory")
+_POOLED = ("launch_s", "overlap", "dtype_sweep", "recurrence", "dtype_recurrence", "probe_ms", "memory",
+           "segment_mixes")
 _SAME = ("dtype", "link_class")
 
 

@@ -150,7 +150,7 @@ def kernel_table_body(params: FittedParams, name: str) -> dict:
             "launch_us": round(params.launch_s * (1.0 - params.kappa) * 1e6, 1), "tokens": TOKENS,
             "fwd": params.efficiency_table(),
             "bwd_factor": round(float(params.e_bwd / params.e_fwd), 3), "elementwise_factor": 0.9,
-            "merge_hbm_fraction": 0.8}
+            "merge_hbm_fraction": 0.8, "segments": "varlen", "tile_fwd": [128, 64], "tile_bwd": [64, 128]}
 
 
 def fit_declared(rows: list[H100Row], micro: FittedParams, evaluate) -> tuple[FittedParams, list[dict]]:

@@ -78,6 +78,7 @@ def measure(memory: MemorySchedules, backend: str = "auto", quick: bool = False,
         raw = {"dtype": sweep.dtype, "gemm": _gemm(sweep, device), "launch_s": _launch(sweep, device),
                "kernels": _kernels(sweep, device, probes), "dtype_sweep": dtype_sweep(sweep, device),
                "memory": memory_samples(device, memory)}
+        raw["segment_mixes"] = _segments(sweep, device)
         merges = _merges(sweep, device)
         raw["merges"] = [r[1:] for r in merges if r[0] == sweep.dtype]
         raw["dtype_merges"] = [r for r in merges if r[0] != sweep.dtype]
@@ -193,6 +194,38 @@ def _kernels(sweep: Sweep, device, probes: list[float]) -> list[dict]:
         probes.append(probe_ms(device))
         log(f"attention kernels: round {r + 1}/{sweep.samples} of {len(shapes)} shapes")
     return [base | {"time_s": typical(t)} for (base, *_), t in zip(cases, times)]
+
+
+def _segments(sweep: Sweep, device) -> list[dict]:
+    """Forward and backward of blocks over each document mix of the sweep, passed as key runs as the executor
+    passes them (so each document runs as its own kernel): ``causal``, every document against itself; ``rect``,
+    every document's second half against its first half."""
+    scale, out = sweep.head_dim ** -0.5, []
+    for lens in sweep.segment_mixes:
+        bounds = np.cumsum((0,) + tuple(lens))
+        for kind in ("causal", "rect"):
+            if kind == "causal":
+                pos = np.arange(bounds[-1])
+                doc = np.searchsorted(bounds, pos, side="right") - 1
+                lo, hi, n_k = bounds[doc], pos + 1, int(bounds[-1])
+            else:
+                half = np.asarray(lens) // 2
+                k_at = np.cumsum(np.r_[0, half])
+                lo = np.repeat(k_at[:-1], np.asarray(lens) - half)
+                hi, n_k = np.repeat(k_at[1:], np.asarray(lens) - half), int(k_at[-1])
+            allowed = KeyRanges(np.asarray(lo, dtype=np.int64), np.asarray(hi, dtype=np.int64), n_k)
+            q, k, v = qkv(sweep, len(lo), n_k, device)
+            o, lse = block_forward(q, k, v, scale, allowed)
+            do = torch.randn_like(q)
+            fns = {"fwd": functools.partial(block_forward, q, k, v, scale, allowed),
+                   "bwd": functools.partial(block_backward_from_out, q, k, v, o, do, lse, scale, allowed)}
+            for p, fn in fns.items():
+                reps, n = _plan(fn, device, sweep)
+                out.append({"pass": p, "kind": kind, "doc_lens": list(lens), "batch": sweep.batch,
+                            "heads": sweep.heads, "head_dim": sweep.head_dim,
+                            "time_s": typical([_sample(fn, device, reps) for _ in range(n)])})
+    log(f"document segments: {len(sweep.segment_mixes)} mixes")
+    return out
 
 
 def _plan(fn, device, sweep: Sweep) -> tuple[int, int]:

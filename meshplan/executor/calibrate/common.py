@@ -34,6 +34,9 @@ class Sweep:
     overlap_msg_bytes: int = 4 << 20
     sharing_tokens: int = 2048                  # blocks as large as real ones: cores share caches and memory
     sharing_ranks: tuple[int, ...] = (1, 2, 3, 4)
+    # document mixes (tokens per document) whose blocks run one kernel per document: the per-segment cost
+    segment_mixes: tuple[tuple[int, ...], ...] = ((64,) * 32, (128,) * 16, (256,) * 8, (512,) * 4,
+                                                  (48, 96, 160, 300, 500, 944))
     backend: str = "gloo"
     init_method: str = ""
 
@@ -44,13 +47,13 @@ FULL = Sweep()
 QUICK = Sweep(tokens=(64, 256), samples=2, gemm_n=512, merge_tokens=(256, 1024),
               p2p_sizes=(4096, 65536, 1 << 20, 4 << 20), overlap_tokens=256, overlap_msg_bytes=1 << 20,
               sharing_tokens=256, sharing_ranks=(1, 2), head_dims=(64, 128), head_dim_tokens=(256,),
-              dtype_tokens=(64, 256), dtype_rounds=2)
+              dtype_tokens=(64, 256), dtype_rounds=2, segment_mixes=((64,) * 8, (256,) * 2))
 
 
 GPU = replace(FULL, tokens=tuple(256 << k for k in range(7)), heads=32, head_dim=128, gemm_n=8192,   # untested here
               dtype="bf16", head_dims=(64, 128, 256), head_dim_tokens=(1024, 8192),
               merge_tokens=(1024, 4096, 16384), p2p_sizes=tuple(1 << k for k in range(10, 29, 2)), overlap_tokens=16384,
-              overlap_msg_bytes=64 << 20)
+              overlap_msg_bytes=64 << 20, segment_mixes=((128,) * 64, (512,) * 16, (2048,) * 4))
 
 
 def log(msg: str) -> None:

@@ -1,0 +1,203 @@
+"""Compute ops under a document mask, priced as the kernels run them: per document segment, in tiles.
+
+docs/cost-model.md, "Documents". A compute op over packed documents runs one kernel segment per (query piece,
+key piece) of one document (:mod:`meshplan.model.doc_segments`), and the kernel table's ``segments`` says how:
+
+* ``varlen`` (FlashAttention's varlen path on GPUs): one launch per kind of segment (causal, full) for the op; each
+  segment computes every tq × tk tile it touches (:func:`~meshplan.model.doc_segments.tile_count`, the table's
+  ``tile_fwd`` / ``tile_bwd``), a partial tile at a full tile's cost, at the efficiency of the op's kernel shape
+  (the tiles of all segments fill the device together), plus ``segment_us`` per segment:
+  ``t = launches · t_launch + segments · t_segment + 4·B·h·D·Σ tiles·tq·tk / (peak · e(op shape))`` (×2.5 bwd);
+* ``per_call`` (torch's CPU flash kernel, what the CPU executor runs): every kernel of the segment cover is its own
+  call at its own shape, ``t = Σ (t_launch + t_segment + FLOPs / (peak · e(rows, keys)))``, plus the LSE merge of
+  the partial results where two kernels share rows; and, as the executor does
+  (:func:`~meshplan.model.blockmask.kernel_cover`), the dense masked kernel instead where the cover's work plus
+  :data:`~meshplan.model.blockmask.PIECE_OVERHEAD_PAIRS` per kernel exceeds the dense block's.
+
+An op over one block is priced from its block's segments (closed forms over all documents at once); an op over
+several chunks from the cover of its tokens in position order, as the executor builds it (one per distinct
+pair of chunk sets). Workloads without documents never come here (their prices do not move).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from meshplan.model.blockmask import (
+    MAX_PIECES,
+    PIECE_OVERHEAD_PAIRS,
+    KeyRanges,
+    Piece,
+    kernel_cover,
+    pieces,
+    rows_overlap,
+)
+from meshplan.model.doc_segments import Segments, block_segments, tile_count
+from meshplan.model.matrix import BWD_FLOP_FACTOR, attn_matrix
+from meshplan.plan.schedule import Schedule
+
+
+class DocKernels:
+    """Kernel times of one schedule's compute ops under its ``docs`` mask (one cost model, one pass at a time)."""
+
+    def __init__(self, cm, sched: Schedule) -> None:
+        self.cm, self.kernel, self.sched = cm, cm.kernel, sched
+        self.w = sched.workload
+        self.m = attn_matrix(self.w, sched.n_chunks)
+        self.per_call = self.kernel.spec.segments == "per_call"
+        self.segment_s = self.kernel.spec.segment_us * 1e-6
+        self.peak = cm.topo.peak_flops(self.w.dtype)
+
+    def pair_flops(self, pass_: str) -> float:
+        """FLOPs of one (query, key) pair over every query head."""
+        f = 4.0 * self.w.batch * self.w.n_heads * self.w.head_dim
+        return f * BWD_FLOP_FACTOR if pass_ == "bwd" else f
+
+    # ---------------------------------------------------------------------------- one block per op
+    def block_parts(self, pass_: str) -> tuple[np.ndarray, np.ndarray]:
+        """([n·n] seconds that do not scale with heads, [n·n] seconds at all query heads) per block, cached on
+        the matrix per topology and pass."""
+        key = (self.cm.topo.content_hash, pass_)
+        cache = self.m.__dict__.setdefault("_doc_block_cache", {})
+        if key not in cache:
+            cache[key] = self._blocks(pass_)
+        return cache[key]
+
+    def _blocks(self, pass_: str) -> tuple[np.ndarray, np.ndarray]:
+        n = self.m.n
+        fixed, scaled = np.zeros(n * n), np.zeros(n * n)
+        kernels, proxy, stair, rect = (np.zeros(n * n, dtype=np.int64) for _ in range(4))
+        for seg in block_segments(self.m):
+            f, s = self._segment_times(seg, pass_, self.m.s_q.ravel()[seg.block], self.m.s_kv.ravel()[seg.block])
+            np.add.at(fixed, seg.block, f)
+            np.add.at(scaled, seg.block, s)
+            k = seg.kernels
+            np.add.at(kernels, seg.block, k)
+            np.add.at(proxy, seg.block, seg.pairs + PIECE_OVERHEAD_PAIRS * k)
+            np.add.at(stair, seg.block, ~seg.rect)
+            np.add.at(rect, seg.block, seg.rect)
+        if self.per_call:
+            if pass_ == "fwd":          # kernels sharing rows (a staircase's rectangle and square) merge by LSE
+                scaled += self._merge_s(self.m.s_q.ravel()) * (kernels > np.maximum(rect + stair, 1))
+            dense = (kernels > MAX_PIECES) & (proxy > (self.m.s_q * self.m.s_kv).ravel())
+            if dense.any():             # the executor runs the dense masked kernel there: today's price
+                t = self.cm.matrix_block_times(self.m, pass_).ravel()
+                fixed[dense], scaled[dense] = self.kernel.launch_s, np.maximum(t[dense] - self.kernel.launch_s, 0)
+        else:
+            fixed += self.kernel.launch_s * ((rect > 0).astype(int) + (stair > 0))
+        return fixed, scaled
+
+    def _segment_times(self, seg: Segments, pass_: str, op_q, op_kv) -> tuple[np.ndarray, np.ndarray]:
+        """Per segment: (seconds independent of heads, seconds at all heads). ``op_q``/``op_kv``: the shape of the
+        kernel call each segment belongs to (varlen: its efficiency)."""
+        w = self.w
+        if self.per_call:
+            work = seg.pairs
+            rect = seg.rect
+            e = self.kernel.efficiency(seg.nq, seg.nk, pass_, ~rect, w.head_dim, dtype=w.dtype)
+            # a staircase with a rectangle part runs as two kernels: both launches
+            return (self.kernel.launch_s + self.segment_s) * seg.kernels, work * self.pair_flops(pass_) / \
+                (self.peak * e)
+        tq, tk = self.kernel.tile(pass_)
+        work = tile_count(seg.nq, seg.nk, seg.c, tq, tk) * (tq * tk)
+        e = self.kernel.efficiency(op_q, op_kv, pass_, ~seg.rect, w.head_dim, dtype=w.dtype)
+        return np.full(len(work), self.segment_s), work * self.pair_flops(pass_) / (self.peak * e)
+
+    def _merge_s(self, rows) -> np.ndarray:
+        """A partial result's LSE merge into the op's accumulator: 3 x (O fp32 + LSE) of its rows, all heads."""
+        w = self.w
+        return 3.0 * w.batch * w.n_heads * np.asarray(rows) * (4 * w.head_dim + 4) / self.cm.merge_rate
+
+    # ---------------------------------------------------------------------------- ops over several chunks
+    def op_parts(self, q_chunks: tuple[int, ...], kv_chunks: tuple[int, ...], op_q: int, op_kv: int,
+                 pass_: str) -> tuple[float, float]:
+        """(fixed seconds, seconds at all heads) of an op over several chunks, from the executor's cover."""
+        key = (self.cm.topo.content_hash, pass_, q_chunks, kv_chunks)
+        cache = self.m.__dict__.setdefault("_doc_op_cache", {})
+        if key not in cache:
+            cache[key] = self._op(q_chunks, kv_chunks, op_q, op_kv, pass_)
+        return cache[key]
+
+    def _op(self, q_chunks, kv_chunks, op_q, op_kv, pass_) -> tuple[float, float]:
+        plan = op_cover(self.m, q_chunks, kv_chunks, unlimited=not self.per_call)
+        if plan is None:                # the dense masked kernel over the op (per-call kernels only)
+            t = float(self.cm.block_time_s(self.m.pairs[np.ix_(q_chunks, kv_chunks)].sum() * self.pair_flops(pass_),
+                                           op_q, op_kv, True, pass_, self.w.dtype, self.w.head_dim))
+            return self.kernel.launch_s, max(t - self.kernel.launch_s, 0.0)
+        if not plan:
+            return 0.0, 0.0
+        arr = np.array([(p.r1 - p.r0, p.c1 - p.c0, p.causal) for p in plan], dtype=np.int64)
+        rows, cols, causal = arr[:, 0], arr[:, 1], arr[:, 2].astype(bool)
+        seg = Segments(np.zeros(len(arr), dtype=np.int64), rows, cols, np.where(causal, 0, cols))
+        fixed, scaled = self._segment_times(seg, pass_, np.full(len(arr), op_q), np.full(len(arr), op_kv))
+        f, s = float(fixed.sum()), float(scaled.sum())
+        if self.per_call:
+            if pass_ == "fwd" and rows_overlap(plan):
+                s += float(self._merge_s(rows).sum())
+        else:
+            f += self.kernel.launch_s * (int(causal.any()) + int((~causal).any()))
+        return f, s
+
+
+def op_cover(m, q_chunks, kv_chunks, unlimited: bool = False):
+    """The kernels the executor runs for an op over ``q_chunks`` × ``kv_chunks`` of matrix ``m``: its tokens in
+    position order covered by :func:`~meshplan.model.blockmask.kernel_cover`, else (interleaved chunks) block by
+    block; None where it runs one dense masked kernel. ``unlimited``: a block takes any number of kernels (the
+    CUDA varlen path, which never runs a dense mask)."""
+    w, ch = m.workload, m.chunks
+    qs = [np.sort(p[w.is_query(p)]) for p in (ch.positions(c) for c in q_chunks)]
+    ks = [np.sort(p[w.is_real(p)]) for p in (ch.positions(c) for c in kv_chunks)]
+    q, k = np.sort(np.concatenate(qs)), np.sort(np.concatenate(ks))
+    plan = kernel_cover(KeyRanges(*w.mask.key_ranges(q, k), len(k)))
+    if plan is not None:
+        return plan
+    out, r0 = [], 0
+    for qp in qs:
+        c0 = 0
+        for kp in ks:
+            sub = KeyRanges(*w.mask.key_ranges(qp, kp), len(kp))
+            if sub.pairs:
+                got = pieces(sub, budget=1 << 62) if unlimited else kernel_cover(sub)
+                if got is None:
+                    return None
+                out += [Piece(p.r0 + r0, p.r1 + r0, p.c0 + c0, p.c1 + c0, p.causal) for p in got]
+            c0 += len(kp)
+        r0 += len(qp)
+    return out
+
+
+def document_stats(sched: Schedule, topo) -> dict:
+    """What the documents cost a schedule's forward: ``count`` documents, ``segments`` the most kernel segments one
+    rank runs, ``tile_waste`` the tiles its kernels compute (at the topology's forward tile, each segment rounded
+    up) over the permitted pairs (1 = no waste; the heads of each op weigh alike)."""
+    from meshplan.plan.schedule import COMPUTE
+
+    w, o = sched.workload, sched.ops
+    m = attn_matrix(w, sched.n_chunks)
+    tq, tk = topo.kernel.tile("fwd")
+    n = sched.n_chunks
+    work, segs = np.zeros(n * n), np.zeros(n * n)
+    for seg in block_segments(m):
+        np.add.at(work, seg.block, tile_count(seg.nq, seg.nk, seg.c, tq, tk) * float(tq * tk))
+        np.add.at(segs, seg.block, 1)
+    heads = (o.h1 - o.h0) / w.n_heads
+    ops = np.flatnonzero((o.kind == COMPUTE) & (o.phase == 0))
+    computed = pairs = 0.0
+    per_rank = np.zeros(sched.n_ranks)
+    for op in ops:
+        qc = tuple(int(x) for x in o.q_chunks[o.qc_ptr[op]:o.qc_ptr[op + 1]])
+        kc = tuple(int(x) for x in o.kv_chunks[o.kvc_ptr[op]:o.kvc_ptr[op + 1]])
+        if len(qc) * len(kc) == 1:
+            b = qc[0] * n + kc[0]
+            op_work, op_segs = work[b], segs[b]
+        else:
+            plan = op_cover(m, qc, kc, unlimited=topo.kernel.spec.segments != "per_call") or []
+            arr = np.array([(p.r1 - p.r0, p.c1 - p.c0, p.causal) for p in plan], dtype=np.int64).reshape(-1, 3)
+            op_work = float((tile_count(arr[:, 0], arr[:, 1], np.where(arr[:, 2] > 0, 0, arr[:, 1]), tq, tk)
+                             * tq * tk).sum())
+            op_segs = len(plan)
+        computed += op_work * heads[op]
+        pairs += float(m.pairs[np.ix_(qc, kc)].sum()) * heads[op]
+        per_rank[o.rank[op]] += op_segs
+    return {"count": len(w.mask.doc_lens), "segments": int(per_rank.max(initial=0)),
+            "tile_waste": computed / pairs if pairs else None}

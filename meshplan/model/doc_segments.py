@@ -1,0 +1,186 @@
+"""Document segments: the pieces of a packed-document block that the attention kernels actually run.
+
+A document boundary cuts a block into *segments*: per document, the block's query tokens of that document
+against its key tokens of that document. FlashAttention's varlen path (and a FlexAttention block mask) runs each
+segment as its own grid of tiles, so a block's cost is the sum over its segments, each rounded up to the tile;
+the executor on CPU runs one flash kernel per segment (:func:`meshplan.model.blockmask.kernel_cover`).
+
+Every segment is a *staircase*: with its query rows and keys in position order, query row a (0 ≤ a < nq) sees the
+keys [0, hi(a)) of the segment, ``hi(a) = clip(a + c + 1, 0, nk)`` — ``c = ⌊(first query − first key) / stride⌋``
+(a full rectangle when c ≥ nk − 1, a causal square when c = 0 and nq = nk). :func:`tile_count` counts the
+tq × tk tiles such a segment touches (what a tiled kernel computes) in closed form; with 1 × 1 tiles it is the
+segment's pairs.
+
+:func:`block_segments` lists every block's segments as flat arrays, in batches (no per-document Python loop):
+
+* per-document contiguous and zigzag layouts, in closed form from the real tokens of each document's pieces:
+  chunk i holds, of document d, the pieces i (and 2N − 1 − i under zigzag), adjacent in its token order, so
+  block (i, j) holds one segment per document — for j < i every query row of the document sees piece j whole
+  (a rectangle of all of chunk i's rows × piece j), for j > i only the second piece's rows see chunk j's
+  pieces whole, and the diagonal block is one causal square;
+* any other layout (striped, or a layout cut over the whole sequence) by joining the chunks' segments
+  restricted to each document, document by document in batches: one segment per (query segment, key segment)
+  of one document; a document split over two segments of one chunk (a zigzag chunk's two pieces) counts as two.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from meshplan.model.pair_counts import doc_columns, restrict
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Segments of blocks as flat int64 arrays of one length: ``block`` = i·N + j (query chunk i, KV chunk j),
+    ``nq`` query rows, ``nk`` keys, ``c`` the staircase offset (row a sees keys [0, clip(a + c + 1, 0, nk)))."""
+
+    block: np.ndarray
+    nq: np.ndarray
+    nk: np.ndarray
+    c: np.ndarray
+
+    @property
+    def rect(self) -> np.ndarray:
+        """Bool per segment: every row sees every key (a kernel without a mask)."""
+        return self.c >= self.nk - 1
+
+    @property
+    def pairs(self) -> np.ndarray:
+        """Permitted (query, key) pairs per segment."""
+        return tile_count(self.nq, self.nk, self.c, 1, 1)
+
+    @property
+    def kernels(self) -> np.ndarray:
+        """Dense kernels per segment in the executor's cover: a staircase whose first row already sees keys is a
+        rectangle plus a causal square (2), else one kernel."""
+        return 1 + ((self.c > 0) & ~self.rect).astype(np.int64)
+
+
+def floor_sum(n, m, a, b) -> np.ndarray:
+    """Σ_{i=0}^{n−1} ⌊(a·i + b) / m⌋ elementwise (int64 arrays, n ≥ 0, m ≥ 1, a ≥ 0, b ≥ 0), by the Euclid-like
+    reduction (O(log m) vectorised steps)."""
+    n, m, a, b = (np.array(x, dtype=np.int64) for x in np.broadcast_arrays(n, m, a, b))
+    out = np.zeros(n.shape, dtype=np.int64)
+    live = n > 0
+    while live.any():
+        q = a // m
+        out += np.where(live, q * (n * (n - 1) // 2), 0)
+        a = a - q * m
+        q = b // m
+        out += np.where(live, n * q, 0)
+        b = b - q * m
+        y = a * n + b
+        live &= y >= m
+        n, b, m, a = (np.where(live, y // m, n), np.where(live, y % m, b), np.where(live, a, m),
+                      np.where(live, m, a))
+        m = np.maximum(m, 1)
+    return out
+
+
+def _ceil_div(x, d):
+    return -((-np.asarray(x)) // d)
+
+
+def tile_count(nq, nk, c, tq: int, tk: int) -> np.ndarray:
+    """Tiles of tq rows × tk keys that a staircase segment touches (int64, elementwise).
+
+    Row tile k holds rows [k·tq, min((k + 1)·tq, nq)); its rows see keys below the last row's
+    h_k = clip(min((k + 1)·tq, nq) + c, 0, nk), so it computes ⌈h_k / tk⌉ key tiles (the partial tile counted
+    whole, as a tiled kernel computes it). Summed in closed form: the row tiles that see nothing, those that see
+    every key, and between them a floor sum. tq = tk = 1: the segment's pairs.
+    """
+    nq, nk, c = (np.asarray(x, dtype=np.int64) for x in (nq, nk, c))
+    n_tiles = _ceil_div(nq, tq)                                 # K row tiles
+    last = _ceil_div(np.clip(nq + c, 0, nk), tk)               # the last row tile ends at nq
+    inner = np.maximum(n_tiles - 1, 0)                          # tiles j = 1 .. K − 1 end at j·tq
+    j0 = np.clip((-c) // tq, 0, inner)                          # j <= j0: j·tq + c <= 0, nothing seen
+    j1 = np.maximum(_ceil_div(nk - c, tq), j0 + 1)              # j >= j1: every key seen
+    full = np.clip(inner - j1 + 1, 0, None)
+    mid = np.clip(np.minimum(j1 - 1, inner) - j0, 0, None)      # j = j0 + 1 .. j0 + mid
+    b = np.where(mid > 0, (j0 + 1) * tq + c + tk - 1, 0)
+    between = floor_sum(mid, tk, tq, np.maximum(b, 0))
+    return np.where(nq > 0, last + full * _ceil_div(nk, tk) + between, 0)
+
+
+def block_segments(m, budget: int = 1 << 22) -> Iterator[Segments]:
+    """The document segments of every block of an :class:`~meshplan.model.matrix.AttnMatrix` under a ``docs``
+    mask, in batches of about ``budget`` candidates (only segments with permitted pairs are yielded)."""
+    w, ch = m.workload, m.chunks
+    if w.mask.kind != "docs":
+        raise ValueError("document segments need a docs mask")
+    width = doc_columns(w, ch)
+    if width and ch.layout != "striped":
+        yield from _piece_segments(w, m.n, width, budget)
+    else:
+        yield from _joined_segments(m, budget)
+
+
+def _keep(block, nq, nk, c) -> Segments:
+    ok = (nq > 0) & (nk > 0) & (nq + c > 0)
+    return Segments(block[ok], nq[ok], nk[ok], c[ok])
+
+
+def _piece_segments(w, n: int, width: int, budget: int) -> Iterator[Segments]:
+    """Per-document contiguous (width 1) and zigzag (width 2) layouts: one segment per (block, document)."""
+    regions = np.asarray([(a, e, r) for a, e, r, _ in w.regions()], dtype=np.int64)          # [D, 3]
+    pieces = width * n
+    size = (regions[:, 1] - regions[:, 0]) // pieces
+    real = np.clip(regions[:, 2] - regions[:, 0], 0, None)
+    r = np.clip(real[:, None] - np.arange(pieces)[None, :] * size[:, None], 0, size[:, None])  # [D, pieces]
+    first = r[:, :n]
+    second = r[:, pieces - 1 - np.arange(n)] if width == 2 else np.zeros_like(first)
+    both = first + second                                                                    # [D, n]
+    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+    lower, diag = j < i, i == j
+    block = np.broadcast_to(i * n + j, (n, n))
+    step = max(1, budget // (n * n))
+    for d0 in range(0, len(r), step):
+        g = slice(d0, d0 + step)
+        bq, fk, sq, bk = both[g][:, :, None], first[g][:, None, :], second[g][:, :, None], both[g][:, None, :]
+        nq = np.where(lower | diag, bq, sq)
+        nk = np.where(lower, fk, bk)
+        c = np.where(diag, 0, nk)
+        shape = nq.shape
+        yield _keep(np.broadcast_to(block, shape).ravel(), nq.ravel(), nk.ravel(), c.ravel())
+
+
+def _joined_segments(m, budget: int) -> Iterator[Segments]:
+    """Any layout: the chunks' valid segments restricted to each document, joined document by document."""
+    w, ch, n = m.workload, m.chunks, m.n
+    bounds = w.mask.doc_bounds
+    vs, vc, qc = m.valid_start, m.valid_count, m.q_count                     # [n, seg]
+    stride = ch.stride
+    live = vc > 0
+    chunk = np.broadcast_to(np.arange(n)[:, None], vs.shape)[live]
+    start, count, qcount, st = vs[live], vc[live], qc[live], stride[live]
+    last = start + (count - 1) * st
+    d_first = np.searchsorted(bounds, start, side="right") - 1
+    d_last = np.searchsorted(bounds, last, side="right") - 1
+    spans = d_last - d_first + 1                                            # documents each segment meets
+    seg = np.repeat(np.arange(len(start)), spans)
+    doc = np.repeat(d_first, spans) + np.arange(spans.sum()) - np.repeat(np.cumsum(spans) - spans, spans)
+    s, k, _ = restrict(start[seg], st[seg], count[seg], bounds[doc], bounds[doc + 1])
+    _, q, _ = restrict(start[seg], st[seg], qcount[seg], bounds[doc], bounds[doc + 1])
+    ok = k > 0
+    seg, doc, s, k, q = seg[ok], doc[ok], s[ok], k[ok], q[ok]
+    order = np.argsort(doc, kind="stable")
+    seg, doc, s, k, q = seg[order], doc[order], s[order], k[order], q[order]
+    group_start = np.searchsorted(doc, doc, side="left")
+    group_size = np.searchsorted(doc, doc, side="right") - group_start
+    cost = np.cumsum(group_size)                        # pairs up to and including each entry (as query side)
+    at = 0
+    while at < len(doc):
+        end = int(np.searchsorted(cost, cost[at] - group_size[at] + budget, side="right"))
+        end = max(end, int(np.searchsorted(doc, doc[at], side="right")))       # a whole document at least
+        end = int(np.searchsorted(doc, doc[end - 1], side="right"))
+        e = np.arange(at, end)
+        reps = group_size[e]
+        qi = np.repeat(e, reps)
+        kj = group_start[qi] + np.arange(reps.sum()) - np.repeat(np.cumsum(reps) - reps, reps)
+        stride_q = st[seg[qi]]
+        yield _keep(chunk[seg[qi]] * n + chunk[seg[kj]], q[qi], k[kj], (s[qi] - s[kj]) // stride_q)
+        at = end
