@@ -115,10 +115,10 @@ def block_reproduce(r) -> str:
     return text
 
 
-def block_validate_cpu(r) -> str:
-    v = r["validate_cpu"]
+def block_validate_cpu(r, key: str = "validate_cpu") -> str:
+    v = r[key]
     if not v:
-        return "(run `python benchmarks/validate_cpu.py`)\n"
+        return f"(run `python benchmarks/{key}.py`)\n"
     lines = ["| ranks on 2 cores | measured as | (workload × candidate) pairs | MAPE | max error | "
              "Kendall τ (pairs > 2σ) | top-1 regret against the fastest median, max / mean |",
              "|---|---|---|---|---|---|---|"]
@@ -144,9 +144,24 @@ def block_validate_cpu(r) -> str:
                  "from when both sides had posted: " + "; ".join(ccr) + ".")
     race = _validate_race(v)
     again = f"; predictions re-computed {v['repredicted']} with `--repredict`" if v.get("repredicted") else ""
-    return (f"`python benchmarks/validate_cpu.py` ({v['date']}, {v['rounds']} interleaved rounds per candidate, "
+    return (f"`python benchmarks/{key}.py` ({v['date']}, {v['rounds']} interleaved rounds per candidate, "
             f"{v['wall_s'] / 60:.0f} min{again}):\n\n" + "\n".join(lines) + "\n" + tail + "\n\n" + race
             + "\n".join(spread) + "\n")
+
+
+def block_validate_docs(r) -> str:
+    """The packed-document validation: its packs, then the validate-cpu tables of its results."""
+    v = r["validate_docs"]
+    if not v:
+        return "(run `python benchmarks/validate_docs.py`)\n"
+    packs = "; ".join(f"{label}: {mask.count(',') + 1} documents ({_doc_span(mask)} tokens)"
+                      for label, mask in v["documents"].items())
+    return f"Packs: {packs}.\n\n" + block_validate_cpu(r, "validate_docs")
+
+
+def _doc_span(mask: str) -> str:
+    lens = [int(x.split("+")[0]) for x in mask.removeprefix("docs:").split(",")]
+    return f"{min(lens)}–{max(lens)}"
 
 
 def _validate_race(v: dict) -> str:
@@ -301,13 +316,16 @@ def block_doc_masks(r) -> str:
         return "(run `python benchmarks/doc_masks.py`)\n"
     lines = [f"`python benchmarks/doc_masks.py` ({d['cores']} cores, {d['date']}; `meshplan simulate` on "
              f"`{d['topology']}`, per-document zigzag, 64 heads / 8 KV heads, each run its own process):", "",
-             "| method | ranks | documents | tokens (padded) | wall | peak RSS | budget |",
-             "|---|---|---|---|---|---|---|"]
+             "| method | ranks | documents | tokens (padded) | wall | peak RSS | budget | predicted: per segment "
+             "(as one kernel per block) |",
+             "|---|---|---|---|---|---|---|---|"]
     for x in d["rows"]:
         b = d["budget"][str(x["ranks"])]
         budget = f"≤ {b['wall_s']} s" + (f", ≤ {b['peak_MB'] / 1024:.0f} GB" if "peak_MB" in b else "")
+        old = f" ({ms(x['makespan_one_kernel_s'])})" if x.get("makespan_one_kernel_s") else ""
+        pred = ms(x["makespan_s"]) + old if x.get("makespan_s") else "-"
         lines.append(f"| {x['method']} | {x['ranks']} | {x['documents']} | {x['tokens']:,} | {x['wall_s']:.1f} s | "
-                     f"{x['peak_rss_MB'] / 1024:.2f} GB | {budget} |")
+                     f"{x['peak_rss_MB'] / 1024:.2f} GB | {budget} | {pred} |")
     return "\n".join(lines) + "\n"
 
 
@@ -421,6 +439,7 @@ def block_results(r) -> str:
         f"{s2['mape_pct']:.1f}% at 2 ranks and {s4['mape_pct']:.1f}% at 4; Kendall τ {s2['kendall_tau']:.2f} and "
         f"{s4['kendall_tau']:.2f}; the pick's held-out regret at most {s2['heldout_regret_pct_max']:.1f}% and "
         f"{s4['heldout_regret_pct_max']:.1f}% ([docs/accuracy.md](docs/accuracy.md#our-own-runs)).",
+        *([_docs_result(r["validate_docs"])] if r.get("validate_docs") else []),
         f"- **Memory model**: MAPE {mem['mape_pct']:.1f}% over {len(mem['rows'])} CPU runs, against "
         f"{mem['buffers_mape_pct']:.1f}% for the schedule's buffers alone "
         "([docs/accuracy.md](docs/accuracy.md#memory)).",
@@ -438,9 +457,21 @@ def block_results(r) -> str:
         ""])
 
 
+def _docs_result(v: dict) -> str:
+    """The README's line on the packed-document validation."""
+    def held(s):
+        x = s.get("heldout_regret_pct_max")
+        return "—" if x is None else f"{x:.1f}%"
+    parts = [f"MAPE {s['mape_pct']:.1f}% at {n} ranks (τ {s['kendall_tau']:.2f}, held-out regret at most "
+             f"{held(s)})" for n, s in v["summary"].items()]
+    return ("- **Packed documents** (packs drawn from the Pile's document sizes, every candidate, CPU ranks): "
+            + "; ".join(parts) + " ([docs/accuracy.md](docs/accuracy.md#packed-documents)).")
+
+
 BLOCKS = {"stamp": block_stamp, "results": block_results, "main-job": block_main_job,
           "cli-examples": block_cli_examples,
           "run-example": block_run_example, "reproduce": block_reproduce, "validate-cpu": block_validate_cpu,
+          "validate-docs": block_validate_docs,
           "mesh-seed": block_mesh_seed, "mesh-greedy": block_mesh_greedy, "baselines": block_baselines,
           "speed": block_speed, "doc-masks": block_doc_masks, "executor-overhead": block_executor_overhead,
           "ilp-gap": block_ilp_gap,
@@ -449,7 +480,7 @@ BLOCKS = {"stamp": block_stamp, "results": block_results, "main-job": block_main
           "memory-cpu": block_memory_cpu}
 SOURCES = ("readme_cli", "reproduce_charm_h100", "reproduce_charm_ablation", "validate_cpu", "mesh_seed",
            "mesh_greedy", "baselines_table", "planner_speed", "executor_overhead", "ilp_gap",
-           "mapping_search", "job_tp", "workload_shapes", "memory_cpu", "doc_masks")
+           "mapping_search", "job_tp", "workload_shapes", "memory_cpu", "doc_masks", "validate_docs")
 
 
 def render(text: str, stamp: str | None = None) -> str:

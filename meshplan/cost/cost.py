@@ -96,9 +96,17 @@ class CostModel:
         ``kernel_chunks`` (a, b): the block runs inside an op of up to a × b chunks, so its efficiency is
         taken at its shape grown by √(a·b) (as :meth:`op_durations` does) — the largest it can have; with
         ``envelope`` at the kernel table's monotone envelope there (the best of that shape and every smaller
-        one), which keeps closed forms lower bounds whatever op the block runs in."""
+        one), which keeps closed forms lower bounds whatever op the block runs in. Under a ``docs`` mask a block
+        alone is priced as its document segments (:mod:`meshplan.cost.doc_kernels`), and the envelope of per-call
+        kernel tables is the table's best efficiency anywhere (a segment runs at its own, smaller shape)."""
         key = (self.topo.content_hash, pass_, kernel_chunks, envelope)
         cache = m.__dict__.setdefault("_block_time_cache", {})
+        docs = m.workload.mask.kind == "docs"
+        if key not in cache and docs and not envelope and kernel_chunks == (1, 1):
+            from meshplan.cost.doc_kernels import DocKernels  # a block alone: its document segments' kernels
+
+            fixed, scaled = DocKernels(self, m).block_parts(pass_)
+            cache[key] = np.where(m.pairs > 0, (fixed + scaled).reshape(m.pairs.shape), 0.0)
         if key not in cache:
             grow = np.sqrt(kernel_chunks[0] * kernel_chunks[1])
             # a block matrix holds a handful of kernel shapes: interpolate those, then gather (N² lookups at
@@ -109,6 +117,12 @@ class CostModel:
                                           np.array([False, True])[None, None, :], m.workload.head_dim, envelope,
                                           dtype=m.workload.dtype)
             eff = grid[cq, ck, m.elementwise.astype(np.int64)]
+            if docs and envelope and self.kernel.spec.segments == "per_call":
+                # kernels per document segment run at their own (smaller) shapes, any of them up to the table's
+                # best: the best efficiency anywhere keeps the bound a bound
+                big = float(self.kernel.spec.tokens[-1])
+                eff = np.full(eff.shape, float(self.kernel.efficiency(big, big, pass_, False, m.workload.head_dim,
+                                                                      True, dtype=m.workload.dtype)))
             flops = m.flops(pass_)
             t = self.kernel.launch_s + flops / (self.topo.peak_flops(m.workload.dtype) * eff)
             cache[key] = np.where(flops > 0, t, 0.0)
@@ -144,7 +158,7 @@ class CostModel:
         """Compute ops under a ``docs`` mask, per document segment (:mod:`meshplan.cost.doc_kernels`)."""
         from meshplan.cost.doc_kernels import DocKernels
 
-        o, doc = sched.ops, DocKernels(self, sched)
+        o, doc = sched.ops, DocKernels(self, attn_matrix(sched.workload, sched.n_chunks))
         n, heads = sched.n_chunks, (o.h1 - o.h0) / sched.workload.n_heads
         blocks = np.diff(o.qc_ptr) * np.diff(o.kvc_ptr)
         for phase in (0, 1):

@@ -32,18 +32,17 @@ from meshplan.model.blockmask import (
     pieces,
     rows_overlap,
 )
-from meshplan.model.doc_segments import Segments, block_segments, tile_count
+from meshplan.model.doc_segments import Segments, block_segments, block_tiles, tile_count
 from meshplan.model.matrix import BWD_FLOP_FACTOR, attn_matrix
 from meshplan.plan.schedule import Schedule
 
 
 class DocKernels:
-    """Kernel times of one schedule's compute ops under its ``docs`` mask (one cost model, one pass at a time)."""
+    """Kernel times of compute ops over the blocks of matrix ``m`` under its ``docs`` mask, on cost model ``cm``."""
 
-    def __init__(self, cm, sched: Schedule) -> None:
-        self.cm, self.kernel, self.sched = cm, cm.kernel, sched
-        self.w = sched.workload
-        self.m = attn_matrix(self.w, sched.n_chunks)
+    def __init__(self, cm, m) -> None:
+        self.cm, self.kernel, self.m = cm, cm.kernel, m
+        self.w = m.workload
         self.per_call = self.kernel.spec.segments == "per_call"
         self.segment_s = self.kernel.spec.segment_us * 1e-6
         self.peak = cm.topo.peak_flops(self.w.dtype)
@@ -64,6 +63,8 @@ class DocKernels:
         return cache[key]
 
     def _blocks(self, pass_: str) -> tuple[np.ndarray, np.ndarray]:
+        if not self.per_call:
+            return self._varlen_blocks(pass_)
         n = self.m.n
         fixed, scaled = np.zeros(n * n), np.zeros(n * n)
         kernels, proxy, stair, rect = (np.zeros(n * n, dtype=np.int64) for _ in range(4))
@@ -76,16 +77,26 @@ class DocKernels:
             np.add.at(proxy, seg.block, seg.pairs + PIECE_OVERHEAD_PAIRS * k)
             np.add.at(stair, seg.block, ~seg.rect)
             np.add.at(rect, seg.block, seg.rect)
-        if self.per_call:
-            if pass_ == "fwd":          # kernels sharing rows (a staircase's rectangle and square) merge by LSE
-                scaled += self._merge_s(self.m.s_q.ravel()) * (kernels > np.maximum(rect + stair, 1))
-            dense = (kernels > MAX_PIECES) & (proxy > (self.m.s_q * self.m.s_kv).ravel())
-            if dense.any():             # the executor runs the dense masked kernel there: today's price
-                t = self.cm.matrix_block_times(self.m, pass_).ravel()
-                fixed[dense], scaled[dense] = self.kernel.launch_s, np.maximum(t[dense] - self.kernel.launch_s, 0)
-        else:
-            fixed += self.kernel.launch_s * ((rect > 0).astype(int) + (stair > 0))
+        if pass_ == "fwd":              # kernels sharing rows (a staircase's rectangle and square) merge by LSE
+            scaled += self._merge_s(self.m.s_q.ravel()) * (kernels > np.maximum(rect + stair, 1))
+        dense = (kernels > MAX_PIECES) & (proxy > (self.m.s_q * self.m.s_kv).ravel())
+        if dense.any():                 # the executor runs the dense masked kernel there: today's price
+            m = self.m
+            t = self.cm.block_time_s(m.flops(pass_), m.s_q, m.s_kv, m.elementwise, pass_, self.w.dtype,
+                                     self.w.head_dim).ravel()
+            fixed[dense], scaled[dense] = self.kernel.launch_s, np.maximum(t[dense] - self.kernel.launch_s, 0)
         return fixed, scaled
+
+    def _varlen_blocks(self, pass_: str) -> tuple[np.ndarray, np.ndarray]:
+        """Varlen kernels per block from the tile sums (:func:`~meshplan.model.doc_segments.block_tiles`): full
+        segments at the block shape's unmasked efficiency, staircases at its masked one."""
+        w, m = self.w, self.m
+        bt = block_tiles(m, *self.kernel.tile(pass_))
+        e_full, e_masked = (self.kernel.efficiency(m.s_q, m.s_kv, pass_, masked, w.head_dim, dtype=w.dtype)
+                            for masked in (False, True))
+        scaled = self.pair_flops(pass_) / self.peak * (bt.rect_work / e_full + bt.stair_work / e_masked)
+        fixed = self.segment_s * (bt.rect + bt.stair) + self.kernel.launch_s * ((bt.rect > 0) + (bt.stair > 0))
+        return fixed.ravel(), scaled.ravel()
 
     def _segment_times(self, seg: Segments, pass_: str, op_q, op_kv) -> tuple[np.ndarray, np.ndarray]:
         """Per segment: (seconds independent of heads, seconds at all heads). ``op_q``/``op_kv``: the shape of the
@@ -143,7 +154,15 @@ def op_cover(m, q_chunks, kv_chunks, unlimited: bool = False):
     """The kernels the executor runs for an op over ``q_chunks`` × ``kv_chunks`` of matrix ``m``: its tokens in
     position order covered by :func:`~meshplan.model.blockmask.kernel_cover`, else (interleaved chunks) block by
     block; None where it runs one dense masked kernel. ``unlimited``: a block takes any number of kernels (the
-    CUDA varlen path, which never runs a dense mask)."""
+    CUDA varlen path, which never runs a dense mask). Cached on the matrix."""
+    cache = m.__dict__.setdefault("_op_cover_cache", {})
+    key = (tuple(q_chunks), tuple(kv_chunks), unlimited)
+    if key not in cache:
+        cache[key] = _op_cover(m, q_chunks, kv_chunks, unlimited)
+    return cache[key]
+
+
+def _op_cover(m, q_chunks, kv_chunks, unlimited: bool):
     w, ch = m.workload, m.chunks
     qs = [np.sort(p[w.is_query(p)]) for p in (ch.positions(c) for c in q_chunks)]
     ks = [np.sort(p[w.is_real(p)]) for p in (ch.positions(c) for c in kv_chunks)]
@@ -176,28 +195,24 @@ def document_stats(sched: Schedule, topo) -> dict:
     m = attn_matrix(w, sched.n_chunks)
     tq, tk = topo.kernel.tile("fwd")
     n = sched.n_chunks
-    work, segs = np.zeros(n * n), np.zeros(n * n)
-    for seg in block_segments(m):
-        np.add.at(work, seg.block, tile_count(seg.nq, seg.nk, seg.c, tq, tk) * float(tq * tk))
-        np.add.at(segs, seg.block, 1)
+    bt = block_tiles(m, tq, tk)
+    work, segs = (bt.rect_work + bt.stair_work).ravel(), (bt.rect + bt.stair).ravel()
     heads = (o.h1 - o.h0) / w.n_heads
-    ops = np.flatnonzero((o.kind == COMPUTE) & (o.phase == 0))
-    computed = pairs = 0.0
-    per_rank = np.zeros(sched.n_ranks)
-    for op in ops:
+    fwd = (o.kind == COMPUTE) & (o.phase == 0)
+    blocks = np.diff(o.qc_ptr) * np.diff(o.kvc_ptr)
+    one = np.flatnonzero(fwd & (blocks == 1))
+    b = o.q_chunks[o.qc_ptr[one]] * n + o.kv_chunks[o.kvc_ptr[one]]
+    computed = float((work[b] * heads[one]).sum())
+    pairs = float((m.pairs.ravel()[b] * heads[one]).sum())
+    per_rank = np.bincount(o.rank[one], weights=segs[b], minlength=sched.n_ranks)
+    for op in np.flatnonzero(fwd & (blocks > 1)):
         qc = tuple(int(x) for x in o.q_chunks[o.qc_ptr[op]:o.qc_ptr[op + 1]])
         kc = tuple(int(x) for x in o.kv_chunks[o.kvc_ptr[op]:o.kvc_ptr[op + 1]])
-        if len(qc) * len(kc) == 1:
-            b = qc[0] * n + kc[0]
-            op_work, op_segs = work[b], segs[b]
-        else:
-            plan = op_cover(m, qc, kc, unlimited=topo.kernel.spec.segments != "per_call") or []
-            arr = np.array([(p.r1 - p.r0, p.c1 - p.c0, p.causal) for p in plan], dtype=np.int64).reshape(-1, 3)
-            op_work = float((tile_count(arr[:, 0], arr[:, 1], np.where(arr[:, 2] > 0, 0, arr[:, 1]), tq, tk)
-                             * tq * tk).sum())
-            op_segs = len(plan)
-        computed += op_work * heads[op]
+        plan = op_cover(m, qc, kc, unlimited=topo.kernel.spec.segments != "per_call") or []
+        arr = np.array([(p.r1 - p.r0, p.c1 - p.c0, p.causal) for p in plan], dtype=np.int64).reshape(-1, 3)
+        computed += float((tile_count(arr[:, 0], arr[:, 1], np.where(arr[:, 2] > 0, 0, arr[:, 1]), tq, tk)
+                           * tq * tk).sum()) * heads[op]
         pairs += float(m.pairs[np.ix_(qc, kc)].sum()) * heads[op]
-        per_rank[o.rank[op]] += op_segs
+        per_rank[o.rank[op]] += len(plan)
     return {"count": len(w.mask.doc_lens), "segments": int(per_rank.max(initial=0)),
             "tile_waste": computed / pairs if pairs else None}

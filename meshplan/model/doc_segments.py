@@ -119,13 +119,54 @@ def block_segments(m, budget: int = 1 << 22) -> Iterator[Segments]:
         yield from _joined_segments(m, budget)
 
 
-def _keep(block, nq, nk, c) -> Segments:
-    ok = (nq > 0) & (nk > 0) & (nq + c > 0)
-    return Segments(block[ok], nq[ok], nk[ok], c[ok])
+@dataclass(frozen=True)
+class BlockTiles:
+    """Per block [n, n] (float64): ``rect_work`` and ``stair_work``, the tiles × tq × tk of its full and of its
+    masked segments; ``rect`` and ``stair``, how many segments of each kind."""
+
+    rect_work: np.ndarray
+    stair_work: np.ndarray
+    rect: np.ndarray
+    stair: np.ndarray
 
 
-def _piece_segments(w, n: int, width: int, budget: int) -> Iterator[Segments]:
-    """Per-document contiguous (width 1) and zigzag (width 2) layouts: one segment per (block, document)."""
+def block_tiles(m, tq: int, tk: int) -> BlockTiles:
+    """Tile sums of every block's segments (:func:`block_segments` summed per block). Per-document contiguous and
+    zigzag layouts in closed form — a rectangle's tiles are ⌈rows / tq⌉ · ⌈keys / tk⌉, so the off-diagonal sums
+    over documents are matrix products, the diagonal's causal squares a sum per chunk — in O(n² · D) multiply-adds
+    done by BLAS; other layouts by summing :func:`block_segments`."""
+    n = m.n
+    width = doc_columns(m.workload, m.chunks)
+    if not (width and m.chunks.layout != "striped"):
+        out = [np.zeros(n * n) for _ in range(4)]
+        for seg in block_segments(m):
+            work = tile_count(seg.nq, seg.nk, seg.c, tq, tk) * float(tq * tk)
+            rect = seg.rect
+            np.add.at(out[0], seg.block[rect], work[rect])
+            np.add.at(out[1], seg.block[~rect], work[~rect])
+            np.add.at(out[2], seg.block, rect)
+            np.add.at(out[3], seg.block, ~rect)
+        return BlockTiles(*(x.reshape(n, n) for x in out))
+    first, second, both = _piece_rows(m.workload, n, width)                  # [D, n] each, float64
+    i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+    tiles_q = lambda x: np.ceil(x / tq)  # noqa: E731
+    tiles_k = lambda x: np.ceil(x / tk)  # noqa: E731
+    lower = (tiles_q(both).T @ tiles_k(first)) * (j < i)                     # rows of chunk i x piece j
+    upper = (tiles_q(second).T @ tiles_k(both)) * (j > i)                    # second piece's rows x chunk j
+    live = lambda x: (x > 0).astype(np.float64)  # noqa: E731
+    count = (live(both).T @ live(first)) * (j < i) + (live(second).T @ live(both)) * (j > i)
+    square = tile_count(both, both, 0, tq, tk).astype(np.float64)              # causal squares [D, n]
+    one = both == 1                                                             # a 1-token square: a rectangle
+    tile = float(tq * tk)
+    return BlockTiles((lower + upper) * tile + np.diag(np.where(one, square, 0).sum(axis=0) * tile),
+                      np.diag(np.where(one, 0, square).sum(axis=0) * tile),
+                      count + np.diag(one.sum(axis=0).astype(np.float64)),
+                      np.diag((both > 1).sum(axis=0).astype(np.float64)))
+
+
+def _piece_rows(w, n: int, width: int):
+    """(first, second, both) [D, n]: real tokens of each document in chunk i's first piece (piece i), its second
+    (piece 2n − 1 − i under zigzag, else 0) and both."""
     regions = np.asarray([(a, e, r) for a, e, r, _ in w.regions()], dtype=np.int64)          # [D, 3]
     pieces = width * n
     size = (regions[:, 1] - regions[:, 0]) // pieces
@@ -133,12 +174,22 @@ def _piece_segments(w, n: int, width: int, budget: int) -> Iterator[Segments]:
     r = np.clip(real[:, None] - np.arange(pieces)[None, :] * size[:, None], 0, size[:, None])  # [D, pieces]
     first = r[:, :n]
     second = r[:, pieces - 1 - np.arange(n)] if width == 2 else np.zeros_like(first)
-    both = first + second                                                                    # [D, n]
+    return first, second, first + second
+
+
+def _keep(block, nq, nk, c) -> Segments:
+    ok = (nq > 0) & (nk > 0) & (nq + c > 0)
+    return Segments(block[ok], nq[ok], nk[ok], c[ok])
+
+
+def _piece_segments(w, n: int, width: int, budget: int) -> Iterator[Segments]:
+    """Per-document contiguous (width 1) and zigzag (width 2) layouts: one segment per (block, document)."""
+    first, second, both = _piece_rows(w, n, width)
     i, j = np.arange(n)[:, None], np.arange(n)[None, :]
     lower, diag = j < i, i == j
     block = np.broadcast_to(i * n + j, (n, n))
     step = max(1, budget // (n * n))
-    for d0 in range(0, len(r), step):
+    for d0 in range(0, len(both), step):
         g = slice(d0, d0 + step)
         bq, fk, sq, bk = both[g][:, :, None], first[g][:, None, :], second[g][:, :, None], both[g][:, None, :]
         nq = np.where(lower | diag, bq, sq)

@@ -82,3 +82,22 @@ def test_per_document_segments_are_the_executors_kernels(layout):
             causal = np.array([p.causal for p in plan])
             want = tile_count(rows, cols, np.where(causal, 0, cols), 128, 64).sum() if plan else 0
             assert (count[i * n + j], tiles[i * n + j]) == (len(plan), want), (i, j)
+
+
+@pytest.mark.parametrize("layout,doc_layout", [("zigzag", "per-doc"), ("contiguous", "per-doc"),
+                                               ("striped", "per-doc"), ("zigzag", "packed")])
+def test_block_tiles_closed_form_sums_the_segments(layout, doc_layout):
+    """The matrix-product tile sums of the per-document layouts equal the segments summed one by one."""
+    from meshplan.model.doc_segments import block_tiles
+
+    n, (tq, tk) = 4, (128, 64)
+    m = attn_matrix(_workload(layout, doc_layout, n, seed=5), n)
+    want = np.zeros((4, n * n))
+    for seg in block_segments(m):
+        work = tile_count(seg.nq, seg.nk, seg.c, tq, tk) * tq * tk
+        for k, sel in enumerate((seg.rect, ~seg.rect)):
+            np.add.at(want[k], seg.block[sel], work[sel])
+            np.add.at(want[2 + k], seg.block[sel], 1)
+    got = block_tiles(m, tq, tk)
+    for k, arr in enumerate((got.rect_work, got.stair_work, got.rect, got.stair)):
+        np.testing.assert_array_equal(arr.ravel(), want[k])

@@ -97,3 +97,28 @@ def test_above_the_limit_asymmetric_candidates_stay_at_their_bound(monkeypatch):
     assert contiguous and all(c.model_level == "closed-form" for c in contiguous)
     assert any(c.model_level == "simulated" and c.workload.layout == "zigzag" for c in result.candidates)
     assert result.counts["enumerated"] == result.counts["pruned"] + result.counts["simulated"]
+
+
+def test_search_shows_documents_and_tile_waste():
+    """On a packed-document mask a simulated candidate carries its document cost: the documents, the most segments
+    a rank runs, and the tile waste, which per-document zigzag Ring on short documents makes large (each 48-token
+    document in 8 pieces of 6 tokens, each a 128 x 64 tile) and Ulysses smaller (whole documents, one tile each)."""
+    import json
+
+    from helpers import run
+
+    lens = [48] * 64
+    flags = ["--gpus", 4, "--topo", "h100x8", "--seq-len", sum(lens), "--heads", 8, "--kv-heads", 8, "--layout",
+             "zigzag", "--mask", "docs:" + ",".join(map(str, lens)), "--pass", "fwd"]
+    docs = {}
+    for algo in ("ring", "ulysses"):
+        res = run("search", *flags, "--algos", algo, "--json")
+        assert res.exit_code == 0, res.stderr
+        docs[algo] = json.loads(res.stdout)["candidates"][0]["documents"]
+    assert docs["ring"]["count"] == docs["ulysses"]["count"] == 64
+    # Ulysses: a 48-token causal square (1,176 pairs) computes one 8,192-pair tile; Ring's pieces far more
+    assert docs["ulysses"]["tile_waste"] == pytest.approx(8192 / 1176)
+    assert docs["ring"]["tile_waste"] > 10 * docs["ulysses"]["tile_waste"]
+    assert docs["ring"]["segments"] > docs["ulysses"]["segments"]
+    text = run("search", *flags, "--algos", "ring").stdout
+    assert "64 documents" in text and "tile waste" in text
