@@ -156,7 +156,7 @@ class CostModel:
 
     def _doc_compute(self, sched: Schedule, dur: np.ndarray) -> None:
         """Compute ops under a ``docs`` mask, per document segment (:mod:`meshplan.cost.doc_kernels`)."""
-        from meshplan.cost.doc_kernels import DocKernels
+        from meshplan.cost.doc_kernels import DocKernels, many_covers
 
         o, doc = sched.ops, DocKernels(self, attn_matrix(sched.workload, sched.n_chunks))
         n, heads = sched.n_chunks, (o.h1 - o.h0) / sched.workload.n_heads
@@ -168,7 +168,13 @@ class CostModel:
                 fixed, scaled = doc.block_parts(pass_)
                 b = o.q_chunks[o.qc_ptr[one]] * n + o.kv_chunks[o.kvc_ptr[one]]
                 dur[one] = np.where(o.flops[one] > 0, fixed[b] + scaled[b] * heads[one], 0.0)
-            for op in np.flatnonzero((o.kind == COMPUTE) & (o.phase == phase) & (blocks > 1)):
+            multi = np.flatnonzero((o.kind == COMPUTE) & (o.phase == phase) & (blocks > 1))
+            if not doc.per_call and many_covers(sched, multi):
+                # too many distinct chunk sets to build each cover (Mesh's tiles at scale): the op's blocks'
+                # segments in one varlen call, an upper bound on the tiles of its cover
+                dur[multi] = np.where(o.flops[multi] > 0, doc.varlen_ops(sched, multi, pass_), 0.0)
+                continue
+            for op in multi:
                 qc = tuple(int(x) for x in o.q_chunks[o.qc_ptr[op]:o.qc_ptr[op + 1]])
                 kc = tuple(int(x) for x in o.kv_chunks[o.kvc_ptr[op]:o.kvc_ptr[op + 1]])
                 fixed, scaled = doc.op_parts(qc, kc, int(o.s_q[op]), int(o.s_kv[op]), pass_)

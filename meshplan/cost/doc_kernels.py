@@ -36,6 +36,31 @@ from meshplan.model.doc_segments import Segments, block_segments, block_tiles, t
 from meshplan.model.matrix import BWD_FLOP_FACTOR, attn_matrix
 from meshplan.plan.schedule import Schedule
 
+MAX_COVERS = 64       # distinct chunk sets whose covers are built; beyond, ops are priced from their blocks
+
+
+def _chunk_tokens(m, chunk: int, query: bool) -> np.ndarray:
+    """Chunk ``chunk``'s query (or real key) positions, ascending, built from its segments at once; cached."""
+    cache = m.__dict__.setdefault("_chunk_token_cache", {})
+    if (chunk, query) not in cache:
+        ch, w = m.chunks, m.workload
+        count = ch.count[chunk]
+        at = np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count)
+        pos = np.repeat(ch.start[chunk], count) + at * np.repeat(ch.stride[chunk], count)
+        cache[(chunk, query)] = np.sort(pos[w.is_query(pos) if query else w.is_real(pos)])
+    return cache[(chunk, query)]
+
+
+def many_covers(sched: Schedule, ops: np.ndarray) -> bool:
+    """Whether ``ops`` span more than :data:`MAX_COVERS` distinct (query chunks, KV chunks) sets (each set's cover
+    is built once, O(tokens) numpy and O(segments) Python)."""
+    o = sched.ops
+    if len(ops) <= MAX_COVERS:
+        return False
+    keys = {(o.q_chunks[o.qc_ptr[op]:o.qc_ptr[op + 1]].tobytes(), o.kv_chunks[o.kvc_ptr[op]:o.kvc_ptr[op + 1]]
+             .tobytes()) for op in ops}
+    return len(keys) > MAX_COVERS
+
 
 class DocKernels:
     """Kernel times of compute ops over the blocks of matrix ``m`` under its ``docs`` mask, on cost model ``cm``."""
@@ -97,6 +122,26 @@ class DocKernels:
         scaled = self.pair_flops(pass_) / self.peak * (bt.rect_work / e_full + bt.stair_work / e_masked)
         fixed = self.segment_s * (bt.rect + bt.stair) + self.kernel.launch_s * ((bt.rect > 0) + (bt.stair > 0))
         return fixed.ravel(), scaled.ravel()
+
+    def varlen_ops(self, sched: Schedule, ops: np.ndarray, pass_: str) -> np.ndarray:
+        """Seconds of varlen ops over several chunks: one call over the segments of all their blocks (each block's
+        segments kept apart: an upper bound on the tiles of the executor's cover, which may join a document's
+        pieces from adjacent chunks), every tile at the efficiency of the op's shape."""
+        from meshplan.plan.schedule import expand_blocks
+
+        o, w, n = sched.ops, self.w, self.m.n
+        bt = block_tiles(self.m, *self.kernel.tile(pass_))
+        op_of, qi, kj = expand_blocks(o, ops)
+        b = qi * n + kj
+        parts = [np.zeros(len(o)) for _ in range(4)]
+        for acc, arr in zip(parts, (bt.rect_work, bt.stair_work, bt.rect, bt.stair)):
+            np.add.at(acc, op_of, arr.ravel()[b])
+        rect_work, stair_work, rect, stair = (x[ops] for x in parts)
+        e_full, e_masked = (self.kernel.efficiency(o.s_q[ops], o.s_kv[ops], pass_, masked, w.head_dim, dtype=w.dtype)
+                            for masked in (False, True))
+        heads = (o.h1 - o.h0)[ops] / w.n_heads
+        scaled = self.pair_flops(pass_) / self.peak * (rect_work / e_full + stair_work / e_masked) * heads
+        return scaled + self.segment_s * (rect + stair) + self.kernel.launch_s * ((rect > 0) + (stair > 0))
 
     def _segment_times(self, seg: Segments, pass_: str, op_q, op_kv) -> tuple[np.ndarray, np.ndarray]:
         """Per segment: (seconds independent of heads, seconds at all heads). ``op_q``/``op_kv``: the shape of the
@@ -163,9 +208,9 @@ def op_cover(m, q_chunks, kv_chunks, unlimited: bool = False):
 
 
 def _op_cover(m, q_chunks, kv_chunks, unlimited: bool):
-    w, ch = m.workload, m.chunks
-    qs = [np.sort(p[w.is_query(p)]) for p in (ch.positions(c) for c in q_chunks)]
-    ks = [np.sort(p[w.is_real(p)]) for p in (ch.positions(c) for c in kv_chunks)]
+    w = m.workload
+    qs = [_chunk_tokens(m, c, True) for c in q_chunks]
+    ks = [_chunk_tokens(m, c, False) for c in kv_chunks]
     q, k = np.sort(np.concatenate(qs)), np.sort(np.concatenate(ks))
     plan = kernel_cover(KeyRanges(*w.mask.key_ranges(q, k), len(k)))
     if plan is not None:
@@ -204,8 +249,18 @@ def document_stats(sched: Schedule, topo) -> dict:
     b = o.q_chunks[o.qc_ptr[one]] * n + o.kv_chunks[o.kvc_ptr[one]]
     computed = float((work[b] * heads[one]).sum())
     pairs = float((m.pairs.ravel()[b] * heads[one]).sum())
-    per_rank = np.bincount(o.rank[one], weights=segs[b], minlength=sched.n_ranks)
-    for op in np.flatnonzero(fwd & (blocks > 1)):
+    per_rank = np.bincount(o.rank[one], weights=segs[b], minlength=sched.n_ranks).astype(np.float64)
+    multi = np.flatnonzero(fwd & (blocks > 1))
+    if topo.kernel.spec.segments != "per_call" and many_covers(sched, multi):
+        from meshplan.plan.schedule import expand_blocks
+
+        op_of, qi, kj = expand_blocks(o, multi)
+        b = qi * n + kj
+        computed += float((work[b] * heads[op_of]).sum())
+        pairs += float((m.pairs.ravel()[b] * heads[op_of]).sum())
+        per_rank += np.bincount(o.rank[op_of], weights=segs[b], minlength=sched.n_ranks)
+        multi = multi[:0]
+    for op in multi:
         qc = tuple(int(x) for x in o.q_chunks[o.qc_ptr[op]:o.qc_ptr[op + 1]])
         kc = tuple(int(x) for x in o.kv_chunks[o.kvc_ptr[op]:o.kvc_ptr[op + 1]])
         plan = op_cover(m, qc, kc, unlimited=topo.kernel.spec.segments != "per_call") or []
