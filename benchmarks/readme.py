@@ -435,7 +435,8 @@ def block_results(r) -> str:
         f"{ring['mape_pct']:.1f}% for Ring (max {ring['max_abs_error_pct']:.1f}%) and {charm['mape_pct']:.1f}% for "
         f"CHARM+ (max {charm['max_abs_error_pct']:.1f}%), target ≤ 10% "
         "([docs/accuracy.md](docs/accuracy.md#published-measurements)).",
-        f"- **Own CPU runs** (every candidate search proposes for five workloads, gloo on 2 cores): MAPE "
+        f"- **Own CPU runs** (every candidate search proposes for five workloads, gloo on 2 cores, against the "
+        f"calibration of {(val.get('calibration') or {}).get('measured_at', '?')}): MAPE "
         f"{s2['mape_pct']:.1f}% at 2 ranks and {s4['mape_pct']:.1f}% at 4; Kendall τ {s2['kendall_tau']:.2f} and "
         f"{s4['kendall_tau']:.2f}; the pick's held-out regret at most {s2['heldout_regret_pct_max']:.1f}% and "
         f"{s4['heldout_regret_pct_max']:.1f}% ([docs/accuracy.md](docs/accuracy.md#our-own-runs)).",
