@@ -263,6 +263,22 @@ def repredict(results: dict) -> dict:
     return results
 
 
+def run_all(args, workloads: list, ranks: list[int], quick_workloads: int) -> dict:
+    """Every workload on every rank count (``--quick``: the first ``quick_workloads`` on 2 ranks, 2 rounds, a race
+    of 4); the results body (date, rounds, calibration, summary, workloads, wall time)."""
+    t0 = time.perf_counter()
+    plan = [(2, workloads[:quick_workloads])] if args.quick else [(n, workloads) for n in ranks]
+    rounds, race_rounds = (2, 4) if args.quick else (args.rounds, args.race_rounds)
+    results = []
+    with tempfile.TemporaryDirectory() as d:
+        for n, wls in plan:
+            for label, flags in wls:
+                results.append(run_workload(label, flags, n, rounds, race_rounds, Path(d)))
+    return {"date": time.strftime("%Y-%m-%d"), "topology": "cpu-local", "rounds": rounds,
+            "race_rounds": race_rounds, "calibration": _calibration_stamp(),
+            "summary": validate_stats.summary(results), "workloads": results, "wall_s": time.perf_counter() - t0}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="two workloads, 2 ranks, 2 rounds (results not written)")
@@ -278,19 +294,8 @@ def main() -> None:
         write_atomic(RESULTS, json.dumps(body, indent=1, default=str).encode())
         print(json.dumps(body["summary"], indent=1))
         return
-    t0 = time.perf_counter()
     ranks = [int(x) for x in args.ranks.split(",")]
-    plan = [(2, WORKLOADS[:2])] if args.quick else [(n, WORKLOADS) for n in ranks]
-    rounds, race_rounds = (2, 4) if args.quick else (args.rounds, args.race_rounds)
-    results = []
-    with tempfile.TemporaryDirectory() as d:
-        for n, wls in plan:
-            for label, flags in wls:
-                results.append(run_workload(label, flags, n, rounds, race_rounds, Path(d)))
-    body = {"date": time.strftime("%Y-%m-%d"), "topology": "cpu-local", "rounds": rounds,
-            "race_rounds": race_rounds, "calibration": _calibration_stamp(),
-            "summary": validate_stats.summary(results), "workloads": results,
-            "wall_s": time.perf_counter() - t0}
+    body = run_all(args, WORKLOADS, ranks, quick_workloads=2)
     if not args.quick:
         write_atomic(RESULTS, json.dumps(_merged(body, ranks), indent=1, default=str).encode())
     print(json.dumps(body["summary"], indent=1))

@@ -25,8 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +35,6 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 import validate_cpu  # noqa: E402  (beside this file)
-import validate_stats  # noqa: E402
 
 from meshplan.core.fileio import write_atomic  # noqa: E402
 
@@ -108,19 +105,8 @@ def main() -> None:
         write_atomic(RESULTS, json.dumps(body, indent=1, default=str).encode())
         print(json.dumps(body["summary"], indent=1))
         return
-    t0 = time.perf_counter()
-    ranks = [int(x) for x in args.ranks.split(",")]
-    plan = [(2, WORKLOADS[:1])] if args.quick else [(n, WORKLOADS) for n in ranks]
-    rounds, race_rounds = (2, 4) if args.quick else (args.rounds, args.race_rounds)
-    results = []
-    with tempfile.TemporaryDirectory() as d:
-        for n, wls in plan:
-            for label, flags in wls:
-                results.append(validate_cpu.run_workload(label, flags, n, rounds, race_rounds, Path(d)))
-    body = {"date": time.strftime("%Y-%m-%d"), "topology": "cpu-local", "rounds": rounds,
-            "race_rounds": race_rounds, "calibration": validate_cpu._calibration_stamp(),
-            "documents": {label: flags["mask"] for label, flags in WORKLOADS},
-            "summary": validate_stats.summary(results), "workloads": results, "wall_s": time.perf_counter() - t0}
+    body = validate_cpu.run_all(args, WORKLOADS, [int(x) for x in args.ranks.split(",")], quick_workloads=1)
+    body["documents"] = {label: flags["mask"] for label, flags in WORKLOADS}
     if not args.quick:
         write_atomic(RESULTS, json.dumps(body, indent=1, default=str).encode())
     print(json.dumps(body["summary"], indent=1))

@@ -84,10 +84,7 @@ def print_search(body: dict[str, Any], console: Console, top: int) -> None:
                       *([_doc_text(c.get("documents"))] if docs else []))
     console.print(table)
     if docs:
-        count = next(c["documents"]["count"] for c in body["candidates"] if c.get("documents"))
-        console.print(f"{count} documents: each runs as its own kernel segments; tile waste = the tiles the kernels "
-                      "compute (every segment rounded up to the kernel's tile) over the permitted pairs, forward",
-                      soft_wrap=True)
+        console.print(_doc_legend(body["candidates"]), soft_wrap=True)
     if lead := _lead_text(body["candidates"]):
         console.print(lead, soft_wrap=True)
     for i, c in enumerate(body["candidates"], start=1):
@@ -116,6 +113,12 @@ def print_search(body: dict[str, Any], console: Console, top: int) -> None:
         print_inference(body["inference"], console)
     if body.get("frameworks"):
         print_frameworks(body["frameworks"], console)
+
+
+def _doc_legend(candidates: list[dict[str, Any]]) -> str:
+    count = next(c["documents"]["count"] for c in candidates if c.get("documents"))
+    return (f"{count} documents: each runs as its own kernel segments; tile waste = the tiles the kernels compute "
+            "(every segment rounded up to the kernel's tile) over the permitted pairs, forward")
 
 
 def _doc_text(d: dict[str, Any] | None) -> str:
