@@ -240,13 +240,13 @@ def rankings(rows: list[dict], race: dict | None) -> dict:
                          "race_regret": validate_stats.race_regret(rows, race)}
 
 
-def repredict(results: dict) -> dict:
+def repredict(results: dict, workloads: list | None = None) -> dict:
     """The stored measurements against this code's predictions: every row and Ring's CCR predicted again
     (same workloads, candidates and knobs), errors, rankings and summary recomputed. For a model change
     that leaves the executor alone; refused when the calibration is not the one the runs were compared with."""
     if results.get("calibration") != _calibration_stamp():
         raise SystemExit("validate_cpu --repredict: the calibration changed since these runs; run them again")
-    flags = dict(WORKLOADS)
+    flags = dict(WORKLOADS if workloads is None else workloads)
     for wl in results["workloads"]:
         n = wl["ranks"]
         topo = Topology.load("cpu-local", gpus=n)
@@ -279,20 +279,30 @@ def run_all(args, workloads: list, ranks: list[int], quick_workloads: int) -> di
             "summary": validate_stats.summary(results), "workloads": results, "wall_s": time.perf_counter() - t0}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="two workloads, 2 ranks, 2 rounds (results not written)")
+def parse_args(doc: str, quick: str) -> argparse.Namespace:
+    """The validation scripts' flags (``doc``: the script's docstring; ``quick``: what --quick runs)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help=f"{quick}, 2 ranks, 2 rounds (results not written)")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds per candidate (default 5)")
     ap.add_argument("--race-rounds", type=int, default=10,
                     help="more interleaved rounds of the contenders and the pick, for the regret (default 10; 0: none)")
     ap.add_argument("--ranks", default="2,4", help="rank counts (default 2,4)")
     ap.add_argument("--repredict", action="store_true",
                     help="no runs: the stored measurements against this code's predictions (rewrites the results)")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def repredict_file(path: Path, workloads: list) -> None:
+    """``--repredict``: the results at ``path`` predicted again (:func:`repredict`), rewritten, summary printed."""
+    body = repredict(json.loads(path.read_text()), workloads)
+    write_atomic(path, json.dumps(body, indent=1, default=str).encode())
+    print(json.dumps(body["summary"], indent=1))
+
+
+def main() -> None:
+    args = parse_args(__doc__, "two workloads")
     if args.repredict:
-        body = repredict(json.loads(RESULTS.read_text()))
-        write_atomic(RESULTS, json.dumps(body, indent=1, default=str).encode())
-        print(json.dumps(body["summary"], indent=1))
+        repredict_file(RESULTS, WORKLOADS)
         return
     ranks = [int(x) for x in args.ranks.split(",")]
     body = run_all(args, WORKLOADS, ranks, quick_workloads=2)

@@ -22,7 +22,6 @@ code's predictions (a model change; the same calibration only).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -86,24 +85,10 @@ WORKLOADS = [
 ]
 
 
-def repredict(results: dict) -> dict:
-    """The stored measurements against this code's predictions (``validate_cpu.repredict`` on these workloads)."""
-    validate_cpu.WORKLOADS[:] = WORKLOADS
-    return validate_cpu.repredict(results)
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="one workload, 2 ranks, 2 rounds (results not written)")
-    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds per candidate (default 5)")
-    ap.add_argument("--race-rounds", type=int, default=10, help="rounds of the race (default 10; 0: none)")
-    ap.add_argument("--ranks", default="2,4", help="rank counts (default 2,4)")
-    ap.add_argument("--repredict", action="store_true", help="no runs: stored measurements, this code's predictions")
-    args = ap.parse_args()
+    args = validate_cpu.parse_args(__doc__, "one workload")
     if args.repredict:
-        body = repredict(json.loads(RESULTS.read_text()))
-        write_atomic(RESULTS, json.dumps(body, indent=1, default=str).encode())
-        print(json.dumps(body["summary"], indent=1))
+        validate_cpu.repredict_file(RESULTS, WORKLOADS)
         return
     body = validate_cpu.run_all(args, WORKLOADS, [int(x) for x in args.ranks.split(",")], quick_workloads=1)
     body["documents"] = {label: flags["mask"] for label, flags in WORKLOADS}
