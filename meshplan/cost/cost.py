@@ -97,11 +97,14 @@ class CostModel:
         taken at its shape grown by √(a·b) (as :meth:`op_durations` does) — the largest it can have; with
         ``envelope`` at the kernel table's monotone envelope there (the best of that shape and every smaller
         one), which keeps closed forms lower bounds whatever op the block runs in. Under a ``docs`` mask a block
-        alone is priced as its document segments (:mod:`meshplan.cost.doc_kernels`), and the envelope of per-call
-        kernel tables is the table's best efficiency anywhere (a segment runs at its own, smaller shape)."""
+        alone is priced as its document segments (:mod:`meshplan.cost.doc_kernels`; a window on per-call kernels as
+        its strips), and the envelope of per-call kernel tables is the table's best efficiency anywhere (a segment
+        runs at its own, smaller shape)."""
+        from meshplan.cost.doc_kernels import priced_by_cover
+
         key = (self.topo.content_hash, pass_, kernel_chunks, envelope)
         cache = m.__dict__.setdefault("_block_time_cache", {})
-        docs = m.workload.mask.kind == "docs"
+        docs = priced_by_cover(m.workload, self.kernel.spec)
         if key not in cache and docs and not envelope and kernel_chunks == (1, 1):
             from meshplan.cost.doc_kernels import DocKernels  # a block alone: its document segments' kernels
 
@@ -118,8 +121,8 @@ class CostModel:
                                           dtype=m.workload.dtype)
             eff = grid[cq, ck, m.elementwise.astype(np.int64)]
             if docs and envelope and self.kernel.spec.segments == "per_call":
-                # kernels per document segment run at their own (smaller) shapes, any of them up to the table's
-                # best: the best efficiency anywhere keeps the bound a bound
+                # kernels per document segment (or window strip) run at their own (smaller) shapes, any of them up
+                # to the table's best: the best efficiency anywhere keeps the bound a bound
                 big = float(self.kernel.spec.tokens[-1])
                 eff = np.full(eff.shape, float(self.kernel.efficiency(big, big, pass_, False, m.workload.head_dim,
                                                                       True, dtype=m.workload.dtype)))
@@ -155,7 +158,8 @@ class CostModel:
         return self.kernel.launch_s * np.where(by_block[ops], launches[ops], 1.0) + total[ops]
 
     def _doc_compute(self, sched: Schedule, dur: np.ndarray) -> None:
-        """Compute ops under a ``docs`` mask, per document segment (:mod:`meshplan.cost.doc_kernels`)."""
+        """Compute ops under a ``docs`` mask, per document segment, or a window on per-call kernels, per strip
+        (:mod:`meshplan.cost.doc_kernels`)."""
         from meshplan.cost.doc_kernels import DocKernels, many_covers
 
         o, doc = sched.ops, DocKernels(self, attn_matrix(sched.workload, sched.n_chunks))
@@ -203,8 +207,10 @@ class CostModel:
             multi = np.flatnonzero((o.kind == COMPUTE) & (o.phase == phase) & (blocks > 1))
             if len(multi):
                 dur[multi] = self._one_kernel(sched, multi, PASS_NAMES[phase])
-        if sched.workload.mask.kind == "docs":      # document segments: priced as the kernels run them
-            self._doc_compute(sched, dur)
+        from meshplan.cost.doc_kernels import priced_by_cover
+
+        if priced_by_cover(sched.workload, self.kernel.spec):     # document segments, window strips on CPU:
+            self._doc_compute(sched, dur)                         # priced as the kernels run them
         delta = self.kernel.bwd_delta(dtype)
         if delta != 1.0:
             dur[self._bwd_without_out(sched)] *= delta

@@ -16,7 +16,10 @@ key piece) of one document (:mod:`meshplan.model.doc_segments`), and the kernel 
 
 An op over one block is priced from its block's segments (closed forms over all documents at once); an op over
 several chunks from the cover of its tokens in position order, as the executor builds it (one per distinct
-pair of chunk sets). Workloads without documents never come here (their prices do not move).
+pair of chunk sets). A sliding window on per-call kernels is priced the same way, from each block's cover (its
+strips of W rows, :func:`~meshplan.model.blockmask.pieces`): :func:`priced_by_cover` says which workloads come
+here; the others (full, causal, windows on GPUs, where FlashAttention's window skips tiles) never do, and their
+prices do not move.
 """
 
 from __future__ import annotations
@@ -27,9 +30,9 @@ from meshplan.model.blockmask import (
     MAX_PIECES,
     PIECE_OVERHEAD_PAIRS,
     KeyRanges,
-    Piece,
     kernel_cover,
     pieces,
+    prefer_by_block,
     rows_overlap,
 )
 from meshplan.model.doc_segments import Segments, block_segments, block_tiles, tile_count
@@ -49,6 +52,12 @@ def _chunk_tokens(m, chunk: int, query: bool) -> np.ndarray:
         pos = np.repeat(ch.start[chunk], count) + at * np.repeat(ch.stride[chunk], count)
         cache[(chunk, query)] = np.sort(pos[w.is_query(pos) if query else w.is_real(pos)])
     return cache[(chunk, query)]
+
+
+def priced_by_cover(w, kernel_spec) -> bool:
+    """Whether workload ``w``'s compute ops are priced from the kernels of their covers here: packed documents on
+    every kernel table, a sliding window on per-call tables (the CPU executor runs its strips as kernels)."""
+    return w.mask.kind == "docs" or (w.mask.kind == "window" and kernel_spec.segments == "per_call")
 
 
 def many_covers(sched: Schedule, ops: np.ndarray) -> bool:
@@ -90,6 +99,8 @@ class DocKernels:
     def _blocks(self, pass_: str) -> tuple[np.ndarray, np.ndarray]:
         if not self.per_call:
             return self._varlen_blocks(pass_)
+        if self.w.mask.kind != "docs":
+            return self._cover_blocks(pass_)
         n = self.m.n
         fixed, scaled = np.zeros(n * n), np.zeros(n * n)
         kernels, proxy, stair, rect = (np.zeros(n * n, dtype=np.int64) for _ in range(4))
@@ -110,6 +121,21 @@ class DocKernels:
             t = self.cm.block_time_s(m.flops(pass_), m.s_q, m.s_kv, m.elementwise, pass_, self.w.dtype,
                                      self.w.head_dim).ravel()
             fixed[dense], scaled[dense] = self.kernel.launch_s, np.maximum(t[dense] - self.kernel.launch_s, 0)
+        return fixed, scaled
+
+    def _cover_blocks(self, pass_: str) -> tuple[np.ndarray, np.ndarray]:
+        """Per-call kernels per block from each block's own cover (a sliding window: its strips), blocks with the
+        same query and key offsets priced once."""
+        m, n = self.m, self.m.n
+        fixed, scaled = np.zeros(n * n), np.zeros(n * n)
+        seen: dict[tuple, tuple[float, float]] = {}
+        for b in np.flatnonzero(m.pairs.ravel() > 0):
+            i, j = divmod(int(b), n)
+            q, k = _chunk_tokens(m, i, True), _chunk_tokens(m, j, False)
+            shape = ((q - k[0]).tobytes(), (k - k[0]).tobytes())
+            if shape not in seen:      # a window depends on the offsets q - k only: the block's geometry
+                seen[shape] = self._op((i,), (j,), int(m.s_q[i, j]), int(m.s_kv[i, j]), pass_)
+            fixed[b], scaled[b] = seen[shape]
         return fixed, scaled
 
     def _varlen_blocks(self, pass_: str) -> tuple[np.ndarray, np.ndarray]:
@@ -208,26 +234,34 @@ def op_cover(m, q_chunks, kv_chunks, unlimited: bool = False):
 
 
 def _op_cover(m, q_chunks, kv_chunks, unlimited: bool):
+    """:func:`op_cover` uncached: the executor's choice (``OpRunner.compute``) between its tokens in position order
+    and block by block (:func:`~meshplan.model.blockmask.prefer_by_block`, on the CPU covers), then that order's
+    cover — on the CUDA path with no limit on its kernels (:func:`meshplan.executor.cuda_kernels.cuda_cover`)."""
     w = m.workload
     qs = [_chunk_tokens(m, c, True) for c in q_chunks]
     ks = [_chunk_tokens(m, c, False) for c in kv_chunks]
     q, k = np.sort(np.concatenate(qs)), np.sort(np.concatenate(ks))
-    plan = kernel_cover(KeyRanges(*w.mask.key_ranges(q, k), len(k)))
-    if plan is not None:
-        return plan
-    out, r0 = [], 0
-    for qp in qs:
-        c0 = 0
-        for kp in ks:
-            sub = KeyRanges(*w.mask.key_ranges(qp, kp), len(kp))
-            if sub.pairs:
-                got = pieces(sub, budget=1 << 62) if unlimited else kernel_cover(sub)
-                if got is None:
-                    return None
-                out += [Piece(p.r0 + r0, p.r1 + r0, p.c0 + c0, p.c1 + c0, p.causal) for p in got]
-            c0 += len(kp)
-        r0 += len(qp)
-    return out
+    ranges = KeyRanges(*w.mask.key_ranges(q, k), len(k))
+    in_order = kernel_cover(ranges)
+    subs, by_block = [], None
+    if len(q_chunks) * len(kv_chunks) > 1 and (in_order is None or len(in_order) > MAX_PIECES):
+        r0, by_block = 0, []
+        for qp in qs:
+            c0 = 0
+            for kp in ks:
+                sub = KeyRanges(*w.mask.key_ranges(qp, kp), len(kp))
+                if sub.pairs:
+                    subs.append((r0, c0, sub))
+                    got = kernel_cover(sub) if by_block is not None else None
+                    by_block = None if got is None else by_block + [p.shifted(r0, c0) for p in got]
+                c0 += len(kp)
+            r0 += len(qp)
+    blocks = prefer_by_block(in_order, by_block)
+    if not unlimited:
+        return by_block if blocks else in_order
+    if blocks:
+        return [p.shifted(r0, c0) for r0, c0, sub in subs for p in pieces(sub, budget=1 << 62)]
+    return in_order if in_order is not None else pieces(ranges, budget=1 << 62)
 
 
 def document_stats(sched: Schedule, topo) -> dict:

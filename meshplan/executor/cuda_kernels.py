@@ -1,8 +1,10 @@
 """Attention on CUDA over a block's kernel cover: FlashAttention's varlen path, never a dense mask or score matrix.
 
 The same cover the CPU path runs (:func:`cover`: full rectangles and causal squares, one or two per document
-segment) becomes at most two varlen calls — one for the causal pieces, one for the full ones — with every
-(batch, piece) a sequence of the call (``cu_seqlens``), so any number of documents costs one launch each way.
+segment, three per W-row strip of a sliding window) becomes at most three varlen calls — the full pieces, the causal
+squares, the reversed squares — with every (batch, piece) a sequence of the call (``cu_seqlens``), so any number of
+documents costs one launch each way. A reversed square (a window's far edge) is a causal call over its rows and
+keys packed in reverse order.
 Pieces that share rows (a staircase's rectangle and square) are merged by LSE
 (:func:`~meshplan.executor.lse.merge_into`) in forward and their gradients summed in backward. The backward is
 the kernel's own, given the *final* O and LSE of the rows (ring-flash-attention's way: P = exp(S − LSE_final)
@@ -38,16 +40,17 @@ def cuda_cover(mask, n_q: int, n_k: int) -> list[Piece]:
     if isinstance(mask, Blocks):
         out = []
         for r0, _, c0, _, ranges in mask.parts:
-            out += [Piece(p.r0 + r0, p.r1 + r0, p.c0 + c0, p.c1 + c0, p.causal)
-                    for p in pieces(ranges, budget=UNLIMITED)]
+            out += [p.shifted(r0, c0) for p in pieces(ranges, budget=UNLIMITED)]
         return out
     return kernel_cover(mask) or pieces(mask, budget=UNLIMITED)
 
 
 def _pack(x: torch.Tensor, group: list[Piece], rows: bool):
-    """[B, H, S, D] -> ([B·T, H, D] the group's rows (or keys) of every batch, cu_seqlens int32, max length, index)."""
+    """[B, H, S, D] -> ([B·T, H, D] the group's rows (or keys) of every batch, cu_seqlens int32, max length, index);
+    a reversed square's rows and keys in reverse order."""
     spans = [(p.r0, p.r1) if rows else (p.c0, p.c1) for p in group]
-    idx = torch.cat([torch.arange(a, b, device=x.device) for a, b in spans])
+    idx = torch.cat([torch.arange(b - 1, a - 1, -1, device=x.device) if p.anti else torch.arange(a, b, device=x.device)
+                     for (a, b), p in zip(spans, group)])
     lens = torch.tensor([b - a for a, b in spans], device=x.device, dtype=torch.int32).repeat(x.shape[0])
     cu = torch.zeros(len(lens) + 1, dtype=torch.int32, device=x.device)
     cu[1:] = torch.cumsum(lens, 0)
@@ -61,7 +64,11 @@ def _unpack(packed: torch.Tensor, batch: int) -> torch.Tensor:
 
 
 def _groups(plan: list[Piece]) -> list[tuple[bool, list[Piece]]]:
-    return [(c, [p for p in plan if p.causal == c]) for c in (False, True) if any(p.causal == c for p in plan)]
+    """The varlen calls: (causal, pieces) for the full pieces, the causal squares and the reversed squares — each
+    call's pieces on disjoint rows (a window strip's reversed and causal squares share rows: two calls, merged)."""
+    kinds = [(False, False), (True, False), (True, True)]
+    groups = [(c, [p for p in plan if (p.causal, p.anti) == (c, a)]) for c, a in kinds]
+    return [(c, g) for c, g in groups if g]
 
 
 def forward(q, k, v, scale: float, plan: list[Piece]) -> tuple[torch.Tensor, torch.Tensor]:

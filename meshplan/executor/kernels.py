@@ -8,10 +8,11 @@ interleaved chunks), or a dense [Sq, Skv] bool tensor (converted to key runs whe
 
 Forward (``block_forward``): on CPU, torch's ``_scaled_dot_product_flash_attention_for_cpu`` on each kernel of
 the mask's cover (:func:`~meshplan.model.blockmask.kernel_cover`: full rectangles without a mask, causal squares
-with ``is_causal``; a document boundary cuts a block into kernels per document segment), merged by LSE where
+with ``is_causal``, a window's far edge as a causal square over its rows and keys reversed; a document boundary
+cuts a block into kernels per document segment, a sliding window into strips of W rows), merged by LSE where
 two kernels share rows; an additive bias over the dense matrix only for masks whose kernels would cost more than
-the dense block (a sliding window inside a block). On CUDA, the same cover with no limit on its pieces through
-FlashAttention's varlen kernels (:mod:`meshplan.executor.cuda_kernels`): never a dense mask or score matrix. All
+the dense block (a window of a few tokens: a kernel per row). On CUDA, the same cover with no limit on its pieces
+through FlashAttention's varlen kernels (:mod:`meshplan.executor.cuda_kernels`): never a dense mask or score matrix. All
 return the log-sum-exp. Rows without a permitted key get O = 0 and LSE = −inf (kernels disagree
 there: the CPU op returns LSE = 0, others +inf).
 
@@ -34,7 +35,7 @@ import torch
 
 from meshplan.executor import cuda_kernels
 from meshplan.executor.lse import merge_into
-from meshplan.model.blockmask import Blocks, KeyRanges, Piece, block_pieces, kernel_cover, rows_overlap
+from meshplan.model.blockmask import Blocks, KeyRanges, Piece, rows_overlap
 
 TORCH_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _CPU_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -79,10 +80,29 @@ def cover(mask, n_q: int, n_k: int) -> list[Piece] | None:
     block: a sliding window inside it)."""
     if mask is None:
         return [Piece(0, n_q, 0, n_k, False)]
-    if isinstance(mask, Blocks):
-        return block_pieces(mask)
-    ranges = mask if isinstance(mask, KeyRanges) else KeyRanges.from_allowed(mask)
-    return None if ranges is None else kernel_cover(ranges)
+    if isinstance(mask, (Blocks, KeyRanges)):
+        return mask.kernels
+    ranges = KeyRanges.from_allowed(mask)
+    return None if ranges is None else ranges.kernels
+
+
+def _rows(x: torch.Tensor, a: int, b: int, p: Piece) -> torch.Tensor:
+    """x[:, :, a:b] ([B, H, S, ...] tokens on dim 2), reversed for a reversed square (the kernel's causal
+    triangle then is the piece's)."""
+    x = x[:, :, a:b]
+    return x.flip(2) if p.anti else x
+
+
+def _whole(plan: list[Piece], n_q: int, n_k: int) -> bool:
+    """Whether the cover is one plain kernel over the whole block (no slicing or merging needed)."""
+    return len(plan) == 1 and not plan[0].anti and (plan[0].r0, plan[0].r1, plan[0].c0, plan[0].c1) == (0, n_q, 0, n_k)
+
+
+def _piece_forward(q, k, v, p: Piece, scale: float):
+    """(O, LSE) of one kernel of a cover (CPU, inputs in the compute dtype), rows in the block's order."""
+    o, lse = _CPU_FWD(_rows(q, p.r0, p.r1, p), _rows(k, p.c0, p.c1, p), _rows(v, p.c0, p.c1, p), 0.0, p.causal,
+                      scale=scale)
+    return (o.flip(2), lse.flip(2)) if p.anti else (o, lse)
 
 
 def _dense(mask, device) -> torch.Tensor | None:
@@ -104,15 +124,14 @@ def block_forward(q, k, v, scale: float, mask) -> tuple[torch.Tensor, torch.Tens
         allowed = _dense(mask, q.device)
         o, lse = _CPU_FWD(qc, kc, vc, 0.0, False, attn_mask=_bias(allowed, dt), scale=scale)
         return _empty_rows(o.to(q.dtype), lse.float(), allowed)
-    if len(plan) == 1 and (plan[0].r0, plan[0].r1, plan[0].c0, plan[0].c1) == (0, q.shape[2], 0, k.shape[2]):
+    if _whole(plan, q.shape[2], k.shape[2]):
         o, lse = _CPU_FWD(qc, kc, vc, 0.0, plan[0].causal, scale=scale)
         return o.to(q.dtype), lse.float()
     shared = rows_overlap(plan)                             # two kernels on some same rows: merge by LSE
     o = q.new_zeros(q.shape, dtype=torch.float32 if shared else q.dtype)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
     for p in plan:
-        o_p, l_p = _CPU_FWD(qc[:, :, p.r0:p.r1], kc[:, :, p.c0:p.c1], vc[:, :, p.c0:p.c1], 0.0, p.causal,
-                            scale=scale)
+        o_p, l_p = _piece_forward(qc, kc, vc, p, scale)
         if shared:
             merge_into(o[:, :, p.r0:p.r1], lse[:, :, p.r0:p.r1], o_p, l_p.float())
         else:
@@ -180,7 +199,7 @@ def _cpu_backward(q, k, v, o, do, lse, scale: float, mask):
         got = _CPU_BWD(do.contiguous(), q.contiguous(), kx, vx, o.contiguous(), lse, 0.0, False,
                        attn_mask=_bias(allowed, q.dtype), scale=scale)
         dq, dk, dv = (g.float() for g in got)
-    elif len(plan) == 1 and (plan[0].r0, plan[0].r1, plan[0].c0, plan[0].c1) == (0, q.shape[2], 0, k.shape[2]):
+    elif _whole(plan, q.shape[2], k.shape[2]):
         got = _CPU_BWD(do.contiguous(), q.contiguous(), kx, vx, o.contiguous(), lse, 0.0, plan[0].causal,
                        scale=scale)
         dq, dk, dv = (g.float() for g in got)
@@ -189,13 +208,14 @@ def _cpu_backward(q, k, v, o, do, lse, scale: float, mask):
         dk = torch.zeros(kx.shape, dtype=torch.float32, device=q.device)
         dv = torch.zeros_like(dk)
         for p in plan:
-            r, c = slice(p.r0, p.r1), slice(p.c0, p.c1)
-            got = _CPU_BWD(do[:, :, r].contiguous(), q[:, :, r].contiguous(), kx[:, :, c].contiguous(),
-                           vx[:, :, c].contiguous(), o[:, :, r].contiguous(), lse[:, :, r].contiguous(), 0.0,
-                           p.causal, scale=scale)
-            dq[:, :, r] += got[0].float()
-            dk[:, :, c] += got[1].float()
-            dv[:, :, c] += got[2].float()
+            rows = [_rows(x, p.r0, p.r1, p).contiguous() for x in (do, q)]
+            keys = [_rows(x, p.c0, p.c1, p).contiguous() for x in (kx, vx)]
+            got = _CPU_BWD(*rows, *keys, _rows(o, p.r0, p.r1, p).contiguous(), _rows(lse, p.r0, p.r1, p).contiguous(),
+                           0.0, p.causal, scale=scale)
+            g_q, g_k, g_v = (g.flip(2) if p.anti else g for g in got[:3])
+            dq[:, :, p.r0:p.r1] += g_q.float()
+            dk[:, :, p.c0:p.c1] += g_k.float()
+            dv[:, :, p.c0:p.c1] += g_v.float()
     return dq, reduce_kv(dk, group), reduce_kv(dv, group)
 
 

@@ -23,7 +23,7 @@ from meshplan.executor.kernels import (
 )
 from meshplan.executor.program import FP32_PARTS, KV_PARTS, PARTS, Program
 from meshplan.executor.store import Store
-from meshplan.model.blockmask import Blocks, KeyRanges
+from meshplan.model.blockmask import MAX_PIECES, Blocks, KeyRanges, prefer_by_block
 
 Q_SIDE = ("q", "out", "dout", "qside", "dside")
 
@@ -34,6 +34,7 @@ class OpRunner:
     def __init__(self, prog: Program, store: Store, scale: float) -> None:
         self.prog, self.store, self.scale = prog, store, scale
         self.group = prog.workload.gqa_group
+        self._layouts: dict[int, tuple] = {}          # op id -> how it runs (:meth:`_layout`), decided once
 
     # ------------------------------------------------------------------ views
     def _part(self, tid: int, part: str, h0: int, h1: int) -> torch.Tensor:
@@ -62,20 +63,9 @@ class OpRunner:
         q_in = [t for t in op.inputs if p.tensors[t].kind in Q_SIDE]
         kv_in = [t for t in op.inputs if p.tensors[t].kind == "kv"]
         q_pos, k_pos = p.tokens_of("q", op.q_chunks), p.tokens_of("kv", op.kv_chunks)
-        rows, cols = _select(op.q_rows, len(q_pos)), _select(op.kv_cols, len(k_pos))
-        # tokens in position order: every mask then permits one run of keys per row (KeyRanges, no [Sq, Skv]
-        # matrix), covered by full and is_causal kernels (zigzag diagonals, striped blocks, Ulysses over a
-        # permuted sequence); results go back to their tokens through ``rows``/``cols``
-        rows, cols = rows[np.argsort(q_pos[rows], kind="stable")], cols[np.argsort(k_pos[cols], kind="stable")]
-        mask = p.mask_of(op)
-        allowed = None if mask is None else KeyRanges(*mask.key_ranges(q_pos[rows], k_pos[cols]), len(cols))
-        if len(op.q_chunks) * len(op.kv_chunks) > 1 and allowed is not None \
-                and cover(allowed, len(rows), len(cols)) is None:   # interleaved chunks: block by block
-            rows, cols, allowed = _by_chunk(mask, p, op, q_pos, k_pos, rows, cols)
-        dev = self.store.device
-        r_idx, c_idx = _index(rows, len(q_pos), dev), _index(cols, len(k_pos), dev)
-        kv_map = [h // self.group - h0 // self.group for h in range(h0, h1)]
-        kv_map = None if kv_map == list(range(len(kv_map))) else torch.tensor(kv_map, device=dev)
+        if op.id not in self._layouts:
+            self._layouts[op.id] = self._layout(op, q_pos, k_pos)
+        rows, cols, allowed, r_idx, c_idx, kv_map = self._layouts[op.id]
 
         def tokens(x: torch.Tensor, idx: torch.Tensor | None, n: int) -> torch.Tensor:   # [B, T, h, D] -> [B, h, t, D]
             if x.shape[1] != n:
@@ -109,6 +99,30 @@ class OpRunner:
         dk_kv = dk if kv_map is None else _reduce_heads(dk, kv_map, n_kv)
         dv_kv = dv if kv_map is None else _reduce_heads(dv, kv_map, n_kv)
         self._emit(op, "dkv", {"dk": dk_kv, "dv": dv_kv}, cols, h0, h1)
+
+    def _layout(self, op, q_pos: np.ndarray, k_pos: np.ndarray) -> tuple:
+        """How op ``op`` runs, decided once per op (every step runs it alike): (rows, cols, mask, row index, key
+        index, KV head map). Tokens in position order: every mask then permits one run of keys per row (KeyRanges,
+        no [Sq, Skv] matrix), covered by full, causal and reversed kernels (zigzag diagonals, striped blocks,
+        Ulysses over a permuted sequence, document segments, window strips); an op over interleaved chunks block
+        by block where that cover costs less (:func:`~meshplan.model.blockmask.prefer_by_block`). Results go back
+        to their tokens through ``rows``/``cols``."""
+        p, (h0, h1) = self.prog, op.heads
+        rows, cols = _select(op.q_rows, len(q_pos)), _select(op.kv_cols, len(k_pos))
+        rows, cols = rows[np.argsort(q_pos[rows], kind="stable")], cols[np.argsort(k_pos[cols], kind="stable")]
+        mask = p.mask_of(op)
+        allowed = None if mask is None else KeyRanges(*mask.key_ranges(q_pos[rows], k_pos[cols]), len(cols))
+        if len(op.q_chunks) * len(op.kv_chunks) > 1 and allowed is not None:
+            in_order = cover(allowed, len(rows), len(cols))
+            if in_order is None or len(in_order) > MAX_PIECES:  # interleaved chunks: block by block, if cheaper
+                by_rows, by_cols, blocks = _by_chunk(mask, p, op, q_pos, k_pos, rows, cols)
+                if prefer_by_block(in_order, cover(blocks, len(by_rows), len(by_cols))):
+                    rows, cols, allowed = by_rows, by_cols, blocks
+        dev = self.store.device
+        r_idx, c_idx = _index(rows, len(q_pos), dev), _index(cols, len(k_pos), dev)
+        kv_map = [h // self.group - h0 // self.group for h in range(h0, h1)]
+        kv_map = None if kv_map == list(range(len(kv_map))) else torch.tensor(kv_map, device=dev)
+        return rows, cols, allowed, r_idx, c_idx, kv_map
 
     def _delta(self, q_in: list[int], do: torch.Tensor, h0: int, h1: int) -> torch.Tensor:
         """D [B, h, T] per Q-side group: carried by qside/dside, else rowsum(dO ∘ O) from an ``out`` input."""

@@ -1,27 +1,32 @@
-"""A block's mask as per-row key runs, and its cover by dense kernels (full rectangles and causal squares).
+"""A block's mask as per-row key runs, and its cover by dense kernels (full rectangles, causal and reversed squares).
 
 With its tokens in position order, every mask meshplan knows (causal, window, documents, padding) lets query
 row i attend one contiguous run of keys ``lo[i] <= j < hi[i]`` (:meth:`meshplan.model.workload.Mask.key_ranges`).
 The executor never builds the [Sq, Skv] matrix for the common shapes: :func:`pieces` covers the permitted
 pairs exactly, each pair once, with at most ``MAX_PIECES`` kernels, each either
 
-* a full rectangle — rows [r0, r1) × keys [c0, c1), run without a mask; or
-* a causal square — row r0 + t sees keys c0 … c0 + t (the kernels' top-left ``is_causal``),
+* a full rectangle — rows [r0, r1) × keys [c0, c1), run without a mask;
+* a causal square — row r0 + t sees keys c0 … c0 + t (the kernels' top-left ``is_causal``); or
+* a reversed square (``anti``) — row r0 + t sees keys c0 + t … c1 − 1: a sliding window's far edge, run as a causal
+  square over its rows and keys in reverse order,
 
 so a zigzag or contiguous diagonal is one causal kernel, a striped block from a later rank (row i sees keys
 < i) is one causal kernel on rows 1… and keys …S−2, and rows or keys that nothing permits are trimmed.
 Document boundaries cutting a block give one or two kernels per document segment (each document's rows see a
-run of its own keys: a rectangle of the earlier pieces, a causal square on its own): :func:`pieces` with a
-``budget`` takes any number of kernels as long as their work plus a fixed cost per kernel
-(:data:`PIECE_OVERHEAD_PAIRS`) stays below the dense block's. Masks no such cover fits (a sliding window inside
-a block: a kernel per row) return ``None`` and run with an additive bias over the dense matrix
+run of its own keys: a rectangle of the earlier pieces, a causal square on its own), and a sliding window
+inside a block a band of W-row strips, three kernels each (reversed square, rectangle, causal square):
+:func:`pieces` with a ``budget`` takes any number of kernels as long as their work plus a fixed cost per kernel
+(:data:`PIECE_OVERHEAD_PAIRS`) stays below the dense block's. Masks no such cover fits (a window of a few tokens:
+a kernel per row or two) return ``None`` and run with an additive bias over the dense matrix
 (:meth:`KeyRanges.dense`).
 
 An op over several chunks whose tokens interleave (a striped layout's chunks: chunk i holds positions
 ≡ i mod N) has, in position order, key runs that grow by m every m rows — no short cover. The executor then
 orders the op's tokens chunk by chunk and passes :class:`Blocks`: one :class:`KeyRanges` per (query chunk,
 KV chunk) rectangle, each covered on its own (a striped block is one causal kernel), so such an op runs as
-its blocks' kernels merged by LSE instead of one dense masked kernel (which on CPU ran 3–4x slower).
+its blocks' kernels merged by LSE instead of one dense masked kernel (which on CPU ran 3–4x slower), or
+instead of a long cover in position order when the blocks' covers cost less (:func:`prefer_by_block`: striped
+packed documents, 2,041 one-row kernels in position order against 20 by block).
 The cost model asks :func:`runs_by_block` (:func:`striped_runs_by_block`, its closed form for causal
 striped ops) which ops those are, and prices them block by block (torch-free: this module imports torch only
 to build dense masks).
@@ -30,6 +35,7 @@ to build dense masks).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -70,6 +76,11 @@ class KeyRanges:
         """Permitted (query, key) pairs."""
         return int((self.hi - self.lo).sum())
 
+    @cached_property
+    def kernels(self) -> list[Piece] | None:
+        """:func:`kernel_cover` of these runs, computed once (an executor op runs the same mask every step)."""
+        return kernel_cover(self)
+
     def dense(self, device) -> torch.Tensor:
         """[Sq, Skv] bool: the mask as a matrix (the fallback for masks :func:`pieces` does not cover)."""
         import torch
@@ -93,6 +104,11 @@ class Blocks:
         """Permitted (query, key) pairs."""
         return sum(r.pairs for *_, r in self.parts)
 
+    @cached_property
+    def kernels(self) -> list[Piece] | None:
+        """:func:`block_pieces` of these rectangles, computed once."""
+        return block_pieces(self)
+
     def dense(self, device) -> torch.Tensor:
         """[n_q, n_k] bool: the mask as a matrix (CUDA's masked kernels take it whole)."""
         import torch
@@ -105,45 +121,70 @@ class Blocks:
 
 @dataclass(frozen=True)
 class Piece:
-    """One kernel of a cover: rows [r0, r1) × keys [c0, c1); ``causal``: the top-left triangle (square)."""
+    """One kernel of a cover: rows [r0, r1) × keys [c0, c1); ``causal``: the top-left triangle of a square (row
+    r0 + t sees keys c0 … c0 + t); ``anti`` (with ``causal``): the reversed triangle (row r0 + t sees keys
+    c0 + t … c1 − 1), a causal kernel over the rows and keys in reverse order. Its work is a causal square's."""
 
     r0: int
     r1: int
     c0: int
     c1: int
     causal: bool
+    anti: bool = False
+
+    def shifted(self, rows: int, keys: int) -> Piece:
+        """The same kernel ``rows`` rows and ``keys`` keys further on (a rectangle's cover moved into its op)."""
+        return Piece(self.r0 + rows, self.r1 + rows, self.c0 + keys, self.c1 + keys, self.causal, self.anti)
+
+
+#: runs of rows by how (lo, hi) step from one row to the next, in the order ties are broken
+_RUNS = {"flat": (0, 0), "stair": (0, 1), "anti": (1, 0), "band": (1, 1)}
 
 
 def pieces(ranges: KeyRanges, budget: int | None = None) -> list[Piece] | None:
     """An exact cover of the permitted pairs by dense kernels, or None: at most ``MAX_PIECES`` of them, or with
     ``budget`` (score elements) any number whose :func:`cover_cost` stays within it.
 
-    Rows are taken in runs: a run of equal (lo, hi) is a full rectangle; a run with constant lo whose hi
-    grows by one per row is a staircase: keys [lo, hi₀ − 1) seen by every row of it (a rectangle, when not
-    empty) plus a causal square on keys [hi₀ − 1, hi_last). Empty rows are skipped. An empty list: nothing
-    is permitted. Cost: O(Sq) numpy work and O(pieces) Python steps.
+    Rows are taken in runs, the longest of four kinds at each step (ties in this order):
+
+    * ``flat`` (equal lo, hi): one full rectangle;
+    * ``stair`` (lo constant, hi + 1 per row): keys [lo, hi₀ − 1) seen by every row (a rectangle, when not
+      empty) plus a causal square on keys [hi₀ − 1, hi_last);
+    * ``anti`` (lo + 1 per row, hi constant; a window's far edge): a reversed square on keys [lo₀, lo₀ + L) plus
+      a rectangle on keys [lo₀ + L, hi) for a run of L rows;
+    * ``band`` (lo and hi + 1 per row; a window of w = hi − lo keys): strips of h = min(w, rows left) rows, each
+      a reversed square on keys [lo, lo + h), a rectangle on [lo + h, hi) when w > h, and a causal square on
+      rows 1… and keys [hi, hi + h − 1).
+
+    Empty rows are skipped. An empty list: nothing is permitted. Cost: O(Sq) numpy work and O(pieces) Python.
     """
     lo, hi = ranges.lo, ranges.hi
     n = len(lo)
-    flat_break = np.flatnonzero((lo[1:] != lo[:-1]) | (hi[1:] != hi[:-1])) + 1     # a flat run ends before these
-    stair_break = np.flatnonzero((lo[1:] != lo[:-1]) | (hi[1:] != hi[:-1] + 1)) + 1
+    dlo, dhi = np.diff(lo), np.diff(hi)
+    breaks = {kind: np.flatnonzero((dlo != a) | (dhi != b)) + 1 for kind, (a, b) in _RUNS.items()}
     live = np.flatnonzero(hi > lo)
     out: list[Piece] = []
     cost = 0
     i = int(live[0]) if len(live) else n
     while i < n:
-        flat_end = _next(flat_break, i, n)
-        stair_end = _next(stair_break, i, n)
+        ends = {kind: _next(br, i, n) for kind, br in breaks.items()}
+        kind = max(_RUNS, key=lambda k: ends[k])            # the longest run; the first of equals
+        end, a, b = ends[kind], int(lo[i]), int(hi[i])
         added = len(out)
-        if stair_end - i > flat_end - i:
-            a, end = int(lo[i]), stair_end
-            split = int(hi[i]) - 1
-            if split > a:
-                out.append(Piece(i, end, a, split, False))
-            out.append(Piece(i, end, split, int(hi[end - 1]), True))
+        if kind == "flat":
+            out.append(Piece(i, end, a, b, False))
+        elif kind == "stair":
+            if b - 1 > a:
+                out.append(Piece(i, end, a, b - 1, False))
+            out.append(Piece(i, end, b - 1, int(hi[end - 1]), True))
+        elif kind == "anti":
+            end = min(end, i + b - a)                       # rows past lo = hi see nothing
+            rows = end - i
+            out.append(Piece(i, end, a, a + rows, True, anti=True))
+            if a + rows < b:
+                out.append(Piece(i, end, a + rows, b, False))
         else:
-            end = flat_end
-            out.append(Piece(i, end, int(lo[i]), int(hi[i]), False))
+            out += _band(i, end, a, b)
         if budget is None and len(out) > MAX_PIECES:
             return None
         if budget is not None:
@@ -152,6 +193,19 @@ def pieces(ranges: KeyRanges, budget: int | None = None) -> list[Piece] | None:
                 return None
         k = int(np.searchsorted(live, end))
         i = int(live[k]) if k < len(live) else n
+    return out
+
+
+def _band(i: int, end: int, lo: int, hi: int) -> list[Piece]:
+    """Rows [i, end) where row i + t sees keys [lo + t, hi + t): strips of h = min(w, rows left) rows."""
+    width, out = hi - lo, []
+    for r in range(i, end, width):
+        h, a, b = min(width, end - r), lo + (r - i), hi + (r - i)
+        out.append(Piece(r, r + h, a, a + h, True, anti=True))
+        if width > h:
+            out.append(Piece(r, r + h, a + h, b, False))
+        if h > 1:
+            out.append(Piece(r + 1, r + h, b, b + h - 1, True))
     return out
 
 
@@ -183,8 +237,20 @@ def block_pieces(blocks: Blocks) -> list[Piece] | None:
         got = kernel_cover(ranges)
         if got is None:
             return None
-        out += [Piece(p.r0 + r0, p.r1 + r0, p.c0 + c0, p.c1 + c0, p.causal) for p in got]
+        out += [p.shifted(r0, c0) for p in got]
     return out
+
+
+def prefer_by_block(in_order: list[Piece] | None, by_block: list[Piece] | None) -> bool:
+    """Whether an op over several chunks runs its blocks' covers (``by_block``, its tokens chunk by chunk) rather
+    than the cover of its tokens in position order (``in_order``): when that has no short cover (more than
+    :data:`MAX_PIECES` kernels, or none) and the blocks' covers cost less (:func:`cover_cost`; no cover at all
+    costs the most). The executor and the cost model both decide by this."""
+    if in_order is not None and len(in_order) <= MAX_PIECES:
+        return False
+    if by_block is None:
+        return False
+    return in_order is None or cover_cost(by_block) < cover_cost(in_order)
 
 
 def rows_overlap(plan: list[Piece]) -> bool:

@@ -103,3 +103,24 @@ def test_blocks_mask_runs_each_rectangle(reference):
     torch.testing.assert_close(o.double(), o_ref, atol=1e-5, rtol=1e-5)
     for got, ref in zip(cuda_kernels.backward(q, k, v, o, do, lse, 0.3, plan), grads_ref):
         torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window, q0", [(24, 0), (24, 40), (3, 16)])
+def test_sliding_window_block_matches_float64_without_a_dense_matrix(reference, window, q0):
+    """A window inside a block: strips of W rows whose far edge (a reversed square) joins the causal call with its
+    rows and keys packed in reverse order — exact against float64, and no score matrix beyond a strip's."""
+    mask = Mask("window", window=window)
+    qp, kp = np.arange(q0, q0 + 64), np.arange(96)
+    ranges = KeyRanges(*mask.key_ranges(qp, kp), len(kp))
+    plan = cuda_kernels.cuda_cover(ranges, len(qp), len(kp))
+    assert any(p.anti for p in plan)
+    g = torch.Generator().manual_seed(3)
+    q, do = (torch.randn(1, 2, len(qp), 8, generator=g) for _ in range(2))
+    k, v = (torch.randn(1, 2, len(kp), 8, generator=g) for _ in range(2))
+    o, lse = cuda_kernels.forward(q, k, v, 0.3, plan)
+    o_ref, lse_ref, *grads_ref = reference_attention(q, k, v, do, 0.3, torch.from_numpy(mask.permits(qp, kp)))
+    torch.testing.assert_close(o.double(), o_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), lse_ref, atol=1e-5, rtol=1e-5)
+    for got, ref in zip(cuda_kernels.backward(q, k, v, o, do, lse, 0.3, plan), grads_ref):
+        torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5)
+    assert reference.largest <= max(window, 64 - window) ** 2 < len(qp) * len(kp)

@@ -31,6 +31,12 @@ from meshplan.model.blockmask import (  # noqa: E402
 MASKS = [Mask("full"), Mask("causal"), Mask("window", window=5), Mask("docs", doc_lens=(7, 20, 13))]
 
 
+def _kernel_area(p: Piece) -> np.ndarray:
+    """The pairs one kernel of a cover computes, as a 0/1 matrix over its rows and keys."""
+    block = np.ones((p.r1 - p.r0, p.c1 - p.c0), dtype=int)
+    return np.triu(block) if p.anti else np.tril(block) if p.causal else block
+
+
 def _positions(draw_set: set[int]) -> np.ndarray:
     return np.array(sorted(draw_set), dtype=np.int64)
 
@@ -52,8 +58,7 @@ def test_key_ranges_equal_the_dense_rule_and_the_cover_is_exact(q, k, which):
     assert len(plan) <= MAX_PIECES
     covered = np.zeros((len(qp), len(kp)), dtype=int)
     for p in plan:
-        block = np.ones((p.r1 - p.r0, p.c1 - p.c0), dtype=int)
-        covered[p.r0:p.r1, p.c0:p.c1] += np.tril(block) if p.causal else block
+        covered[p.r0:p.r1, p.c0:p.c1] += _kernel_area(p)
         if p.causal:
             assert p.r1 - p.r0 == p.c1 - p.c0
     assert np.array_equal(covered, mask.permits(np.sort(qp), kp).astype(int))    # every pair once, nothing else
@@ -186,8 +191,7 @@ def test_the_models_by_block_rule_is_the_executors_cover(n, data):
 def _covered(plan, n_q, n_k):
     out = np.zeros((n_q, n_k), dtype=int)
     for p in plan:
-        block = np.ones((p.r1 - p.r0, p.c1 - p.c0), dtype=int)
-        out[p.r0:p.r1, p.c0:p.c1] += np.tril(block) if p.causal else block
+        out[p.r0:p.r1, p.c0:p.c1] += _kernel_area(p)
     return out
 
 
@@ -226,3 +230,44 @@ def test_a_window_inside_a_block_stays_one_dense_kernel():
     qp = kp = np.arange(64)
     ranges = KeyRanges(*mask.key_ranges(qp, kp), len(kp))
     assert pieces(ranges) is None and kernel_cover(ranges) is None
+
+
+@pytest.mark.parametrize("window, q0", [(256, 0), (256, 1024), (700, 512), (1024, 1024)])
+def test_a_wide_window_is_covered_by_strips_not_by_a_dense_bias(window, q0, monkeypatch):
+    """A sliding window of W tokens inside a block: a staircase while rows see fewer than W keys, then strips of
+    W rows (a reversed square on the window's far edge, a causal square on its near one) — exact, cheaper than
+    the dense block, and run (forward, both backward paths) without the dense mask, against float64."""
+    mask = Mask("window", window=window)
+    qp, kp = np.arange(q0, q0 + 1024), np.arange(2048)
+    ranges = KeyRanges(*mask.key_ranges(qp, kp), len(kp))
+    plan = kernel_cover(ranges)
+    assert plan is not None and any(p.anti for p in plan) and cover_cost(plan) < len(qp) * len(kp)
+    assert np.array_equal(_covered(plan, len(qp), len(kp)), mask.permits(qp, kp).astype(int))
+    assert all(p.r1 - p.r0 == p.c1 - p.c0 for p in plan if p.causal)              # squares, for the kernels
+    monkeypatch.setattr(KeyRanges, "dense", lambda self, device: pytest.fail("dense mask built"))
+    g = torch.Generator().manual_seed(4)
+    q, do = (torch.randn(1, 2, len(qp), 16, generator=g, dtype=torch.float64).float() for _ in range(2))
+    k, v = (torch.randn(1, 1, len(kp), 16, generator=g, dtype=torch.float64).float() for _ in range(2))
+    allowed = torch.from_numpy(mask.permits(qp, kp))
+    o_ref, lse_ref, dq_ref, dk_ref, dv_ref = reference_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), do, 0.25, allowed)
+    o, lse = block_forward(q, k, v, 0.25, ranges)
+    torch.testing.assert_close(o.double(), o_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), lse_ref, atol=1e-5, rtol=1e-5)
+    delta = (do.double() * o_ref).sum(-1).float()
+    for dq, dk, dv in (block_backward_from_out(q, k, v, o, do, lse, 0.25, ranges),
+                       block_backward(q, k, v, do, lse, delta, 0.25, ranges)):
+        torch.testing.assert_close(dq.double(), dq_ref, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(dk.double(), dk_ref.unflatten(1, (-1, 2)).sum(2), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(dv.double(), dv_ref.unflatten(1, (-1, 2)).sum(2), atol=1e-4, rtol=1e-4)
+
+
+def test_a_window_edge_is_a_reversed_square_and_a_rectangle():
+    """Rows of a later chunk against an earlier one under a window: row t sees keys t+1 … 7 (its far edge moves
+    one key per row, the near edge is the block's end) — two kernels, the reversed square first."""
+    ranges = KeyRanges(np.arange(1, 9), np.full(8, 12), 12)
+    assert pieces(ranges) == [Piece(0, 8, 1, 9, True, anti=True), Piece(0, 8, 9, 12, False)]
+    band = KeyRanges(np.arange(6), np.arange(6) + 4, 10)        # row t sees keys t … t+3: a band of width 4
+    assert pieces(band, budget=1 << 30) == [
+        Piece(0, 4, 0, 4, True, anti=True), Piece(1, 4, 4, 7, True),
+        Piece(4, 6, 4, 6, True, anti=True), Piece(4, 6, 6, 8, False), Piece(5, 6, 8, 9, True)]
