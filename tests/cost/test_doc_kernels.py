@@ -79,3 +79,39 @@ def test_short_documents_cost_ring_more_than_their_pairs():
         ratio[algo] = new / old
     assert ratio["ring"] > 1.5 * ratio["ulysses"]
     assert 1.0 <= ratio["ulysses"] < 1.3
+
+
+def _shape(p):
+    return (p.r1 - p.r0, p.c1 - p.c0, p.causal, p.anti)
+
+
+@pytest.mark.parametrize("algo, layout, mask", [
+    ("usp", "striped", "docs:300,41,500,77,130,20,900,80"), ("usp", "zigzag", "docs:300,41,500,77,130,20,900,80"),
+    ("ulysses", "contiguous", "window:256"), ("usp", "striped", "window:300"), ("mesh", "zigzag", "window:200")])
+def test_the_model_prices_the_cover_the_executor_runs(algo, layout, mask):
+    """Every compute op over several chunks: the cover the model prices (:func:`op_cover`) is the one the executor
+    decides on (position order, or block by block when that costs less): the same kernels, kernel for kernel (their
+    shapes and kinds, which is what they are priced by; the executor's rows skip those no key is permitted to)."""
+    from meshplan.cost.doc_kernels import op_cover
+    from meshplan.executor.ops import OpRunner
+    from meshplan.executor.program import program_of
+    from meshplan.executor.store import Store
+    from meshplan.model.blockmask import rows_overlap
+    from meshplan.search.candidate import predict
+
+    torch = pytest.importorskip("torch")
+    w = resolve(seq_len=2048, heads=4, kv_heads=4, head_dim=16, mask=mask, layout=layout, dtype="fp32",
+                passes="fwd", doc_layout="packed" if mask.startswith("docs") else "per-doc")
+    sched = predict(algo, w, Topology.load("cpu-local", gpus=4), 4, {}).schedule
+    prog, m = program_of(sched), attn_matrix(w, sched.n_chunks)
+    runner, checked = OpRunner(prog, Store(torch.device("cpu")), 0.25), 0
+    for op in prog.ops_of(0, "fwd"):
+        if op.kind != "compute" or len(op.q_chunks) * len(op.kv_chunks) == 1:
+            continue
+        q_pos, k_pos = prog.tokens_of("q", op.q_chunks), prog.tokens_of("kv", op.kv_chunks)
+        _, _, allowed, *_ = runner._layout(op, q_pos, k_pos)
+        model, ran = op_cover(m, tuple(op.q_chunks), tuple(op.kv_chunks)), allowed.kernels
+        assert sorted(map(_shape, model)) == sorted(map(_shape, ran))      # the op's rows may skip keyless rows
+        assert rows_overlap(model) == rows_overlap(ran)
+        checked += 1
+    assert checked
