@@ -30,10 +30,14 @@ from meshplan.model.blockmask import (
     MAX_PIECES,
     PIECE_OVERHEAD_PAIRS,
     KeyRanges,
+    block_pieces,
+    by_block_budget,
+    chunk_switches,
     kernel_cover,
     pieces,
     prefer_by_block,
     rows_overlap,
+    worth_blocks,
 )
 from meshplan.model.doc_segments import Segments, block_segments, block_tiles, tile_count
 from meshplan.model.matrix import BWD_FLOP_FACTOR, attn_matrix
@@ -244,23 +248,27 @@ def _op_cover(m, q_chunks, kv_chunks, unlimited: bool):
     ranges = KeyRanges(*w.mask.key_ranges(q, k), len(k))
     in_order = kernel_cover(ranges)
     subs, by_block = [], None
-    if len(q_chunks) * len(kv_chunks) > 1 and (in_order is None or len(in_order) > MAX_PIECES):
-        r0, by_block = 0, []
-        for qp in qs:
-            c0 = 0
-            for kp in ks:
-                sub = KeyRanges(*w.mask.key_ranges(qp, kp), len(kp))
-                if sub.pairs:
-                    subs.append((r0, c0, sub))
-                    got = kernel_cover(sub) if by_block is not None else None
-                    by_block = None if got is None else by_block + [p.shifted(r0, c0) for p in got]
-                c0 += len(kp)
-            r0 += len(qp)
+    owners = [np.repeat(np.arange(len(xs)), [len(x) for x in xs])[np.argsort(np.concatenate(xs), kind="stable")]
+              for xs in (qs, ks)]
+    if worth_blocks(in_order, len(q_chunks) * len(kv_chunks), chunk_switches(*owners)):
+        def parts():                # the rectangles with pairs, built as the budget allows; kept in ``subs``
+            r0 = 0
+            for qp in qs:
+                c0 = 0
+                for kp in ks:
+                    sub = KeyRanges(*w.mask.key_ranges(qp, kp), len(kp))
+                    if sub.pairs:
+                        subs.append((r0, r0 + len(qp), c0, c0 + len(kp), sub))
+                        yield subs[-1]
+                    c0 += len(kp)
+                r0 += len(qp)
+
+        by_block = block_pieces(parts(), by_block_budget(in_order))
     blocks = prefer_by_block(in_order, by_block)
     if not unlimited:
         return by_block if blocks else in_order
-    if blocks:
-        return [p.shifted(r0, c0) for r0, c0, sub in subs for p in pieces(sub, budget=1 << 62)]
+    if blocks:                      # every rectangle had a cover: the same pieces an unlimited cover takes
+        return by_block
     return in_order if in_order is not None else pieces(ranges, budget=1 << 62)
 
 

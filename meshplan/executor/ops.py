@@ -23,7 +23,15 @@ from meshplan.executor.kernels import (
 )
 from meshplan.executor.program import FP32_PARTS, KV_PARTS, PARTS, Program
 from meshplan.executor.store import Store
-from meshplan.model.blockmask import MAX_PIECES, Blocks, KeyRanges, prefer_by_block
+from meshplan.model.blockmask import (
+    Blocks,
+    KeyRanges,
+    block_pieces,
+    by_block_budget,
+    chunk_switches,
+    prefer_by_block,
+    worth_blocks,
+)
 
 Q_SIDE = ("q", "out", "dout", "qside", "dside")
 
@@ -114,9 +122,10 @@ class OpRunner:
         allowed = None if mask is None else KeyRanges(*mask.key_ranges(q_pos[rows], k_pos[cols]), len(cols))
         if len(op.q_chunks) * len(op.kv_chunks) > 1 and allowed is not None:
             in_order = cover(allowed, len(rows), len(cols))
-            if in_order is None or len(in_order) > MAX_PIECES:  # interleaved chunks: block by block, if cheaper
+            switches = chunk_switches(_owners(p, "q", op.q_chunks, rows), _owners(p, "kv", op.kv_chunks, cols))
+            if worth_blocks(in_order, len(op.q_chunks) * len(op.kv_chunks), switches):  # by block, if cheaper
                 by_rows, by_cols, blocks = _by_chunk(mask, p, op, q_pos, k_pos, rows, cols)
-                if prefer_by_block(in_order, cover(blocks, len(by_rows), len(by_cols))):
+                if prefer_by_block(in_order, block_pieces(blocks, by_block_budget(in_order))):
                     rows, cols, allowed = by_rows, by_cols, blocks
         dev = self.store.device
         r_idx, c_idx = _index(rows, len(q_pos), dev), _index(cols, len(k_pos), dev)
@@ -189,6 +198,12 @@ def _by_chunk(mask, prog, op, q_pos: np.ndarray, k_pos: np.ndarray, rows: np.nda
             if ranges.pairs:
                 parts.append((int(r0), int(r1), int(c0), int(c1), ranges))
     return rows, cols, Blocks(tuple(parts), len(rows), len(cols))
+
+
+def _owners(prog, kind: str, chunks, sel: np.ndarray) -> np.ndarray:
+    """The chunk (its index in ``chunks``) of each selected token (``sel``: indices into the chunks' tokens)."""
+    sizes = np.cumsum([len(prog.tokens_of(kind, [c])) for c in chunks])
+    return np.searchsorted(sizes, sel, side="right")
 
 
 def _index(sel: np.ndarray, n: int, device) -> torch.Tensor | None:

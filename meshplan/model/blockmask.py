@@ -25,7 +25,8 @@ An op over several chunks whose tokens interleave (a striped layout's chunks: ch
 orders the op's tokens chunk by chunk and passes :class:`Blocks`: one :class:`KeyRanges` per (query chunk,
 KV chunk) rectangle, each covered on its own (a striped block is one causal kernel), so such an op runs as
 its blocks' kernels merged by LSE instead of one dense masked kernel (which on CPU ran 3–4x slower), or
-instead of a long cover in position order when the blocks' covers cost less (:func:`prefer_by_block`: striped
+instead of a long cover in position order when the blocks' covers cost less (:func:`worth_blocks`,
+:func:`prefer_by_block`: striped
 packed documents, 2,041 one-row kernels in position order against 20 by block).
 The cost model asks :func:`runs_by_block` (:func:`striped_runs_by_block`, its closed form for causal
 striped ops) which ops those are, and prices them block by block (torch-free: this module imports torch only
@@ -34,6 +35,7 @@ to build dense masks).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING
@@ -161,14 +163,16 @@ def pieces(ranges: KeyRanges, budget: int | None = None) -> list[Piece] | None:
     lo, hi = ranges.lo, ranges.hi
     n = len(lo)
     dlo, dhi = np.diff(lo), np.diff(hi)
-    breaks = {kind: np.flatnonzero((dlo != a) | (dhi != b)) + 1 for kind, (a, b) in _RUNS.items()}
+    edge = bool(((dlo[1:] == 1) & (dlo[:-1] == 1)).any())      # a far edge moving a key a row: a window's
+    kinds = _RUNS if edge else {k: _RUNS[k] for k in ("flat", "stair")}
+    breaks = {kind: np.flatnonzero((dlo != a) | (dhi != b)) + 1 for kind, (a, b) in kinds.items()}
     live = np.flatnonzero(hi > lo)
     out: list[Piece] = []
     cost = 0
     i = int(live[0]) if len(live) else n
     while i < n:
         ends = {kind: _next(br, i, n) for kind, br in breaks.items()}
-        kind = max(_RUNS, key=lambda k: ends[k])            # the longest run; the first of equals
+        kind = max(kinds, key=lambda k: ends[k])            # the longest run; the first of equals
         end, a, b = ends[kind], int(lo[i]), int(hi[i])
         added = len(out)
         if kind == "flat":
@@ -227,30 +231,63 @@ def cover_cost(plan: list[Piece]) -> int:
     return sum(_piece_cost(p) for p in plan)
 
 
-def block_pieces(blocks: Blocks) -> list[Piece] | None:
-    """The cover of every rectangle of ``blocks`` (:func:`kernel_cover` each), moved to the op's rows and keys;
-    None when a rectangle has no cover cheaper than its dense matrix."""
+def block_pieces(blocks: Blocks | Iterable, budget: int | None = None) -> list[Piece] | None:
+    """The cover of every rectangle of ``blocks`` (:func:`kernel_cover` each; a :class:`Blocks` or its parts, which
+    may come lazily), moved to the op's rows and keys; None when a rectangle has no cover cheaper than its dense
+    matrix, or (with ``budget``, score elements) as soon as the covers so far cost more than it
+    (:func:`cover_cost`: the rectangles after it are never taken)."""
     out: list[Piece] = []
-    for r0, r1, c0, c1, ranges in blocks.parts:
+    cost = 0
+    for r0, r1, c0, c1, ranges in (blocks.parts if isinstance(blocks, Blocks) else blocks):
         if len(ranges.lo) != r1 - r0 or ranges.n_keys != c1 - c0:
             raise ValueError(f"a rectangle [{r0}, {r1}) x [{c0}, {c1}) has key ranges of another shape")
-        got = kernel_cover(ranges)
+        if budget is None:
+            got = kernel_cover(ranges)
+        else:                       # the rectangle's cover within what is left of the budget, or None
+            got = pieces(ranges)
+            got = got if got is not None else pieces(ranges, budget=min(len(ranges.lo) * ranges.n_keys,
+                                                                         budget - cost))
         if got is None:
             return None
         out += [p.shifted(r0, c0) for p in got]
+        cost += cover_cost(got)
+        if budget is not None and cost > budget:
+            return None
     return out
+
+
+def worth_blocks(in_order: list[Piece] | None, n_blocks: int, switches: int) -> bool:
+    """Whether an op over ``n_blocks`` blocks (query chunks × KV chunks) should try its blocks' covers at all: its
+    cover in position order is none, or long (more than :data:`MAX_PIECES` kernels) with no fewer kernels than
+    blocks, and its tokens interleave: ``switches`` (how often the chunk changes along its query and its key
+    tokens in position order, :func:`chunk_switches`) outnumber those kernels — taken chunk by chunk, every run
+    of the in-order cover is cut where the chunk changes, so only interleaved chunks can come out with fewer
+    (a striped op: thousands of switches; a Ulysses op over 128 contiguous chunks: 254)."""
+    if n_blocks <= 1:
+        return False
+    return in_order is None or MAX_PIECES < len(in_order) and n_blocks <= len(in_order) < switches
+
+
+def chunk_switches(owners_q: np.ndarray, owners_k: np.ndarray) -> int:
+    """How often the chunk changes along an op's query and key tokens in position order (``owners_*``: each
+    token's chunk, in position order)."""
+    return int(np.count_nonzero(np.diff(owners_q)) + np.count_nonzero(np.diff(owners_k)))
 
 
 def prefer_by_block(in_order: list[Piece] | None, by_block: list[Piece] | None) -> bool:
     """Whether an op over several chunks runs its blocks' covers (``by_block``, its tokens chunk by chunk) rather
-    than the cover of its tokens in position order (``in_order``): when that has no short cover (more than
-    :data:`MAX_PIECES` kernels, or none) and the blocks' covers cost less (:func:`cover_cost`; no cover at all
-    costs the most). The executor and the cost model both decide by this."""
-    if in_order is not None and len(in_order) <= MAX_PIECES:
-        return False
+    than the cover of its tokens in position order (``in_order``), once :func:`worth_blocks` says to try: when
+    the blocks' covers cost less (:func:`cover_cost`; no cover at all costs the most). The executor and the cost
+    model both decide by these two."""
     if by_block is None:
         return False
     return in_order is None or cover_cost(by_block) < cover_cost(in_order)
+
+
+def by_block_budget(in_order: list[Piece] | None) -> int | None:
+    """The budget to build the blocks' covers with (:func:`block_pieces`): what the in-order cover costs, past which
+    they cannot win (building stops there: a per-document Ring over 64 chunks would cover 16,000 segments)."""
+    return None if in_order is None else cover_cost(in_order)
 
 
 def rows_overlap(plan: list[Piece]) -> bool:
