@@ -247,6 +247,9 @@ def _op_cover(m, q_chunks, kv_chunks, unlimited: bool):
     q, k = np.sort(np.concatenate(qs)), np.sort(np.concatenate(ks))
     ranges = KeyRanges(*w.mask.key_ranges(q, k), len(k))
     in_order = kernel_cover(ranges)
+    if in_order is not None and w.mask.kind == "docs" and len(q_chunks) * len(kv_chunks) > 1 \
+            and _segment_counts(m)[np.ix_(q_chunks, kv_chunks)].sum() >= len(in_order):
+        return in_order             # by block takes a kernel per document segment at least: never fewer
     subs, by_block = [], None
     owners = [np.repeat(np.arange(len(xs)), [len(x) for x in xs])[np.argsort(np.concatenate(xs), kind="stable")]
               for xs in (qs, ks)]
@@ -270,6 +273,18 @@ def _op_cover(m, q_chunks, kv_chunks, unlimited: bool):
     if blocks:                      # every rectangle had a cover: the same pieces an unlimited cover takes
         return by_block
     return in_order if in_order is not None else pieces(ranges, budget=1 << 62)
+
+
+def _segment_counts(m) -> np.ndarray:
+    """[n, n] document segments with permitted pairs per block (each a kernel at least, whatever the cover);
+    cached on the matrix."""
+    cache = m.__dict__
+    if "_segment_count_cache" not in cache:
+        counts = np.zeros(m.n * m.n)
+        for seg in block_segments(m):
+            np.add.at(counts, seg.block, 1)
+        cache["_segment_count_cache"] = counts.reshape(m.n, m.n)
+    return cache["_segment_count_cache"]
 
 
 def document_stats(sched: Schedule, topo) -> dict:
