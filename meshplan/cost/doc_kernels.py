@@ -280,9 +280,8 @@ def _segment_counts(m) -> np.ndarray:
     cached on the matrix."""
     cache = m.__dict__
     if "_segment_count_cache" not in cache:
-        counts = np.zeros(m.n * m.n)
-        for seg in block_segments(m):
-            np.add.at(counts, seg.block, 1)
+        counts = sum((np.bincount(seg.block, minlength=m.n * m.n) for seg in block_segments(m)),
+                     np.zeros(m.n * m.n, dtype=np.int64))
         cache["_segment_count_cache"] = counts.reshape(m.n, m.n)
     return cache["_segment_count_cache"]
 
