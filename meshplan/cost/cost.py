@@ -27,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from meshplan.core.csr import csr_sum
+from meshplan.cost.doc_kernels import DocKernels, many_covers, priced_by_cover
 from meshplan.model.matrix import attn_matrix
 from meshplan.model.topology import Topology
 from meshplan.plan.schedule import COMBINES, COMPUTE, KIND, PASS_NAMES, TENSOR_KIND_NAMES, Schedule, expand_blocks
@@ -100,14 +101,10 @@ class CostModel:
         alone is priced as its document segments (:mod:`meshplan.cost.doc_kernels`; a window on per-call kernels as
         its strips), and the envelope of per-call kernel tables is the table's best efficiency anywhere (a segment
         runs at its own, smaller shape)."""
-        from meshplan.cost.doc_kernels import priced_by_cover
-
         key = (self.topo.content_hash, pass_, kernel_chunks, envelope)
         cache = m.__dict__.setdefault("_block_time_cache", {})
         docs = priced_by_cover(m.workload, self.kernel.spec)
         if key not in cache and docs and not envelope and kernel_chunks == (1, 1):
-            from meshplan.cost.doc_kernels import DocKernels  # a block alone: its document segments' kernels
-
             fixed, scaled = DocKernels(self, m).block_parts(pass_)
             cache[key] = np.where(m.pairs > 0, (fixed + scaled).reshape(m.pairs.shape), 0.0)
         if key not in cache:
@@ -160,8 +157,6 @@ class CostModel:
     def _doc_compute(self, sched: Schedule, dur: np.ndarray) -> None:
         """Compute ops under a ``docs`` mask, per document segment, or a window on per-call kernels, per strip
         (:mod:`meshplan.cost.doc_kernels`)."""
-        from meshplan.cost.doc_kernels import DocKernels, many_covers
-
         o, doc = sched.ops, DocKernels(self, attn_matrix(sched.workload, sched.n_chunks))
         n, heads = sched.n_chunks, (o.h1 - o.h0) / sched.workload.n_heads
         blocks = np.diff(o.qc_ptr) * np.diff(o.kvc_ptr)
@@ -207,8 +202,6 @@ class CostModel:
             multi = np.flatnonzero((o.kind == COMPUTE) & (o.phase == phase) & (blocks > 1))
             if len(multi):
                 dur[multi] = self._one_kernel(sched, multi, PASS_NAMES[phase])
-        from meshplan.cost.doc_kernels import priced_by_cover
-
         if priced_by_cover(sched.workload, self.kernel.spec):     # document segments, window strips on CPU:
             self._doc_compute(sched, dur)                         # priced as the kernels run them
         delta = self.kernel.bwd_delta(dtype)

@@ -36,6 +36,7 @@ from meshplan.model.blockmask import (
     kernel_cover,
     pieces,
     prefer_by_block,
+    rectangles,
     rows_overlap,
     worth_blocks,
 )
@@ -250,23 +251,11 @@ def _op_cover(m, q_chunks, kv_chunks, unlimited: bool):
     if in_order is not None and w.mask.kind == "docs" and len(q_chunks) * len(kv_chunks) > 1 \
             and _segment_counts(m)[np.ix_(q_chunks, kv_chunks)].sum() >= len(in_order):
         return in_order             # by block takes a kernel per document segment at least: never fewer
-    subs, by_block = [], None
+    by_block = None
     owners = [np.repeat(np.arange(len(xs)), [len(x) for x in xs])[np.argsort(np.concatenate(xs), kind="stable")]
               for xs in (qs, ks)]
     if worth_blocks(in_order, len(q_chunks) * len(kv_chunks), chunk_switches(*owners)):
-        def parts():                # the rectangles with pairs, built as the budget allows; kept in ``subs``
-            r0 = 0
-            for qp in qs:
-                c0 = 0
-                for kp in ks:
-                    sub = KeyRanges(*w.mask.key_ranges(qp, kp), len(kp))
-                    if sub.pairs:
-                        subs.append((r0, r0 + len(qp), c0, c0 + len(kp), sub))
-                        yield subs[-1]
-                    c0 += len(kp)
-                r0 += len(qp)
-
-        by_block = block_pieces(parts(), by_block_budget(in_order))
+        by_block = block_pieces(rectangles(w.mask, qs, ks), by_block_budget(in_order))
     blocks = prefer_by_block(in_order, by_block)
     if not unlimited:
         return by_block if blocks else in_order

@@ -30,6 +30,7 @@ from meshplan.model.blockmask import (
     by_block_budget,
     chunk_switches,
     prefer_by_block,
+    rectangles,
     worth_blocks,
 )
 
@@ -183,20 +184,15 @@ def _by_chunk(mask, prog, op, q_pos: np.ndarray, k_pos: np.ndarray, rows: np.nda
     :class:`~meshplan.model.blockmask.Blocks` rectangle per (query chunk, KV chunk) with permitted pairs.
     ``q_pos``/``k_pos``: the positions of the op's query and key tokens in their concatenation order."""
     def grouped(kind: str, chunks, sel: np.ndarray):
-        sizes = [len(prog.tokens_of(kind, [c])) for c in chunks]
-        owner = np.repeat(np.arange(len(chunks)), sizes)[sel]         # sel is in position order already
+        owner = _owners(prog, kind, chunks, sel)                     # sel is in position order already
         order = np.argsort(owner, kind="stable")
         bounds = np.searchsorted(owner[order], np.arange(len(chunks) + 1))
         return sel[order], bounds
 
     rows, rb = grouped("q", op.q_chunks, rows)
     cols, cb = grouped("kv", op.kv_chunks, cols)
-    parts = []
-    for r0, r1 in zip(rb[:-1], rb[1:]):
-        for c0, c1 in zip(cb[:-1], cb[1:]):
-            ranges = KeyRanges(*mask.key_ranges(q_pos[rows[r0:r1]], k_pos[cols[c0:c1]]), int(c1 - c0))
-            if ranges.pairs:
-                parts.append((int(r0), int(r1), int(c0), int(c1), ranges))
+    parts = rectangles(mask, [q_pos[rows[a:b]] for a, b in zip(rb[:-1], rb[1:])],
+                       [k_pos[cols[a:b]] for a, b in zip(cb[:-1], cb[1:])])
     return rows, cols, Blocks(tuple(parts), len(rows), len(cols))
 
 

@@ -35,7 +35,7 @@ to build dense masks).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING
@@ -254,6 +254,22 @@ def block_pieces(blocks: Blocks | Iterable, budget: int | None = None) -> list[P
         if budget is not None and cost > budget:
             return None
     return out
+
+
+def rectangles(mask, q_groups: list[np.ndarray], k_groups: list[np.ndarray]) -> Iterator[tuple]:
+    """An op's tokens taken chunk by chunk: its (query chunk, KV chunk) rectangles with permitted pairs, as
+    (r0, r1, c0, c1, :class:`KeyRanges`), lazily (a budgeted :func:`block_pieces` may stop early). ``*_groups``:
+    each chunk's token positions, ascending, in the op's chunk order; ``mask``: a
+    :class:`meshplan.model.workload.Mask`."""
+    r0 = 0
+    for qp in q_groups:
+        c0 = 0
+        for kp in k_groups:
+            ranges = KeyRanges(*mask.key_ranges(qp, kp), len(kp))
+            if ranges.pairs:
+                yield r0, r0 + len(qp), c0, c0 + len(kp), ranges
+            c0 += len(kp)
+        r0 += len(qp)
 
 
 def worth_blocks(in_order: list[Piece] | None, n_blocks: int, switches: int) -> bool:
