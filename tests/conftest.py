@@ -8,8 +8,10 @@ DATA = Path(__file__).parent / "data"
 
 
 def unit_topology(gpus: int, *, port_Bps: float = 16.0, kappa: float = 0.0, kind: str = "nvswitch",
-                  shared_Bps: float = 16.0, cores: int = 1, transfer_kappa: float = 0.0):
-    """A toy cluster: blocks of the ``unit_workload`` take 1 s; links carry ``port_Bps`` bytes/s."""
+                  shared_Bps: float = 16.0, cores: int = 1, transfer_kappa: float = 0.0,
+                  transfer_cpu_s_per_byte: float = 0.0):
+    """A toy cluster: blocks of the ``unit_workload`` take 1 s; links carry ``port_Bps`` bytes/s; on ``loopback``
+    ranks share ``cores`` and a byte moved takes ``transfer_cpu_s_per_byte`` core-seconds of them."""
     from meshplan.model.topology import Topology
     from meshplan.model.topology_spec import TopologySpec
 
@@ -23,7 +25,8 @@ def unit_topology(gpus: int, *, port_Bps: float = 16.0, kappa: float = 0.0, kind
                 "fabric": {"kind": "loopback", "link": link, "shared_GBps": shared_Bps * 1e-9}}
     spec = TopologySpec.model_validate({"name": f"unit-{kind}", "nodes": 1, "node": node, "p2p_overhead_us": 0,
                                         "overlap_kappa": {"nvlink": kappa, "loopback": kappa},
-                                        "transfer_kappa": {"nvlink": transfer_kappa, "loopback": transfer_kappa}})
+                                        "transfer_kappa": {"nvlink": transfer_kappa, "loopback": transfer_kappa},
+                                        "transfer_cpu_us_per_MB": {"loopback": transfer_cpu_s_per_byte * 1e12}})
     return Topology(spec, gpus)
 
 

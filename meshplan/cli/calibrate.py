@@ -226,6 +226,9 @@ def summary(calib, topology) -> list[dict[str, Any]]:
         rows.append((f"overlap_kappa.{cls}", "", kappa, getattr(f.overlap_kappa, cls)))
     for cls, kappa in calib.transfer_kappa.items():
         rows.append((f"transfer_kappa.{cls}", "", kappa, getattr(f.transfer_kappa, cls)))
+    for cls, cpu in calib.transfer_cpu_us_per_MB.items():
+        rows.append((f"transfer_cpu_us_per_MB.{cls}", "core-us per MB moved", cpu,
+                     getattr(f.transfer_cpu_us_per_MB, cls)))
     if calib.compute_pool is not None:
         was = None if pool is None else (pool.capacity_ranks or pool.cores / pool.threads_per_rank)
         rows.append(("compute pool capacity", "ranks at full speed", calib.compute_pool.capacity_ranks, was))

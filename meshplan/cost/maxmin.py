@@ -54,14 +54,15 @@ def fair_rates(acts: dict[int, list], res_cap: list[float], cap_of) -> dict[int,
             frozen = [a for a in unfrozen if caps[a] <= level * (1 + 1e-12)]
         else:
             frozen = [a for a, _ in users[which[1]] if a in unfrozen]
+        touched = set()
         for a in frozen:
             unfrozen.discard(a)
             rate[a] = level
             for r, w in acts[a][4]:
                 load[r] += level * w
-                wsum[r] -= w
-        for r in [r for r, ws in wsum.items() if ws <= 1e-15]:
-            wsum[r] = 0.0
+                touched.add(r)
+        for r in touched:       # summed afresh: weights of very different sizes leave no residue
+            wsum[r] = sum(w for a, w in users[r] if a in unfrozen)
     return rate
 
 

@@ -8,7 +8,11 @@ Overlap is not free: while a rank has an active transfer its compute proceeds at
 largest of ``overlap_kappa`` over the link classes of its active transfers (Calculon's
 ``processor_usage``); and while a rank at either end of a flow computes, the flow's cap is scaled by
 (1 − κ_t), κ_t the largest ``transfer_kappa`` on its route (CPU ranks copy bytes with the cores they compute
-on; 0 on GPUs). Simultaneous events are processed as one batch. Passes are timed separately
+on; 0 on GPUs). On a shared pool a transfer is also CPU work: a flow whose route has a ``transfer_cpu_us_per_MB``
+cost c is a user of the pool as well as of its links, taking c core-seconds per byte from the cores the ranks
+compute on (docs/cost-model.md, "CPU ranks"); such a flow is solved in core-seconds (amount = bytes · c, its
+links' weights 1/c), so max-min shares the pool between kernels and copies in one unit. Simultaneous events
+are processed as one batch. Passes are timed separately
 (the bwd pass starts after a barrier, :mod:`meshplan.plan.schedule` rule 5).
 
 The semantics are those of :mod:`meshplan.plan.schedule`; items (ops and P2P batches) come from
@@ -121,6 +125,8 @@ class _Engine:
         dst = sched.device_of_rank[o.peer[sends]]
         lat, _ = topo.pair_stats(src, dst)
         kappa, tkappa = topo.kappa(), topo.transfer_kappa()
+        cpu = topo.transfer_cpu_s_per_byte() if topo.pool_capacity is not None else np.zeros(len(kappa))
+        self.pool_res = len(topo.link_capacity)          # the pool's resource id (_setup_resources appends it)
         self.flow, cache = {}, {}
         self.flow_tkap: dict[int, float] = {}   # send op -> its cap while an end rank computes (κ_t > 0)
         recv_rank = o.rank[red.rep_op[partner[sends]]]
@@ -138,9 +144,14 @@ class _Engine:
                 tkap = float(tkappa[topo.link_class[route]].max()) if len(route) else 0.0
                 if tkap > 0.0:      # the slowed flow's cap: (1 − κ_t) × its uncontended rate
                     tkap = (tkap, min(cap, float(topo.link_capacity[route].min())) * (1.0 - tkap))
-                cache[key] = (list(weights.items()), cap, kap, tkap)
-            res, cap, kap, tkap = cache[key]
-            self.flow[s] = (la, float(size), res, cap, kap, int(o.rank[s]), int(rr))
+                c = float(cpu[topo.link_class[route]].max()) if len(route) else 0.0
+                res = list(weights.items())
+                if c > 0.0:         # CPU work too: the flow in core-seconds, a user of the pool
+                    res = [(link, w / c) for link, w in res] + [(self.pool_res, 1.0)]
+                    cap, tkap = cap * c, (tkap[0], tkap[1] * c) if tkap else tkap
+                cache[key] = (res, cap, kap, tkap, c if c > 0.0 else 1.0)
+            res, cap, kap, tkap, unit = cache[key]
+            self.flow[s] = (la, float(size) * unit, res, cap, kap, int(o.rank[s]), int(rr))
             if tkap:
                 self.flow_tkap[s] = tkap[1]
 

@@ -17,7 +17,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, PositiveInt, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt,
+                      field_validator)
 
 from meshplan.core.errors import UserError
 from meshplan.model.kernel_tables import KernelTableSpec
@@ -148,6 +149,10 @@ class Raw(_Strict):
     memory: list[MemorySample] = Field([], description="ops run alone, their memory rise: the memory model's fit")
     segment_mixes: list[SegmentSample] = Field(
         [], description="blocks over document mixes (each document its own kernel): the kernel table's segment_us")
+    transfer_cpu: list[tuple[PositiveInt, NonNegativeInt, NonNegativeFloat]] = Field(
+        [], description="(size_bytes, exchanges, CPU seconds of ranks 0 and 1 together) over the timed two-flow "
+        "exchanges of the p2p sweep (every thread, user and system): transfer_cpu_us_per_MB is the median over sizes "
+        ">= 1 MiB of CPU seconds / bytes moved (2 x size x exchanges)")
     repeats: PositiveInt = Field(1, description="calibration runs merged into this raw (calibrate --repeat): a "
                                  "timing taken once per run is their median, sample lists are pooled "
                                  "(meshplan.truth.calibration_merge)")
@@ -197,6 +202,8 @@ class CalibrationSpec(_Strict):
     p2p_overhead_us: NonNegativeFloat | None = None
     overlap_kappa: dict[LinkClass, Kappa] = {}
     transfer_kappa: dict[LinkClass, Kappa] = {}
+    transfer_cpu_us_per_MB: dict[LinkClass, NonNegativeFloat] = Field(
+        {}, description="core-microseconds a transfer takes from the compute pool per MB moved (raw.transfer_cpu)")
     compute_pool: PoolFit | None = None
     host_probe_ms: PositiveFloat | None = Field(None, description="median of raw.probe_ms: the host's speed when "
                                                 "calibrated (a run's env.probe_ms against it says how it drifted)")
@@ -299,6 +306,7 @@ def apply_calibration(spec: TopologySpec, calib: CalibrationSpec) -> TopologySpe
         d["p2p_overhead_us"] = calib.p2p_overhead_us
     d["overlap_kappa"].update(calib.overlap_kappa)
     d["transfer_kappa"].update(calib.transfer_kappa)
+    d["transfer_cpu_us_per_MB"].update(calib.transfer_cpu_us_per_MB)
     if calib.compute_pool is not None:
         pool = d["node"]["compute_pool"] or {"cores": calib.device.cores}
         pool.update(threads_per_rank=calib.compute_pool.threads_per_rank,

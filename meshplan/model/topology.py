@@ -366,6 +366,11 @@ class Topology:
         k = self.spec.transfer_kappa
         return np.asarray([getattr(k, c) for c in LINK_CLASSES], dtype=np.float64)
 
+    def transfer_cpu_s_per_byte(self) -> np.ndarray:
+        """Per link class, core-seconds of the compute pool one byte moved takes (LINK_CLASSES order)."""
+        c = self.spec.transfer_cpu_us_per_MB
+        return np.asarray([getattr(c, k) for k in LINK_CLASSES], dtype=np.float64) * 1e-12
+
     @functools.cached_property
     def content_hash(self) -> str:
         """sha256 of the spec and the device count (a schedule records it)."""

@@ -180,6 +180,17 @@ class OverlapSpec(_Strict):
     loopback: Annotated[float, Field(ge=0, lt=1)] = 0.0
 
 
+class TransferCpuSpec(_Strict):
+    """Per link class: core-microseconds per MB (10⁶ bytes) moved, both ends together — the CPU a transfer takes
+    from a shared compute pool (0: none; only nodes with a ``compute_pool`` use it)."""
+
+    nvlink: NonNegFloat = 0.0
+    pcie: NonNegFloat = 0.0
+    socket: NonNegFloat = 0.0
+    net: NonNegFloat = 0.0
+    loopback: NonNegFloat = 0.0
+
+
 class TopologySpec(_Strict):
     """A topology file."""
 
@@ -194,6 +205,10 @@ class TopologySpec(_Strict):
         OverlapSpec(), description="per link class: the fraction of a transfer's rate lost while a rank at either "
         "end computes (CPU ranks: the cores that compute also copy the bytes); 0 on GPUs, whose copy engines and "
         "NICs move data on their own")
+    transfer_cpu_us_per_MB: TransferCpuSpec = Field(
+        TransferCpuSpec(), description="per link class: the CPU a transfer costs on a node with a compute pool, "
+        "core-microseconds per MB moved (both ends together: gloo's packing and socket copies, the kernel's TCP "
+        "loopback); the simulator takes it from the pool the ranks compute on (docs/cost-model.md, CPU ranks)")
     calibration: str | None = Field(None, description="a calibration file (meshplan calibrate), relative to this "
                                     "file; its measured values replace the ones above "
                                     "(meshplan.model.calibration_file)")

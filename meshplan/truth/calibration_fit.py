@@ -68,6 +68,10 @@ def fit_calibration(raw: Raw, device: HostFacts, name: str, wall_s: float = 0.0,
             t_kappa = fit.fit_transfer_kappa([s.comm_s for s in timed], [s.comm_alone_s for s in timed],
                                              [s.overlap_s for s in timed])
             body["transfer_kappa"] = {raw.link_class: round_sig(t_kappa)}
+    if raw.transfer_cpu and raw.link_class == "loopback":
+        per_byte = fit.fit_transfer_cpu(*zip(*raw.transfer_cpu))
+        if per_byte is not None:
+            body["transfer_cpu_us_per_MB"] = {raw.link_class: round_sig(per_byte * 1e12)}
     if raw.sharing:
         slowest: dict[int, float] = {}      # per rank count: the slowest rank (the OS lets some finish early)
         for k, t in raw.sharing:

@@ -20,7 +20,7 @@ _TUPLE_KEYED = {"gemm": 1, "merges": 1, "dtype_merges": 1, "head_dim_kernels": 1
 # dict rows: field -> the timing keys (the other keys are the key)
 _DICT_KEYED = {"kernels": ("time_s",), "p2p": ("time_s",)}
 _POOLED = ("launch_s", "overlap", "dtype_sweep", "recurrence", "dtype_recurrence", "probe_ms", "memory",
-           "segment_mixes")
+           "segment_mixes", "transfer_cpu")
 _SAME = ("dtype", "link_class")
 
 

@@ -145,6 +145,17 @@ def fit_transfer_kappa(comm_s, comm_alone_s, overlap_s) -> float:
     return float(np.clip(np.median((c[live] - a[live]) / o[live]), 0.0, 0.99))
 
 
+def fit_transfer_cpu(size_bytes, exchanges, cpu_s, min_bytes: int = 1 << 20) -> float | None:
+    """Core-seconds per byte moved: the median over samples of ``size_bytes`` ≥ ``min_bytes`` (smaller messages
+    are dominated by per-message costs) of ``cpu_s / (2 · size_bytes · exchanges)`` (an exchange moves a message
+    each way); None without such a sample."""
+    s, n, c = _as_float(size_bytes, exchanges, cpu_s)
+    live = (s >= min_bytes) & (n > 0)
+    if not live.any():
+        return None
+    return float(np.median(c[live] / (2.0 * s[live] * n[live])))
+
+
 def fit_pool_capacity(ranks, times_s) -> float:
     """C of ``t_k = t_1 · max(1, k / C)``: k ranks running one kernel each on a pool worth C ranks (in the
     simulator they share it max-min fairly and end together; on a host, give the slowest rank's time).

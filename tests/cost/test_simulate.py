@@ -77,6 +77,40 @@ def test_shared_loopback_and_shared_cores():
     assert _makespans("ring", 2, topo)[0] == pytest.approx(4.0, rel=1e-6)
 
 
+def test_transfers_take_cpu_from_the_shared_pool():
+    # two ranks on 2 cores, each block 1 s of one core; each KV transfer is 16 B at up to 16 B/s on its link
+    def ring(cpu: float) -> float:
+        topo = unit_topology(2, kind="loopback", port_Bps=16.0, shared_Bps=1e9, cores=2,
+                             transfer_cpu_s_per_byte=cpu)
+        return _makespans("ring", 2, topo)[0]
+    assert ring(0.0) == pytest.approx(2.0, rel=1e-9)      # transfers free of CPU: 1 s each beside block 0
+    # 1/16 core-s per byte: a flow at 16 B/s would take a core. Two blocks and two flows share 2 cores, 0.5 each:
+    # block 0 and the transfers (1 core-s of copying each) end at 2 s, block 1 alone at full speed: 3 s
+    assert ring(1 / 16) == pytest.approx(3.0, rel=1e-9)
+    # 1/32: a flow is held to 16 B/s = 0.5 core by its link; all four at 0.5 until the transfers end at 1 s
+    # (0.5 core-s each); block 0 then has 0.5 s of work left at full speed: 1.5 s; block 1: 2.5 s
+    assert ring(1 / 32) == pytest.approx(2.5, rel=1e-9)
+    # off a pool (GPUs: every device computes on its own) the cost is not used
+    gpu = unit_topology(2, port_Bps=16.0)
+    assert _makespans("ring", 2, gpu)[0] == pytest.approx(2.0, rel=1e-9)
+
+
+@pytest.mark.timeout(30)
+def test_fair_rates_with_weights_of_very_different_sizes_terminate():
+    # flows solved in core-seconds weigh 1/c (~1.2e9) on their links: sums of such weights leave rounding
+    # residues, which once kept a resource "loaded" with no unfrozen user and looped for ever
+    from meshplan.cost.maxmin import fair_rates
+
+    c = 5.5e-10
+    link, pool = 0, 1
+    acts = {a: [0, 0, 0, 0, [(link, 1 / c), (pool, 1.0)], 0.8, None] for a in range(3)}       # three flows
+    acts |= {3 + k: [0, 0, 0, 0, [(pool, 1.0)], 1.0, None] for k in range(4)}                  # four kernels
+    rates = fair_rates(acts, [1.0e9, 1.926], lambda a, act: act[5])
+    # the link holds each flow to 1e9 / 3 B/s = 0.1833 core; the kernels share the rest of the pool
+    assert [rates[a] for a in range(3)] == pytest.approx([1e9 / 3 * c] * 3, rel=1e-9)
+    assert [rates[a] for a in range(3, 7)] == pytest.approx([(1.926 - 1e9 * c) / 4] * 4, rel=1e-9)
+
+
 def test_pass_q_all_to_all_contention():
     # Q (8 B) crosses in 1/3 s; blocks end at 1, 2, 3; the final all-to-all sends 2 partials (24 B) per port
     # at 12 B/s each: 2 s -> 5 s

@@ -28,6 +28,7 @@ MODEL = "CPU rank (torch CPU attention, 1 thread)"       # cpu-local's device.mo
 TOKENS = [64, 128, 256]
 PEAK_BF16, PEAK_FP32, LAUNCH = 2e11, 5e10, 10e-6
 ALPHA, BW, SHARED, KAPPA, POOL = 80e-6, 4e9, 5e9, 0.2, 1.5
+TRANSFER_CPU = 8e-10                  # core-seconds per byte moved (800 core-us per MB)
 
 
 def _e(a, b, p):
@@ -61,10 +62,13 @@ def synthetic_raw() -> Raw:
                for r, o in ((0, 0.05), (1, 0.06))]
     # sharing: a row per rank; one of the 3 ran alone (the OS lets some finish early): the fit takes the slowest
     sharing = [(k, 0.01 * max(1.0, k / POOL)) for k in (1, 2, 3, 4)] + [(3, 0.01)]
+    # CPU of the exchanges: per byte, plus 50 us per message (only messages >= 1 MiB enter the fit)
+    transfer_cpu = [(s, 20, 20 * (2 * s * TRANSFER_CPU + 50e-6)) for s in sizes if s >= 1 << 20]
+    transfer_cpu += [(s, 200, 200 * 2 * 50e-6) for s in sizes if s < 1 << 20]
     return Raw.model_validate({
         "gemm": [("bf16", 1000, 2e9 / PEAK_BF16), ("fp32", 1000, 2e9 / PEAK_FP32)], "launch_s": [LAUNCH] * 3,
         "kernels": kernels, "merges": [(b, b / 6e9) for b in (1e6, 4e6, 16e6)], "link_class": "loopback",
-        "p2p": p2p, "overlap": overlap, "sharing": sharing, "head_dim_kernels": head_dim})
+        "p2p": p2p, "overlap": overlap, "sharing": sharing, "head_dim_kernels": head_dim, "transfer_cpu": transfer_cpu})
 
 
 def facts(model: str = MODEL) -> HostFacts:
@@ -94,6 +98,8 @@ def test_fit_recovers_the_generating_parameters(calib):
     assert calib.shared_GBps == pytest.approx(SHARED / 1e9, rel=rel)
     assert calib.overlap_kappa["loopback"] == pytest.approx(KAPPA, rel=rel)
     assert calib.compute_pool.capacity_ranks == pytest.approx(POOL, abs=2e-3)
+    # the median over >= 1 MiB messages: 2·s·c + 50 us per exchange, so within 50e-6 / (2 · 1 MiB · c) = 3%
+    assert calib.transfer_cpu_us_per_MB["loopback"] == pytest.approx(TRANSFER_CPU * 1e12, rel=0.03)
 
 
 def test_dtype_multipliers_by_head_dim_and_size_recovered(tmp_path):
@@ -207,6 +213,7 @@ def test_topology_takes_the_calibrations_values(tmp_path, calib):
     assert topo.peak_flops("bf16") == pytest.approx(PEAK_BF16, rel=1e-3)
     assert topo.kappa()[0] == pytest.approx(KAPPA, rel=1e-3)        # loopback is LINK_CLASSES[0]
     assert topo.pool_capacity == pytest.approx(POOL, abs=2e-3)
+    assert topo.transfer_cpu_s_per_byte()[0] == pytest.approx(calib.transfer_cpu_us_per_MB["loopback"] * 1e-12)
     assert topo.file_spec.p2p_overhead_us != topo.spec.p2p_overhead_us
     plain = Topology(topo.file_spec.model_copy(update={"calibration": None}), gpus=2)
     assert plain.content_hash != topo.content_hash
@@ -307,8 +314,13 @@ def test_calibrate_quick_end_to_end(tmp_path):
     assert all(x > 0 for x in numbers), numbers
     assert 0 <= calib.overlap_kappa["loopback"] < 1
     assert np.all(np.asarray(calib.kernel.fwd) > 0) and np.all(np.asarray(calib.kernel.bwd) > 0)
-    assert {row["name"] for row in body["fitted"]} >= {"p2p_overhead_us", "overlap_kappa.loopback"}
+    assert {row["name"] for row in body["fitted"]} >= {"p2p_overhead_us", "overlap_kappa.loopback",
+                                                       "transfer_cpu_us_per_MB.loopback"}
     from meshplan.executor.calibrate.common import QUICK
+    # the exchanges' CPU, both ranks' processes over their timed rounds, per size: a transfer is CPU work here
+    assert sorted(s for s, _, _ in calib.raw.transfer_cpu) == sorted(QUICK.p2p_sizes)
+    assert all(n > 0 and cpu > 0 for _, n, cpu in calib.raw.transfer_cpu)
+    assert calib.transfer_cpu_us_per_MB["loopback"] > 0
     dims = sorted(set(QUICK.head_dims) | {QUICK.head_dim})      # the dtype sweep: one row per round and shape
     assert calib.kernel.dtype_head_dims == dims and calib.kernel.dtype_tokens == sorted(QUICK.dtype_tokens)
     counts = Counter((d, p, hd, s) for d, p, hd, s, _, _ in calib.raw.dtype_sweep)

@@ -10,6 +10,7 @@ kernel at once (core sharing). Rank 0 returns everything; a failing rank leaves 
 from __future__ import annotations
 
 import math
+import resource
 import threading
 import time
 from dataclasses import replace
@@ -50,9 +51,9 @@ def _measure_ranks(rank: int, world: int, sweep: Sweep) -> dict:
                             timeout=timedelta(seconds=120))
     try:
         pair = dist.new_group([0, 1])
-        mine: dict = {"p2p": [], "overlap": [], "sharing": []}
+        mine: dict = {"p2p": [], "overlap": [], "sharing": [], "transfer_cpu": []}
         if rank < 2:
-            mine["p2p"] = _p2p(rank, sweep, device, pair)
+            mine["p2p"], mine["transfer_cpu"] = _p2p(rank, sweep, device, pair)
             mine["overlap"] = _overlap(rank, sweep, device, pair, mine["p2p"])
         dist.barrier()
         if not cuda:
@@ -61,8 +62,10 @@ def _measure_ranks(rank: int, world: int, sweep: Sweep) -> dict:
         dist.gather_object(mine, gathered, dst=0)
         if rank != 0:
             return {}
+        both = zip(gathered[0]["transfer_cpu"], gathered[1]["transfer_cpu"])     # the same sizes, in order
         return {"p2p": gathered[0]["p2p"], "overlap": [r for g in gathered for r in g["overlap"]],
-                "sharing": [r for g in gathered for r in g["sharing"]]}
+                "sharing": [r for g in gathered for r in g["sharing"]],
+                "transfer_cpu": [] if cuda else [(a[0], a[1], a[2] + b[2]) for a, b in both]}
     finally:
         dist.destroy_process_group()
 
@@ -101,19 +104,21 @@ def _ping(rank: int, out: dict, into: dict, rounds: int) -> None:
         unpack(got, into, "kv", "fp32")
 
 
-def _p2p(rank: int, sweep: Sweep, device, pair) -> list[dict]:
+def _p2p(rank: int, sweep: Sweep, device, pair) -> tuple[list[dict], list[tuple[int, int, float]]]:
     """Ping-pong (one flow: half a round trip) and a simultaneous exchange (two flows) per size; each round
-    timed on its own, so a round another process delayed does not spoil the others."""
-    rows = []
+    timed on its own, so a round another process delayed does not spoil the others. Also, per size, this
+    process's CPU time over its timed exchanges (every thread, user and system: packing, gloo's I/O, the kernel's
+    socket copies) as (size_bytes, exchanges, cpu_s): what a transfer takes from a shared compute pool."""
+    rows, cpu_rows = [], []
     for size in sweep.p2p_sizes:
         buf, got = _wire(size, device)
         rounds = max(3, min(50, (16 << 20) // size))
         for flows in (1, 2):
-            times = []
+            times, cpu_s, exchanges = [], 0.0, 0
             for sample in range(sweep.samples + 1):          # the first is a warm-up
                 dist.barrier(group=pair)
                 for _ in range(rounds):
-                    t0 = time.perf_counter()
+                    c0, t0 = _process_cpu_s(), time.perf_counter()
                     if flows == 1:
                         _ping(rank, buf, got, 1)
                     else:
@@ -121,11 +126,19 @@ def _p2p(rank: int, sweep: Sweep, device, pair) -> list[dict]:
                     sync(device)
                     if sample:
                         times.append((time.perf_counter() - t0) / (2 if flows == 1 else 1))
+                        cpu_s, exchanges = cpu_s + _process_cpu_s() - c0, exchanges + 1
             rows.append({"size_bytes": size, "flows": flows, "time_s": typical(times)})
+        cpu_rows.append((size, exchanges, cpu_s))
         if rank == 0:
             log(f"p2p {size} B: {rows[-2]['time_s'] * 1e6:.1f} us one way, {rows[-1]['time_s'] * 1e6:.1f} us "
                 "both ways at once")
-    return rows
+    return rows, cpu_rows
+
+
+def _process_cpu_s() -> float:
+    """CPU seconds this process has used so far, every thread, user and system."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def _timed_kernel(kernel, device) -> tuple[float, float]:
