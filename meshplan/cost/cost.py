@@ -17,6 +17,9 @@ All times in seconds, sizes in bytes, rates in bytes/s.
   ``t = t_launch + bytes_touched / (f · HBM bandwidth)`` with f = the table's ``merge_hbm_fraction``
   (0.8, docs/cost-model.md). A compute op with ``combine`` merge/accumulate pays it for each output:
   3 x the output's bytes (read accumulator, read partial, write accumulator).
+* The CPU executor's staging (kernel tables with ``stage_inputs``, those ``meshplan calibrate`` writes): each compute op
+  first copies its inputs into kernel layout, ``2 · input bytes`` (GQA: K and V expanded too) at the merge rate
+  (:meth:`CostModel._staging_s`).
 * Transfer alone on its route: ``T(S) = alpha_sw + Σ hop latency + S / min(link capacity, per-flow cap)``.
 
 The simulator (L1) adds contention and overlap; these formulas are also what lower bounds are made of.
@@ -27,6 +30,7 @@ from __future__ import annotations
 import numpy as np
 
 from meshplan.core.csr import csr_sum
+from meshplan.core.units import DTYPE_BYTES
 from meshplan.cost.doc_kernels import DocKernels, many_covers, priced_by_cover
 from meshplan.model.matrix import attn_matrix
 from meshplan.model.topology import Topology
@@ -188,6 +192,22 @@ class CostModel:
         np.logical_or.at(has_out, op_of_input, sched.tensors.kind[o.inputs] == TENSOR_KIND_NAMES.index("out"))
         return np.flatnonzero((o.kind == COMPUTE) & (o.phase == 1) & ~has_out)
 
+    def _staging_s(self, sched: Schedule) -> np.ndarray:
+        """[n_ops] seconds the executor spends copying each compute op's inputs into kernel layout before its
+        kernels (``kernel.stage_inputs``; :meth:`meshplan.executor.ops.OpRunner.compute`): every part it reads —
+        forward Q, K, V; backward Q, O (not where the Q side carries D), dO, K, V — read and written once as a contiguous [B, h, T, D] copy, and with
+        GQA each of K and V read again and written at the query heads; memory bound, at the merge rate. 0 for ops
+        without FLOPs and for the rest."""
+        o, w = sched.ops, sched.workload
+        per_token_head = w.batch * w.head_dim * DTYPE_BYTES[w.dtype]      # bytes of one token of one head
+        heads = (o.h1 - o.h0).astype(np.float64)
+        kv_heads = heads / w.gqa_group
+        q_parts = np.where(o.phase == 0, 1.0, 3.0)
+        q_parts[self._bwd_without_out(sched)] = 2.0         # the Q side carries D, not O: Q and dO
+        kv_touched = 2.0 * kv_heads + ((kv_heads + heads) if w.gqa_group > 1 else 0.0)     # per K or V part
+        touched = per_token_head * (2.0 * q_parts * o.s_q * heads + 2.0 * o.s_kv * kv_touched)
+        return np.where((o.kind == COMPUTE) & (o.flops > 0), touched / self.merge_rate, 0.0)
+
     def op_durations(self, sched: Schedule) -> np.ndarray:
         """[n_ops] seconds for compute, merge and accumulate ops alone on their device; 0 for the rest."""
         o, t = sched.ops, sched.tensors
@@ -207,6 +227,8 @@ class CostModel:
         delta = self.kernel.bwd_delta(dtype)
         if delta != 1.0:
             dur[self._bwd_without_out(sched)] *= delta
+        if self.kernel.spec.stage_inputs:
+            dur += self._staging_s(sched)
         combined = (o.kind == COMPUTE) & (o.combine != COMBINES.index("write"))
         out_bytes = csr_sum(o.out_ptr, t.size_bytes[o.outputs].astype(np.float64))
         merging = o.combine[combined] == COMBINES.index("merge")          # O in the workload dtype, merged in fp32

@@ -59,6 +59,11 @@ class KernelTableSpec(BaseModel):
         (1, 1), description="backward tile (query rows, keys)")
     segment_us: Annotated[float, Field(ge=0)] = Field(
         0.0, description="fixed cost per document segment beyond its tiles and launch, microseconds")
+    stage_inputs: bool = Field(
+        False, description="the executor copies each compute op's inputs into kernel layout before its kernels (a "
+        "gather of its tokens, [B, T, h, D] -> contiguous [B, h, T, D], GQA's KV heads expanded): priced, memory "
+        "bound, at the merge rate (docs/cost-model.md, Compute). True for tables meshplan calibrate times on the "
+        "executor; the published GPU tables price frameworks whose kernels read their inputs in place")
     merge_hbm_fraction: Annotated[float, Field(gt=0, le=1)] = Field(
         0.8, description="merges and accumulations run at this fraction of the memory bandwidth")
     merge_dtype: dict[Literal["bf16", "fp16", "fp32"], Annotated[float, Field(gt=0)]] | None = Field(

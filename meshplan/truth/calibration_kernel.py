@@ -48,7 +48,7 @@ def kernel_table(raw: Raw, peak: float, launch_s: float, peak_ratios: dict[str, 
         elementwise_factor=round_sig(ratio), elementwise=by_size, **_head_dim_factors(raw, peak, launch_s),
         **_dtype_factors(raw, peak_ratios),
         bwd_delta_factor=max(1.0, round_sig(float(np.median([a / b for _, a, b in raw.recurrence])))) if raw.recurrence
-        else 1.0, bwd_delta_dtype=_delta_by_dtype(raw), segments=segments,
+        else 1.0, bwd_delta_dtype=_delta_by_dtype(raw), segments=segments, stage_inputs=True,
         **({} if segments == "per_call" else {"tile_fwd": (128, 64), "tile_bwd": (64, 128)}))
     return spec.model_copy(update={"segment_us": segment_cost_us(raw, spec, peak)})
 

@@ -100,6 +100,7 @@ def test_fit_recovers_the_generating_parameters(calib):
     assert calib.compute_pool.capacity_ranks == pytest.approx(POOL, abs=2e-3)
     # the median over >= 1 MiB messages: 2·s·c + 50 us per exchange, so within 50e-6 / (2 · 1 MiB · c) = 3%
     assert calib.transfer_cpu_us_per_MB["loopback"] == pytest.approx(TRANSFER_CPU * 1e12, rel=0.03)
+    assert k.stage_inputs                   # timed on the executor, whose ops copy their inputs before the kernels
 
 
 def test_dtype_multipliers_by_head_dim_and_size_recovered(tmp_path):
