@@ -195,9 +195,9 @@ class CostModel:
     def _staging_s(self, sched: Schedule) -> np.ndarray:
         """[n_ops] seconds the executor spends copying each compute op's inputs into kernel layout before its
         kernels (``kernel.stage_inputs``; :meth:`meshplan.executor.ops.OpRunner.compute`): every part it reads —
-        forward Q, K, V; backward Q, O (not where the Q side carries D), dO, K, V — read and written once as a contiguous [B, h, T, D] copy, and with
-        GQA each of K and V read again and written at the query heads; memory bound, at the merge rate. 0 for ops
-        without FLOPs and for the rest."""
+        forward Q, K, V; backward Q, O (not where the Q side carries D), dO, K, V — read and written once as a
+        contiguous [B, h, T, D] copy, and with GQA each of K and V read again and written at the query heads;
+        memory bound, at the merge rate. 0 for ops without FLOPs and for the rest."""
         o, w = sched.ops, sched.workload
         per_token_head = w.batch * w.head_dim * DTYPE_BYTES[w.dtype]      # bytes of one token of one head
         heads = (o.h1 - o.h0).astype(np.float64)
