@@ -48,30 +48,7 @@ def fit_calibration(raw: Raw, device: HostFacts, name: str, wall_s: float = 0.0,
         body["memory"] = fit_memory([m.model_dump(by_alias=True) for m in raw.memory])
     if raw.probe_ms:
         body["host_probe_ms"] = round_sig(float(np.median(raw.probe_ms)))
-    one = [s for s in raw.p2p if s.flows == 1]
-    if one and raw.link_class is not None:
-        alpha_s, bw = fit.fit_alpha_beta([s.size_bytes for s in one], [s.time_s for s in one])
-        # on one host the per-message software cost and the hops' latency are one number: all of it is
-        # alpha_sw (p2p_overhead_us); the hops get 0
-        body |= {"links": {raw.link_class: LinkFit(latency_us=0.0, usable_GBps=round_sig(bw / 1e9))},
-                 "p2p_overhead_us": round_sig(alpha_s * 1e6)}
-        two = [s for s in raw.p2p if s.flows == 2]
-        if two and raw.link_class == "loopback":
-            agg = fit.fit_shared_bandwidth([s.size_bytes for s in two], [s.time_s for s in two], 2, alpha_s)
-            body["shared_GBps"] = round_sig(agg / 1e9)
-    if raw.overlap and raw.link_class is not None:
-        o = raw.overlap
-        kappa = fit.fit_kappa([s.alone_s for s in o], [s.with_s for s in o], [s.overlap_s for s in o])
-        body["overlap_kappa"] = {raw.link_class: round_sig(kappa)}
-        timed = [s for s in o if s.comm_s is not None and s.comm_alone_s is not None]
-        if timed and raw.link_class == "loopback":
-            t_kappa = fit.fit_transfer_kappa([s.comm_s for s in timed], [s.comm_alone_s for s in timed],
-                                             [s.overlap_s for s in timed])
-            body["transfer_kappa"] = {raw.link_class: round_sig(t_kappa)}
-    if raw.transfer_cpu and raw.link_class == "loopback":
-        per_byte = fit.fit_transfer_cpu(*zip(*raw.transfer_cpu))
-        if per_byte is not None:
-            body["transfer_cpu_us_per_MB"] = {raw.link_class: round_sig(per_byte * 1e12)}
+    body |= _transfer_fits(raw)
     if raw.sharing:
         slowest: dict[int, float] = {}      # per rank count: the slowest rank (the OS lets some finish early)
         for k, t in raw.sharing:
@@ -79,3 +56,34 @@ def fit_calibration(raw: Raw, device: HostFacts, name: str, wall_s: float = 0.0,
         cap = fit.fit_pool_capacity(list(slowest), list(slowest.values()))
         body["compute_pool"] = PoolFit(capacity_ranks=round_sig(cap), threads_per_rank=device.threads_per_rank)
     return CalibrationSpec.model_validate(body)
+
+
+def _transfer_fits(raw: Raw) -> dict:
+    """The transfer parameters of ``raw``'s link class: the link and α (ping-pong), the shared loopback (two flows),
+    κ and κ_t (the overlap run) and the transfers' CPU per byte (their exchanges' process CPU)."""
+    out: dict = {}
+    one = [s for s in raw.p2p if s.flows == 1]
+    if one and raw.link_class is not None:
+        alpha_s, bw = fit.fit_alpha_beta([s.size_bytes for s in one], [s.time_s for s in one])
+        # on one host the per-message software cost and the hops' latency are one number: all of it is
+        # alpha_sw (p2p_overhead_us); the hops get 0
+        out |= {"links": {raw.link_class: LinkFit(latency_us=0.0, usable_GBps=round_sig(bw / 1e9))},
+                "p2p_overhead_us": round_sig(alpha_s * 1e6)}
+        two = [s for s in raw.p2p if s.flows == 2]
+        if two and raw.link_class == "loopback":
+            agg = fit.fit_shared_bandwidth([s.size_bytes for s in two], [s.time_s for s in two], 2, alpha_s)
+            out["shared_GBps"] = round_sig(agg / 1e9)
+    if raw.overlap and raw.link_class is not None:
+        o = raw.overlap
+        kappa = fit.fit_kappa([s.alone_s for s in o], [s.with_s for s in o], [s.overlap_s for s in o])
+        out["overlap_kappa"] = {raw.link_class: round_sig(kappa)}
+        timed = [s for s in o if s.comm_s is not None and s.comm_alone_s is not None]
+        if timed and raw.link_class == "loopback":
+            t_kappa = fit.fit_transfer_kappa([s.comm_s for s in timed], [s.comm_alone_s for s in timed],
+                                             [s.overlap_s for s in timed])
+            out["transfer_kappa"] = {raw.link_class: round_sig(t_kappa)}
+    if raw.transfer_cpu and raw.link_class == "loopback":
+        per_byte = fit.fit_transfer_cpu(*zip(*raw.transfer_cpu))
+        if per_byte is not None:
+            out["transfer_cpu_us_per_MB"] = {raw.link_class: round_sig(per_byte * 1e12)}
+    return out
