@@ -192,18 +192,19 @@ class CostModel:
         np.logical_or.at(has_out, op_of_input, sched.tensors.kind[o.inputs] == TENSOR_KIND_NAMES.index("out"))
         return np.flatnonzero((o.kind == COMPUTE) & (o.phase == 1) & ~has_out)
 
-    def _staging_s(self, sched: Schedule) -> np.ndarray:
+    def _staging_s(self, sched: Schedule, without_out: np.ndarray) -> np.ndarray:
         """[n_ops] seconds the executor spends copying each compute op's inputs into kernel layout before its
         kernels (``kernel.stage_inputs``; :meth:`meshplan.executor.ops.OpRunner.compute`): every part it reads —
         forward Q, K, V; backward Q, O (not where the Q side carries D), dO, K, V — read and written once as a
         contiguous [B, h, T, D] copy, and with GQA each of K and V read again and written at the query heads;
-        memory bound, at the merge rate. 0 for ops without FLOPs and for the rest."""
+        memory bound, at the merge rate. 0 for ops without FLOPs and for the rest. ``without_out``: the backward ops
+        whose Q side carries D (:meth:`_bwd_without_out`)."""
         o, w = sched.ops, sched.workload
         per_token_head = w.batch * w.head_dim * DTYPE_BYTES[w.dtype]      # bytes of one token of one head
         heads = (o.h1 - o.h0).astype(np.float64)
         kv_heads = heads / w.gqa_group
         q_parts = np.where(o.phase == 0, 1.0, 3.0)
-        q_parts[self._bwd_without_out(sched)] = 2.0         # the Q side carries D, not O: Q and dO
+        q_parts[without_out] = 2.0                          # the Q side carries D, not O: Q and dO
         kv_touched = 2.0 * kv_heads + ((kv_heads + heads) if w.gqa_group > 1 else 0.0)     # per K or V part
         touched = per_token_head * (2.0 * q_parts * o.s_q * heads + 2.0 * o.s_kv * kv_touched)
         return np.where((o.kind == COMPUTE) & (o.flops > 0), touched / self.merge_rate, 0.0)
@@ -225,10 +226,12 @@ class CostModel:
         if priced_by_cover(sched.workload, self.kernel.spec):     # document segments, window strips on CPU:
             self._doc_compute(sched, dur)                         # priced as the kernels run them
         delta = self.kernel.bwd_delta(dtype)
+        stage = self.kernel.spec.stage_inputs
+        without_out = self._bwd_without_out(sched) if delta != 1.0 or stage else None
         if delta != 1.0:
-            dur[self._bwd_without_out(sched)] *= delta
-        if self.kernel.spec.stage_inputs:
-            dur += self._staging_s(sched)
+            dur[without_out] *= delta
+        if stage:
+            dur += self._staging_s(sched, without_out)
         combined = (o.kind == COMPUTE) & (o.combine != COMBINES.index("write"))
         out_bytes = csr_sum(o.out_ptr, t.size_bytes[o.outputs].astype(np.float64))
         merging = o.combine[combined] == COMBINES.index("merge")          # O in the workload dtype, merged in fp32

@@ -126,7 +126,7 @@ class _Engine:
         lat, _ = topo.pair_stats(src, dst)
         kappa, tkappa = topo.kappa(), topo.transfer_kappa()
         cpu = topo.transfer_cpu_s_per_byte() if topo.pool_capacity is not None else np.zeros(len(kappa))
-        self.pool_res = len(topo.link_capacity)          # the pool's resource id (_setup_resources appends it)
+        pool_res = len(topo.link_capacity)               # the pool's resource id (_setup_resources appends it)
         self.flow, cache = {}, {}
         self.flow_tkap: dict[int, float] = {}   # send op -> its cap while an end rank computes (κ_t > 0)
         recv_rank = o.rank[red.rep_op[partner[sends]]]
@@ -147,7 +147,7 @@ class _Engine:
                 c = float(cpu[topo.link_class[route]].max()) if len(route) else 0.0
                 res = list(weights.items())
                 if c > 0.0:         # CPU work too: the flow in core-seconds, a user of the pool
-                    res = [(link, w / c) for link, w in res] + [(self.pool_res, 1.0)]
+                    res = [(link, w / c) for link, w in res] + [(pool_res, 1.0)]
                     cap, tkap = cap * c, (tkap[0], tkap[1] * c) if tkap else tkap
                 cache[key] = (res, cap, kap, tkap, c if c > 0.0 else 1.0)
             res, cap, kap, tkap, unit = cache[key]
