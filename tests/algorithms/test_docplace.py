@@ -1,0 +1,114 @@
+"""doc-place's document placement: work per document against closed forms, LPT against the brute-force optimum
+(Graham's 4/3 bound), the token cap, split groups sized to the document, conservation under fuzzing."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshplan.algorithms.docplace.placement import document_work, place_documents
+
+
+def test_work_is_causal_pairs_with_unit_tiles():
+    lens = np.array([1, 2, 7, 1000])
+    assert document_work(lens).tolist() == (lens * (lens + 1) / 2).tolist()
+
+
+@pytest.mark.parametrize("length,tiles", [(128, 1), (129, 3), (140, 3), (256, 3), (257, 6), (1, 1), (0, 0)])
+def test_work_counts_whole_tiles_on_and_below_the_diagonal(length, tiles):
+    # k = ceil(L / 128) row tiles; a causal staircase touches k (k + 1) / 2 tiles, each computed whole
+    assert document_work([length], (128, 128))[0] == tiles * 128 * 128
+
+
+def _brute_force_makespan(work: np.ndarray, m: int) -> float:
+    best = np.inf
+    for assign in itertools.product(range(m), repeat=len(work)):
+        loads = np.bincount(assign, weights=work, minlength=m)
+        best = min(best, loads.max())
+    return best
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_lpt_within_grahams_bound_of_the_optimum(seed):
+    rng = np.random.default_rng(seed)
+    m = 3
+    lens = rng.integers(20, 60, size=7)          # no document above the mean work: none is split
+    got = place_documents(lens, m, token_cap=1e9)
+    assert not got.groups
+    opt = _brute_force_makespan(document_work(lens), m)
+    assert got.rank_work.max() <= (4 / 3 - 1 / (3 * m)) * opt + 1e-9
+
+
+def test_token_cap_moves_short_documents_off_the_light_rank():
+    # one 99-token document (4,950 pairs) and 4,950 one-token documents (4,950 pairs, 4,950 tokens) on 2 ranks:
+    # by work alone rank 1 would take every short document; the cap stops it at 1.25 x the mean tokens
+    lens = [99] + [1] * 4950
+    free = place_documents(lens, 2, token_cap=1e9)
+    capped = place_documents(lens, 2)
+    mean = sum(lens) / 2
+    assert free.rank_tokens.max() > 1.25 * mean
+    assert capped.cap_ok and capped.rank_tokens.max() <= 1.25 * mean + 1e-9
+    assert capped.token_cap == pytest.approx(1.25 * mean)
+    assert capped.rank_tokens.sum() == sum(lens)
+
+
+def test_cap_that_cannot_be_met_is_reported():
+    # two documents of 10 tokens on 2 ranks... with a third of 10: some rank holds 20 > 1.25 x 15
+    got = place_documents([10, 10, 10], 2, token_cap=1.25)
+    assert not got.cap_ok
+
+
+def test_long_document_split_over_the_ranks_its_work_needs():
+    lens = np.array([2000] + [250] * 64)
+    work = lens * (lens + 1) / 2
+    g = int(np.ceil(work[0] / (work.sum() / 8)))
+    got = place_documents(lens, 8, token_cap=1e9)
+    assert 1 < g < 8
+    assert got.groups == {0: tuple(range(g))} and got.owner[0] == -1
+    assert (got.owner[1:] >= 0).all()
+
+def test_document_above_the_token_cap_is_split_by_its_tokens():
+    # a 3,000-token slot with 10 real tokens: almost no work, but 3,000 > 1.25 x 5,000 / 4 tokens
+    got = place_documents([10] + [250] * 8, 4, slots=[3000] + [250] * 8)
+    assert got.groups == {0: (0, 1)}                 # ceil(3000 / 1562.5) = 2
+    assert got.cap_ok
+
+
+def test_split_group_stays_inside_a_node():
+    lens = [3000, 3000] + [60] * 200                  # two long documents, each needing 2-3 ranks, 4 per node
+    got = place_documents(lens, 8, ranks_per_node=4, token_cap=1e9)
+    for ranks in got.groups.values():
+        assert len(ranks) <= 4
+        assert ranks[0] // 4 == ranks[-1] // 4
+        assert list(ranks) == list(range(ranks[0], ranks[-1] + 1))
+    assert set(got.groups[0]).isdisjoint(got.groups[1])
+
+
+@pytest.mark.parametrize("bad", [dict(lengths=[]), dict(lengths=[-1]), dict(lengths=[4], slots=[3]),
+                                 dict(lengths=[4], n_ranks=0), dict(lengths=[4], token_cap=0.5),
+                                 dict(lengths=[4], n_ranks=6, ranks_per_node=4)])
+def test_bad_input_is_refused(bad):
+    args = dict(n_ranks=2) | bad
+    with pytest.raises(ValueError):
+        place_documents(args.pop("lengths"), args.pop("n_ranks"), **args)
+
+
+@settings(max_examples=60, deadline=None)
+@given(lens=st.lists(st.integers(1, 5000), min_size=1, max_size=60), n=st.sampled_from([1, 2, 3, 4, 8, 12]),
+       tile=st.sampled_from([(1, 1), (64, 64), (128, 64)]), cap=st.sampled_from([1.0, 1.25, 2.0]))
+def test_every_token_and_pair_placed_once(lens, n, tile, cap):
+    got = place_documents(lens, n, tile=tile, token_cap=cap, ranks_per_node=4 if n % 4 == 0 else None)
+    work = document_work(lens, tile)
+    assert got.rank_tokens.sum() == pytest.approx(sum(lens))
+    assert got.rank_work.sum() == pytest.approx(work.sum())
+    for d in range(len(lens)):
+        assert (got.owner[d] >= 0) != (d in got.groups)
+    for d, ranks in got.groups.items():
+        assert 1 < len(ranks) <= n and list(ranks) == list(range(ranks[0], ranks[0] + len(ranks)))
+        assert work[d] / len(ranks) <= work.sum() / n + 1e-6 or len(ranks) == n
+    assert sorted(d for r in range(n) for d in got.docs_of(r) if got.owner[d] == r) == sorted(
+        np.flatnonzero(got.owner >= 0).tolist())
