@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from meshplan.algorithms.docplace import chunks
 from meshplan.algorithms.docplace.placement import document_work, place_documents
 
 
@@ -112,3 +113,55 @@ def test_every_token_and_pair_placed_once(lens, n, tile, cap):
         assert work[d] / len(ranks) <= work.sum() / n + 1e-6 or len(ranks) == n
     assert sorted(d for r in range(n) for d in got.docs_of(r) if got.owner[d] == r) == sorted(
         np.flatnonzero(got.owner >= 0).tolist())
+
+
+# --- the chunks a placement implies --------------------------------------------------------------------------
+
+def _brute_pairs(ch, real_ends, bounds):
+    """[c, c] pairs by enumeration: causal inside a document (by slot), padding neither query nor key."""
+    pos = [ch.positions(i) for i in range(ch.n)]
+    doc = lambda x: np.searchsorted(bounds, x, side="right") - 1  # noqa: E731
+    real = [x[x < real_ends[doc(x)]] for x in pos]
+    out = np.zeros((ch.n, ch.n), dtype=np.int64)
+    for i, q in enumerate(real):
+        for j, k in enumerate(real):
+            ok = (q[:, None] >= k[None, :]) & (doc(q)[:, None] == doc(k)[None, :])
+            out[i, j] = ok.sum()
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(docs=st.lists(st.tuples(st.integers(1, 400), st.integers(0, 9)), min_size=1, max_size=25),
+       n=st.sampled_from([1, 2, 3, 4, 6]), cap=st.sampled_from([1.0, 1.25]))
+def test_chunks_hold_every_token_once_and_pairs_match_enumeration(docs, n, cap):
+    real = np.array([r for r, _ in docs])
+    slots = real + np.array([p for _, p in docs])
+    got = place_documents(real, n, slots=slots, token_cap=cap)
+    p = chunks.pieces(got, slots, real)
+    ch = chunks.chunking(p, 2 * n)
+    everything = np.sort(np.concatenate([ch.positions(i) for i in range(2 * n)]))
+    assert everything.tolist() == list(range(int(slots.sum())))
+    bounds = np.concatenate([[0], np.cumsum(slots)])
+    real_ends = bounds[:-1] + real
+    pairs = chunks.block_pairs(p, 2 * n)
+    assert (pairs == _brute_pairs(ch, real_ends, bounds)).all()
+    assert pairs.sum() == (real * (real + 1) // 2).sum()
+    # whole documents stay in their rank's even chunk; split ones meet only their group's odd chunks
+    for r in range(n):
+        assert pairs[2 * r, np.arange(2 * n) != 2 * r].sum() == 0
+    for d, ranks in got.groups.items():
+        assert set(p["chunk"][p["doc"] == d]) == {2 * r + 1 for r in ranks}
+
+
+def test_split_document_is_zigzag_inside_its_group():
+    # one 800-token document on 4 ranks (g = 4): pieces of 100 tokens, member k holds pieces k and 7 - k
+    got = place_documents([800], 4)
+    assert got.groups == {0: (0, 1, 2, 3)}
+    p = chunks.pieces(got, [800], [800])
+    ch = chunks.chunking(p, 8)
+    for k in range(4):
+        assert ch.segments(2 * k + 1) == [(100 * k, 1, 100), (100 * (7 - k), 1, 100)]
+        assert ch.segments(2 * k) == []
+    pairs = chunks.block_pairs(p, 8)
+    own = np.diag(pairs)[1::2]
+    assert (own == own[0]).all()             # zigzag: every member's diagonal block the same work
