@@ -16,68 +16,18 @@ convention): forward 4·B·H·D·pairs, backward 2.5× forward.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
 
+from meshplan.model import doc_place
+from meshplan.model.chunking import Chunking
 from meshplan.model.granularity import granularity_error
 from meshplan.model.pair_counts import UNBOUNDED, count_pairs, doc_columns, piece_pairs, restrict, same_doc_pairs
-from meshplan.model.workload import Workload
+from meshplan.model.workload import DOC_PLACE, Workload
 
 KV_KINDS = ("kv", "dkv")   # tensor kinds over every token of their chunks; the rest hold query tokens only
 BWD_FLOP_FACTOR = 2.5  # FlashAttention-2 paper (arXiv 2307.08691) §3: backward = 2.5x forward matmul FLOPs
-
-
-@dataclass(frozen=True)
-class Chunking:
-    """The token sets of ``n`` chunks, each ``n_seg`` segments (arrays of shape [n, n_seg]).
-
-    ``offset[i, k]`` is where segment k starts in chunk i's local token order (chunk-local index);
-    ``q_offset[i, k]`` the same in the order of its query tokens (the segments of query-holding regions;
-    without a cached prefix, every segment). ``holds_q[k]``: segment column k belongs to a query region;
-    ``real_end[i, k]``: tokens of chunk i's segment k at positions >= it are padding (each segment's real
-    tokens come first: a region's padding is its tail, and packed documents with padding are cut into one
-    segment per document, see :func:`chunking`).
-    """
-
-    layout: str
-    n: int
-    start: np.ndarray
-    stride: np.ndarray
-    count: np.ndarray
-    offset: np.ndarray
-    holds_q: np.ndarray
-    real_end: np.ndarray
-
-    @cached_property
-    def tokens(self) -> np.ndarray:
-        """[n] tokens per chunk (KV side: every token the chunk holds)."""
-        return self.count.sum(axis=1)
-
-    @cached_property
-    def q_tokens(self) -> np.ndarray:
-        """[n] query tokens per chunk (its tokens outside a cached prefix)."""
-        return (self.count * self.holds_q[None, :]).sum(axis=1)
-
-    @cached_property
-    def q_offset(self) -> np.ndarray:
-        """[n, n_seg] where each segment starts among its chunk's query tokens (see the class docstring)."""
-        qc = self.count * self.holds_q[None, :]
-        return np.cumsum(qc, axis=1) - qc
-
-    @property
-    def tokens_per_chunk(self) -> int:
-        """c: tokens per chunk (the smallest chunk's, where a decode token makes one chunk bigger)."""
-        return int(self.tokens.min())
-
-    def segments(self, i: int) -> list[tuple[int, int, int]]:
-        """Chunk i's segments as (start, stride, count) of global token positions, in local order."""
-        return [(int(a), int(b), int(c)) for a, b, c in zip(self.start[i], self.stride[i], self.count[i]) if c]
-
-    def positions(self, i: int) -> np.ndarray:
-        """Global token positions of chunk i in its local order (for tests and the executor)."""
-        return np.concatenate([a + b * np.arange(c) for a, b, c in self.segments(i)] or [np.zeros(0, np.int64)])
 
 
 def _cut(layout: str, n: int, a: int, length: int, decode: bool):
@@ -110,6 +60,8 @@ def chunking(workload: Workload, n: int) -> Chunking:
             gives the padding to use.
     """
     layout = workload.layout
+    if layout == DOC_PLACE:
+        return doc_place.chunking_of(workload, n)
     unit = 2 * n if layout == "zigzag" else n
     regions = workload.regions()
     decode = [q and workload.prefix_len > 0 and (e - a) < n for a, e, _, q in regions]
@@ -178,7 +130,9 @@ class AttnMatrix:
         ks, kc = vs[None, :, None, :], vc[None, :, None, :]       # [1, n, 1, seg]
         stride = ch.stride[0, 0]
         width = doc_columns(self.workload, ch)
-        if width and ch.layout != "striped":    # per-document pieces: closed forms over the documents at once
+        if ch.layout == DOC_PLACE:      # placed documents: closed forms over the pieces of each document
+            self.pairs, self.q_involved, self.kv_involved = doc_place.block_work(self.workload, ch)
+        elif width and ch.layout != "striped":    # per-document pieces: closed forms over the documents at once
             self.pairs, self.q_involved, self.kv_involved = piece_pairs(self.workload, self.n, width)
         elif width:                      # per-document layout: only a document's own segments meet
             self.pairs, self.q_involved, self.kv_involved = same_doc_pairs(vs, self.q_count, vc, stride, width)

@@ -33,6 +33,8 @@ from meshplan.core.errors import UserError
 from meshplan.core.units import DTYPE_BYTES, fmt_count, parse_count
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
+#: The layout of a document placement (``doc_ranks``; planned by doc-place, never enumerated as a layout).
+DOC_PLACE = "doc-place"
 PASSES = ("fwd", "bwd", "fwd+bwd")
 MASK_KINDS = ("full", "causal", "window", "docs")
 DOC_LAYOUTS = ("per-doc", "packed")
@@ -185,6 +187,7 @@ class Workload:
     model: str | None = None
     prefix_len: int = 0
     doc_layout: str = "per-doc"
+    doc_ranks: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -249,6 +252,10 @@ class Workload:
         """JSON-ready dict (mask as its CLI spelling)."""
         d = dataclasses.asdict(self)
         d["mask"] = self.mask.spec()
+        if not self.doc_ranks:
+            del d["doc_ranks"]
+        else:
+            d["doc_ranks"] = [list(x) for x in self.doc_ranks]
         return d
 
     def cli_flags(self) -> str:
@@ -285,8 +292,13 @@ def _validate(w: Workload) -> None:
                         f"choose one of {', '.join(map(str, divisors))}")
     if w.dtype not in DTYPE_BYTES:
         raise UserError("--dtype", f"unknown dtype {w.dtype!r}", "use bf16, fp16 or fp32")
-    if w.layout not in LAYOUTS:
+    if w.layout == DOC_PLACE:
+        _validate_doc_place(w)
+    elif w.layout not in LAYOUTS:
         raise UserError("--layout", f"unknown layout {w.layout!r}", "use contiguous, zigzag or striped")
+    elif w.doc_ranks:
+        raise UserError("workload.doc_ranks", f"a document placement needs layout {DOC_PLACE}, not {w.layout}",
+                        "drop doc_ranks or plan with doc-place")
     if w.passes not in PASSES:
         raise UserError("--pass", f"unknown pass {w.passes!r}", "use fwd, bwd or fwd+bwd")
     if w.valid_len is not None and not 0 < w.valid_len <= w.seq_len:
@@ -366,3 +378,15 @@ def resolve(*, model: str | None = None, seq_len: str | int | None = None, batch
         valid_len=None if valid_len is None else parse_count(valid_len, "--valid-len"), model=name,
         prefix_len=0 if prefix_len in (None, 0, "0") else parse_count(prefix_len, "--prefix-len"),
         doc_layout=doc_layout or "per-doc")
+
+
+def _validate_doc_place(w: Workload) -> None:
+    """A doc-place workload: a docs mask, one (first rank, group size) per document, no cached prefix."""
+    if w.mask.kind != "docs" or w.prefix_len or w.valid_len is not None:
+        raise UserError("--layout", f"{DOC_PLACE} places documents: it needs a docs mask (no prefix, no "
+                        "--valid-len)", "give --mask docs:... or cu_seqlens:...")
+    got = tuple(tuple(x) for x in w.doc_ranks)
+    if len(got) != len(w.mask.doc_lens) or any(len(x) != 2 or x[0] < 0 or x[1] < 1 for x in got):
+        raise UserError("workload.doc_ranks", f"need one (first rank >= 0, group size >= 1) per document "
+                        f"({len(w.mask.doc_lens)}), got {len(got)} entries", "plan the documents with doc-place")
+    object.__setattr__(w, "doc_ranks", tuple((int(a), int(b)) for a, b in got))

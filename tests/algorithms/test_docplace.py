@@ -10,8 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshplan.algorithms.docplace import chunks
 from meshplan.algorithms.docplace.placement import document_work, place_documents
+from meshplan.core.errors import UserError
+from meshplan.model import doc_place as chunks
+from meshplan.model.matrix import AttnMatrix
+from meshplan.model.workload import Mask, Workload
 
 
 def test_work_is_causal_pairs_with_unit_tiles():
@@ -137,7 +140,7 @@ def test_chunks_hold_every_token_once_and_pairs_match_enumeration(docs, n, cap):
     real = np.array([r for r, _ in docs])
     slots = real + np.array([p for _, p in docs])
     got = place_documents(real, n, slots=slots, token_cap=cap)
-    p = chunks.pieces(got, slots, real)
+    p = chunks.pieces(got.doc_ranks, slots, real)
     ch = chunks.chunking(p, 2 * n)
     everything = np.sort(np.concatenate([ch.positions(i) for i in range(2 * n)]))
     assert everything.tolist() == list(range(int(slots.sum())))
@@ -157,7 +160,7 @@ def test_split_document_is_zigzag_inside_its_group():
     # one 800-token document on 4 ranks (g = 4): pieces of 100 tokens, member k holds pieces k and 7 - k
     got = place_documents([800], 4)
     assert got.groups == {0: (0, 1, 2, 3)}
-    p = chunks.pieces(got, [800], [800])
+    p = chunks.pieces(got.doc_ranks, [800], [800])
     ch = chunks.chunking(p, 8)
     for k in range(4):
         assert ch.segments(2 * k + 1) == [(100 * k, 1, 100), (100 * (7 - k), 1, 100)]
@@ -165,3 +168,58 @@ def test_split_document_is_zigzag_inside_its_group():
     pairs = chunks.block_pairs(p, 8)
     own = np.diag(pairs)[1::2]
     assert (own == own[0]).all()             # zigzag: every member's diagonal block the same work
+
+
+# --- the doc-place layout in the attention matrix -----------------------------------------------------------
+
+def _doc_place_workload(real, pad, n, cap=1.25):
+    real, pad = np.asarray(real), np.asarray(pad)
+    got = place_documents(real, n, slots=real + pad, token_cap=cap)
+    spec = "docs:" + ",".join(f"{r}+{p}" if p else str(r) for r, p in zip(real, pad))
+    return Workload(batch=1, seq_len=int((real + pad).sum()), n_heads=2, n_kv_heads=1, head_dim=8,
+                    mask=Mask.parse(spec), layout="doc-place", doc_ranks=got.doc_ranks, passes="fwd+bwd")
+
+
+@settings(max_examples=30, deadline=None)
+@given(docs=st.lists(st.tuples(st.integers(1, 300), st.integers(0, 7)), min_size=1, max_size=20),
+       n=st.sampled_from([1, 2, 3, 4]))
+def test_matrix_of_a_placement_matches_enumeration(docs, n):
+    w = _doc_place_workload([r for r, _ in docs], [p for _, p in docs], n)
+    m = AttnMatrix(w, 2 * n)
+    bounds, real_ends = w.mask.doc_bounds, w.mask.doc_real_ends
+    assert (m.pairs == _brute_pairs(m.chunks, real_ends, bounds)).all()
+    # the kernel's shape: query rows and keys of the segments that take part, by enumeration
+    for i in range(2 * n):
+        for j in range(2 * n):
+            seg_q, seg_k = m.chunks.segments(i), m.chunks.segments(j)
+            meets = np.array([[_pairs(a, c, b, d, bounds, real_ends) > 0 for b, _, d in seg_k]
+                              for a, _, c in seg_q]).reshape(len(seg_q), len(seg_k))
+            real = lambda segs: np.array([min(a + c, real_ends[np.searchsorted(bounds, a, side="right") - 1]) - a  # noqa: E731
+                                          for a, _, c in segs])
+            assert m.s_q[i, j] == real(seg_q)[meets.any(axis=1)].sum()
+            assert m.s_kv[i, j] == real(seg_k)[meets.any(axis=0)].sum()
+
+
+def _pairs(a, c, b, d, bounds, real_ends):
+    q, k = np.arange(a, a + c), np.arange(b, b + d)
+    dq, dk = (np.searchsorted(bounds, x, side="right") - 1 for x in (q, k))
+    ok = (k[None, :] <= q[:, None]) & (dq[:, None] == dk[None, :])
+    ok &= (q < real_ends[dq])[:, None] & (k < real_ends[dk])[None, :]
+    return int(ok.sum())
+
+
+def test_doc_place_workload_refuses_a_bad_placement():
+    with pytest.raises(UserError, match="doc_ranks"):
+        Workload(batch=1, seq_len=10, n_heads=1, n_kv_heads=1, head_dim=8, mask=Mask.parse("docs:4,6"),
+                 layout="doc-place", doc_ranks=((0, 1),))
+    with pytest.raises(UserError, match="--layout"):
+        Workload(batch=1, seq_len=10, n_heads=1, n_kv_heads=1, head_dim=8, mask=Mask.parse("causal"),
+                 layout="doc-place")
+    with pytest.raises(UserError, match="doc_ranks"):
+        Workload(batch=1, seq_len=10, n_heads=1, n_kv_heads=1, head_dim=8, mask=Mask.parse("docs:4,6"),
+                 layout="zigzag", doc_ranks=((0, 1), (0, 1)))
+    w = Workload(batch=1, seq_len=10, n_heads=1, n_kv_heads=1, head_dim=8, mask=Mask.parse("docs:4,6"),
+                 layout="doc-place", doc_ranks=((0, 1), (1, 2)))
+    with pytest.raises(UserError, match="does not fit 2 ranks"):
+        AttnMatrix(w, 4)
+    assert AttnMatrix(w, 6).pairs.sum() == 4 * 5 // 2 + 6 * 7 // 2

@@ -62,6 +62,14 @@ class DocPlacement:
         mean = self.rank_work.mean()
         return float(self.rank_work.max() / mean) if mean > 0 else 1.0
 
+    @property
+    def doc_ranks(self) -> tuple[tuple[int, int], ...]:
+        """Per document (first rank, group size): what the workload carries (``Workload.doc_ranks``)."""
+        out = [(int(r), 1) for r in self.owner]
+        for d, ranks in self.groups.items():
+            out[d] = (ranks[0], len(ranks))
+        return tuple(out)
+
     def docs_of(self, rank: int) -> list[int]:
         """Documents ``rank`` holds, whole or a share of, in document order."""
         whole = np.flatnonzero(self.owner == rank).tolist()

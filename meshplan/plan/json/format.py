@@ -171,7 +171,7 @@ class WorkloadJSON(_Strict):
     head_dim: Annotated[int, Field(ge=1, le=2**40)]
     dtype: Dtype
     mask: str
-    layout: Literal["contiguous", "zigzag", "striped"]
+    layout: Literal["contiguous", "zigzag", "striped", "doc-place"]
     passes: Literal["fwd", "bwd", "fwd+bwd"]
     valid_len: Annotated[int, Field(ge=1, le=2**40)] | None = None
     model: str | None = None
@@ -179,6 +179,9 @@ class WorkloadJSON(_Strict):
     doc_layout: Literal["per-doc", "packed"] = Field(
         "packed", description="docs masks: per-doc (each document cut by the layout; what meshplan writes by "
         "default) or packed; absent in files written before per-document layouts, which cut the packed stream")
+    doc_ranks: list[tuple[Annotated[int, Field(ge=0, le=MAX_RANKS)], Annotated[int, Field(ge=1, le=MAX_RANKS)]]] = \
+        Field(default_factory=list, description="layout doc-place only: per document (first rank, group size); "
+              "size 1 keeps the document whole on its rank, more splits it zigzag over the group's ranks")
     permutation: PermutationJSON
 
 

@@ -261,7 +261,7 @@ def from_json(doc: ScheduleJSON) -> Schedule:
     w = Workload(batch=wl.batch, seq_len=wl.seq_len, n_heads=wl.n_heads, n_kv_heads=wl.n_kv_heads,
                  head_dim=wl.head_dim, dtype=wl.dtype, mask=Mask.parse(wl.mask, "workload.mask"), layout=wl.layout,
                  passes=wl.passes, valid_len=wl.valid_len, model=wl.model, prefix_len=wl.prefix_len,
-                 doc_layout=wl.doc_layout)
+                 doc_layout=wl.doc_layout, doc_ranks=tuple(tuple(x) for x in wl.doc_ranks))
     m = AttnMatrix(w, doc.n_chunks)
     if [r.rank for r in doc.ranks] != list(range(doc.n_ranks)) or len(doc.device_of_rank) != doc.n_ranks:
         raise UserError("ranks", f"must list ranks 0..{doc.n_ranks - 1} in order, with a device for each",
