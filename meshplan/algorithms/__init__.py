@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from meshplan.algorithms.base import Algorithm
 from meshplan.algorithms.charm.charm import Charm, Merge, RMPlus
+from meshplan.algorithms.docplace.docplace import DocPlace
 from meshplan.algorithms.loongtrain import LoongTrain
 from meshplan.algorithms.mesh.mesh import Mesh
 from meshplan.algorithms.passq import PassQ
@@ -20,7 +21,9 @@ from meshplan.core.errors import UserError
 #: Contract order.
 NAMES = ("ring", "pass-q", "ulysses", "usp", "loongtrain", "startrail", "tasp", "merge", "rmplus", "charm", "mesh")
 REGISTRY: dict[str, Algorithm] = {a.name: a for a in (Ring(), PassQ(), Ulysses(), USP(), LoongTrain(), StarTrail(),
-                                                        TASP(), Merge(), RMPlus(), Charm(), Mesh())}
+                                                        TASP(), Merge(), RMPlus(), Charm(), Mesh(), DocPlace())}
+#: Registered but not enumerated by default (name them in ``--algos``): doc-place (issue 25, in progress).
+EXTRA = ("doc-place",)
 PLANNED: dict[str, str] = {}
 
 

@@ -262,7 +262,9 @@ class Workload:
         """The workload flags that rebuild this workload (``--seq-len``, ``--heads``, ..., ``--doc-layout``)."""
         flags = [f"--seq-len {self.seq_len}", f"--batch {self.batch}", f"--heads {self.n_heads}",
                  f"--kv-heads {self.n_kv_heads}", f"--head-dim {self.head_dim}", f"--dtype {self.dtype}",
-                 f"--mask {self.mask.spec()}", f"--layout {self.layout}", f"--pass {self.passes}"]
+                 f"--mask {self.mask.spec()}", f"--pass {self.passes}"]
+        if self.layout != DOC_PLACE:             # doc-place plans its own layout from the documents
+            flags.insert(7, f"--layout {self.layout}")
         if self.valid_len is not None:
             flags.append(f"--valid-len {self.valid_len}")
         if self.prefix_len:

@@ -89,7 +89,8 @@ def enumerate_candidates(base: Workload, topo: Topology, n: int, algos: list[str
         if foreign:
             skipped[f"{foreign[0]} does not apply"] += 1
             continue
-        layouts = [base.layout] if layout_pinned else list(LAYOUTS)
+        own_layout = getattr(alg, "places_tokens", False)       # it places the tokens itself: planned once
+        layouts = [base.layout] if layout_pinned or own_layout else list(LAYOUTS)
         few = getattr(alg, "search_variants_max_ranks", None)      # their bounds build schedules:
         if few is not None and n > few and not layout_pinned:       # the balanced layout only
             skipped[f"only zigzag searched above {few} ranks"] += len(layouts) - 1
@@ -97,7 +98,7 @@ def enumerate_candidates(base: Workload, topo: Topology, n: int, algos: list[str
         for layout in layouts:
             w = base.with_(layout=layout)
             try:
-                matrix = attn_matrix(w, n)
+                matrix = None if own_layout else attn_matrix(w, n)
             except UserError:
                 skipped[f"sequence cannot be split by the {layout} layout"] += 1
                 continue
@@ -308,7 +309,8 @@ def write_best(result: SearchResult, k: int, out_dir: str) -> None:
         defaults = {k: kn.default for k, kn in algorithms.get(c.algorithm).knobs.items()}
         knobs = "-".join(re.sub(r"[^A-Za-z0-9.]", "", str(v).replace("auto:", "")) for k, v in c.knobs.items()
                          if v is not None and v != "auto" and v != defaults.get(k))
-        name = f"{rank:02d}-{c.algorithm}-{c.workload.layout}" + (f"-{knobs}" if knobs else "")
+        layout = "" if c.workload.layout == c.algorithm else f"-{c.workload.layout}"     # doc-place: its own
+        name = f"{rank:02d}-{c.algorithm}{layout}" + (f"-{knobs}" if knobs else "")
         if c.scheduler and c.scheduler.get("kept") == "ilp":
             name += "-cpsat"          # stream orders from CP-SAT, not the algorithm's own (its order knob)
         suffix = ".json.gz" if len(c.schedule.ops) > 50_000 else ".json"

@@ -76,6 +76,8 @@ def make_candidate(name: str, workload: Workload, topo: Topology, n_ranks: int, 
     plan.check()
     if builds is not None:
         plan.extra["builds"] = builds
+    if getattr(alg, "places_tokens", False):             # its own layout (doc-place): the planned workload
+        workload = plan.workload
     return Candidate(name, workload, plan.knobs, n_ranks, plan=plan, timing=alg.timing(plan, topo))
 
 

@@ -223,3 +223,63 @@ def test_doc_place_workload_refuses_a_bad_placement():
     with pytest.raises(UserError, match="does not fit 2 ranks"):
         AttnMatrix(w, 4)
     assert AttnMatrix(w, 6).pairs.sum() == 4 * 5 // 2 + 6 * 7 // 2
+
+
+# --- the doc-place schedule -----------------------------------------------------------------------------------
+
+def _doc_place_schedule(mask: str, n: int, passes="fwd+bwd", **knobs):
+    from meshplan.algorithms import get
+    from meshplan.model.topology import Topology
+    from meshplan.model.workload import resolve
+
+    w = resolve(seq_len=sum(int(x.split("+")[0]) + int(x.split("+")[1]) if "+" in x else int(x)
+                            for x in mask.removeprefix("docs:").split(",")),
+                heads=4, kv_heads=2, head_dim=16, dtype="bf16", mask=mask, passes=passes)
+    topo = Topology.load("cpu-local", gpus=n)
+    alg = get("doc-place")
+    plan = alg.plan(w, topo, n, alg.normalize(knobs))
+    return plan, alg.schedule(plan, topo)
+
+
+@settings(max_examples=25, deadline=None)
+@given(docs=st.lists(st.tuples(st.integers(1, 400), st.integers(0, 5)), min_size=1, max_size=16),
+       n=st.sampled_from([1, 2, 3, 4, 8]), passes=st.sampled_from(["fwd", "bwd", "fwd+bwd"]))
+def test_schedule_verifies_on_any_pack(docs, n, passes):
+    from meshplan.plan.verify import verify
+
+    mask = "docs:" + ",".join(f"{r}+{p}" if p else str(r) for r, p in docs)
+    _, sched = _doc_place_schedule(mask, n, passes)
+    verify(sched)                               # every permitted pair once, matched batches, no deadlock
+
+
+def test_bytes_received_are_the_group_peers_pieces():
+    # one long document (split) among short ones on 4 ranks: rank r receives the KV of every group peer's
+    # pieces forward; backward that again plus its own pieces' partial dK/dV (fp32) from each peer
+    from helpers import recv_bytes
+
+    plan, sched = _doc_place_schedule("docs:1200,40,60,100,80,120,200", 4)
+    m, w = plan.matrix, plan.workload
+    tokens = m.chunks.tokens
+    need = m.permitted[1::2, 1::2] & ~np.eye(4, dtype=bool)
+    assert need.any()
+    kv = 2 * w.n_kv_heads * w.head_dim * w.elem_bytes * tokens[1::2]          # KV bytes of each rank's pieces
+    dkv = kv * 4 // w.elem_bytes
+    assert recv_bytes(sched, 0).tolist() == (need * kv[None, :]).sum(axis=1).tolist()
+    assert recv_bytes(sched, 1).tolist() == ((need * kv[None, :]).sum(axis=1) + (need.T * dkv[:, None]).sum(axis=1)
+                                             ).tolist()
+
+
+def test_short_documents_need_no_communication():
+    _, sched = _doc_place_schedule("docs:" + ",".join(["64"] * 16), 4)
+    from meshplan.plan.schedule import RECV
+    assert not (sched.ops.kind == RECV).any()
+
+
+def test_search_plans_doc_place_once():
+    from meshplan.model.topology import Topology
+    from meshplan.model.workload import resolve
+    from meshplan.search import enumerate_candidates
+
+    w = resolve(seq_len=2048, heads=4, kv_heads=4, head_dim=64, mask="docs:1500,300,248")
+    cands, _ = enumerate_candidates(w, Topology.load("cpu-local", gpus=4), 4, ["doc-place"], {}, False)
+    assert [c.algorithm for c in cands] == ["doc-place"]          # not once per layout; zigzag could not cut it
