@@ -15,6 +15,12 @@ but the standard library)::
     best.predicted.makespan_s               # seconds, forward + backward; report.json() is search --json's body
     meshplan.write_schedule(best.schedule, "best.json")
 
+A packed batch from its document boundaries (``cu_seqlens``), planned with doc-place beside per-document Ring and
+the best fixed method (``meshplan plan-batch``)::
+
+    got = meshplan.plan_batch([0, 1000, 3000, 8192], topo, 8, meshplan.resolve(model="llama3-8b", seq_len=8192))
+    got.best.predicted.makespan_s, got.plan_s       # the fastest plan's time; seconds spent planning doc-place
+
 A request searches every token layout unless ``layout_pinned=True`` (then only ``workload.layout``, as
 ``meshplan search --layout`` does); see :class:`meshplan.search.pipeline.SearchRequest` for the rest.
 """
@@ -31,6 +37,7 @@ _FACADE = {
     "SearchRequest": "meshplan.search.pipeline",
     "SearchReport": "meshplan.search.pipeline",
     "run_pipeline": "meshplan.search.pipeline",
+    "plan_batch": "meshplan.search.batch",
     "simulate": "meshplan.cost.simulate",
     "verify": "meshplan.plan.verify",
     "read_schedule": "meshplan.plan.json.io",

@@ -225,6 +225,22 @@ def simulate(schedule: Annotated[Optional[str], typer.Argument(help="a schedule 
     simulate_named(algo, gpus, topo, wl, kn, out, trace, as_json, _emit)
 
 
+@app.command("plan-batch")
+def plan_batch(cu_seqlens: Annotated[str, typer.Option("--cu-seqlens", help="the batch's document boundaries "
+                                                       "0,E1,E2,...,S (FlashAttention's cu_seqlens)")],
+               gpus: o.Gpus = None, topo: o.Topo = None, model: o.Model = None, batch: o.Batch = None,
+               heads: o.Heads = None, kv_heads: o.KvHeads = None, head_dim: o.HeadDim = None, dtype: o.Dtype = None,
+               passes: o.Pass = None,
+               no_cache: Annotated[bool, typer.Option("--no-cache", help="plan afresh (no cached plan)")] = False,
+               out: Annotated[Optional[str], typer.Option("--out", help="write the doc-place schedule (.json)")]
+               = None, as_json: o.Json = False) -> None:
+    """Plan one packed batch from its document boundaries: the doc-place plan, its predicted time, and the same
+    for per-document zigzag Ring and the best fixed method."""
+    from meshplan.cli.batch import plan_batch_command
+    plan_batch_command(gpus, topo, cu_seqlens, model, batch, heads, kv_heads, head_dim, dtype, passes, no_cache,
+                       out, as_json, _emit)
+
+
 @app.command()
 def run(schedule: Annotated[str, typer.Argument(help="a schedule file (.json or .json.gz)")],
         nproc: o.Nproc = None, backend: o.Backend = "auto", iters: o.Iters = 5, warmup: o.Warmup = 2,

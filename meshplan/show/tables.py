@@ -238,3 +238,39 @@ def print_topology(info: dict[str, Any], console: Console) -> None:
         routes.add_row(str(r["src"]), str(r["dst"]), " -> ".join(r["path"]), f"{r['GBps']:.4g}",
                        f"{r['latency_us']:.3g}")
     console.print(routes)
+
+
+def print_batch(body: dict[str, Any], console: Console) -> None:
+    """``plan-batch``: the plan beside per-document zigzag Ring and the best fixed method."""
+    role_text = {"plan": "doc-place plan", "per_doc_ring": "per-document Ring", "best_fixed": "best fixed method",
+                 "other": "other"}
+    console.print(f"{body['documents']} documents, {body['tokens']} tokens on {body['topology']['name']} x "
+                  f"{body['ranks']}", soft_wrap=True)
+    table = Table()
+    for name, justify in (("", "left"), ("method", "left"), ("settings", "left"), ("fwd", "right"),
+                          ("bwd", "right"), ("total", "right"), ("vs best", "right")):
+        table.add_column(name, justify=justify)
+    best = body["best"]["predicted"]["makespan_s"]
+    for c in body["candidates"]:
+        p = c["predicted"]
+        mark = "*" if c is body["best"] or c == body["best"] else ""
+        table.add_row(role_text[c["role"]] + mark, _method(c), knob_text(c["knobs"],
+                      c["algorithm"]), _fmt(p.get("fwd_s"), fmt_seconds), _fmt(p.get("bwd_s"), fmt_seconds),
+                      fmt_seconds(p["makespan_s"]), f"{p['makespan_s'] / best:.2f}x")
+    console.print(table)
+    plan = body["candidates"][0]
+    cached = " (from the cache)" if body["cached"] else ""
+    console.print(f"* fastest: {_method(body['best'])}; the doc-place plan took "
+                  f"{fmt_seconds(body['plan_s'])} to place, lower, verify and predict{cached}", soft_wrap=True)
+    if plan is not body["best"] and plan != body["best"]:
+        console.print(f"doc-place is {plan['predicted']['makespan_s'] / best - 1:.0%} slower than the fastest here",
+                      soft_wrap=True)
+    for note in body.get("notes", []):
+        console.print(f"note: {note}", soft_wrap=True)
+    if "schedule_path" in body:
+        console.print(f"doc-place plan written to {body['schedule_path']}", soft_wrap=True)
+
+
+def _method(c: dict[str, Any]) -> str:
+    """``algorithm layout`` (the layout left out where the method plans its own: doc-place)."""
+    return c["algorithm"] if c["layout"] == c["algorithm"] else f"{c['algorithm']} {c['layout']}"

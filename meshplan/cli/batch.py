@@ -1,0 +1,43 @@
+"""``meshplan plan-batch``: one packed batch planned from its document boundaries (:mod:`meshplan.search.batch`)."""
+
+from __future__ import annotations
+
+from meshplan.core.errors import UserError
+
+
+def parse_cu_seqlens(text: str) -> list[int]:
+    """``0,E1,E2,...,S`` as integers (K/M suffixes not taken: these are offsets).
+
+    Raises:
+        UserError: not integers, not starting at 0, not rising.
+    """
+    try:
+        cu = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise UserError("--cu-seqlens", f"cannot read {text[:60]!r}", "write 0,E1,E2,...,S (integers)") from None
+    if len(cu) < 2 or cu[0] != 0 or any(b <= a for a, b in zip(cu, cu[1:])):
+        raise UserError("--cu-seqlens", "must start at 0 and rise", "write 0,E1,E2,...,S: cumulative document ends")
+    return cu
+
+
+def plan_batch_command(gpus, topo, cu_seqlens, model, batch, heads, kv_heads, head_dim, dtype, passes, no_cache,
+                       out, as_json, emit) -> None:
+    """Plan the batch, print (or emit as JSON) the plan beside the references, write the plan's schedule."""
+    from meshplan.cli.options import topology, workload
+    from meshplan.cli.simulate import write_verified
+    from meshplan.search.batch import plan_batch
+    from meshplan.show.tables import print_batch
+
+    cu = parse_cu_seqlens(cu_seqlens)
+    if out is not None and not (out.endswith(".json") or out.endswith(".json.gz")):
+        raise UserError("--out", f"{out!r} is not a .json or .json.gz name", "name the file *.json or *.json.gz")
+    topo_obj = topology(topo, gpus, "plan-batch")
+    n = gpus if gpus is not None else topo_obj.n_devices
+    shape = workload(model, str(cu[-1]), batch, heads, kv_heads, head_dim, dtype, None, None, passes, None)
+    result = plan_batch(cu, topo_obj, n, shape, cache=not no_cache)
+    body = result.json() | {"topology": {"name": topo_obj.name, "devices": topo_obj.n_devices}, "ranks": n,
+                            "documents": len(cu) - 1, "tokens": cu[-1]}
+    if out is not None:
+        write_verified(result.candidates[0].schedule, topo_obj, out)
+        body["schedule_path"] = out
+    emit(body, as_json, lambda c: print_batch(body, c))

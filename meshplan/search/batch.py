@@ -1,0 +1,149 @@
+"""``plan_batch``: one packed batch's plan, from its document boundaries (issue 25; ``meshplan plan-batch``).
+
+A training loop brings a new pack of documents every step. ``plan_batch`` plans it with ``doc-place``
+(:mod:`meshplan.algorithms.docplace`: documents placed by their work, long ones split over a subgroup), lowers
+and verifies the schedule and predicts it with the simulator (the cost model of ``simulate``), and sets it
+beside two references — per-document zigzag Ring (TransformerEngine's THD layout: every document padded to a
+multiple of 2N and cut over all ranks) and the best fixed method ``search`` picks for the batch (on the same
+padded documents) — so the answer says what planning per batch buys. ``best`` is the fastest of them.
+
+``plan_s`` is the wall time from the document boundaries to the verified, lowered and predicted doc-place plan
+(the references' predictions left out); a plan for the same documents, cluster and shape comes from an
+in-process cache unless ``cache=False``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from meshplan.core.errors import UserError
+from meshplan.model.topology import Topology
+from meshplan.model.workload import Mask, Workload
+from meshplan.search.candidate import Candidate, make_candidate, simulate_candidate
+
+ROLES = ("plan", "per_doc_ring", "best_fixed", "other")
+_CACHE: OrderedDict = OrderedDict()
+CACHE_SIZE = 256
+
+
+@dataclass
+class BatchPlan:
+    """What :func:`plan_batch` returns.
+
+    Attributes:
+        best: the fastest candidate (by predicted makespan, seconds).
+        candidates: every candidate with its role (``roles[i]`` for ``candidates[i]``): the doc-place plan,
+            per-document zigzag Ring, and the best fixed method.
+        plan_s: seconds from the boundaries to the verified, predicted doc-place plan (0 work when cached).
+        cached: the doc-place plan came from the cache.
+    """
+
+    best: Candidate
+    candidates: list[Candidate]
+    roles: list[str]
+    plan_s: float
+    cached: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    def json(self) -> dict[str, Any]:
+        """The ``--json`` body: ``plan_s``, ``cached``, ``best`` and ``candidates`` (each with ``role``)."""
+        rows = [_row(c, r) for c, r in zip(self.candidates, self.roles)]
+        best = rows[self.candidates.index(self.best)]
+        return {"plan_s": self.plan_s, "cached": self.cached, "best": best, "candidates": rows, "notes": self.notes}
+
+
+def _row(c: Candidate, role: str) -> dict[str, Any]:
+    p = c.predicted
+    return {"algorithm": c.algorithm, "knobs": c.knobs, "layout": c.workload.layout, "role": role,
+            "tokens": c.workload.seq_len,
+            "predicted": {"makespan_s": p.makespan_s, **{f"{k}_s": m.makespan_s for k, m in p.passes.items()}}}
+
+
+def document_lengths(cu_seqlens) -> np.ndarray:
+    """Document lengths from FlashAttention's ``cu_seqlens`` (0, E1, E2, …, S), int64.
+
+    Raises:
+        UserError: not starting at 0, or not rising.
+    """
+    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    if cu.ndim != 1 or cu.size < 2 or cu[0] != 0 or (np.diff(cu) <= 0).any():
+        raise UserError("--cu-seqlens", "must start at 0 and rise (0,E1,E2,...,S)", "give cumulative document ends")
+    return np.diff(cu)
+
+
+def plan_batch(cu_seqlens, topo: Topology, n_ranks: int, shape: Workload, *, cache: bool = True,
+               references: bool = True) -> BatchPlan:
+    """Plan one packed batch (module docstring).
+
+    Args:
+        cu_seqlens: cumulative document ends, 0 first and S last (FlashAttention's varlen offsets).
+        topo: the cluster; ``n_ranks`` the CP group's ranks on it.
+        shape: the model shape and pass (batch, heads, KV heads, head dim, dtype, passes); its sequence
+            length, mask and layout are replaced by the batch's.
+        cache: reuse a plan made for the same documents, cluster and shape.
+        references: also predict per-document zigzag Ring and the best fixed method.
+
+    Returns:
+        The plans, the fastest first in ``best``.
+
+    Raises:
+        UserError: bad boundaries; no plan fits (from search).
+    """
+    t0 = time.perf_counter()
+    lens = document_lengths(cu_seqlens)
+    key = (tuple(lens.tolist()), topo.content_hash, n_ranks, shape.batch, shape.n_heads, shape.n_kv_heads,
+           shape.head_dim, shape.dtype, shape.passes)
+    hit = _CACHE.get(key) if cache else None
+    if hit is None:
+        w = _with_docs(shape, lens, pad_to=1)
+        plan = simulate_candidate(make_candidate("doc-place", w, topo, n_ranks, {}), topo, None)
+        _verified(plan, topo)
+        if cache:
+            _CACHE[key] = plan
+            while len(_CACHE) > CACHE_SIZE:
+                _CACHE.popitem(last=False)
+    else:
+        _CACHE.move_to_end(key)
+    doc_place = hit or plan
+    plan_s = time.perf_counter() - t0
+    cands, roles, notes = [doc_place], ["plan"], []
+    if references:
+        padded = _with_docs(shape, lens, pad_to=2 * n_ranks)
+        if padded.seq_len != int(lens.sum()):
+            notes.append(f"the references pad every document to a multiple of {2 * n_ranks} tokens (2N, what "
+                         f"per-document zigzag needs): {padded.seq_len - int(lens.sum())} padding tokens")
+        ring = simulate_candidate(make_candidate("ring", padded, topo, n_ranks, {}), topo, None)
+        cands.append(ring)
+        roles.append("per_doc_ring")
+        from meshplan.algorithms import NAMES
+        from meshplan.search import run_search
+        got = run_search(padded, topo, n_ranks, algos=list(NAMES))
+        fixed = next((c for c in got.candidates if c.predicted is not None), None)
+        if fixed is not None:
+            cands.append(fixed)
+            roles.append("best_fixed")
+    best = min(cands, key=lambda c: c.predicted.makespan_s)
+    return BatchPlan(best, cands, roles, plan_s, hit is not None, notes)
+
+
+def _with_docs(shape: Workload, lens: np.ndarray, pad_to: int) -> Workload:
+    """``shape`` over these documents, each padded to a multiple of ``pad_to`` tokens (per-document layout)."""
+    slots = -(-lens // pad_to) * pad_to
+    spec = ",".join(f"{a}+{b - a}" if b > a else str(a) for a, b in zip(lens.tolist(), slots.tolist()))
+    return shape.with_(seq_len=int(slots.sum()), mask=Mask.parse("docs:" + spec, "--cu-seqlens"), layout="zigzag",
+                       doc_layout="per-doc", valid_len=None, prefix_len=0)
+
+
+def _verified(cand: Candidate, topo: Topology) -> None:
+    from meshplan.plan.verify import verify
+    report = verify(cand.schedule, topo.memory_bytes)
+    if not report.ok:
+        if report.over_memory_only:
+            raise UserError("--cu-seqlens", f"the doc-place plan does not fit the device: {report.violations[0]}",
+                            "add GPUs or shorten the batch")
+        raise RuntimeError(f"internal error: the doc-place schedule fails verification: {report.violations[0]}")

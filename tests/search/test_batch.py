@@ -1,0 +1,78 @@
+"""plan-batch: the doc-place plan beside per-document Ring and the best fixed method, the cache, the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from helpers import one_line_error, run
+
+from meshplan.core.errors import UserError
+from meshplan.model.topology import Topology
+from meshplan.model.workload import resolve
+from meshplan.plan.json.io import read_schedule
+from meshplan.plan.verify import verify
+from meshplan.search import batch
+from meshplan.search.batch import document_lengths, plan_batch
+
+CU = [0, 1000, 3000, 3500, 6000, 6100, 8192]
+
+
+def _shape():
+    return resolve(seq_len=8192, heads=8, kv_heads=2, head_dim=64, dtype="bf16")
+
+
+def test_plan_and_both_references_with_roles():
+    topo = Topology.load("h100x8", gpus=4)
+    got = plan_batch(CU, topo, 4, _shape(), cache=False)
+    assert got.roles == ["plan", "per_doc_ring", "best_fixed"]
+    plan, ring, fixed = got.candidates
+    assert plan.algorithm == "doc-place" and plan.workload.layout == "doc-place"
+    assert ring.algorithm == "ring" and ring.workload.layout == "zigzag"
+    assert ring.workload.seq_len % 8 == 0 and ring.workload.mask.doc_real_lens() == tuple(np.diff(CU))
+    assert got.best.predicted.makespan_s == min(c.predicted.makespan_s for c in got.candidates)
+    assert verify(plan.schedule).ok and plan.workload.mask.doc_lens == tuple(np.diff(CU))
+    assert 0 < got.plan_s and not got.cached
+
+
+def test_same_documents_come_from_the_cache():
+    topo = Topology.load("h100x8", gpus=4)
+    batch._CACHE.clear()
+    first = plan_batch(CU, topo, 4, _shape(), references=False)
+    again = plan_batch(CU, topo, 4, _shape(), references=False)
+    fresh = plan_batch(CU, topo, 4, _shape(), references=False, cache=False)
+    assert again.cached and again.candidates[0] is first.candidates[0]
+    assert not fresh.cached and fresh.candidates[0] is not first.candidates[0]
+    other = plan_batch([0, 4096, 8192], topo, 4, _shape(), references=False)
+    assert not other.cached
+
+
+@pytest.mark.parametrize("cu", [[1, 5], [0], [0, 5, 5], [0, 7, 3]])
+def test_bad_boundaries(cu):
+    with pytest.raises(UserError, match="--cu-seqlens"):
+        document_lengths(cu)
+
+
+def test_cli_json_carries_plan_s_best_and_every_role(tmp_path):
+    out = tmp_path / "plan.json"
+    r = run("plan-batch", "--gpus", 4, "--topo", "h100x8", "--heads", 8, "--kv-heads", 2, "--head-dim", 64,
+            "--cu-seqlens", ",".join(map(str, CU)), "--no-cache", "--out", str(out), "--json")
+    assert r.exit_code == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert {"plan_s", "best", "candidates"} <= set(d) and d["plan_s"] > 0
+    assert {c["role"] for c in d["candidates"]} >= {"plan", "per_doc_ring", "best_fixed"}
+    for c in d["candidates"]:
+        assert {"algorithm", "knobs", "role"} <= set(c) and c["predicted"]["makespan_s"] > 0
+    assert d["best"] in d["candidates"]
+    assert verify(read_schedule(out)).ok
+
+
+@pytest.mark.parametrize("args,field", [
+    (["--cu-seqlens", "0,10,5"], "--cu-seqlens"),
+    (["--cu-seqlens", "0,ten"], "--cu-seqlens"),
+    (["--cu-seqlens", "0,4096", "--out", "plan.txt"], "--out"),
+])
+def test_cli_errors_are_one_line(args, field):
+    r = run("plan-batch", "--gpus", 4, "--topo", "h100x8", *args)
+    one_line_error(r, field)
