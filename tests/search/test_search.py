@@ -32,7 +32,7 @@ def test_layouts_the_sequence_cannot_use_are_skipped_and_counted():
     topo = Topology.load("h100x8", gpus=8)
     w = resolve(seq_len=8 * 101)                     # a multiple of 8 but not of 16: zigzag cannot split it
     result = run_search(w, topo, 8)
-    from meshplan.algorithms import NAMES           # what search enumerates by default
+    from meshplan.algorithms import NAMES  # what search enumerates by default
     assert result.counts["skipped"]["sequence cannot be split by the zigzag layout"] == len(NAMES)
     assert {c.workload.layout for c in result.candidates} == {"contiguous", "striped"}
 
