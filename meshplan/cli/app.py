@@ -108,15 +108,29 @@ def search(gpus: o.Gpus = None, topo: o.Topo = None, model: o.Model = None, seq_
            tp: o.Tp = 1, dp: o.Dp = 1, rank_order: o.RankOrder = "tp-cp-dp",
            sensitivity: sv.Sensitivity = None, sensitivity_samples: sv.Samples = None, sensitivity_top: sv.Top = None,
            sensitivity_seed: sv.Seed = None, pick: sv.Pick = "nominal",
+           doc_lengths: Annotated[Optional[str], typer.Option(
+               "--doc-lengths", help="a document-length histogram (CSV: range,number or length,count): rank the "
+               "fixed methods and per-batch planning over packs drawn from it", rich_help_panel="Documents")] = None,
+           batches: Annotated[Optional[int], typer.Option(
+               "--batches", help="packs drawn with --doc-lengths (default 8)", rich_help_panel="Documents")] = None,
            as_json: o.Json = False) -> None:
     """Rank every algorithm, layout and knob setting for a workload on a cluster; write the best schedules.
-    With --tp/--dp, --gpus is the CP group size and the best plans are re-ranked by the whole job's time."""
+    With --tp/--dp, --gpus is the CP group size and the best plans are re-ranked by the whole job's time.
+    With --doc-lengths, rank fixed methods against per-batch planning over packs drawn from a histogram."""
     from meshplan.core.errors import UserError
     from meshplan.search.pipeline import JobRerank, SearchRequest, Sensitivity, run_pipeline
     from meshplan.search.sensitivity import check_args
     from meshplan.show.tables import print_search
 
     _check_search_flags(gpus, scheduler, ilp_time_limit_s, ilp_workers, write, top, map_search, prune_slack)
+    if doc_lengths is not None or batches is not None:
+        from meshplan.cli.batch import distribution_command
+        distribution_command(gpus, topo, doc_lengths, batches, seq_len, model, batch, heads, kv_heads, head_dim,
+                             dtype, passes, {"--mask": mask, "--layout": layout, "--valid-len": valid_len,
+                                             "--prefix-len": prefix_len, "--algos": algos,
+                                             "--sensitivity": sensitivity}, o.is_job(tp, dp, rank_order), as_json,
+                             _emit)
+        return
     sensitivity_samples, sensitivity_top, sensitivity_seed = check_args(
         sensitivity, sensitivity_samples, sensitivity_top, sensitivity_seed, pick, job=o.is_job(tp, dp, rank_order))
     topology = o.topology(topo, gpus, "search")

@@ -41,3 +41,28 @@ def plan_batch_command(gpus, topo, cu_seqlens, model, batch, heads, kv_heads, he
         write_verified(result.candidates[0].schedule, topo_obj, out)
         body["schedule_path"] = out
     emit(body, as_json, lambda c: print_batch(body, c))
+
+
+def distribution_command(gpus, topo, doc_lengths, batches, seq_len, model, batch, heads, kv_heads, head_dim, dtype,
+                         passes, not_with: dict, job: bool, as_json, emit) -> None:
+    """``search --doc-lengths FILE --batches K --seq-len S``: fixed methods against per-batch planning."""
+    from meshplan.cli.options import topology, workload
+    from meshplan.model.doc_lengths import read_doc_lengths
+    from meshplan.search.distribution import rank_for_distribution
+    from meshplan.show.tables import print_distribution
+
+    if doc_lengths is None:
+        raise UserError("--batches", "draws packs from a histogram", "give --doc-lengths FILE as well")
+    given = [flag for flag, value in not_with.items() if value is not None] + (["--tp/--dp"] if job else [])
+    if given:
+        raise UserError(given[0], "does not apply with --doc-lengths (the packs bring their own documents)",
+                        f"drop {given[0]}")
+    if seq_len is None:
+        raise UserError("--seq-len", "--doc-lengths needs the pack size", "give --seq-len S (tokens per pack)")
+    hist = read_doc_lengths(doc_lengths)
+    topo_obj = topology(topo, gpus, "search")
+    shape = workload(model, seq_len, batch, heads, kv_heads, head_dim, dtype, None, None, passes, None)
+    body = rank_for_distribution(hist, shape.seq_len, 8 if batches is None else batches, topo_obj, gpus, shape)
+    body["topology"] = {"name": topo_obj.name, "devices": topo_obj.n_devices}
+    body["ranks"] = gpus
+    emit(body, as_json, lambda c: print_distribution(body, c))

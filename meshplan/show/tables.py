@@ -274,3 +274,28 @@ def print_batch(body: dict[str, Any], console: Console) -> None:
 def _method(c: dict[str, Any]) -> str:
     """``algorithm layout`` (the layout left out where the method plans its own: doc-place)."""
     return c["algorithm"] if c["layout"] == c["algorithm"] else f"{c['algorithm']} {c['layout']}"
+
+
+def print_distribution(body: dict[str, Any], console: Console) -> None:
+    """``search --doc-lengths``: fixed methods and per-batch planning by mean step time over the packs."""
+    docs = body["documents_per_pack"]
+    console.print(f"{body['batches']} packs of {body['seq_len']} tokens ({min(docs)}-{max(docs)} documents) drawn "
+                  f"from {body['histogram']}, on {body['topology']['name']} x {body['ranks']}", soft_wrap=True)
+    table = Table()
+    for name, justify in (("#", "right"), ("method", "left"), ("settings", "left"), ("mean", "right"),
+                          ("p90", "right"), ("vs per-batch", "right")):
+        table.add_column(name, justify=justify)
+    rows = body["rows"]
+    per_batch = next(r for r in rows if r["role"] == "per_batch")
+    for i, r in enumerate(rows, start=1):
+        method = "per-batch planning" if r["role"] == "per_batch" else _method(r)
+        table.add_row(str(i), method, knob_text(r["knobs"], r["algorithm"]), fmt_seconds(r["mean_s"]),
+                      fmt_seconds(r["p90_s"]), f"{r['mean_s'] / per_batch['mean_s']:.2f}x")
+    console.print(table)
+    fixed = [r for r in rows if r["role"] == "fixed"]
+    if fixed:
+        gain = fixed[0]["mean_s"] / per_batch["mean_s"] - 1
+        verdict = (f"per-batch planning is {gain:.1%} faster than the best fixed method ({_method(fixed[0])}) on "
+                   "average" if gain > 0.005 else f"per-batch planning does not pay here: the best fixed method "
+                   f"({_method(fixed[0])}) is within {max(gain, 0):.1%} of it")
+        console.print(verdict, soft_wrap=True)

@@ -76,3 +76,40 @@ def test_cli_json_carries_plan_s_best_and_every_role(tmp_path):
 def test_cli_errors_are_one_line(args, field):
     r = run("plan-batch", "--gpus", 4, "--topo", "h100x8", *args)
     one_line_error(r, field)
+
+
+# --- search --doc-lengths ------------------------------------------------------------------------------------
+
+def _hist(tmp_path):
+    p = tmp_path / "lengths.csv"
+    p.write_text('range,number\n"[16, 256]",50\n"[257, 2048]",10\n')
+    return p
+
+
+def test_distribution_rows_and_per_batch_is_never_slower(tmp_path):
+    r = run("search", "--gpus", 4, "--topo", "h100x8", "--heads", 8, "--kv-heads", 2, "--head-dim", 64,
+            "--doc-lengths", str(_hist(tmp_path)), "--batches", 2, "--seq-len", 4096, "--json")
+    assert r.exit_code == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["batches"] == 2 and len(d["documents_per_pack"]) == 2
+    rows = d["rows"]
+    assert [row["mean_s"] for row in rows] == sorted(row["mean_s"] for row in rows)
+    per_batch = next(row for row in rows if row["role"] == "per_batch")
+    assert any(row["algorithm"] == "ring" and row["layout"] == "zigzag" for row in rows)
+    for row in rows:
+        assert len(row["times_s"]) == 2 and row["p90_s"] >= row["mean_s"] - 1e-12       # two packs: p90 >= mean
+        if row["role"] == "fixed":      # per pack, the plan is the best of doc-place and search's best (prune 1%)
+            assert all(p <= f / 0.99 for p, f in zip(per_batch["times_s"], row["times_s"]))
+
+
+@pytest.mark.parametrize("args,field", [
+    (["--batches", "2", "--seq-len", "4096"], "--batches"),
+    (["--doc-lengths", "HIST", "--seq-len", "4096", "--mask", "causal"], "--mask"),
+    (["--doc-lengths", "HIST"], "--seq-len"),
+    (["--doc-lengths", "HIST", "--seq-len", "4096", "--batches", "0"], "--batches"),
+    (["--doc-lengths", "missing.csv", "--seq-len", "4096"], "--doc-lengths"),
+])
+def test_distribution_errors_are_one_line(tmp_path, args, field):
+    args = [str(_hist(tmp_path)) if a == "HIST" else a for a in args]
+    r = run("search", "--gpus", 4, "--topo", "h100x8", *args)
+    one_line_error(r, field)
