@@ -29,7 +29,8 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 OTHERS = [Case("pass-q", "pass-q", 4, workload=SMALL), Case("startrail", "startrail", 4, knobs={"team_size": "2"},
                                                            workload=SMALL | {"layout": "contiguous"}),
           Case("loongtrain", "loongtrain", 4, knobs={"inner_ring": "2"}, workload=SMALL),
-          Case("rmplus", "rmplus", 4, workload=SMALL | {"mask": "full"}), Case("merge", "merge", 4, workload=SMALL)]
+          Case("rmplus", "rmplus", 4, workload=SMALL | {"mask": "full"}), Case("merge", "merge", 4, workload=SMALL),
+          Case("doc-place", "doc-place", 4, workload=SMALL | {"mask": "docs:70,10+2,30,16"})]   # one split, one padded
 
 
 def _native_crash(err: RunFailed) -> bool:
