@@ -220,3 +220,24 @@ def test_example_train_step_matches_single_process(monkeypatch):
     bad = {n: e for n, e in res["grads"].items() if e[0] > train_step.GRAD_RTOL * e[1]}
     assert not bad and res["ok"], f"gradients off: {bad}"
     assert set(res["grads"]) >= {"q.weight", "kv.weight", "proj.weight", "tok.weight"}
+
+
+@pytest.mark.timeout(240)
+def test_training_on_packed_documents_with_a_plan_per_batch(monkeypatch):
+    """benchmarks/train_docs.py: three steps, a new pack and a new doc-place plan each, on 2 CPU ranks; every
+    step's loss and gradients against the float64 model that trains on the whole pack in one process."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import train_docs
+
+    for attempt in (1, 2):
+        try:
+            res = train_docs.train_docs(ranks=2, steps=3)
+            break
+        except RunFailed as err:
+            if attempt == 2 or not _native_crash(err):
+                raise
+    assert len(res["steps"]) == 3 and any(s["split"] for s in res["steps"])      # a document split somewhere
+    for s in res["steps"]:
+        assert s["loss_rel_err"] <= train_docs.LOSS_RTOL
+        assert all(e <= train_docs.GRAD_RTOL * m for e, m in s["grads"].values()), s["grads"]
+    assert len({round(s["ref_loss"], 6) for s in res["steps"]}) == 3              # the model did train
