@@ -112,6 +112,9 @@ def plan_batch(cu_seqlens, topo: Topology, n_ranks: int, shape: Workload, *, cac
     doc_place = hit or plan
     plan_s = time.perf_counter() - t0
     cands, roles, notes = [doc_place], ["plan"], []
+    if not doc_place.plan.extra.get("cap_ok", True):
+        notes.append("doc-place could not keep every rank within the token cap (documents too few or too uneven to "
+                     "balance both work and tokens): the rest of the layer will run unbalanced")
     if references:
         padded = _with_docs(shape, lens, pad_to=2 * n_ranks)
         if padded.seq_len != int(lens.sum()):

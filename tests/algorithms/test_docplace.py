@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from meshplan.algorithms.docplace.placement import document_work, place_documents
 from meshplan.core.errors import UserError
-from meshplan.model import doc_place as chunks
+from meshplan.model import doc_place
 from meshplan.model.matrix import AttnMatrix
 from meshplan.model.workload import Mask, Workload
 
@@ -140,13 +140,13 @@ def test_chunks_hold_every_token_once_and_pairs_match_enumeration(docs, n, cap):
     real = np.array([r for r, _ in docs])
     slots = real + np.array([p for _, p in docs])
     got = place_documents(real, n, slots=slots, token_cap=cap)
-    p = chunks.pieces(got.doc_ranks, slots, real)
-    ch = chunks.chunking(p, 2 * n)
+    p = doc_place.pieces(got.doc_ranks, slots, real)
+    ch = doc_place.chunking(p, 2 * n)
     everything = np.sort(np.concatenate([ch.positions(i) for i in range(2 * n)]))
     assert everything.tolist() == list(range(int(slots.sum())))
     bounds = np.concatenate([[0], np.cumsum(slots)])
     real_ends = bounds[:-1] + real
-    pairs = chunks.block_pairs(p, 2 * n)
+    pairs = doc_place.block_pairs(p, 2 * n)
     assert (pairs == _brute_pairs(ch, real_ends, bounds)).all()
     assert pairs.sum() == (real * (real + 1) // 2).sum()
     # whole documents stay in their rank's even chunk; split ones meet only their group's odd chunks
@@ -160,12 +160,12 @@ def test_split_document_is_zigzag_inside_its_group():
     # one 800-token document on 4 ranks (g = 4): pieces of 100 tokens, member k holds pieces k and 7 - k
     got = place_documents([800], 4)
     assert got.groups == {0: (0, 1, 2, 3)}
-    p = chunks.pieces(got.doc_ranks, [800], [800])
-    ch = chunks.chunking(p, 8)
+    p = doc_place.pieces(got.doc_ranks, [800], [800])
+    ch = doc_place.chunking(p, 8)
     for k in range(4):
         assert ch.segments(2 * k + 1) == [(100 * k, 1, 100), (100 * (7 - k), 1, 100)]
         assert ch.segments(2 * k) == []
-    pairs = chunks.block_pairs(p, 8)
+    pairs = doc_place.block_pairs(p, 8)
     own = np.diag(pairs)[1::2]
     assert (own == own[0]).all()             # zigzag: every member's diagonal block the same work
 

@@ -113,3 +113,10 @@ def test_distribution_errors_are_one_line(tmp_path, args, field):
     args = [str(_hist(tmp_path)) if a == "HIST" else a for a in args]
     r = run("search", "--gpus", 4, "--topo", "h100x8", *args)
     one_line_error(r, field)
+
+
+def test_a_token_cap_that_cannot_hold_is_said():
+    # three equal documents on two ranks: one rank holds two (20 tokens > 1.25 x 15)
+    got = plan_batch([0, 10, 20, 30], Topology.load("h100x8", gpus=2), 2,
+                     resolve(seq_len=30, heads=8, kv_heads=2, head_dim=64), references=False, cache=False)
+    assert any("token cap" in note for note in got.notes)

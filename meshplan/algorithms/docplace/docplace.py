@@ -187,8 +187,8 @@ def _backward(b: ScheduleBuilder, plan: Plan) -> None:
         back = b.tensor(src, "dkv", 2 * src + 1, dtype=dkv_dtype)
         send, brecv = b.transfer(dst, src, part, back, stream="dkv", step=d, dtype=dkv_dtype, send_deps=[comp])
         b.free_after(part, send)
-        returned.append((src, back, brecv))
+        returned.append((src, back, brecv))             # (owner ranks, the partials they receive, the recvs)
         prev[0][dst], prev[1][dst] = prev[1][dst], comp
-    for src, back, brecv in returned:                        # each owner adds the partials of its pieces
-        acc = b.combine_op(src, "accumulate", src=back, dst=at(src, dkv), deps=[brecv, own_comp[src]])
+    for owners, back, brecv in returned:                     # each owner adds the partials of its pieces
+        acc = b.combine_op(owners, "accumulate", src=back, dst=at(owners, dkv), deps=[brecv, own_comp[owners]])
         b.free_after(back, acc)
