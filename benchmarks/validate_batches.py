@@ -1,7 +1,7 @@
 """Per-batch planning, predicted and measured on CPU ranks: does the per-batch plan win where the model says?
 
-``python benchmarks/validate_batches.py [--packs 20] [--ranks 2,4] [--rounds 3] [--quick]`` — for each rank count,
-``--packs`` packs of 2,048 tokens per rank drawn from The Pile's published document sizes (the mix of
+``python benchmarks/validate_batches.py [--packs 20] [--ranks 2,4] [--rounds 3] [--quick] [--repredict]`` — for
+each rank count, ``--packs`` packs of 2,048 tokens per rank drawn from The Pile's published document sizes (the mix of
 ``validate_docs.py``: its Table 1, arXiv 2101.00027, each document padded to a multiple of 8), fp32, 4 heads ×
 64, forward and backward. Per pack, :func:`meshplan.plan_batch` on ``cpu-local`` gives three candidates — the
 doc-place plan, per-document zigzag Ring and the best fixed method ``search`` picks — each predicted (simulated,
@@ -77,6 +77,34 @@ def run_pack(n: int, seed: int, rounds: int, tmp: Path) -> dict:
     return out
 
 
+def repredict(body: dict) -> dict:
+    """The stored measurements against this code's predictions: every pack planned again (the same documents),
+    each role's prediction replaced, the pick and its regret recomputed. Refused when the calibration changed or a
+    role's method is no longer the one that was measured."""
+    import meshplan
+    from meshplan.search.batch import plan_batch
+
+    if body.get("calibration") != validate_cpu._calibration_stamp():
+        raise SystemExit("validate_batches --repredict: the calibration changed since these runs; run them again")
+    for p in body["packs"]:
+        n = p["ranks"]
+        lens = pack_lengths(TOKENS_PER_RANK * n, p["seed"])
+        cu = np.concatenate([[0], np.cumsum(lens)])
+        got = plan_batch(cu, meshplan.Topology.load("cpu-local", gpus=n), n,
+                         meshplan.resolve(seq_len=int(cu[-1]), **SHAPE), cache=False)
+        for row, c, role in zip(p["rows"], got.candidates, got.roles):
+            if (row["role"], row["algorithm"], row["layout"]) != (role, c.algorithm, c.workload.layout):
+                raise SystemExit(f"validate_batches --repredict: pack {p['seed']} on {n} ranks now plans {role} "
+                                 f"as {c.algorithm} {c.workload.layout}, not the measured {row['algorithm']}")
+            row["predicted_s"] = c.predicted.makespan_s
+        p["pick"] = min(range(len(p["rows"])), key=lambda k: p["rows"][k]["predicted_s"])
+        fastest = min(r["measured_s"] for r in p["rows"])
+        p["regret_pct"] = 100 * (p["rows"][p["pick"]]["measured_s"] / fastest - 1)
+    body["summary"] = summary(body["packs"])
+    body["repredicted"] = time.strftime("%Y-%m-%d %H:%M")
+    return body
+
+
 def summary(packs: list[dict]) -> dict:
     """Per rank count: speedups of the pick (measured, predicted), MAPE per role, the planner's regret."""
     out = {}
@@ -105,7 +133,14 @@ def main() -> None:
     ap.add_argument("--ranks", default="2,4")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="2 packs on 2 ranks, 2 rounds (results not written)")
+    ap.add_argument("--repredict", action="store_true",
+                    help="no runs: the stored measurements against this code's predictions (rewrites the results)")
     args = ap.parse_args()
+    if args.repredict:
+        body = repredict(json.loads(RESULTS.read_text()))
+        write_atomic(RESULTS, json.dumps(body, indent=1, default=str).encode())
+        print(json.dumps(body["summary"], indent=1))
+        return
     ranks = [2] if args.quick else [int(x) for x in args.ranks.split(",")]
     packs_n, rounds = (2, 2) if args.quick else (args.packs, args.rounds)
     t0 = time.perf_counter()

@@ -66,8 +66,9 @@ def restrict(start, stride, count, lo, hi):
 def doc_columns(w: Workload, ch) -> int:
     """Segment columns per document of chunking ``ch`` (a :class:`~meshplan.model.matrix.Chunking`) when every
     column lies inside one document, the same for every chunk (the per-document layouts: document d owns columns
-    [k·d, k·(d + 1)), k = 2 for zigzag, else 1); 0 when not."""
-    if w.mask.kind != "docs" or w.doc_layout != "per-doc":
+    [k·d, k·(d + 1)), k = 2 for zigzag, else 1); 0 when not — always for doc-place, whose chunks hold whole
+    documents and pieces by placement, whatever their column count."""
+    if w.mask.kind != "docs" or w.doc_layout != "per-doc" or ch.layout not in ("contiguous", "zigzag", "striped"):
         return 0
     width = 2 if ch.layout == "zigzag" else 1
     return width if ch.start.shape[1] == width * len(w.mask.doc_lens) else 0

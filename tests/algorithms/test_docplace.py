@@ -283,3 +283,35 @@ def test_search_plans_doc_place_once():
     w = resolve(seq_len=2048, heads=4, kv_heads=4, head_dim=64, mask="docs:1500,300,248")
     cands, _ = enumerate_candidates(w, Topology.load("cpu-local", gpus=4), 4, ["doc-place"], {}, False)
     assert [c.algorithm for c in cands] == ["doc-place"]          # not once per layout; zigzag could not cut it
+
+
+@settings(max_examples=25, deadline=None)
+@given(docs=st.lists(st.tuples(st.integers(1, 300), st.integers(0, 7)), min_size=1, max_size=12),
+       n=st.sampled_from([1, 2, 3, 4]))
+def test_cost_model_segments_of_a_placement_are_its_pairs(docs, n):
+    """The kernel segments the cost model prices (block_segments, block_tiles with 1x1 tiles) hold exactly the
+    matrix's pairs per block — a placement whose chunk count happens to equal a per-document layout's must not
+    be read as one."""
+    from meshplan.model.doc_segments import block_segments, block_tiles
+
+    w = _doc_place_workload([r for r, _ in docs], [p for _, p in docs], n)
+    m = AttnMatrix(w, 2 * n)
+    got = np.zeros(4 * n * n, dtype=np.int64)
+    for seg in block_segments(m):
+        np.add.at(got, seg.block, seg.pairs)
+    assert (got.reshape(2 * n, 2 * n) == m.pairs).all()
+    bt = block_tiles(m, 1, 1)
+    assert (bt.rect_work + bt.stair_work == m.pairs).all()
+
+
+def test_two_documents_on_two_ranks_are_not_read_as_a_per_document_layout():
+    # the case that was priced 10x too cheap: 2 documents, 2 ranks, 2 segments per chunk = 1 x 2 documents
+    w = _doc_place_workload([784, 3312], [0, 0], 2)
+    assert w.doc_ranks == ((0, 1), (0, 2))
+    from meshplan.model.doc_segments import block_segments
+    m = AttnMatrix(w, 4)
+    got = np.zeros(16, dtype=np.int64)
+    for seg in block_segments(m):
+        np.add.at(got, seg.block, seg.pairs)
+    assert m.pairs[1, 3] == 2 * 828 * 828           # rank 0's piece 3 against rank 1's pieces 1 and 2
+    assert (got.reshape(4, 4) == m.pairs).all()
