@@ -441,6 +441,7 @@ def block_results(r) -> str:
         f"{s4['kendall_tau']:.2f}; the pick's held-out regret at most {s2['heldout_regret_pct_max']:.1f}% and "
         f"{s4['heldout_regret_pct_max']:.1f}% ([docs/accuracy.md](docs/accuracy.md#our-own-runs)).",
         *([_docs_result(r["validate_docs"])] if r.get("validate_docs") else []),
+        *([_batches_result(r["validate_batches"])] if r.get("validate_batches") else []),
         f"- **Memory model**: MAPE {mem['mape_pct']:.1f}% over {len(mem['rows'])} CPU runs, against "
         f"{mem['buffers_mape_pct']:.1f}% for the schedule's buffers alone "
         "([docs/accuracy.md](docs/accuracy.md#memory)).",
@@ -469,10 +470,40 @@ def _docs_result(v: dict) -> str:
             + "; ".join(parts) + " ([docs/accuracy.md](docs/accuracy.md#packed-documents)).")
 
 
+def _batches_result(v: dict) -> str:
+    """The README's line on per-batch planning (``validate_batches.py``)."""
+    parts = [f"{n} ranks {s['speedup_vs_per_doc_ring_measured']:.2f}x over per-document Ring (predicted "
+             f"{s['speedup_vs_per_doc_ring_predicted']:.2f}x) and {s['speedup_vs_best_fixed_measured']:.2f}x over the "
+             f"best fixed method ({s['speedup_vs_best_fixed_predicted']:.2f}x), regret {s['regret_pct_mean']:.1f}% "
+             f"mean" for n, s in v["summary"].items()]
+    return (f"- **Per-batch planning** (`plan-batch`, {next(iter(v['summary'].values()))['packs']} Pile packs per "
+            "rank count, measured on CPU ranks): " + "; ".join(parts)
+            + " ([docs/accuracy.md](docs/accuracy.md#per-batch-planning)).")
+
+
+def block_validate_batches(r) -> str:
+    """accuracy.md's table of ``validate_batches.py``: per rank count, speedups, MAPE and regret."""
+    v = r.get("validate_batches")
+    if not v:
+        return "(run `python benchmarks/validate_batches.py`)\n"
+    rows = ["| ranks | packs | pick vs per-doc Ring (measured / predicted) | pick vs best fixed (measured / predicted) "
+            "| MAPE doc-place / per-doc Ring / best fixed | regret mean / max | picks |", "|---|---|---|---|---|---|---|"]
+    for n, s in v["summary"].items():
+        picks = ", ".join(f"{a} {k}" for a, k in s["picked"].items())
+        rows.append(f"| {n} | {s['packs']} | {s['speedup_vs_per_doc_ring_measured']:.2f}x / "
+                    f"{s['speedup_vs_per_doc_ring_predicted']:.2f}x | {s['speedup_vs_best_fixed_measured']:.3f}x / "
+                    f"{s['speedup_vs_best_fixed_predicted']:.3f}x | {s['mape_pct_plan']:.1f}% / "
+                    f"{s['mape_pct_per_doc_ring']:.1f}% / {s['mape_pct_best_fixed']:.1f}% | "
+                    f"{s['regret_pct_mean']:.1f}% / {s['regret_pct_max']:.1f}% | {picks} |")
+    when = v.get("repredicted") and f"; re-predicted {v['repredicted']}" or ""
+    return (f"`python benchmarks/validate_batches.py` ({v['date']}{when}; {v['rounds']} rounds, "
+            f"{v['tokens_per_rank']} tokens per rank, fp32 fwd+bwd):\n\n" + "\n".join(rows) + "\n")
+
+
 BLOCKS = {"stamp": block_stamp, "results": block_results, "main-job": block_main_job,
           "cli-examples": block_cli_examples,
           "run-example": block_run_example, "reproduce": block_reproduce, "validate-cpu": block_validate_cpu,
-          "validate-docs": block_validate_docs,
+          "validate-docs": block_validate_docs, "validate-batches": block_validate_batches,
           "mesh-seed": block_mesh_seed, "mesh-greedy": block_mesh_greedy, "baselines": block_baselines,
           "speed": block_speed, "doc-masks": block_doc_masks, "executor-overhead": block_executor_overhead,
           "ilp-gap": block_ilp_gap,
@@ -481,7 +512,7 @@ BLOCKS = {"stamp": block_stamp, "results": block_results, "main-job": block_main
           "memory-cpu": block_memory_cpu}
 SOURCES = ("readme_cli", "reproduce_charm_h100", "reproduce_charm_ablation", "validate_cpu", "mesh_seed",
            "mesh_greedy", "baselines_table", "planner_speed", "executor_overhead", "ilp_gap",
-           "mapping_search", "job_tp", "workload_shapes", "memory_cpu", "doc_masks", "validate_docs")
+           "mapping_search", "job_tp", "workload_shapes", "memory_cpu", "doc_masks", "validate_docs", "validate_batches")
 
 
 def render(text: str, stamp: str | None = None) -> str:
