@@ -106,16 +106,20 @@ def ring_ccr(workload: Workload, topo: Topology, n_ranks: int) -> float | None:
     Σ over steps of the slowest hop's transfer time (KV forward; KV and dK/dV in fp32 backward), every rank's
     hop of a step running at once (their max-min shares where they meet: :meth:`Rotation.hop_concurrent`).
 
-    Uses the workload's layout, or contiguous when the layout cannot split the sequence. None for N = 1.
+    Uses the workload's layout, or contiguous when the layout cannot split the sequence (zigzag, then contiguous,
+    for a doc-place workload: Ring has no placement). None for N = 1, or when neither layout can split it.
     """
     if n_ranks == 1:
         return None
-    w = workload
-    try:
-        matrix = attn_matrix(w, n_ranks)
-    except UserError:
-        w = workload.with_(layout="contiguous")
-        matrix = attn_matrix(w, n_ranks)
+    base = workload if not workload.doc_ranks else workload.with_(layout="zigzag", doc_ranks=())   # doc-place
+    for w in (base, base.with_(layout="contiguous")):
+        try:
+            matrix = attn_matrix(w, n_ranks)
+            break
+        except UserError:
+            continue
+    else:
+        return None                   # documents no layout can cut into N equal parts: no Ring to compare with
     ring = Ring()
     plan = ring.plan(w, topo, n_ranks, ring.normalize({}), matrix)
     rot = Rotation(plan, topo, rows=True)

@@ -35,7 +35,7 @@ def simulate_named(algo, gpus, topo, workload, knobs, out, trace, as_json, emit)
         body["schedule_path"] = out
     if trace is not None:
         write_timeline_trace(cand.schedule, cand.sim, trace)
-    title = schedule_title(cand.algorithm, cand.knobs, topo_obj, n, workload)
+    title = schedule_title(cand.algorithm, cand.knobs, topo_obj, n, cand.workload)   # doc-place: as planned
     emit(body, as_json, lambda c: print_simulation(body, c, title))
     _warn_memory(body["predicted"]["peak_memory_total_bytes"], topo_obj)
 

@@ -384,6 +384,9 @@ def resolve(*, model: str | None = None, seq_len: str | int | None = None, batch
 
 def _validate_doc_place(w: Workload) -> None:
     """A doc-place workload: a docs mask, one (first rank, group size) per document, no cached prefix."""
+    if not w.doc_ranks:
+        raise UserError("--layout", f"{DOC_PLACE} is planned from the documents, not given",
+                        "drop --layout and use --algo doc-place or meshplan plan-batch")
     if w.mask.kind != "docs" or w.prefix_len or w.valid_len is not None:
         raise UserError("--layout", f"{DOC_PLACE} places documents: it needs a docs mask (no prefix, no "
                         "--valid-len)", "give --mask docs:... or cu_seqlens:...")

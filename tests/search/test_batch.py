@@ -120,3 +120,21 @@ def test_a_token_cap_that_cannot_hold_is_said():
     got = plan_batch([0, 10, 20, 30], Topology.load("h100x8", gpus=2), 2,
                      resolve(seq_len=30, heads=8, kv_heads=2, head_dim=64), references=False, cache=False)
     assert any("token cap" in note for note in got.notes)
+
+
+def test_a_doc_place_schedule_file_simulates_and_odd_documents_plan(tmp_path):
+    out = tmp_path / "odd.json"
+    r = run("simulate", "--algo", "doc-place", "--gpus", 4, "--topo", "cpu-local", "--seq-len", 4099,
+            "--mask", "docs:1003,3096", "--out", str(out), "--json")
+    assert r.exit_code == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["workload"]["layout"] == "doc-place" and d["predicted"]["ring_ccr"] is None    # no Ring cuts 1003
+    again = run("simulate", str(out), "--json")
+    assert again.exit_code == 0, again.stderr
+    assert json.loads(again.stdout)["predicted"]["makespan_s"] == pytest.approx(d["predicted"]["makespan_s"])
+
+
+def test_doc_place_is_not_a_layout_to_give():
+    r = run("simulate", "--algo", "ring", "--gpus", 4, "--topo", "cpu-local", "--seq-len", 4096,
+            "--mask", "docs:1000,3096", "--layout", "doc-place")
+    one_line_error(r, "--layout", "--algo doc-place")
