@@ -247,12 +247,15 @@ def plan_batch(cu_seqlens: Annotated[str, typer.Option("--cu-seqlens", help="the
                passes: o.Pass = None,
                no_cache: Annotated[bool, typer.Option("--no-cache", help="plan afresh (no cached plan)")] = False,
                out: Annotated[Optional[str], typer.Option("--out", help="write the doc-place schedule (.json)")]
-               = None, as_json: o.Json = False) -> None:
+               = None, as_json: o.Json = False,
+               seq_len: Annotated[Optional[str], typer.Option("--seq-len", hidden=True)] = None,
+               mask: Annotated[Optional[str], typer.Option("--mask", hidden=True)] = None,
+               layout: Annotated[Optional[str], typer.Option("--layout", hidden=True)] = None) -> None:
     """Plan one packed batch from its document boundaries: the doc-place plan, its predicted time, and the same
     for per-document zigzag Ring and the best fixed method."""
     from meshplan.cli.batch import plan_batch_command
     plan_batch_command(gpus, topo, cu_seqlens, model, batch, heads, kv_heads, head_dim, dtype, passes, no_cache,
-                       out, as_json, _emit)
+                       out, as_json, _emit, {"--seq-len": seq_len, "--mask": mask, "--layout": layout})
 
 
 @app.command()

@@ -6,23 +6,32 @@ from meshplan.core.errors import UserError
 
 
 def parse_cu_seqlens(text: str) -> list[int]:
-    """``0,E1,E2,...,S`` as integers (K/M suffixes not taken: these are offsets).
+    """``0,E1,E2,...,S`` as integers (no K/M suffixes: these are offsets).
 
     Raises:
-        UserError: not integers, not starting at 0, not rising.
+        UserError: empty items or non-integers, fewer than two offsets, not starting at 0, an empty document.
     """
+    items = text.replace(" ", "").split(",")
     try:
-        cu = [int(x) for x in text.replace(" ", "").split(",") if x]
+        cu = [int(x) for x in items]
     except ValueError:
-        raise UserError("--cu-seqlens", f"cannot read {text[:60]!r}", "write 0,E1,E2,...,S (integers)") from None
-    if len(cu) < 2 or cu[0] != 0 or any(b <= a for a, b in zip(cu, cu[1:])):
-        raise UserError("--cu-seqlens", "must start at 0 and rise", "write 0,E1,E2,...,S: cumulative document ends")
+        raise UserError("--cu-seqlens", f"cannot read {text[:60]!r}",
+                        "write 0,E1,E2,...,S: integers separated by commas, nothing empty") from None
+    from meshplan.search.batch import document_lengths
+    try:
+        document_lengths(cu)
+    except UserError as err:
+        raise UserError("--cu-seqlens", err.problem, err.fix) from None
     return cu
 
 
 def plan_batch_command(gpus, topo, cu_seqlens, model, batch, heads, kv_heads, head_dim, dtype, passes, no_cache,
-                       out, as_json, emit) -> None:
+                       out, as_json, emit, not_with: dict | None = None) -> None:
     """Plan the batch, print (or emit as JSON) the plan beside the references, write the plan's schedule."""
+    for flag, value in (not_with or {}).items():
+        if value is not None:
+            raise UserError(flag, "does not apply to plan-batch: the batch's documents come from --cu-seqlens",
+                            f"drop {flag}")
     from meshplan.cli.options import topology, workload
     from meshplan.cli.simulate import write_verified
     from meshplan.search.batch import plan_batch
@@ -36,7 +45,7 @@ def plan_batch_command(gpus, topo, cu_seqlens, model, batch, heads, kv_heads, he
     shape = workload(model, str(cu[-1]), batch, heads, kv_heads, head_dim, dtype, None, None, passes, None)
     result = plan_batch(cu, topo_obj, n, shape, cache=not no_cache)
     body = result.json() | {"topology": {"name": topo_obj.name, "devices": topo_obj.n_devices}, "ranks": n,
-                            "documents": len(cu) - 1, "tokens": cu[-1]}
+                            "documents": len(cu) - 1, "tokens": cu[-1], "batch": shape.batch}
     if out is not None:
         write_verified(result.candidates[0].schedule, topo_obj, out)
         body["schedule_path"] = out

@@ -65,20 +65,33 @@ def _row(c: Candidate, role: str) -> dict[str, Any]:
 
 
 def document_lengths(cu_seqlens) -> np.ndarray:
-    """Document lengths from FlashAttention's ``cu_seqlens`` (0, E1, E2, …, S), int64.
+    """Document lengths from FlashAttention's ``cu_seqlens`` (0, E1, E2, …, S: a sequence of integers), int64.
 
     Raises:
-        UserError: not starting at 0, or not rising.
+        UserError: not a sequence of whole numbers, fewer than two offsets, not starting at 0, or an empty
+            document (offsets not strictly rising).
     """
-    cu = np.asarray(cu_seqlens, dtype=np.int64)
-    if cu.ndim != 1 or cu.size < 2 or cu[0] != 0 or (np.diff(cu) <= 0).any():
-        raise UserError("--cu-seqlens", "must start at 0 and rise (0,E1,E2,...,S)", "give cumulative document ends")
+    if isinstance(cu_seqlens, (str, bytes)):
+        raise UserError("cu_seqlens", "is a string", "give a list of integers 0, E1, ..., S (the CLI parses text)")
+    cu = np.asarray(cu_seqlens)
+    if cu.ndim != 1 or cu.size < 2 or cu.dtype.kind not in "iuf" or (cu != np.round(cu)).any():
+        raise UserError("cu_seqlens", "needs at least two whole-number offsets 0, E1, ..., S",
+                        "give cumulative document ends, 0 first and the pack's length last")
+    cu = cu.astype(np.int64)
+    if cu[0] != 0:
+        raise UserError("cu_seqlens", f"starts at {cu[0]}, not 0", "give cumulative document ends, 0 first")
+    if (np.diff(cu) <= 0).any():
+        k = int(np.flatnonzero(np.diff(cu) <= 0)[0])
+        raise UserError("cu_seqlens", f"offset {k + 1} ({cu[k + 1]}) does not rise above {cu[k]}: every document "
+                        "needs at least one token", "drop empty documents (repeated offsets)")
     return np.diff(cu)
 
 
 def plan_batch(cu_seqlens, topo: Topology, n_ranks: int, shape: Workload, *, cache: bool = True,
                references: bool = True) -> BatchPlan:
-    """Plan one packed batch (module docstring).
+    """Plan one packed batch: doc-place (documents placed by their work, long ones split over a subgroup) lowered
+    to a schedule, verified and simulated, beside per-document zigzag Ring and the best fixed method ``search``
+    picks for the batch (both on the documents padded to a multiple of 2N).
 
     Args:
         cu_seqlens: cumulative document ends, 0 first and S last (FlashAttention's varlen offsets).
@@ -89,11 +102,15 @@ def plan_batch(cu_seqlens, topo: Topology, n_ranks: int, shape: Workload, *, cac
         references: also predict per-document zigzag Ring and the best fixed method.
 
     Returns:
-        The plans, the fastest first in ``best``.
+        A :class:`BatchPlan`: ``candidates`` (the doc-place plan first) with their ``roles``, ``best`` (the
+        fastest predicted), ``plan_s`` (seconds to plan doc-place) and ``notes``.
 
     Raises:
-        UserError: bad boundaries; no plan fits (from search).
+        UserError: bad boundaries; ``n_ranks`` not the topology's device count; no plan fits (from search).
     """
+    if n_ranks != topo.n_devices:
+        raise UserError("n_ranks", f"{n_ranks} ranks on a topology loaded for {topo.n_devices} devices",
+                        f"load it for the CP group: Topology.load({topo.name!r}, gpus={n_ranks})")
     t0 = time.perf_counter()
     lens = document_lengths(cu_seqlens)
     key = (tuple(lens.tolist()), topo.content_hash, n_ranks, shape.batch, shape.n_heads, shape.n_kv_heads,
@@ -113,13 +130,13 @@ def plan_batch(cu_seqlens, topo: Topology, n_ranks: int, shape: Workload, *, cac
     plan_s = time.perf_counter() - t0
     cands, roles, notes = [doc_place], ["plan"], []
     if not doc_place.plan.extra.get("cap_ok", True):
-        notes.append("doc-place could not keep every rank within the token cap (documents too few or too uneven to "
-                     "balance both work and tokens): the rest of the layer will run unbalanced")
+        notes.append("doc-place could not keep every rank within the token cap: the rest of the layer runs "
+                     "unbalanced")
     if references:
         padded = _with_docs(shape, lens, pad_to=2 * n_ranks)
         if padded.seq_len != int(lens.sum()):
-            notes.append(f"the references pad every document to a multiple of {2 * n_ranks} tokens (2N, what "
-                         f"per-document zigzag needs): {padded.seq_len - int(lens.sum())} padding tokens")
+            notes.append(f"the references pad each document to a multiple of 2N = {2 * n_ranks}: "
+                         f"{padded.seq_len - int(lens.sum())} padding tokens")
         ring = simulate_candidate(make_candidate("ring", padded, topo, n_ranks, {}), topo, None)
         cands.append(ring)
         roles.append("per_doc_ring")

@@ -34,7 +34,7 @@ class DistributionRow:
     """One row: a fixed method (``role`` "fixed") or per-batch planning (``role`` "per_batch"); seconds per pack."""
 
     algorithm: str
-    layout: str
+    layout: str | None
     knobs: dict[str, Any]
     role: str
     times_s: list[float] = field(default_factory=list)
@@ -69,7 +69,8 @@ def rank_for_distribution(lengths: DocLengths, seq_len: int, batches: int, topo:
     from meshplan.search.candidate import predict
 
     packs = draw_packs(lengths, seq_len, batches, seed)
-    per_batch = DistributionRow("per-batch plan", "-", {}, "per_batch")
+    per_batch = DistributionRow("per-batch", None, {}, "per_batch")
+    picks: list[str] = []
     seen: dict[str, dict[int, float]] = {}
     meta: dict[str, tuple[str, str, dict]] = {}
     padded = []
@@ -87,7 +88,9 @@ def rank_for_distribution(lengths: DocLengths, seq_len: int, batches: int, topo:
                 meta[key] = (c.algorithm, c.workload.layout, c.knobs)
         plan = plan_batch(cu, topo, n_ranks, shape, cache=False, references=False)
         best_fixed = min((t[k] for t in seen.values() if k in t), default=np.inf)
-        per_batch.times_s.append(float(min(plan.best.predicted.makespan_s, best_fixed)))
+        own = plan.best.predicted.makespan_s
+        per_batch.times_s.append(float(min(own, best_fixed)))
+        picks.append("doc-place" if own <= best_fixed else "best fixed")
     ring = ("ring", "zigzag", Ring().normalize({}))            # the reference everyone knows: always a row
     meta[_key_of(*ring)] = ring
     seen.setdefault(_key_of(*ring), {})
@@ -109,7 +112,7 @@ def rank_for_distribution(lengths: DocLengths, seq_len: int, batches: int, topo:
     rows.append(per_batch)
     rows.sort(key=lambda r: r.mean_s)
     return {"batches": batches, "seq_len": seq_len, "seed": seed, "documents_per_pack": [len(p) for p in packs],
-            "histogram": lengths.source, "rows": [r.json() for r in rows]}
+            "histogram": lengths.source, "per_batch_picks": picks, "rows": [r.json() for r in rows]}
 
 
 def _as_given(knobs: dict) -> dict:

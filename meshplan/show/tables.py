@@ -244,8 +244,10 @@ def print_batch(body: dict[str, Any], console: Console) -> None:
     """``plan-batch``: the plan beside per-document zigzag Ring and the best fixed method."""
     role_text = {"plan": "doc-place plan", "per_doc_ring": "per-document Ring", "best_fixed": "best fixed method",
                  "other": "other"}
-    console.print(f"{body['documents']} documents, {body['tokens']} tokens on {body['topology']['name']} x "
-                  f"{body['ranks']}", soft_wrap=True)
+    docs = body["documents"]
+    batch = f", batch {body['batch']}" if body.get("batch", 1) > 1 else ""
+    console.print(f"{docs} document{'s' if docs != 1 else ''}, {body['tokens']} tokens{batch} on "
+                  f"{body['topology']['name']} x {body['ranks']}", soft_wrap=True)
     table = Table()
     for name, justify in (("", "left"), ("method", "left"), ("settings", "left"), ("fwd", "right"),
                           ("bwd", "right"), ("total", "right"), ("vs best", "right")):
@@ -260,10 +262,10 @@ def print_batch(body: dict[str, Any], console: Console) -> None:
     console.print(table)
     plan = body["candidates"][0]
     cached = " (from the cache)" if body["cached"] else ""
-    console.print(f"* fastest: {_method(body['best'])}; the doc-place plan took "
-                  f"{fmt_seconds(body['plan_s'])} to place, lower, verify and predict{cached}", soft_wrap=True)
+    console.print(f"* fastest: {_method(body['best'])}; doc-place took {fmt_seconds(body['plan_s'])} to plan "
+                  f"(place, build, verify, simulate){cached}", soft_wrap=True)
     if plan is not body["best"] and plan != body["best"]:
-        console.print(f"doc-place is {plan['predicted']['makespan_s'] / best - 1:.0%} slower than the fastest here",
+        console.print(f"doc-place is {plan['predicted']['makespan_s'] / best:.2f}x the fastest's time here",
                       soft_wrap=True)
     for note in body.get("notes", []):
         console.print(f"note: {note}", soft_wrap=True)
@@ -279,7 +281,8 @@ def _method(c: dict[str, Any]) -> str:
 def print_distribution(body: dict[str, Any], console: Console) -> None:
     """``search --doc-lengths``: fixed methods and per-batch planning by mean step time over the packs."""
     docs = body["documents_per_pack"]
-    console.print(f"{body['batches']} packs of {body['seq_len']} tokens ({min(docs)}-{max(docs)} documents) drawn "
+    span = f"{min(docs)}" if min(docs) == max(docs) else f"{min(docs)}-{max(docs)}"
+    console.print(f"{body['batches']} packs of {body['seq_len']} tokens ({span} documents) drawn "
                   f"from {body['histogram']}, on {body['topology']['name']} x {body['ranks']}", soft_wrap=True)
     table = Table()
     for name, justify in (("#", "right"), ("method", "left"), ("settings", "left"), ("mean", "right"),
@@ -295,7 +298,7 @@ def print_distribution(body: dict[str, Any], console: Console) -> None:
     fixed = [r for r in rows if r["role"] == "fixed"]
     if fixed:
         gain = fixed[0]["mean_s"] / per_batch["mean_s"] - 1
-        verdict = (f"per-batch planning is {gain:.1%} faster than the best fixed method ({_method(fixed[0])}) on "
-                   "average" if gain > 0.005 else f"per-batch planning does not pay here: the best fixed method "
+        verdict = (f"per-batch planning is {gain + 1:.2f}x faster than the best fixed method ({_method(fixed[0])}) "
+                   "on average" if gain > 0.005 else f"per-batch planning does not pay here: the best fixed method "
                    f"({_method(fixed[0])}) is within {max(gain, 0):.1%} of it")
         console.print(verdict, soft_wrap=True)

@@ -48,10 +48,17 @@ def test_same_documents_come_from_the_cache():
     assert not other.cached
 
 
-@pytest.mark.parametrize("cu", [[1, 5], [0], [0, 5, 5], [0, 7, 3]])
-def test_bad_boundaries(cu):
-    with pytest.raises(UserError, match="--cu-seqlens"):
+@pytest.mark.parametrize("cu,says", [([1, 5], "starts at 1"), ([0], "at least two"), ([0, 5, 5], "at least one token"),
+                                     ([0, 7, 3], "does not rise"), ([0, 10.5, 20], "whole-number"),
+                                     ("0,10,20", "is a string")])
+def test_bad_boundaries(cu, says):
+    with pytest.raises(UserError, match=says):
         document_lengths(cu)
+
+
+def test_rank_count_must_be_the_topologys():
+    with pytest.raises(UserError, match="n_ranks.*gpus=16"):
+        plan_batch(CU, Topology.load("h100x8", gpus=8), 16, _shape())
 
 
 def test_cli_json_carries_plan_s_best_and_every_role(tmp_path):
@@ -72,6 +79,10 @@ def test_cli_json_carries_plan_s_best_and_every_role(tmp_path):
     (["--cu-seqlens", "0,10,5"], "--cu-seqlens"),
     (["--cu-seqlens", "0,ten"], "--cu-seqlens"),
     (["--cu-seqlens", "0,4096", "--out", "plan.txt"], "--out"),
+    (["--cu-seqlens", "0,4096,"], "--cu-seqlens"),
+    (["--cu-seqlens", "0,0,4096"], "at least one token"),
+    (["--cu-seqlens", "0,4096", "--mask", "causal"], "--mask"),
+    (["--cu-seqlens", "0,4096", "--seq-len", "4096"], "--seq-len"),
 ])
 def test_cli_errors_are_one_line(args, field):
     r = run("plan-batch", "--gpus", 4, "--topo", "h100x8", *args)
