@@ -487,7 +487,8 @@ def block_validate_batches(r) -> str:
     if not v:
         return "(run `python benchmarks/validate_batches.py`)\n"
     rows = ["| ranks | packs | pick vs per-doc Ring (measured / predicted) | pick vs best fixed (measured / predicted) "
-            "| MAPE doc-place / per-doc Ring / best fixed | regret mean / max | picks |", "|---|---|---|---|---|---|---|"]
+            "| MAPE doc-place / per-doc Ring / best fixed | regret mean / max | picks |",
+            "|---|---|---|---|---|---|---|"]
     for n, s in v["summary"].items():
         picks = ", ".join(f"{a} {k}" for a, k in s["picked"].items())
         rows.append(f"| {n} | {s['packs']} | {s['speedup_vs_per_doc_ring_measured']:.2f}x / "
@@ -512,7 +513,8 @@ BLOCKS = {"stamp": block_stamp, "results": block_results, "main-job": block_main
           "memory-cpu": block_memory_cpu}
 SOURCES = ("readme_cli", "reproduce_charm_h100", "reproduce_charm_ablation", "validate_cpu", "mesh_seed",
            "mesh_greedy", "baselines_table", "planner_speed", "executor_overhead", "ilp_gap",
-           "mapping_search", "job_tp", "workload_shapes", "memory_cpu", "doc_masks", "validate_docs", "validate_batches")
+           "mapping_search", "job_tp", "workload_shapes", "memory_cpu", "doc_masks", "validate_docs",
+           "validate_batches")
 
 
 def render(text: str, stamp: str | None = None) -> str:

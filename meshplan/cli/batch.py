@@ -5,26 +5,6 @@ from __future__ import annotations
 from meshplan.core.errors import UserError
 
 
-def parse_cu_seqlens(text: str) -> list[int]:
-    """``0,E1,E2,...,S`` as integers (no K/M suffixes: these are offsets).
-
-    Raises:
-        UserError: empty items or non-integers, fewer than two offsets, not starting at 0, an empty document.
-    """
-    items = text.replace(" ", "").split(",")
-    try:
-        cu = [int(x) for x in items]
-    except ValueError:
-        raise UserError("--cu-seqlens", f"cannot read {text[:60]!r}",
-                        "write 0,E1,E2,...,S: integers separated by commas, nothing empty") from None
-    from meshplan.search.batch import document_lengths
-    try:
-        document_lengths(cu)
-    except UserError as err:
-        raise UserError("--cu-seqlens", err.problem, err.fix) from None
-    return cu
-
-
 def plan_batch_command(gpus, topo, cu_seqlens, model, batch, heads, kv_heads, head_dim, dtype, passes, no_cache,
                        out, as_json, emit, not_with: dict | None = None) -> None:
     """Plan the batch, print (or emit as JSON) the plan beside the references, write the plan's schedule."""
@@ -34,10 +14,12 @@ def plan_batch_command(gpus, topo, cu_seqlens, model, batch, heads, kv_heads, he
                             f"drop {flag}")
     from meshplan.cli.options import topology, workload
     from meshplan.cli.simulate import write_verified
+    from meshplan.model.workload import document_lengths, parse_cu_seqlens
     from meshplan.search.batch import plan_batch
     from meshplan.show.tables import print_batch
 
-    cu = parse_cu_seqlens(cu_seqlens)
+    cu = parse_cu_seqlens(cu_seqlens, "--cu-seqlens")
+    document_lengths(cu, "--cu-seqlens")
     if out is not None and not (out.endswith(".json") or out.endswith(".json.gz")):
         raise UserError("--out", f"{out!r} is not a .json or .json.gz name", "name the file *.json or *.json.gz")
     topo_obj = topology(topo, gpus, "plan-batch")

@@ -23,7 +23,7 @@ import numpy as np
 
 from meshplan.core.errors import UserError
 from meshplan.model.topology import Topology
-from meshplan.model.workload import Mask, Workload
+from meshplan.model.workload import Mask, Workload, document_lengths
 from meshplan.search.candidate import Candidate, make_candidate, simulate_candidate
 
 ROLES = ("plan", "per_doc_ring", "best_fixed", "other")
@@ -64,29 +64,6 @@ def _row(c: Candidate, role: str) -> dict[str, Any]:
             "predicted": {"makespan_s": p.makespan_s, **{f"{k}_s": m.makespan_s for k, m in p.passes.items()}}}
 
 
-def document_lengths(cu_seqlens) -> np.ndarray:
-    """Document lengths from FlashAttention's ``cu_seqlens`` (0, E1, E2, …, S: a sequence of integers), int64.
-
-    Raises:
-        UserError: not a sequence of whole numbers, fewer than two offsets, not starting at 0, or an empty
-            document (offsets not strictly rising).
-    """
-    if isinstance(cu_seqlens, (str, bytes)):
-        raise UserError("cu_seqlens", "is a string", "give a list of integers 0, E1, ..., S (the CLI parses text)")
-    cu = np.asarray(cu_seqlens)
-    if cu.ndim != 1 or cu.size < 2 or cu.dtype.kind not in "iuf" or (cu != np.round(cu)).any():
-        raise UserError("cu_seqlens", "needs at least two whole-number offsets 0, E1, ..., S",
-                        "give cumulative document ends, 0 first and the pack's length last")
-    cu = cu.astype(np.int64)
-    if cu[0] != 0:
-        raise UserError("cu_seqlens", f"starts at {cu[0]}, not 0", "give cumulative document ends, 0 first")
-    if (np.diff(cu) <= 0).any():
-        k = int(np.flatnonzero(np.diff(cu) <= 0)[0])
-        raise UserError("cu_seqlens", f"offset {k + 1} ({cu[k + 1]}) does not rise above {cu[k]}: every document "
-                        "needs at least one token", "drop empty documents (repeated offsets)")
-    return np.diff(cu)
-
-
 def plan_batch(cu_seqlens, topo: Topology, n_ranks: int, shape: Workload, *, cache: bool = True,
                references: bool = True) -> BatchPlan:
     """Plan one packed batch: doc-place (documents placed by their work, long ones split over a subgroup) lowered
@@ -117,7 +94,7 @@ def plan_batch(cu_seqlens, topo: Topology, n_ranks: int, shape: Workload, *, cac
            shape.head_dim, shape.dtype, shape.passes)
     hit = _CACHE.get(key) if cache else None
     if hit is None:
-        w = _with_docs(shape, lens, pad_to=1)
+        w = with_documents(shape, lens, pad_to=1)
         plan = simulate_candidate(make_candidate("doc-place", w, topo, n_ranks, {}), topo, None)
         _verified(plan, topo)
         if cache:
@@ -133,25 +110,34 @@ def plan_batch(cu_seqlens, topo: Topology, n_ranks: int, shape: Workload, *, cac
         notes.append("doc-place could not keep every rank within the token cap: the rest of the layer runs "
                      "unbalanced")
     if references:
-        padded = _with_docs(shape, lens, pad_to=2 * n_ranks)
-        if padded.seq_len != int(lens.sum()):
-            notes.append(f"the references pad each document to a multiple of 2N = {2 * n_ranks}: "
-                         f"{padded.seq_len - int(lens.sum())} padding tokens")
-        ring = simulate_candidate(make_candidate("ring", padded, topo, n_ranks, {}), topo, None)
-        cands.append(ring)
-        roles.append("per_doc_ring")
-        from meshplan.algorithms import NAMES
-        from meshplan.search import run_search
-        got = run_search(padded, topo, n_ranks, algos=list(NAMES))
-        fixed = next((c for c in got.candidates if c.predicted is not None), None)
-        if fixed is not None:
-            cands.append(fixed)
-            roles.append("best_fixed")
+        more, more_roles, note = _references(lens, topo, n_ranks, shape)
+        cands, roles, notes = cands + more, roles + more_roles, notes + note
     best = min(cands, key=lambda c: c.predicted.makespan_s)
     return BatchPlan(best, cands, roles, plan_s, hit is not None, notes)
 
 
-def _with_docs(shape: Workload, lens: np.ndarray, pad_to: int) -> Workload:
+def _references(lens: np.ndarray, topo: Topology, n_ranks: int, shape: Workload):
+    """(candidates, roles, notes) of the two references on the documents padded to 2N: per-document zigzag Ring
+    and search's best fixed method."""
+    from meshplan.algorithms import NAMES
+    from meshplan.search import run_search
+
+    padded = with_documents(shape, lens, pad_to=2 * n_ranks)
+    notes = []
+    if padded.seq_len != int(lens.sum()):
+        notes.append(f"the references pad each document to a multiple of 2N = {2 * n_ranks}: "
+                     f"{padded.seq_len - int(lens.sum())} padding tokens")
+    cands = [simulate_candidate(make_candidate("ring", padded, topo, n_ranks, {}), topo, None)]
+    roles = ["per_doc_ring"]
+    fixed = next((c for c in run_search(padded, topo, n_ranks, algos=list(NAMES)).candidates
+                  if c.predicted is not None), None)
+    if fixed is not None:
+        cands.append(fixed)
+        roles.append("best_fixed")
+    return cands, roles, notes
+
+
+def with_documents(shape: Workload, lens: np.ndarray, pad_to: int) -> Workload:
     """``shape`` over these documents, each padded to a multiple of ``pad_to`` tokens (per-document layout)."""
     slots = -(-lens // pad_to) * pad_to
     spec = ",".join(f"{a}+{b - a}" if b > a else str(a) for a, b in zip(lens.tolist(), slots.tolist()))

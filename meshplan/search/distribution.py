@@ -65,7 +65,7 @@ def rank_for_distribution(lengths: DocLengths, seq_len: int, batches: int, topo:
     """
     from meshplan.algorithms.ring import Ring
     from meshplan.search import run_search
-    from meshplan.search.batch import _with_docs, plan_batch
+    from meshplan.search.batch import plan_batch, with_documents
     from meshplan.search.candidate import predict
 
     packs = draw_packs(lengths, seq_len, batches, seed)
@@ -78,7 +78,7 @@ def rank_for_distribution(lengths: DocLengths, seq_len: int, batches: int, topo:
         if progress:
             progress(k, len(packs), f"pack {k + 1} of {len(packs)}")
         cu = np.concatenate([[0], np.cumsum(lens)])
-        w = _with_docs(shape, lens, pad_to=2 * n_ranks)
+        w = with_documents(shape, lens, pad_to=2 * n_ranks)
         padded.append(w)
         got = run_search(w, topo, n_ranks)
         for c in got.candidates:

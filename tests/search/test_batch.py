@@ -10,11 +10,11 @@ from helpers import one_line_error, run
 
 from meshplan.core.errors import UserError
 from meshplan.model.topology import Topology
-from meshplan.model.workload import resolve
+from meshplan.model.workload import document_lengths, resolve
 from meshplan.plan.json.io import read_schedule
 from meshplan.plan.verify import verify
 from meshplan.search import batch
-from meshplan.search.batch import document_lengths, plan_batch
+from meshplan.search.batch import plan_batch
 
 CU = [0, 1000, 3000, 3500, 6000, 6100, 8192]
 

@@ -72,7 +72,7 @@ class DocPlace(BuiltTiming):
         home = np.arange(2 * n_ranks) // 2
         owner = np.where(m.permitted, home[:, None], -1)
         return Plan(self.name, knobs, m, n_ranks, owner, home, home, self.device_map(topo, n_ranks, knobs),
-                    extra={"imbalance": placed.imbalance, "cap_ok": placed.cap_ok})
+                    extra={"cap_ok": placed.cap_ok})
 
     def build(self, plan: Plan, topo: Topology) -> Schedule:
         """Local blocks, then the group's pieces fetched by offset (module docstring)."""

@@ -70,11 +70,6 @@ class DocPlacement:
             out[d] = (ranks[0], len(ranks))
         return tuple(out)
 
-    def docs_of(self, rank: int) -> list[int]:
-        """Documents ``rank`` holds, whole or a share of, in document order."""
-        whole = np.flatnonzero(self.owner == rank).tolist()
-        return sorted(whole + [d for d, g in self.groups.items() if rank in g])
-
 
 def document_work(lengths, tile: tuple[int, int] = (1, 1)) -> np.ndarray:
     """[n_docs] element pairs a tiled kernel computes for causal documents of ``lengths`` tokens (float64).
