@@ -318,9 +318,10 @@ def write_best(result: SearchResult, k: int, out_dir: str) -> None:
 
 
 def _documents(c: Candidate, topo: Topology) -> dict[str, Any] | None:
-    """A simulated candidate's document costs (:func:`meshplan.cost.doc_kernels.document_stats`); None at a bound."""
-    if c.schedule is None:
-        return None
+    """A simulated candidate's document costs (:func:`meshplan.cost.doc_kernels.document_stats`, kept by
+    :func:`~meshplan.search.candidate.simulate_candidate`); None at a bound."""
+    if c.documents is not None or c.schedule is None:
+        return c.documents
     from meshplan.cost.doc_kernels import document_stats
 
     return document_stats(c.schedule, topo)

@@ -43,6 +43,7 @@ class Candidate:
     scheduler: dict[str, Any] | None = None   # search --scheduler: the contract's scheduler object
     mapping_search: dict[str, Any] | None = None   # search --map-search: what the placement search found
     job: dict[str, Any] | None = None     # search --tp/--dp: {alone_s, together_s} of the whole job
+    documents: dict[str, Any] | None = None   # docs masks: what the documents cost it, kept when the schedule goes
 
     @property
     def bound_s(self) -> float:
@@ -101,6 +102,9 @@ def simulate_candidate(cand: Candidate, topo: Topology, ccr: float | None) -> Ca
         cand.plan = plan
         cand.knobs = plan.knobs | {"order": f"auto:{plan.knobs['order']}"}
     cand.predicted, cand.model_level = predicted(cand.schedule, topo, cand.sim, ccr), "simulated"
+    if cand.workload.mask.kind == "docs":             # while the schedule is at hand (a search drops it later)
+        from meshplan.cost.doc_kernels import document_stats
+        cand.documents = document_stats(cand.schedule, topo)
     return cand
 
 

@@ -122,3 +122,7 @@ def test_search_shows_documents_and_tile_waste():
     assert docs["ring"]["segments"] > docs["ulysses"]["segments"]
     text = run("search", *flags, "--algos", "ring").stdout
     assert "64 documents" in text and "tile waste" in text
+    every = json.loads(run("search", *flags[:-6], "--mask", "docs:" + ",".join(map(str, lens)), "--pass", "fwd",
+                           "--algos", "ring,ulysses,usp", "--json").stdout)["candidates"]
+    simulated = [c for c in every if c["model_level"] == "simulated"]
+    assert len(simulated) > 1 and all(c["documents"]["count"] == 64 for c in simulated)   # not only #1's
