@@ -95,7 +95,7 @@ def plan_batch(cu_seqlens, topo: Topology, n_ranks: int, shape: Workload, *, cac
     hit = _CACHE.get(key) if cache else None
     if hit is None:
         w = with_documents(shape, lens, pad_to=1)
-        plan = simulate_candidate(make_candidate("doc-place", w, topo, n_ranks, {}), topo, None)
+        plan = simulate_candidate(make_candidate("doc-place", w, topo, n_ranks, {}, keep_schedule=True), topo, None)
         _verified(plan, topo)
         if cache:
             _CACHE[key] = plan

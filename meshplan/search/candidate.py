@@ -63,9 +63,12 @@ class Candidate:
 
 
 def make_candidate(name: str, workload: Workload, topo: Topology, n_ranks: int, knobs: dict[str, Any],
-                   matrix: AttnMatrix | None = None, builds: BuildCache | None = None) -> Candidate:
+                   matrix: AttnMatrix | None = None, builds: BuildCache | None = None,
+                   keep_schedule: bool = False) -> Candidate:
     """Normalise knobs, check, plan, and compute the closed-form timing. ``builds``: the caller's cache of
-    schedule builds shared between its plans (a search run's), attached to the plan.
+    schedule builds shared between its plans (a search run's), attached to the plan. ``keep_schedule``: build the
+    schedule first and keep it on the plan, so a closed form that needs it (and a later simulation) reuse that
+    one build — for a caller about to simulate anyway (``plan_batch``).
 
     Raises:
         UserError: bad knob values or an impossible workload; SkipCandidate: the method cannot do this.
@@ -77,6 +80,8 @@ def make_candidate(name: str, workload: Workload, topo: Topology, n_ranks: int, 
     plan.check()
     if builds is not None:
         plan.extra["builds"] = builds
+    if keep_schedule:
+        alg.schedule(plan, topo)
     if getattr(alg, "places_tokens", False):             # its own layout (doc-place): the planned workload
         workload = plan.workload
     return Candidate(name, workload, plan.knobs, n_ranks, plan=plan, timing=alg.timing(plan, topo))
