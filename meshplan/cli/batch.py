@@ -14,7 +14,7 @@ def plan_batch_command(gpus, topo, cu_seqlens, model, batch, heads, kv_heads, he
                             f"drop {flag}")
     from meshplan.cli.options import topology, workload
     from meshplan.cli.simulate import write_verified
-    from meshplan.model.workload import document_lengths, parse_cu_seqlens
+    from meshplan.model.doc_lengths import document_lengths, parse_cu_seqlens
     from meshplan.search.batch import plan_batch
     from meshplan.show.tables import print_batch
 

@@ -1,4 +1,5 @@
-"""Document-length distributions: a histogram file, and packs of documents drawn from it.
+"""Document lengths: FlashAttention's ``cu_seqlens`` read and checked, a histogram file of lengths, and packs of
+documents drawn from it.
 
 What ``search --doc-lengths FILE --batches K --seq-len S`` plans for (issue 25): a training stream packs
 documents whose lengths follow a distribution, a new pack every step. A histogram is a CSV file with a header and
@@ -111,6 +112,43 @@ def _bin(row: dict, kind: str, path: Path, line: int) -> LengthBin:
         msg = first["msg"].removeprefix("Value error, ")
         raise UserError(FIELD, f"{path}: line {line}: {where}: {msg}",
                         "lengths are whole tokens ≥ 1, counts ≥ 0") from None
+
+
+def parse_cu_seqlens(text: str, field: str = "--cu-seqlens") -> list[int]:
+    """``0,E1,E2,...,S`` (FlashAttention's varlen offsets, as text) -> integers; offsets are not sizes, so no K/M
+    suffixes.
+
+    Raises:
+        UserError: an empty item or a non-integer (checked further by :func:`document_lengths`).
+    """
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",")]
+    except ValueError:
+        raise UserError(field, f"cannot read {text[:60]!r}",
+                        "write 0,E1,E2,...,S: integers separated by commas, nothing empty") from None
+
+
+def document_lengths(cu_seqlens, field: str = "cu_seqlens") -> np.ndarray:
+    """Document lengths from cumulative offsets ``cu_seqlens`` (0, E1, E2, …, S: whole numbers), int64.
+
+    Raises:
+        UserError (naming ``field``): not a sequence of whole numbers, fewer than two offsets, not starting at 0,
+            or an empty document (offsets not strictly rising).
+    """
+    if isinstance(cu_seqlens, (str, bytes)):
+        raise UserError(field, "is a string", "give a list of integers 0, E1, ..., S (parse_cu_seqlens reads text)")
+    cu = np.asarray(cu_seqlens)
+    if cu.ndim != 1 or cu.size < 2 or cu.dtype.kind not in "iuf" or (cu != np.round(cu)).any():
+        raise UserError(field, "needs at least two whole-number offsets 0, E1, ..., S",
+                        "give cumulative document ends, 0 first and the pack's length last")
+    cu = cu.astype(np.int64)
+    if cu[0] != 0:
+        raise UserError(field, f"starts at {cu[0]}, not 0", "give cumulative document ends, 0 first")
+    if (np.diff(cu) <= 0).any():
+        k = int(np.flatnonzero(np.diff(cu) <= 0)[0])
+        raise UserError(field, f"offset {k + 1} ({cu[k + 1]}) does not rise above {cu[k]}: every document needs "
+                        "at least one token", "drop empty documents (repeated offsets)")
+    return np.diff(cu)
 
 
 def draw_packs(lengths: DocLengths, seq_len: int, batches: int, seed: int = 0) -> list[np.ndarray]:

@@ -31,6 +31,7 @@ import numpy as np
 
 from meshplan.core.errors import UserError
 from meshplan.core.units import DTYPE_BYTES, fmt_count, parse_count
+from meshplan.model.doc_lengths import document_lengths, parse_cu_seqlens
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
 #: The layout of a document placement (``doc_ranks``; planned by doc-place, never enumerated as a layout).
@@ -160,45 +161,8 @@ class Mask:
 
 
 def _cu_to_lens(arg: str, field: str) -> str:
-    """``0,E1,E2,...`` (cumulative offsets) -> ``E1,E2-E1,...`` (:func:`parse_cu_seqlens`)."""
+    """``0,E1,E2,...`` (cumulative offsets) -> ``E1,E2-E1,...`` (``doc_lengths.parse_cu_seqlens``, checked)."""
     return ",".join(str(x) for x in document_lengths(parse_cu_seqlens(arg, field), field))
-
-
-def parse_cu_seqlens(text: str, field: str = "--cu-seqlens") -> list[int]:
-    """``0,E1,E2,...,S`` (FlashAttention's varlen offsets, as text) -> integers; offsets are not sizes, so no K/M
-    suffixes.
-
-    Raises:
-        UserError: an empty item or a non-integer (checked further by :func:`document_lengths`).
-    """
-    try:
-        return [int(x) for x in text.replace(" ", "").split(",")]
-    except ValueError:
-        raise UserError(field, f"cannot read {text[:60]!r}",
-                        "write 0,E1,E2,...,S: integers separated by commas, nothing empty") from None
-
-
-def document_lengths(cu_seqlens, field: str = "cu_seqlens") -> np.ndarray:
-    """Document lengths from cumulative offsets ``cu_seqlens`` (0, E1, E2, …, S: whole numbers), int64.
-
-    Raises:
-        UserError (naming ``field``): not a sequence of whole numbers, fewer than two offsets, not starting at 0,
-            or an empty document (offsets not strictly rising).
-    """
-    if isinstance(cu_seqlens, (str, bytes)):
-        raise UserError(field, "is a string", "give a list of integers 0, E1, ..., S (parse_cu_seqlens reads text)")
-    cu = np.asarray(cu_seqlens)
-    if cu.ndim != 1 or cu.size < 2 or cu.dtype.kind not in "iuf" or (cu != np.round(cu)).any():
-        raise UserError(field, "needs at least two whole-number offsets 0, E1, ..., S",
-                        "give cumulative document ends, 0 first and the pack's length last")
-    cu = cu.astype(np.int64)
-    if cu[0] != 0:
-        raise UserError(field, f"starts at {cu[0]}, not 0", "give cumulative document ends, 0 first")
-    if (np.diff(cu) <= 0).any():
-        k = int(np.flatnonzero(np.diff(cu) <= 0)[0])
-        raise UserError(field, f"offset {k + 1} ({cu[k + 1]}) does not rise above {cu[k]}: every document needs "
-                        "at least one token", "drop empty documents (repeated offsets)")
-    return np.diff(cu)
 
 
 @dataclass(frozen=True)

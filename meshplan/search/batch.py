@@ -22,8 +22,9 @@ from typing import Any
 import numpy as np
 
 from meshplan.core.errors import UserError
+from meshplan.model.doc_lengths import document_lengths
 from meshplan.model.topology import Topology
-from meshplan.model.workload import Mask, Workload, document_lengths
+from meshplan.model.workload import Mask, Workload
 from meshplan.search.candidate import Candidate, make_candidate, simulate_candidate
 
 ROLES = ("plan", "per_doc_ring", "best_fixed", "other")

@@ -9,8 +9,9 @@ import pytest
 from helpers import one_line_error, run
 
 from meshplan.core.errors import UserError
+from meshplan.model.doc_lengths import document_lengths
 from meshplan.model.topology import Topology
-from meshplan.model.workload import document_lengths, resolve
+from meshplan.model.workload import resolve
 from meshplan.plan.json.io import read_schedule
 from meshplan.plan.verify import verify
 from meshplan.search import batch
