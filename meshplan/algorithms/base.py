@@ -100,6 +100,9 @@ class Algorithm:
     knobs: dict[str, Knob] = {}
     forward_only: bool = False
     summary: str = ""
+    #: the method plans its own token layout (doc-place): search plans it once, not once per --layout, and its
+    #: candidate carries the planned workload
+    places_tokens: bool = False
 
     def normalize(self, given: dict[str, Any]) -> dict[str, Any]:
         """Defaults filled in and values checked; a knob this algorithm does not take is refused."""

@@ -108,12 +108,7 @@ def search(gpus: o.Gpus = None, topo: o.Topo = None, model: o.Model = None, seq_
            tp: o.Tp = 1, dp: o.Dp = 1, rank_order: o.RankOrder = "tp-cp-dp",
            sensitivity: sv.Sensitivity = None, sensitivity_samples: sv.Samples = None, sensitivity_top: sv.Top = None,
            sensitivity_seed: sv.Seed = None, pick: sv.Pick = "nominal",
-           doc_lengths: Annotated[Optional[str], typer.Option(
-               "--doc-lengths", help="a document-length histogram (CSV: range,number or length,count): rank the "
-               "fixed methods and per-batch planning over packs drawn from it", rich_help_panel="Documents")] = None,
-           batches: Annotated[Optional[int], typer.Option(
-               "--batches", help="packs drawn with --doc-lengths (default 8)", rich_help_panel="Documents")] = None,
-           as_json: o.Json = False) -> None:
+           doc_lengths: o.DocLengths = None, batches: o.Batches = None, as_json: o.Json = False) -> None:
     """Rank every algorithm, layout and knob setting for a workload on a cluster; write the best schedules.
     With --tp/--dp, --gpus is the CP group size and the best plans are re-ranked by the whole job's time.
     With --doc-lengths, rank fixed methods against per-batch planning over packs drawn from a histogram."""

@@ -50,6 +50,11 @@ Domains = Annotated[Optional[int], typer.Option("--domains", help="CHARM+ domain
 KnobKV = Annotated[Optional[list[str]], typer.Option("--knob", help="NAME=VALUE, repeatable (e.g. dkv_hops=n-1)",
                                                      rich_help_panel=KN)]
 
+DocLengths = Annotated[Optional[str], typer.Option(
+    "--doc-lengths", help="a document-length histogram (CSV: range,number or length,count): rank the fixed methods "
+    "and per-batch planning over packs drawn from it", rich_help_panel="Documents")]
+Batches = Annotated[Optional[int], typer.Option("--batches", help="packs drawn with --doc-lengths (default 8)",
+                                                rich_help_panel="Documents")]
 Gpus = Annotated[Optional[int], typer.Option("--gpus",
                                              help="GPUs (ranks): a multiple or a divisor of the GPUs per node")]
 Topo = Annotated[Optional[str], typer.Option("--topo", help="topology file or shipped name (h100x32, cpu-local, ...)")]

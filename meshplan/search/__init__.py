@@ -89,8 +89,7 @@ def enumerate_candidates(base: Workload, topo: Topology, n: int, algos: list[str
         if foreign:
             skipped[f"{foreign[0]} does not apply"] += 1
             continue
-        own_layout = getattr(alg, "places_tokens", False)       # it places the tokens itself: planned once
-        layouts = [base.layout] if layout_pinned or own_layout else list(LAYOUTS)
+        layouts = [base.layout] if layout_pinned or alg.places_tokens else list(LAYOUTS)
         few = getattr(alg, "search_variants_max_ranks", None)      # their bounds build schedules:
         if few is not None and n > few and not layout_pinned:       # the balanced layout only
             skipped[f"only zigzag searched above {few} ranks"] += len(layouts) - 1
@@ -98,7 +97,7 @@ def enumerate_candidates(base: Workload, topo: Topology, n: int, algos: list[str
         for layout in layouts:
             w = base.with_(layout=layout)
             try:
-                matrix = None if own_layout else attn_matrix(w, n)
+                matrix = None if alg.places_tokens else attn_matrix(w, n)
             except UserError:
                 skipped[f"sequence cannot be split by the {layout} layout"] += 1
                 continue

@@ -27,7 +27,6 @@ from meshplan.model.topology import Topology
 from meshplan.model.workload import Mask, Workload
 from meshplan.search.candidate import Candidate, make_candidate, simulate_candidate
 
-ROLES = ("plan", "per_doc_ring", "best_fixed", "other")
 _CACHE: OrderedDict = OrderedDict()
 CACHE_SIZE = 256
 

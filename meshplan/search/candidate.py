@@ -82,7 +82,7 @@ def make_candidate(name: str, workload: Workload, topo: Topology, n_ranks: int, 
         plan.extra["builds"] = builds
     if keep_schedule:
         alg.schedule(plan, topo)
-    if getattr(alg, "places_tokens", False):             # its own layout (doc-place): the planned workload
+    if alg.places_tokens:
         workload = plan.workload
     return Candidate(name, workload, plan.knobs, n_ranks, plan=plan, timing=alg.timing(plan, topo))
 

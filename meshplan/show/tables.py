@@ -255,7 +255,7 @@ def print_batch(body: dict[str, Any], console: Console) -> None:
     best = body["best"]["predicted"]["makespan_s"]
     for c in body["candidates"]:
         p = c["predicted"]
-        mark = "*" if c is body["best"] or c == body["best"] else ""
+        mark = "*" if c == body["best"] else ""
         table.add_row(role_text[c["role"]] + mark, _method(c), knob_text(c["knobs"],
                       c["algorithm"]), _fmt(p.get("fwd_s"), fmt_seconds), _fmt(p.get("bwd_s"), fmt_seconds),
                       fmt_seconds(p["makespan_s"]), f"{p['makespan_s'] / best:.2f}x")
@@ -264,7 +264,7 @@ def print_batch(body: dict[str, Any], console: Console) -> None:
     cached = " (from the cache)" if body["cached"] else ""
     console.print(f"* fastest: {_method(body['best'])}; doc-place took {fmt_seconds(body['plan_s'])} to plan "
                   f"(place, build, verify, simulate){cached}", soft_wrap=True)
-    if plan is not body["best"] and plan != body["best"]:
+    if plan != body["best"]:
         console.print(f"doc-place is {plan['predicted']['makespan_s'] / best:.2f}x the fastest's time here",
                       soft_wrap=True)
     for note in body.get("notes", []):

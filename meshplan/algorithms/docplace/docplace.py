@@ -47,7 +47,7 @@ class DocPlace(BuiltTiming):
 
     name = "doc-place"
     summary = "documents placed by work: short ones whole on a rank, long ones zigzag over a subgroup sized to them"
-    places_tokens = True          # its layout is its own: search plans it once, not once per --layout
+    places_tokens = True
     knobs = {
         "token_cap": Knob("token_cap", DEFAULT_TOKEN_CAP, None,
                           "most tokens per rank, as a multiple of the mean (>= 1)", _cap),
