@@ -164,6 +164,9 @@ class BuiltTiming(Algorithm):
     #: above this many ranks search enumerates one variant of each (the zigzag layout, the default knobs that
     #: only reorder a schedule): each bound builds a schedule of up to seconds
     search_variants_max_ranks = 64
+    #: the closed form also carries the contended estimate (``estimate_s``, :mod:`meshplan.cost.estimate`): for
+    #: methods planned where simulating costs too much (``plan_batch``)
+    contended_estimate = False
 
     def build(self, plan: Plan, topo: Topology) -> Schedule:
         """Lower a plan to ops (the subclass's work)."""
@@ -177,9 +180,11 @@ class BuiltTiming(Algorithm):
         return sched
 
     def timing(self, plan: Plan, topo: Topology) -> dict[str, PassTiming]:
-        """The built schedule's closed form (uncontended evaluation, busiest link)."""
+        """The built schedule's closed form (uncontended evaluation, busiest link; the contended estimate where
+        ``contended_estimate``)."""
         cached = plan.extra.get("schedule")
-        return schedule_timing(cached if cached is not None else self.build(plan, topo), topo)
+        return schedule_timing(cached if cached is not None else self.build(plan, topo), topo,
+                               contended=self.contended_estimate)
 
 
 def new_builder(alg: Algorithm, plan: Plan, topo: Topology) -> ScheduleBuilder:

@@ -241,6 +241,9 @@ def plan_batch(cu_seqlens: Annotated[str, typer.Option("--cu-seqlens", help="the
                heads: o.Heads = None, kv_heads: o.KvHeads = None, head_dim: o.HeadDim = None, dtype: o.Dtype = None,
                passes: o.Pass = None,
                no_cache: Annotated[bool, typer.Option("--no-cache", help="plan afresh (no cached plan)")] = False,
+               simulate: Annotated[bool, typer.Option("--simulate", help="predict the plan with the simulator "
+                                                      "(seconds at 64+ ranks), not the contended closed form")]
+               = False,
                out: Annotated[Optional[str], typer.Option("--out", help="write the doc-place schedule (.json)")]
                = None, as_json: o.Json = False,
                seq_len: Annotated[Optional[str], typer.Option("--seq-len", hidden=True)] = None,
@@ -250,7 +253,7 @@ def plan_batch(cu_seqlens: Annotated[str, typer.Option("--cu-seqlens", help="the
     for per-document zigzag Ring and the best fixed method."""
     from meshplan.cli.batch import plan_batch_command
     plan_batch_command(gpus, topo, cu_seqlens, model, batch, heads, kv_heads, head_dim, dtype, passes, no_cache,
-                       out, as_json, _emit, {"--seq-len": seq_len, "--mask": mask, "--layout": layout})
+                       simulate, out, as_json, _emit, {"--seq-len": seq_len, "--mask": mask, "--layout": layout})
 
 
 @app.command()

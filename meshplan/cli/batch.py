@@ -6,7 +6,7 @@ from meshplan.core.errors import UserError
 
 
 def plan_batch_command(gpus, topo, cu_seqlens, model, batch, heads, kv_heads, head_dim, dtype, passes, no_cache,
-                       out, as_json, emit, not_with: dict | None = None) -> None:
+                       simulate, out, as_json, emit, not_with: dict | None = None) -> None:
     """Plan the batch, print (or emit as JSON) the plan beside the references, write the plan's schedule."""
     for flag, value in (not_with or {}).items():
         if value is not None:
@@ -25,7 +25,7 @@ def plan_batch_command(gpus, topo, cu_seqlens, model, batch, heads, kv_heads, he
     topo_obj = topology(topo, gpus, "plan-batch")
     n = gpus if gpus is not None else topo_obj.n_devices
     shape = workload(model, str(cu[-1]), batch, heads, kv_heads, head_dim, dtype, None, None, passes, None)
-    result = plan_batch(cu, topo_obj, n, shape, cache=not no_cache)
+    result = plan_batch(cu, topo_obj, n, shape, cache=not no_cache, simulate=simulate)
     body = result.json() | {"topology": {"name": topo_obj.name, "devices": topo_obj.n_devices}, "ranks": n,
                             "documents": len(cu) - 1, "tokens": cu[-1], "batch": shape.batch}
     if out is not None:

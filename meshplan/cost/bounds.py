@@ -15,7 +15,8 @@ import numpy as np
 
 from meshplan.cost.cost import CostModel
 from meshplan.cost.memory import model_peak_bytes, op_workspace_bytes
-from meshplan.cost.symmetry import find_reduction
+from meshplan.cost.estimate import contended_evaluation
+from meshplan.cost.symmetry import find_reduction, identity
 from meshplan.model.topology import Topology
 from meshplan.plan.dataflow import build_items, evaluate, peak_memory
 from meshplan.plan.schedule import COMPUTE, KIND, PASS_NAMES, RECV, SEND, Schedule
@@ -61,19 +62,25 @@ def transfer_seconds(sched: Schedule, topo: Topology, partner: np.ndarray) -> np
     return np.where(comm, lat + o.size_bytes / bw, 0.0)
 
 
-def schedule_timing(sched: Schedule, topo: Topology) -> dict[str, PassTiming]:
-    """PassTiming of every pass of a built schedule."""
+def schedule_timing(sched: Schedule, topo: Topology, contended: bool = False) -> dict[str, PassTiming]:
+    """PassTiming of every pass of a built schedule; ``contended``: also ``estimate_s``, the contended closed
+    form of :mod:`meshplan.cost.estimate` (every rank evaluated, no symmetry reduction)."""
     o, dev = sched.ops, sched.device_of_rank
     partner = sched.match_transfers()[0]
     dur = CostModel(topo).op_durations(sched)
     tr = transfer_seconds(sched, topo, partner)
     workspace = op_workspace_bytes(sched, topo.memory_model)
-    red = find_reduction(sched, topo, dur, partner, 0.0)  # evaluate one node's ranks when the rest are alike
+    # evaluate one node's ranks when the rest are alike (the contended form needs every rank's flows)
+    red = identity(sched) if contended else find_reduction(sched, topo, dur, partner, 0.0)
     rep_partner = np.where(partner >= 0, red.rep_op[np.maximum(partner, 0)], -1)
     out = {}
     for phase in sched.passes:
         items = build_items(sched, phase, rep_partner, ranks=red.reps)
         ev = evaluate(items, dur, tr)
+        estimate = None
+        if contended and ev.complete:
+            late = contended_evaluation(sched, topo, items, dur, tr, ev).end
+            estimate = float(np.nanmax(late)) if len(late) else 0.0
         sel = np.flatnonzero(o.phase == phase)
         rep_item = items.item_of_op[red.rep_op[sel]]
         start, end = np.full(len(o), np.nan), np.full(len(o), np.nan)
@@ -101,5 +108,6 @@ def schedule_timing(sched: Schedule, topo: Topology) -> dict[str, PassTiming]:
             recv_bytes_max=float(by_rank.max()), inter_node_bytes_max=float(cross_rank.max()),
             flops_total=float(o.flops[in_pass & (o.kind == COMPUTE)].sum()), recv_bytes_total=float(by_rank.sum()),
             peak_memory_bytes=float(peak_memory(sched, phase, start, end).max()),
-            peak_memory_total_bytes=model_peak_bytes(sched, topo.memory_model, phase, start, end, workspace))
+            peak_memory_total_bytes=model_peak_bytes(sched, topo.memory_model, phase, start, end, workspace),
+            estimate_s=estimate)
     return out

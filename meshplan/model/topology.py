@@ -270,21 +270,22 @@ class Topology:
                     x_lat[a, b], x_bw[a, b] = stats(np.concatenate(self._cross(a, b)))
         return {"lat": lat, "bw": bw, "x_lat": x_lat, "x_bw": x_bw}
 
-    def link_loads(self, src, dst, size_bytes) -> np.ndarray:
-        """[n_links] bytes crossing every link when each (src, dst) pair moves ``size_bytes`` (vectorised)."""
-        src, dst, size = np.broadcast_arrays(np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64),
-                                             np.asarray(size_bytes, dtype=np.float64))
-        src, dst, size = src.ravel(), dst.ravel(), size.ravel()
+    def route_incidence(self, src, dst) -> tuple[np.ndarray, np.ndarray]:
+        """(pair index, link id) for every link on every (src, dst) device pair's route (:meth:`route`, a link
+        on a route twice listed twice), vectorised: one template per pair of local indices, shifted per node."""
+        src, dst = np.broadcast_arrays(np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64))
+        src, dst = src.ravel(), dst.ravel()
         g, L = self.gpus_per_node, self.links_per_node
         (ns, ls), (nd, ld) = np.divmod(src, g), np.divmod(dst, g)
-        load = np.zeros(self.n_links)
         moving = src != dst
         same = moving & (ns == nd)
-        parts = [(same, ls * g + ld, ns, lambda k: self._template(*divmod(k, g)))]
+        parts = [(same, ns, lambda k: self._template(*divmod(k, g)))]
         if self.n_nodes > 1:
-            parts += [(moving & ~same, ls * g + ld, ns, lambda k: self._cross(*divmod(k, g))[0]),
-                      (moving & ~same, ls * g + ld, nd, lambda k: self._cross(*divmod(k, g))[1])]
-        for sel, key, node, template in parts:
+            parts += [(moving & ~same, ns, lambda k: self._cross(*divmod(k, g))[0]),
+                      (moving & ~same, nd, lambda k: self._cross(*divmod(k, g))[1])]
+        key = ls * g + ld
+        pairs, links = [np.zeros(0, dtype=np.int64)], [np.zeros(0, dtype=np.int64)]
+        for sel, node, template in parts:
             idx = np.flatnonzero(sel)
             if len(idx) == 0:
                 continue
@@ -293,12 +294,17 @@ class Topology:
             bounds = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1], True])
             for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
                 rows = order[lo:hi]
-                links = template(int(keys[lo]))
-                # bytes per node for this template, then added to that node's copy of each link
-                per_node = np.bincount(node[rows], weights=size[rows], minlength=self.n_nodes)
-                hit = np.flatnonzero(per_node)
-                load[(links[None, :] + (hit * L)[:, None]).ravel()] += np.repeat(per_node[hit], len(links))
-        return load
+                tpl = template(int(keys[lo]))
+                pairs.append(np.repeat(rows, len(tpl)))
+                links.append((tpl[None, :] + (node[rows] * L)[:, None]).ravel())
+        return np.concatenate(pairs), np.concatenate(links)
+
+    def link_loads(self, src, dst, size_bytes) -> np.ndarray:
+        """[n_links] bytes crossing every link when each (src, dst) pair moves ``size_bytes`` (vectorised)."""
+        src, dst, size = np.broadcast_arrays(np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64),
+                                             np.asarray(size_bytes, dtype=np.float64))
+        pair, link = self.route_incidence(src, dst)
+        return np.bincount(link, weights=size.ravel()[pair], minlength=self.n_links)
 
     def route_bandwidth(self, src: int, dst: int) -> float:
         """Uncontended rate of one flow (bytes/s): the bottleneck capacity and per-flow caps on the route."""

@@ -131,16 +131,18 @@ def _noise_free(x: float, scale: float) -> float:
     return x if x > 1e-9 * max(scale, 1e-30) else 0.0
 
 
-def closed_form_predicted(cand: Candidate, ccr: float | None) -> Prediction:
-    """The prediction of the closed form: makespan = the lower bound (model level ``closed-form``)."""
+def closed_form_predicted(cand: Candidate, ccr: float | None, estimate: bool = False) -> Prediction:
+    """The prediction of the closed form: makespan = the lower bound (model level ``closed-form``), or with
+    ``estimate`` the closed form's estimate where it has one (never below the bound)."""
 
     parts = {}
     for name, t in cand.timing.items():
         comm = t.comm_s
         by_rank = _plan_flops_by_rank(cand, name)
+        span = max(t.estimate_s, t.bound_s) if estimate and t.estimate_s is not None else t.bound_s
         parts[name] = PassMetrics(
-            makespan_s=t.bound_s, compute_s=t.compute_s,
-            exposed_comm_s=_noise_free(t.bound_s - t.compute_s, t.bound_s),
+            makespan_s=span, compute_s=t.compute_s,
+            exposed_comm_s=_noise_free(span - t.compute_s, span),
             comm_busy_s=comm, comm_bytes_per_gpu_max=t.recv_bytes_max,
             inter_node_bytes_per_gpu_max=t.inter_node_bytes_max,
             compute_to_comm=t.compute_s / comm if comm else None,

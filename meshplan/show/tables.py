@@ -262,8 +262,12 @@ def print_batch(body: dict[str, Any], console: Console) -> None:
     console.print(table)
     plan = body["candidates"][0]
     cached = " (from the cache)" if body["cached"] else ""
+    how = "simulate" if plan["model_level"] == "simulated" else "estimate"
     console.print(f"* fastest: {_method(body['best'])}; doc-place took {fmt_seconds(body['plan_s'])} to plan "
-                  f"(place, build, verify, simulate){cached}", soft_wrap=True)
+                  f"(place, build, verify, {how}){cached}", soft_wrap=True)
+    if plan["model_level"] != "simulated":
+        console.print("doc-place's time is the contended closed form (within 5% of the simulator on fuzzed packs; "
+                      "--simulate to simulate it); the references are simulated", soft_wrap=True)
     if plan != body["best"]:
         console.print(f"doc-place is {plan['predicted']['makespan_s'] / best:.2f}x the fastest's time here",
                       soft_wrap=True)

@@ -37,6 +37,21 @@ def test_plan_and_both_references_with_roles():
     assert 0 < got.plan_s and not got.cached
 
 
+def test_the_plan_is_estimated_unless_asked_to_simulate():
+    # 16 ranks over two nodes, a document split across them: the estimate is the contended closed form, within the
+    # tolerance tests/cost/test_estimate.py holds it to against the simulator
+    topo = Topology.load("h100x32", gpus=16)
+    cu = [0, 40_000, 41_000, 45_000, 52_000, 65_536]
+    shape = resolve(model="llama3-8b", seq_len=cu[-1])
+    est = plan_batch(cu, topo, 16, shape, references=False, cache=False)
+    sim = plan_batch(cu, topo, 16, shape, references=False, cache=False, simulate=True)
+    (e,), (s,) = est.candidates, sim.candidates
+    assert (e.model_level, s.model_level) == ("estimated", "simulated")
+    assert e.predicted.makespan_s == pytest.approx(s.predicted.makespan_s, rel=0.08)
+    assert e.predicted.makespan_s >= e.bound_s
+    assert est.json()["candidates"][0]["model_level"] == "estimated"
+
+
 def test_same_documents_come_from_the_cache():
     topo = Topology.load("h100x8", gpus=4)
     batch._CACHE.clear()
@@ -72,6 +87,7 @@ def test_cli_json_carries_plan_s_best_and_every_role(tmp_path):
     assert {c["role"] for c in d["candidates"]} >= {"plan", "per_doc_ring", "best_fixed"}
     for c in d["candidates"]:
         assert {"algorithm", "knobs", "role"} <= set(c) and c["predicted"]["makespan_s"] > 0
+        assert c["model_level"] == ("estimated" if c["role"] == "plan" else "simulated")
     assert d["best"] in d["candidates"]
     assert verify(read_schedule(out)).ok
 

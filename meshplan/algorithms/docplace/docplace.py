@@ -48,6 +48,7 @@ class DocPlace(BuiltTiming):
     name = "doc-place"
     summary = "documents placed by work: short ones whole on a rank, long ones zigzag over a subgroup sized to them"
     places_tokens = True
+    contended_estimate = True
     knobs = {
         "token_cap": Knob("token_cap", DEFAULT_TOKEN_CAP, None,
                           "most tokens per rank, as a multiple of the mean (>= 1)", _cap),
