@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from meshplan.cost.cost import CostModel
-from meshplan.cost.memory import model_peak_bytes, op_workspace_bytes
 from meshplan.cost.estimate import contended_evaluation
+from meshplan.cost.memory import model_peak_bytes, op_workspace_bytes
 from meshplan.cost.symmetry import find_reduction, identity
 from meshplan.model.topology import Topology
 from meshplan.plan.dataflow import build_items, evaluate, peak_memory
