@@ -239,15 +239,36 @@ def _doc_place_schedule(mask: str, n: int, passes="fwd+bwd", **knobs):
     return plan, alg.schedule(plan, topo)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(docs=st.lists(st.tuples(st.integers(1, 400), st.integers(0, 5)), min_size=1, max_size=16),
-       n=st.sampled_from([1, 2, 3, 4, 8]), passes=st.sampled_from(["fwd", "bwd", "fwd+bwd"]))
-def test_schedule_verifies_on_any_pack(docs, n, passes):
+       n=st.sampled_from([1, 2, 3, 4, 8]), passes=st.sampled_from(["fwd", "bwd", "fwd+bwd"]),
+       split=st.sampled_from(["auto", "fetch"]))
+def test_schedule_verifies_on_any_pack(docs, n, passes, split):
     from meshplan.plan.verify import verify
 
     mask = "docs:" + ",".join(f"{r}+{p}" if p else str(r) for r, p in docs)
-    _, sched = _doc_place_schedule(mask, n, passes)
-    verify(sched)                               # every permitted pair once, matched batches, no deadlock
+    _, sched = _doc_place_schedule(mask, n, passes, split=split)
+    report = verify(sched)                      # every permitted pair once, matched batches, no deadlock
+    assert report.ok, report.violations[:3]
+
+
+@settings(max_examples=25, deadline=None)
+@given(docs=st.lists(st.integers(16, 3000), min_size=1, max_size=24), n=st.sampled_from([8, 16, 24]),
+       heads=st.sampled_from([(8, 8), (8, 2), (6, 3), (4, 1)]))
+def test_head_parallel_groups_verify_across_nodes(docs, n, heads):
+    # dgx-h100: 8 ranks a node, so groups wider than a node run Ulysses inside nodes and a ring over them
+    from meshplan.algorithms import get
+    from meshplan.model.topology import Topology
+    from meshplan.model.workload import resolve
+    from meshplan.plan.verify import verify
+
+    w = resolve(seq_len=sum(docs), heads=heads[0], kv_heads=heads[1], head_dim=16, dtype="bf16",
+                mask="docs:" + ",".join(map(str, docs)))
+    topo = Topology.load("dgx-h100", gpus=n)
+    alg = get("doc-place")
+    plan = alg.plan(w, topo, n, alg.normalize({}))
+    report = verify(alg.schedule(plan, topo))
+    assert report.ok, report.violations[:3]
 
 
 def test_bytes_received_are_the_group_peers_pieces():
@@ -255,7 +276,7 @@ def test_bytes_received_are_the_group_peers_pieces():
     # pieces forward; backward that again plus its own pieces' partial dK/dV (fp32) from each peer
     from helpers import recv_bytes
 
-    plan, sched = _doc_place_schedule("docs:1200,40,60,100,80,120,200", 4)
+    plan, sched = _doc_place_schedule("docs:1200,40,60,100,80,120,200", 4, split="fetch")
     m, w = plan.matrix, plan.workload
     tokens = m.chunks.tokens
     need = m.permitted[1::2, 1::2] & ~np.eye(4, dtype=bool)

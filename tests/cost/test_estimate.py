@@ -17,8 +17,8 @@ from meshplan.search.batch import with_documents
 from meshplan.search.candidate import make_candidate
 
 #: the estimate's error against the simulator on fuzzed packs (docs/cost-model.md, "The contended estimate":
-#: ≤ 7% measured over 80 Pile packs on four topologies)
-TOLERANCE = 0.08
+#: ≤ 5% on Pile packs at 16-64 ranks, up to 9% on tiny packs of CPU ranks sharing cores)
+TOLERANCE = 0.10
 
 
 def test_mean_load_is_the_time_average_of_the_competing_demand():

@@ -113,9 +113,11 @@ def place_documents(lengths, n_ranks: int, *, slots=None, tile: tuple[int, int] 
     owner = np.full(lens.size, -1, dtype=np.int64)
     groups: dict[int, tuple[int, ...]] = {}
     size = _group_sizes(work, slot, mean_work, cap, n_ranks)
+    in_group = np.zeros(n_ranks, dtype=bool)
     for d in sorted(np.flatnonzero(size > 1), key=lambda d: (-work[d], d)):
-        ranks = _least_loaded_block(rank_work, int(size[d]), per_node)
+        ranks = _least_loaded_block(rank_work, int(size[d]), per_node, in_group, set(groups.values()))
         groups[int(d)] = ranks
+        in_group[list(ranks)] = True
         rank_work[list(ranks)] += work[d] / size[d]
         rank_tokens[list(ranks)] += slot[d] / size[d]
     for d in sorted(np.flatnonzero(size == 1), key=lambda d: (-work[d], -slot[d], d)):
@@ -136,14 +138,18 @@ def _group_sizes(work: np.ndarray, slot: np.ndarray, mean_work: float, cap: floa
     return np.clip(np.maximum(by_work, by_tokens), 1, n_ranks).astype(np.int64)
 
 
-def _least_loaded_block(rank_work: np.ndarray, g: int, per_node: int) -> tuple[int, ...]:
+def _least_loaded_block(rank_work: np.ndarray, g: int, per_node: int, in_group: np.ndarray,
+                        groups: set[tuple[int, ...]]) -> tuple[int, ...]:
     """The g consecutive ranks with the least total work (ties: the lowest first rank): inside one node when
-    g ≤ ranks per node; else starting at a node boundary (whole nodes, the last one in part)."""
+    g ≤ ranks per node; else starting at a node boundary (whole nodes, the last one in part). A window that
+    shares ranks with another document's group (other than the very same ranks) comes last: disjoint groups can
+    run head-parallel (``doc-place``'s ``split`` knob), overlapping ones only by direct fetch."""
     n = rank_work.size
     if g <= per_node:
         starts = [s for node in range(0, n, per_node) for s in range(node, node + per_node - g + 1)]
     else:
         starts = list(range(0, n - g + 1, per_node))
     window = np.convolve(rank_work, np.ones(g), mode="valid")
-    best = min(starts, key=lambda s: (window[s], s))
+    shared = np.convolve(in_group, np.ones(g), mode="valid") > 0
+    best = min(starts, key=lambda s: (bool(shared[s]) and tuple(range(s, s + g)) not in groups, window[s], s))
     return tuple(range(best, best + g))
