@@ -288,6 +288,34 @@ def test_bytes_received_are_the_group_peers_pieces():
                                              ).tolist()
 
 
+def test_head_parallel_bytes_are_the_all_to_alls_and_the_ring():
+    # one document over 4 ranks, 4 query / 2 KV heads: Ulysses 2 (ranks 0-1, 2-3) x a ring of 2 subgroups.
+    # Member i receives forward: its partner's Q and KV pieces for its 2 heads, the other subgroup's KV (2 chunks),
+    # its partner's O for its own chunk; backward: Q, KV, O and dO from its partner, the other subgroup's KV, the
+    # partial dK/dV (fp32) of its subgroup's chunks, and dQ, dK/dV of its own chunk from its partner
+    from helpers import recv_bytes
+
+    from meshplan.algorithms.docplace.docplace import split_modes
+    from meshplan.model.topology import Topology
+    from meshplan.plan.schedule import tensor_bytes
+
+    plan, sched = _doc_place_schedule("docs:1200", 4)
+    w = plan.workload
+    (hg,), fetched = split_modes(w, Topology.load("cpu-local", gpus=4), 4, "auto")
+    assert (hg.u, hg.m) == (2, 2) and not fetched.any()
+    c = plan.matrix.chunks.tokens[1::2]
+    tb = lambda kind, x, dt=w.dtype: tensor_bytes(w, kind, int(c[x]), 2, dt)  # noqa: E731
+    partner = [1, 0, 3, 2]
+    other = [(2, 3), (2, 3), (0, 1), (0, 1)]
+    mine = [(0, 1), (0, 1), (2, 3), (2, 3)]
+    fwd = [tb("q", partner[i]) + tb("kv", partner[i]) + sum(tb("kv", x) for x in other[i]) + tb("out", i)
+           for i in range(4)]
+    bwd = [sum(tb(k, partner[i]) for k in ("q", "kv", "out", "dout")) + sum(tb("kv", x) for x in other[i])
+           + sum(tb("dkv", x, "fp32") for x in mine[i]) + tb("dq", i) + tb("dkv", i) for i in range(4)]
+    assert recv_bytes(sched, 0).tolist() == fwd
+    assert recv_bytes(sched, 1).tolist() == bwd
+
+
 def test_short_documents_need_no_communication():
     _, sched = _doc_place_schedule("docs:" + ",".join(["64"] * 16), 4)
     from meshplan.plan.schedule import RECV

@@ -55,7 +55,11 @@ WORLD4 = [
          workload={"mask": "window:100", "dtype": "fp32", "passes": "fwd"}),
     Case("passq-zz-causal-fp32", "pass-q", 4, workload={"dtype": "fp32"}),
     Case("ring-contig-docs-bf16", "ring", 4, workload={"layout": "contiguous", "mask": "docs:200,312"}),
+    # a document split over 4 ranks: head-parallel (Ulysses 2 x ring 2), a plain ring (u = 1: 1 KV head), fetched
     Case("docplace-split-padded-bf16-gqa", "doc-place", 4, workload=GQA | {"mask": "docs:300,20+4,100,88"}),
+    Case("docplace-ring-mqa-fp32", "doc-place", 4,
+         workload={"heads": 3, "kv_heads": 1, "mask": "docs:300,20+4,100,88", "dtype": "fp32"}),
+    Case("docplace-fetch-bf16", "doc-place", 4, knobs={"split": "fetch"}, workload={"mask": "docs:300,20+4,100,88"}),
     Case("c2-w4", "ring", 4, workload={"seq_len": 2048, "heads": 8, "kv_heads": 2, "head_dim": 64}),
     Case("c4-padded", "ring", 4, workload={"seq_len": 3000, "valid_len": 2999, "heads": 2, "kv_heads": 2,
                                              "head_dim": 64}),

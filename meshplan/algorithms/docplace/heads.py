@@ -13,7 +13,9 @@ runs it over all ranks:
   buffered: a receive waits for the compute two steps back); outputs LSE-merged;
 * **gather** (all-to-all back): each member's result for chunk C_j[p'] goes home to (j, p').
 
-Backward: the head-sharded Q, K, V and O saved by the forward are its inputs; dO is scattered; the same ring,
+Backward: it starts from each rank's own pieces, as a drop-in attention that saves only its output and LSE must
+(``meshplan.executor.autograd``): Q, K, V, O and dO are scattered (one more all-to-all of Q, K, V and O than USP,
+whose training keeps the forward's head-sharded pieces); the same ring,
 each step's partial dK/dV for C_(j−t) sent straight home to ((j − t) mod m, p) on the ``dkv`` stream (in
 ``dkv_dtype``) and added there; dQ and dK/dV gathered home. u must divide both the query and the KV heads (no
 KV-head replication), so every landed piece is a distinct head range of its chunk's output.
@@ -142,11 +144,12 @@ def _accumulators(b: ScheduleBuilder, hg: HeadGroups, kind: str) -> np.ndarray:
     return out
 
 
-def _saved(b: ScheduleBuilder, hg: HeadGroups, kind: str) -> np.ndarray:
-    """[M, u] what the forward left on member (j, p): ``kind`` of chunks C_j for heads H_p (backward inputs)."""
-    r = hg.rank
-    chunks = hg.chunks(hg.j)
-    return np.stack([b.tensor(r, kind, chunks[:, t], heads=hg.heads(hg.p), role="input") for t in range(hg.u)], 1)
+def _free_received(b: ScheduleBuilder, hg: HeadGroups, held, last: np.ndarray) -> None:
+    """The pieces the scatter brought die after the member's last compute (its own stay: they are inputs)."""
+    i, p = np.arange(len(hg.rank)), hg.p
+    for arr in held:
+        for d in range(1, hg.u):
+            b.free_after(arr[i, (p + d) % hg.u], last)
 
 
 def _ring_step(b: ScheduleBuilder, hg: HeadGroups, t: int, cur: np.ndarray, prev2: np.ndarray,
@@ -197,14 +200,15 @@ def forward(b: ScheduleBuilder, hg: HeadGroups, permitted: np.ndarray) -> None:
             b.free_after(cur.ravel(), np.repeat(comp, hg.u))
         last = np.where(ok, comp, last)
         comps = [comps[1], np.where(ok, comp, comps[1])]
+    _free_received(b, hg, held.values(), last)
     _gather(b, hg, "out", acc, [last], b.w.dtype, hg.u)
 
 
 def backward(b: ScheduleBuilder, hg: HeadGroups, permitted: np.ndarray, dkv_dtype: str) -> None:
     """The backward of every group in ``hg`` (module docstring)."""
     r, j, p = hg.rank, hg.j, hg.p
-    saved = {k: _saved(b, hg, k) for k in ("q", "kv", "out")}
-    held, got = _scatter(b, hg, {"dout": _split(b, hg, "dout")})
+    held, got = _scatter(b, hg, {k: _split(b, hg, k) for k in ("q", "kv", "out", "dout")})
+    saved = held
     dq, dkv = _accumulators(b, hg, "dq"), _accumulators(b, hg, "dkv")
     mine = hg.chunks(j)
     h0, h1 = hg.heads(p)
@@ -214,7 +218,7 @@ def backward(b: ScheduleBuilder, hg: HeadGroups, permitted: np.ndarray, dkv_dtyp
     for t in range(hg.m):
         if t > 0:
             cur_prev = cur
-            cur, sends_prev, recv = _ring_step(b, hg, t, cur, comps[0], np.full(len(r), -1))   # inputs: here
+            cur, sends_prev, recv = _ring_step(b, hg, t, cur, comps[0], got if t == 1 else np.full(len(r), -1))
             if t > 1:
                 b.free_after(cur_prev.ravel(), np.repeat(sends_prev, hg.u))
         kv_chunks = hg.chunks(j - t)
@@ -246,6 +250,7 @@ def backward(b: ScheduleBuilder, hg: HeadGroups, permitted: np.ndarray, dkv_dtyp
                 adds.append((home[ok], c, back, brecv))
         last = np.where(ok, comp, last)
         comps = [comps[1], np.where(ok, comp, comps[1])]
+    _free_received(b, hg, held.values(), last)
     last_add = np.full(len(r), -1)
     for home, c, back, brecv in adds:                       # each home adds the partials of its chunks
         add = b.combine_op(r[home], "accumulate", src=back, dst=dkv[home, c], deps=[brecv, own_comp[home]])
