@@ -160,8 +160,7 @@ def _tensors(s: Schedule) -> list[str]:
     if out:
         return out          # the size checks below index tensors by these references
     tokens = _tensor_tokens(s)
-    uniq, inv = np.unique(np.stack([t.kind, tokens, t.h1 - t.h0, t.dtype], axis=1).astype(np.int64), axis=0,
-                          return_inverse=True)
+    uniq, inv = _unique_rows(t.kind, tokens, t.h1 - t.h0, t.dtype)
     expect = np.array([tensor_bytes(s.workload, TENSOR_KIND_NAMES[k], m, h, DTYPES[dt]) for k, m, h, dt in uniq],
                       dtype=np.int64)
     bad = np.flatnonzero(expect[inv.ravel()] != t.size_bytes)
@@ -169,14 +168,23 @@ def _tensors(s: Schedule) -> list[str]:
             f"{expect[inv.ravel()[i]]}" for i in bad]
     wire = o.size_bytes[comm]
     tt = o.tensor[comm]
-    wu, winv = np.unique(np.stack([t.kind[tt], tokens[tt], (t.h1 - t.h0)[tt], o.dtype[comm]], axis=1)
-                         .astype(np.int64).reshape(len(comm), 4), axis=0, return_inverse=True)
+    wu, winv = _unique_rows(t.kind[tt], tokens[tt], (t.h1 - t.h0)[tt], o.dtype[comm])
     wexp = np.array([tensor_bytes(s.workload, TENSOR_KIND_NAMES[k], m, h, DTYPES[dt]) for k, m, h, dt in wu],
                     dtype=np.int64)
     bad = np.flatnonzero(wexp[winv.ravel()] != wire) if len(comm) else []
     out += [f"op {comm[k]}: moves {wire[k]} bytes, its tensor is {wexp[winv.ravel()[k]]} bytes on the wire"
             for k in bad]
     return out
+
+
+def _unique_rows(kind, tokens, heads, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(the distinct (kind, tokens, heads, dtype) rows [k, 4], each input row's index among them): one sort of
+    packed int64 keys (kind and dtype < 2^6, heads < 2^12, tokens < 2^39), not ``np.unique(axis=0)``'s."""
+    kind, tokens, heads, dtype = (np.asarray(x, dtype=np.int64) for x in (kind, tokens, heads, dtype))
+    key = (((kind << 6 | dtype) << 12 | heads) << 39) | tokens
+    uniq, inv = np.unique(key, return_inverse=True)
+    rows = np.stack([uniq >> 57, uniq & ((1 << 39) - 1), (uniq >> 39) & 4095, (uniq >> 51) & 63], axis=1)
+    return rows, inv
 
 
 def _tensor_tokens(s: Schedule) -> np.ndarray:
@@ -217,22 +225,6 @@ def _batch_order(s: Schedule, partner: np.ndarray) -> list[str]:
     return [f"{PASS_NAMES[o.phase[a]]}: op {a} is in rank {o.rank[a]}'s batch #{ordinal[a] + 1} with rank {o.peer[a]} "
             f"on stream {s.streams.names[o.stream[a]]!r}, its match op {partner[a]} in rank {o.peer[a]}'s batch "
             f"#{ordinal[partner[a]] + 1}: NCCL needs both peers to issue their batches in one order" for a in bad]
-
-
-def _unique_rows(*cols: np.ndarray) -> tuple[list[tuple[int, ...]], np.ndarray]:
-    """Distinct rows of small non-negative int columns (hashing a packed key), and each row's index."""
-    key = np.zeros(len(cols[0]), dtype=np.int64)
-    for c in cols:
-        key = key * (1 << 15) + np.asarray(c, dtype=np.int64)
-    uniq, inv = np.unique(key, return_inverse=True)
-    rows = []
-    for u in uniq.tolist():
-        parts = []
-        for _ in cols:
-            u, r = divmod(u, 1 << 15)
-            parts.append(r)
-        rows.append(tuple(parts[::-1]))
-    return rows, inv.ravel()
 
 
 def _coverage(s: Schedule, m: AttnMatrix, phase: int) -> list[str]:

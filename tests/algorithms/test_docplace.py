@@ -82,6 +82,15 @@ def test_document_above_the_token_cap_is_split_by_its_tokens():
     assert got.cap_ok
 
 
+def test_group_sizes_round_to_the_ulysses_degree():
+    from meshplan.algorithms.docplace.placement import _rounded
+
+    sizes = np.array([1, 2, 3, 5, 8, 9, 347])
+    assert _rounded(sizes, 8, 512).tolist() == [1, 2, 4, 8, 8, 16, 352]     # divisors of 8, then whole nodes
+    assert _rounded(sizes, 8, 350).tolist() == [1, 2, 4, 8, 8, 16, 347]     # 352 would not fit 350 ranks
+    assert _rounded(sizes, 1, 512).tolist() == sizes.tolist()
+
+
 def test_split_group_stays_inside_a_node():
     lens = [3000, 3000] + [60] * 200                  # two long documents, each needing 2-3 ranks, 4 per node
     got = place_documents(lens, 8, ranks_per_node=4, token_cap=1e9)

@@ -67,9 +67,13 @@ class DocPlace(BuiltTiming):
         every block by its query chunk's rank."""
         self.check(workload, topo, n_ranks, knobs)
         mask = workload.mask
+        per_node = _ranks_per_node(topo, n_ranks)
+        unit = 1 if knobs["split"] == "fetch" else max(
+            d for d in range(1, per_node + 1)
+            if per_node % d == 0 and workload.n_heads % d == 0 and workload.n_kv_heads % d == 0)
         placed = place_documents(mask.doc_real_lens(), n_ranks, slots=mask.doc_lens,
                                  tile=topo.kernel.tile("fwd"), token_cap=knobs["token_cap"],
-                                 ranks_per_node=_ranks_per_node(topo, n_ranks))
+                                 ranks_per_node=per_node, group_unit=unit)
         w = workload.with_(layout=DOC_PLACE, doc_ranks=placed.doc_ranks)
         m = attn_matrix(w, 2 * n_ranks)
         home = np.arange(2 * n_ranks) // 2

@@ -18,10 +18,12 @@ least-loaded rank that has room, and where none has, to the one with the fewest 
 so in ``cap_ok``; the planner refuses or flags it).
 
 **Split.** A document whose work exceeds the mean work per rank, or whose tokens exceed the token cap, is split
-over g ranks, the smallest g with work/g ≤ the mean work and tokens/g ≤ the cap (any g, not only powers of two).
-Split documents are placed first, largest first, each on the g consecutive ranks with the least work between
-them (within one node when g ≤ ranks per node; node-aligned groups of whole nodes beyond); each member takes an
-equal share of its work and tokens (zigzag inside the group balances a causal document's work).
+over g ranks, the smallest g with work/g ≤ the mean work and tokens/g ≤ the cap (any g, not only powers of two;
+rounded up to a size that runs head-parallel where ``group_unit`` asks). Split documents are placed first,
+largest first, each on the g consecutive ranks with the least work between them (within one node when
+g ≤ ranks per node; node-aligned groups of whole nodes beyond) that share no rank with another group — or, when
+no such window is left, over the whole of the least-loaded existing group of at least g ranks; each member takes
+an equal share of its work and tokens (zigzag inside the group balances a causal document's work).
 """
 
 from __future__ import annotations
@@ -82,7 +84,8 @@ def document_work(lengths, tile: tuple[int, int] = (1, 1)) -> np.ndarray:
 
 
 def place_documents(lengths, n_ranks: int, *, slots=None, tile: tuple[int, int] = (1, 1),
-                    token_cap: float = DEFAULT_TOKEN_CAP, ranks_per_node: int | None = None) -> DocPlacement:
+                    token_cap: float = DEFAULT_TOKEN_CAP, ranks_per_node: int | None = None,
+                    group_unit: int = 1) -> DocPlacement:
     """Place documents on ranks by their work, within a token cap (module docstring).
 
     Args:
@@ -92,6 +95,9 @@ def place_documents(lengths, n_ranks: int, *, slots=None, tile: tuple[int, int] 
         tile: the kernel's tile (rows, keys), for the work of a document.
         token_cap: the most tokens per rank, as a multiple of the mean (≥ 1).
         ranks_per_node: ranks of one node (a split group stays inside one when it fits); default ``n_ranks``.
+        group_unit: a split group's size is rounded up to a divisor of it (up to it) or a multiple of it (beyond),
+            where that fits ``n_ranks``: the Ulysses degree the heads allow inside a node, so the group can run
+            head-parallel (``doc-place``); 1 leaves the sizes as the work needs them.
 
     Returns:
         The placement; deterministic (ties go to the lower rank).
@@ -112,14 +118,14 @@ def place_documents(lengths, n_ranks: int, *, slots=None, tile: tuple[int, int] 
     rank_work, rank_tokens = np.zeros(n_ranks), np.zeros(n_ranks)
     owner = np.full(lens.size, -1, dtype=np.int64)
     groups: dict[int, tuple[int, ...]] = {}
-    size = _group_sizes(work, slot, mean_work, cap, n_ranks)
+    size = _rounded(_group_sizes(work, slot, mean_work, cap, n_ranks), group_unit, n_ranks)
     in_group = np.zeros(n_ranks, dtype=bool)
     for d in sorted(np.flatnonzero(size > 1), key=lambda d: (-work[d], d)):
         ranks = _least_loaded_block(rank_work, int(size[d]), per_node, in_group, set(groups.values()))
         groups[int(d)] = ranks
         in_group[list(ranks)] = True
-        rank_work[list(ranks)] += work[d] / size[d]
-        rank_tokens[list(ranks)] += slot[d] / size[d]
+        rank_work[list(ranks)] += work[d] / len(ranks)
+        rank_tokens[list(ranks)] += slot[d] / len(ranks)
     for d in sorted(np.flatnonzero(size == 1), key=lambda d: (-work[d], -slot[d], d)):
         room = rank_tokens + slot[d] <= cap * (1 + 1e-12)
         r = int(np.argmin(np.where(room, rank_work, np.inf))) if room.any() else int(np.argmin(rank_tokens))
@@ -138,12 +144,24 @@ def _group_sizes(work: np.ndarray, slot: np.ndarray, mean_work: float, cap: floa
     return np.clip(np.maximum(by_work, by_tokens), 1, n_ranks).astype(np.int64)
 
 
+def _rounded(size: np.ndarray, unit: int, n_ranks: int) -> np.ndarray:
+    """Group sizes > 1 rounded up to the smallest divisor of ``unit`` that holds them, or beyond ``unit`` to a
+    multiple of it; a size whose rounding passes ``n_ranks`` is kept."""
+    if unit <= 1:
+        return size
+    divisors = np.array([d for d in range(1, unit + 1) if unit % d == 0])
+    up = np.where(size <= unit, divisors[np.searchsorted(divisors, np.minimum(size, unit))], -(-size // unit) * unit)
+    return np.where((size > 1) & (up <= n_ranks), up, size)
+
+
 def _least_loaded_block(rank_work: np.ndarray, g: int, per_node: int, in_group: np.ndarray,
                         groups: set[tuple[int, ...]]) -> tuple[int, ...]:
-    """The g consecutive ranks with the least total work (ties: the lowest first rank): inside one node when
-    g ≤ ranks per node; else starting at a node boundary (whole nodes, the last one in part). A window that
-    shares ranks with another document's group (other than the very same ranks) comes last: disjoint groups can
-    run head-parallel (``doc-place``'s ``split`` knob), overlapping ones only by direct fetch."""
+    """Where a document split g ways goes: the g consecutive ranks with the least total work (ties: the lowest
+    first rank), inside one node when g ≤ ranks per node, else starting at a node boundary (whole nodes, the last
+    one in part) — among windows that share no rank with another document's group. Where none is left, the
+    existing group of at least g ranks with the least work per rank (the document is split over all of it), and
+    only where there is none, any window. Disjoint groups can run head-parallel (``doc-place``'s ``split``);
+    overlapping ones only by direct fetch."""
     n = rank_work.size
     if g <= per_node:
         starts = [s for node in range(0, n, per_node) for s in range(node, node + per_node - g + 1)]
@@ -151,5 +169,12 @@ def _least_loaded_block(rank_work: np.ndarray, g: int, per_node: int, in_group: 
         starts = list(range(0, n - g + 1, per_node))
     window = np.convolve(rank_work, np.ones(g), mode="valid")
     shared = np.convolve(in_group, np.ones(g), mode="valid") > 0
-    best = min(starts, key=lambda s: (bool(shared[s]) and tuple(range(s, s + g)) not in groups, window[s], s))
+    free = [s for s in starts if not shared[s] or tuple(range(s, s + g)) in groups]
+    if free:
+        best = min(free, key=lambda s: (window[s], s))
+        return tuple(range(best, best + g))
+    wider = [grp for grp in groups if len(grp) >= g]
+    if wider:
+        return min(wider, key=lambda grp: (rank_work[list(grp)].mean(), grp[0]))
+    best = min(starts, key=lambda s: (window[s], s))
     return tuple(range(best, best + g))
