@@ -3,8 +3,8 @@
 A training loop brings a new pack of documents every step. ``plan_batch`` plans it with ``doc-place``
 (:mod:`meshplan.algorithms.docplace`: documents placed by their work, long ones split over a subgroup), lowers
 and verifies the schedule and predicts it with the contended closed form (:mod:`meshplan.cost.estimate`: the
-simulator's sharing rules on time-averaged loads, within 5% of the simulator on fuzzed packs, milliseconds
-where simulating takes seconds) or, when asked, with the simulator (``simulate``), and sets it
+simulator's sharing rules on time-averaged loads, within 5% of the simulator on Pile packs, milliseconds where
+simulating takes seconds) or, when asked, with the simulator (``simulate``), and sets it
 beside two references — per-document zigzag Ring (TransformerEngine's THD layout: every document padded to a
 multiple of 2N and cut over all ranks) and the best fixed method ``search`` picks for the batch (on the same
 padded documents) — so the answer says what planning per batch buys. ``best`` is the fastest of them.

@@ -266,8 +266,8 @@ def print_batch(body: dict[str, Any], console: Console) -> None:
     console.print(f"* fastest: {_method(body['best'])}; doc-place took {fmt_seconds(body['plan_s'])} to plan "
                   f"(place, build, verify, {how}){cached}", soft_wrap=True)
     if plan["model_level"] != "simulated":
-        console.print("doc-place's time is the contended closed form (within 5% of the simulator on fuzzed packs; "
-                      "--simulate to simulate it); the references are simulated", soft_wrap=True)
+        console.print("doc-place's time is the contended closed form (docs/cost-model.md; --simulate to simulate "
+                      "it); the references are simulated", soft_wrap=True)
     if plan != body["best"]:
         console.print(f"doc-place is {plan['predicted']['makespan_s'] / best:.2f}x the fastest's time here",
                       soft_wrap=True)
