@@ -88,45 +88,51 @@ class HeadGroups:
 
 def _split(b: ScheduleBuilder, hg: HeadGroups, kind: str) -> np.ndarray:
     """[M, u] each member's own pieces cut into the u head ranges (the inputs the scatter sends)."""
-    r = hg.rank
-    own = 2 * r + 1
-    return np.stack([b.tensor(r, kind, own, heads=hg.heads(np.full(len(r), q)), role="input")
-                     for q in range(hg.u)], 1)
+    r, u = hg.rank, hg.u
+    rr = np.repeat(r, u)
+    return b.tensor(rr, kind, 2 * rr + 1, heads=hg.heads(np.tile(np.arange(u), len(r))),
+                    role="input").reshape(len(r), u)
+
+
+def _others(hg: HeadGroups) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every (member i, other member of its subgroup) pair: (i, the other's index p', the other's member index),
+    member-major."""
+    u, n = hg.u, len(hg.rank)
+    i = np.repeat(np.arange(n), u - 1)
+    to_p = (np.repeat(hg.p, u - 1) + np.tile(np.arange(1, u), n)) % u
+    return i, to_p, hg.member(hg.j, hg.p)[i] - hg.p[i] + to_p
 
 
 def _scatter(b: ScheduleBuilder, hg: HeadGroups, pieces: dict[str, np.ndarray]) -> tuple[dict, np.ndarray]:
-    """Head-scatter inside each subgroup: returns (``held[kind]`` [M, u]: on member (j, p) chunk C_j[t] for heads
-    H_p in column t, and each member's last recv op, −1 when u = 1)."""
-    r, j, p = hg.rank, hg.j, hg.p
-    i = np.arange(len(r))
+    """Head-scatter inside each subgroup, one batch per member (NCCL's all-to-all is grouped send/recv): returns
+    (``held[kind]`` [M, u]: on member (j, p) chunk C_j[t] for heads H_p in column t, and each member's last recv
+    op, −1 when u = 1)."""
+    r, p = hg.rank, hg.p
+    i, to_p, to = _others(hg)
     held = {k: np.full((len(r), hg.u), -1) for k in pieces}
     last = np.full(len(r), -1)
     for k, arr in pieces.items():
-        held[k][i, p] = arr[i, p]
-    for d in range(1, hg.u):
-        to_p = (p + d) % hg.u
-        to = hg.member(j, to_p)
-        for k, arr in pieces.items():
-            land = b.tensor(r[to], k, 2 * r + 1, heads=hg.heads(to_p))
-            _, rcv = b.transfer(r, r[to], arr[i, to_p], land, stream="a2a", step=d)
-            held[k][to, p] = land
+        held[k][np.arange(len(r)), p] = arr[np.arange(len(r)), p]
+        if len(i):
+            land = b.tensor(r[to], k, 2 * r[i] + 1, heads=hg.heads(to_p))
+            _, rcv = b.transfer(r[i], r[to], arr[i, to_p], land, stream="a2a", step=0)
+            held[k][to, p[i]] = land
             last[to] = rcv
     return held, last
 
 
 def _gather(b: ScheduleBuilder, hg: HeadGroups, kind: str, results: np.ndarray, deps, dtype: str,
             step: int) -> None:
-    """Head-gather (steps ``step`` + 1 …): column t of ``results`` (chunk C_j[t], heads H_p) goes home to member
-    (j, t), landing as that chunk's output for heads H_p."""
-    r, j, p = hg.rank, hg.j, hg.p
-    i = np.arange(len(r))
-    for d in range(1, hg.u):
-        to_p = (p + d) % hg.u
-        to = r[hg.member(j, to_p)]
-        land = b.tensor(to, kind, 2 * to + 1, heads=hg.heads(p), dtype=dtype, role="output")
-        snd, _ = b.transfer(r, to, results[i, to_p], land, stream="a2a", step=step + d, dtype=dtype,
-                            send_deps=list(deps))
-        b.free_after(results[i, to_p], snd)
+    """Head-gather (one batch, step ``step``): column t of ``results`` (chunk C_j[t], heads H_p) goes home to
+    member (j, t), landing as that chunk's output for heads H_p."""
+    r, p = hg.rank, hg.p
+    i, to_p, to = _others(hg)
+    if not len(i):
+        return
+    land = b.tensor(r[to], kind, 2 * r[to] + 1, heads=hg.heads(p[i]), dtype=dtype, role="output")
+    snd, _ = b.transfer(r[i], r[to], results[i, to_p], land, stream="a2a", step=step, dtype=dtype,
+                        send_deps=[d[i] for d in deps])
+    b.free_after(results[i, to_p], snd)
 
 
 def _accumulators(b: ScheduleBuilder, hg: HeadGroups, kind: str) -> np.ndarray:
@@ -135,21 +141,20 @@ def _accumulators(b: ScheduleBuilder, hg: HeadGroups, kind: str) -> np.ndarray:
     r, p = hg.rank, hg.p
     chunks = hg.chunks(hg.j)
     h0, h1 = hg.heads(p)
+    own = np.arange(hg.u)[None, :] == p[:, None]
     out = np.full((len(r), hg.u), -1)
-    for t in range(hg.u):
-        for sel, role in ((p == t, "output"), (p != t, "buffer")):
-            if sel.any():
-                out[sel, t] = b.tensor(r[sel], kind, chunks[sel, t], dtype="fp32", role=role,
-                                       heads=(h0[sel], h1[sel]))
+    for mask, role in ((own, "output"), (~own, "buffer")):
+        ii, cc = np.nonzero(mask)
+        if len(ii):
+            out[ii, cc] = b.tensor(r[ii], kind, chunks[ii, cc], dtype="fp32", role=role, heads=(h0[ii], h1[ii]))
     return out
 
 
 def _free_received(b: ScheduleBuilder, hg: HeadGroups, held, last: np.ndarray) -> None:
     """The pieces the scatter brought die after the member's last compute (its own stay: they are inputs)."""
-    i, p = np.arange(len(hg.rank)), hg.p
+    i, to_p, _ = _others(hg)
     for arr in held:
-        for d in range(1, hg.u):
-            b.free_after(arr[i, (p + d) % hg.u], last)
+        b.free_after(arr[i, to_p], last[i])
 
 
 def _ring_step(b: ScheduleBuilder, hg: HeadGroups, t: int, cur: np.ndarray, prev2: np.ndarray,
@@ -157,21 +162,20 @@ def _ring_step(b: ScheduleBuilder, hg: HeadGroups, t: int, cur: np.ndarray, prev
     """KV of step t − 1 passed on to ((j + 1) mod m, p), once it has ``arrived`` ([M] ops: the scatter's last
     recv before step 1; later steps are ordered by the stream): returns (the KV landed [M, u] on each member, the
     sends [M] of each member's forwarding, the recvs [M] on each member)."""
-    r, j, p = hg.rank, hg.j, hg.p
-    i = np.arange(len(r))
+    r, j, p, u = hg.rank, hg.j, hg.p, hg.u
+    n = len(r)
     to = hg.member(j + 1, p)
-    src_sub = (j - (t - 1)) % hg.m                         # the subgroup whose KV member i holds before step t
-    chunks = hg.chunks(src_sub)
-    got = np.full((len(r), hg.u), -1)
-    sends, recvs = np.full(len(r), -1), np.full(len(r), -1)
+    chunks = hg.chunks(j - (t - 1))                        # the subgroup whose KV member i holds before step t
     h0, h1 = hg.heads(p)
-    for col in range(hg.u):
-        land = b.tensor(r[to], "kv", chunks[:, col], heads=(h0, h1))
-        snd, rcv = b.transfer(r, r[to], cur[i, col], land, stream="kv", step=t, recv_deps=[prev2[to]],
-                              send_deps=[arrived])
-        got[to, col] = land
-        sends, recvs[to] = snd, rcv
-    return got, sends, recvs
+    ii, tt = np.repeat(np.arange(n), u), np.repeat(to, u)
+    land = b.tensor(r[tt], "kv", chunks.ravel(), heads=(h0[ii], h1[ii]))
+    snd, rcv = b.transfer(r[ii], r[tt], cur.ravel(), land, stream="kv", step=t, recv_deps=[prev2[tt]],
+                          send_deps=[arrived[ii]])
+    got = np.full((n, u), -1)
+    got[to] = land.reshape(n, u)
+    recvs = np.full(n, -1)
+    recvs[to] = rcv.reshape(n, u)[:, -1]
+    return got, snd.reshape(n, u)[:, -1], recvs
 
 
 def forward(b: ScheduleBuilder, hg: HeadGroups, permitted: np.ndarray) -> None:
@@ -201,7 +205,7 @@ def forward(b: ScheduleBuilder, hg: HeadGroups, permitted: np.ndarray) -> None:
         last = np.where(ok, comp, last)
         comps = [comps[1], np.where(ok, comp, comps[1])]
     _free_received(b, hg, held.values(), last)
-    _gather(b, hg, "out", acc, [last], b.w.dtype, hg.u)
+    _gather(b, hg, "out", acc, [last], b.w.dtype, 1)
 
 
 def backward(b: ScheduleBuilder, hg: HeadGroups, permitted: np.ndarray, dkv_dtype: str) -> None:
@@ -225,12 +229,12 @@ def backward(b: ScheduleBuilder, hg: HeadGroups, permitted: np.ndarray, dkv_dtyp
         ok = permitted[mine[:, :, None], kv_chunks[:, None, :]].any(axis=(1, 2))
         statics = [saved["q"][ok, c] for c in range(hg.u)] + [saved["out"][ok, c] for c in range(hg.u)] + \
             [held["dout"][ok, c] for c in range(hg.u)]
+        ii, cc = np.repeat(np.flatnonzero(ok), hg.u), np.tile(np.arange(hg.u), int(ok.sum()))
         if t == 0:
             part = dkv
         else:
             part = np.full((len(r), hg.u), -1)
-            for c in range(hg.u):
-                part[ok, c] = b.tensor(r[ok], "dkv", kv_chunks[ok, c], dtype="fp32", heads=(h0[ok], h1[ok]))
+            part[ii, cc] = b.tensor(r[ii], "dkv", kv_chunks[ii, cc], dtype="fp32", heads=(h0[ii], h1[ii]))
         comp = np.full(len(r), -1)
         comp[ok] = b.compute(r[ok], mine[ok], kv_chunks[ok], heads=(h0[ok], h1[ok]),
                              inputs=statics + [cur[ok, c] for c in range(hg.u)],
@@ -240,14 +244,13 @@ def backward(b: ScheduleBuilder, hg: HeadGroups, permitted: np.ndarray, dkv_dtyp
             own_comp = comp
         else:
             b.free_after(cur.ravel(), np.repeat(comp, hg.u))
-            home = hg.member(j - t, p)                     # the partial dK/dV goes straight to its chunks' home
-            for c in range(hg.u):
-                b.alloc_at(part[ok, c], comp[ok])
-                back = b.tensor(r[home[ok]], "dkv", kv_chunks[ok, c], dtype=dkv_dtype, heads=(h0[ok], h1[ok]))
-                send, brecv = b.transfer(r[ok], r[home[ok]], part[ok, c], back, stream="dkv", step=t,
-                                         dtype=dkv_dtype, send_deps=[comp[ok]])
-                b.free_after(part[ok, c], send)
-                adds.append((home[ok], c, back, brecv))
+            home = hg.member(j - t, p)[ii]                 # the partial dK/dV goes straight to its chunks' home
+            b.alloc_at(part[ii, cc], comp[ii])
+            back = b.tensor(r[home], "dkv", kv_chunks[ii, cc], dtype=dkv_dtype, heads=(h0[ii], h1[ii]))
+            send, brecv = b.transfer(r[ii], r[home], part[ii, cc], back, stream="dkv", step=t, dtype=dkv_dtype,
+                                     send_deps=[comp[ii]])
+            b.free_after(part[ii, cc], send)
+            adds.append((home, cc, back, brecv))
         last = np.where(ok, comp, last)
         comps = [comps[1], np.where(ok, comp, comps[1])]
     _free_received(b, hg, held.values(), last)
@@ -256,5 +259,5 @@ def backward(b: ScheduleBuilder, hg: HeadGroups, permitted: np.ndarray, dkv_dtyp
         add = b.combine_op(r[home], "accumulate", src=back, dst=dkv[home, c], deps=[brecv, own_comp[home]])
         b.free_after(back, add)
         last_add[home] = add
-    _gather(b, hg, "dq", dq, [last], b.w.dtype, hg.u)
-    _gather(b, hg, "dkv", dkv, [last, last_add], b.w.dtype, 2 * hg.u)
+    _gather(b, hg, "dq", dq, [last], b.w.dtype, 1)
+    _gather(b, hg, "dkv", dkv, [last, last_add], b.w.dtype, 2)
