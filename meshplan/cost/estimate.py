@@ -165,9 +165,9 @@ def _mean_load(act, res, dem, s, e) -> np.ndarray:
     key, delta = key[order], delta[order]
     res_ev = np.concatenate([res, res])[order]
     level = np.cumsum(delta)                             # active demand after each event (resources cancel out)
-    base = np.r_[0.0, level[:-1]]
-    gap = np.r_[0.0, np.diff(key)]
-    gap[np.r_[True, res_ev[1:] != res_ev[:-1]]] = 0.0   # no integral across resources
+    base = np.concatenate([[0.0], level[:-1]])
+    gap = np.concatenate([[0.0], np.diff(key)])
+    gap[np.concatenate([[True], res_ev[1:] != res_ev[:-1]])] = 0.0   # no integral across resources
     integral = np.cumsum(base * gap)                     # ∫ active demand up to each event, since resource 0
 
     def at(t):
@@ -194,12 +194,12 @@ def _busy_fraction(ranks, s, e, weight, q_rank, q_s, q_e, n_ranks) -> np.ndarray
     order = np.argsort(a, kind="stable")
     a, b = a[order], b[order]
     reach = np.maximum.accumulate(b)
-    new = np.r_[True, a[1:] > reach[:-1]]               # a merged run starts here
+    new = np.concatenate([[True], a[1:] > reach[:-1]])  # a merged run starts here
     run = np.cumsum(new) - 1
     lo = a[new]
     hi = np.zeros(new.sum())
     np.maximum.at(hi, run, b)
-    covered = np.r_[0.0, np.cumsum(hi - lo)]           # covered length before each run
+    covered = np.concatenate([[0.0], np.cumsum(hi - lo)])  # covered length before each run
 
     def cover(t):                                       # covered length of the merged runs up to t
         i = np.searchsorted(lo, t, side="right") - 1
