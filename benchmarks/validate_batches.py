@@ -4,9 +4,10 @@
 each rank count, ``--packs`` packs of 2,048 tokens per rank drawn from The Pile's published document sizes (the mix of
 ``validate_docs.py``: its Table 1, arXiv 2101.00027, each document padded to a multiple of 8), fp32, 4 heads ×
 64, forward and backward. Per pack, :func:`meshplan.plan_batch` on ``cpu-local`` gives three candidates — the
-doc-place plan, per-document zigzag Ring and the best fixed method ``search`` picks — each predicted (simulated,
-the shipped calibration); the three schedules then run interleaved in one spawned world (gloo), ``--rounds``
-rounds, median per candidate.
+doc-place plan, per-document zigzag Ring and the best fixed method ``search`` picks — each predicted as
+``plan_batch`` predicts them (doc-place by the contended closed form, the references simulated; the shipped
+calibration); the three schedules then run interleaved in one spawned world (gloo), ``--rounds`` rounds, median
+per candidate.
 
 Reported per rank count: the measured and predicted speedups of the per-batch pick over per-document Ring and
 over the best fixed method (geometric means over the packs), each candidate's prediction error (MAPE), and the
@@ -65,7 +66,7 @@ def run_pack(n: int, seed: int, rounds: int, tmp: Path) -> dict:
     for c, role, m in zip(got.candidates, got.roles, measured):
         t = [x for x, _ in m]
         rows.append({"role": role, "algorithm": c.algorithm, "layout": c.workload.layout, "knobs": c.knobs,
-                     "predicted_s": c.predicted.makespan_s, "measured_s": float(np.median(t)), "rounds_s": t,
+                     "model_level": c.model_level, "predicted_s": c.predicted.makespan_s, "measured_s": float(np.median(t)), "rounds_s": t,
                      "probe_ms": [p for _, p in m]})
     pick = got.candidates.index(got.best)
     fastest = min(r["measured_s"] for r in rows)
