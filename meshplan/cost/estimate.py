@@ -127,28 +127,34 @@ class _Sharing:
 
 
 def _stretched(sched, flows: _Flows, share: _Sharing, f_start, f_end, busy, c_start, c_end, alone):
-    """(new durations of the compute ops ``busy``, new times of the flows) from the current intervals."""
+    """(new durations of the compute ops ``busy``, new times of the flows) from the current intervals.
+
+    Each activity uses its resources at its actual mean rate over its current interval (its work over its
+    width: a stretched kernel uses less than a core); where a resource's time-averaged use over an activity's
+    interval, L, exceeds its capacity C the activity takes width · L / C (its share scaled down to fit), never less
+    than it takes alone (slowed by κ where its rank communicates)."""
     o = sched.ops
     nc, n_ranks = len(busy), sched.n_ranks
-    slow = np.ones(share.n_act)
+    moving = np.minimum(f_start + flows.latency_s, f_end)          # a flow's bytes move after its latency
+    width = np.concatenate([c_end - c_start, f_end - moving])
+    work = np.concatenate([alone[busy], np.maximum(flows.alone_s - flows.latency_s, 0.0)])
+    need = np.zeros(share.n_act)                                    # max over its resources of L / C
     if len(share.act):
-        moving = np.minimum(f_start + flows.latency_s, f_end)      # a flow's bytes move after its latency
-        load = _mean_load(share.act, share.res, share.dem, np.concatenate([c_start, moving]),
+        ratio = np.where(width > 0, work / np.where(width > 0, width, 1.0), 1.0)
+        load = _mean_load(share.act, share.res, share.dem * ratio[share.act], np.concatenate([c_start, moving]),
                           np.concatenate([c_end, f_end]))
-        np.minimum.at(slow, share.act, np.minimum(1.0, share.cap / np.maximum(load, 1e-300)))
+        np.maximum.at(need, share.act, load / share.cap)
     # κ: a kernel runs at 1 − κ while its rank communicates; κ_t: a flow at 1 − κ_t while an end rank computes
     comm_frac = _busy_fraction(np.concatenate([flows.src_rank, flows.dst_rank]), np.tile(f_start, 2),
                                np.tile(f_end, 2), np.tile(flows.kappa, 2), o.rank[busy], c_start, c_end, n_ranks)
-    comp_new = alone[busy] / np.maximum(slow[:nc] * (1.0 - comm_frac), 1e-9)
-    flow_rate = slow[nc:]
+    comp_new = np.maximum(alone[busy] / np.maximum(1.0 - comm_frac, 1e-9), width[:nc] * need[:nc])
+    flow_alone = work[nc:]
     if (flows.tkappa > 0).any():
         on = np.ones(nc)
         frac = np.maximum(_busy_fraction(o.rank[busy], c_start, c_end, on, flows.src_rank, f_start, f_end, n_ranks),
                           _busy_fraction(o.rank[busy], c_start, c_end, on, flows.dst_rank, f_start, f_end, n_ranks))
-        flow_rate = flow_rate * (1.0 - flows.tkappa * frac)
-    moving = flows.alone_s > 0
-    flow_new = np.where(moving, flows.latency_s + (flows.alone_s - flows.latency_s) / np.maximum(flow_rate, 1e-9),
-                        0.0)
+        flow_alone = flow_alone / np.maximum(1.0 - flows.tkappa * frac, 1e-9)
+    flow_new = np.where(flows.alone_s > 0, flows.latency_s + np.maximum(flow_alone, width[nc:] * need[nc:]), 0.0)
     return comp_new, flow_new
 
 
@@ -178,7 +184,7 @@ def _mean_load(act, res, dem, s, e) -> np.ndarray:
 
     width = a_e - a_s
     mean = np.where(width > 0, (at(a_e) - at(a_s)) / np.where(width > 0, width, 1.0), 0.0)
-    return np.maximum(mean, dem)
+    return np.maximum(mean, dem)                          # an empty interval: its own use alone
 
 
 def _busy_fraction(ranks, s, e, weight, q_rank, q_s, q_e, n_ranks) -> np.ndarray:

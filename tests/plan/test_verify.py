@@ -95,6 +95,27 @@ def test_rejects_mismatched_bytes():
     assert any("receives" in v for v in verify(s).violations)
 
 
+def test_rejects_a_tensor_of_the_wrong_size_and_a_wire_size_off_its_tensor():
+    # both sides of a transfer grown alike (so they still match): the tensor check and the wire check both fire
+    s = build(passes="fwd")
+    t = s.ops.tensor[np.flatnonzero(s.ops.kind == RECV)[0]]
+    s.tensors.size_bytes[t] += 8
+    sends = np.flatnonzero((s.ops.kind == SEND) | (s.ops.kind == RECV))[:2]
+    s.ops.size_bytes[sends] += 4
+    got = verify(s).violations
+    assert any(f"tensor {t} " in v and "the workload needs" in v for v in got)
+    assert any("on the wire" in v for v in got)
+
+
+def test_size_classes_pack_large_token_counts():
+    from meshplan.plan.verify import _unique_rows
+
+    rng = np.random.default_rng(0)
+    cols = (rng.integers(0, 12, 500), rng.integers(0, 2**38, 500), rng.integers(1, 4000, 500), rng.integers(0, 8, 500))
+    rows, inv = _unique_rows(*cols)
+    assert (rows[inv] == np.stack(cols, axis=1)).all() and len(rows) == len({tuple(r) for r in np.stack(cols, 1)})
+
+
 def test_rejects_a_missing_dependency_as_a_hazard():
     s = build(passes="fwd")
     o = s.ops

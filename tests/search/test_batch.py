@@ -52,6 +52,13 @@ def test_the_plan_is_estimated_unless_asked_to_simulate():
     assert est.json()["candidates"][0]["model_level"] == "estimated"
 
 
+def test_a_plan_that_does_not_fit_the_device_is_refused(monkeypatch):
+    topo = Topology.load("h100x8", gpus=4)
+    monkeypatch.setattr(type(topo), "memory_bytes", property(lambda self: 1e6))     # a 1 MB device
+    with pytest.raises(UserError, match="does not fit the device"):
+        plan_batch(CU, topo, 4, _shape(), references=False, cache=False)
+
+
 def test_same_documents_come_from_the_cache():
     topo = Topology.load("h100x8", gpus=4)
     batch._CACHE.clear()
