@@ -16,6 +16,7 @@ import json
 import platform
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -82,7 +83,8 @@ def main() -> None:
                                "estimate_error_abs_mean": float(errs.mean()) if len(errs) else None}
         print(f"{ranks} ranks: plan_s median {np.median(t) * 1e3:.0f} ms, max {t.max() * 1e3:.0f} ms, "
               f"{(t <= budget).sum()}/{len(t)} within {budget * 1e3:.0f} ms")
-    RESULTS.write_text(json.dumps({"host": platform.node(), "python": platform.python_version(), "topology": "dgx-h100",
+    RESULTS.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "host": platform.node(),
+                                   "python": platform.python_version(), "topology": "dgx-h100",
                                    "tokens": 524288, "summary": summary, "rows": rows}, indent=1) + "\n")
     print(f"wrote {RESULTS}")
 

@@ -501,6 +501,23 @@ def block_validate_batches(r) -> str:
             f"{v['tokens_per_rank']} tokens per rank, fp32 fwd+bwd):\n\n" + "\n".join(rows) + "\n")
 
 
+def block_plan_batch_speed(r) -> str:
+    """commands.md's planning times of ``plan_batch_speed.py``: plan_s per rank count against its budget, and the
+    contended estimate's error against the simulator."""
+    v = r.get("plan_batch_speed")
+    if not v:
+        return "(run `python benchmarks/plan_batch_speed.py`)\n"
+    rows = ["| ranks | packs | plan_s median (max) | budget | within budget | estimate vs simulator (max / mean) |",
+            "|---|---|---|---|---|---|"]
+    for n, s in v["summary"].items():
+        est = ("—" if s["estimate_error_abs_max"] is None else
+               f"{100 * s['estimate_error_abs_max']:.1f}% / {100 * s['estimate_error_abs_mean']:.1f}%")
+        rows.append(f"| {n} | {s['packs']} | {1e3 * s['plan_s_median']:.0f} ms ({1e3 * s['plan_s_max']:.0f} ms) | "
+                    f"{1e3 * s['budget_s']:.0f} ms | {s['within_budget']} of {s['packs']} | {est} |")
+    return (f"`python benchmarks/plan_batch_speed.py` ({v.get('date', '')}; Pile packs of {v['tokens']} tokens, "
+            f"{v['topology']}, llama3-8b, fwd+bwd, cold cache):\n\n" + "\n".join(rows) + "\n")
+
+
 BLOCKS = {"stamp": block_stamp, "results": block_results, "main-job": block_main_job,
           "cli-examples": block_cli_examples,
           "run-example": block_run_example, "reproduce": block_reproduce, "validate-cpu": block_validate_cpu,
@@ -510,11 +527,11 @@ BLOCKS = {"stamp": block_stamp, "results": block_results, "main-job": block_main
           "ilp-gap": block_ilp_gap,
           "mapping-search": block_mapping_search, "job-tp": block_job_tp,
           "inference": block_inference, "docs-balance": block_docs_balance, "charm-memory": block_charm_memory,
-          "memory-cpu": block_memory_cpu}
+          "memory-cpu": block_memory_cpu, "plan-batch-speed": block_plan_batch_speed}
 SOURCES = ("readme_cli", "reproduce_charm_h100", "reproduce_charm_ablation", "validate_cpu", "mesh_seed",
            "mesh_greedy", "baselines_table", "planner_speed", "executor_overhead", "ilp_gap",
            "mapping_search", "job_tp", "workload_shapes", "memory_cpu", "doc_masks", "validate_docs",
-           "validate_batches")
+           "validate_batches", "plan_batch_speed")
 
 
 def render(text: str, stamp: str | None = None) -> str:
