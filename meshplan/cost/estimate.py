@@ -88,6 +88,7 @@ class _Flows:
         np.maximum.at(self.kappa, self.inc_flow, topo.kappa()[cls])
         np.maximum.at(self.tkappa, self.inc_flow, topo.transfer_kappa()[cls])
         self.cpu_per_byte = None
+        self.pool = topo.pool_capacity
         if topo.pool_capacity is not None:
             self.cpu_per_byte = np.zeros(len(self.send))
             np.maximum.at(self.cpu_per_byte, self.inc_flow, topo.transfer_cpu_s_per_byte()[cls])
@@ -147,7 +148,13 @@ def _stretched(sched, flows: _Flows, share: _Sharing, f_start, f_end, busy, c_st
     # κ: a kernel runs at 1 − κ while its rank communicates; κ_t: a flow at 1 − κ_t while an end rank computes
     comm_frac = _busy_fraction(np.concatenate([flows.src_rank, flows.dst_rank]), np.tile(f_start, 2),
                                np.tile(f_end, 2), np.tile(flows.kappa, 2), o.rank[busy], c_start, c_end, n_ranks)
-    comp_new = np.maximum(alone[busy] / np.maximum(1.0 - comm_frac, 1e-9), width[:nc] * need[:nc])
+    if flows.pool is None:
+        comp_new = np.maximum(alone[busy] / np.maximum(1.0 - comm_frac, 1e-9), width[:nc] * need[:nc])
+    else:                          # kernels on shared cores: each gets its fair share of what the flows leave
+        used = flows.cpu_per_byte * np.where(width[nc:] > 0, work[nc:] / np.where(width[nc:] > 0, width[nc:], 1.0),
+                                             0.0) * np.where(np.isfinite(flows.rate), flows.rate, 0.0)
+        fair = _pool_fair_rate(c_start, c_end, moving, f_end, used, flows.pool)
+        comp_new = alone[busy] / np.maximum(np.minimum(1.0 - comm_frac, fair), 1e-9)
     flow_alone = work[nc:]
     if (flows.tkappa > 0).any():
         on = np.ones(nc)
@@ -156,6 +163,29 @@ def _stretched(sched, flows: _Flows, share: _Sharing, f_start, f_end, busy, c_st
         flow_alone = flow_alone / np.maximum(1.0 - flows.tkappa * frac, 1e-9)
     flow_new = np.where(flows.alone_s > 0, flows.latency_s + np.maximum(flow_alone, width[nc:] * need[nc:]), 0.0)
     return comp_new, flow_new
+
+
+def _pool_fair_rate(c_start, c_end, f_start, f_end, f_used, capacity: float) -> np.ndarray:
+    """[n kernels] each kernel's mean rate over its interval on a pool of ``capacity`` cores, shared max-min
+    fairly: at each instant every running kernel gets min(1, (capacity − the flows' core use) / running kernels)
+    (the flows' use ``f_used``: core-seconds per second, their link-limited rates). One sweep over the events."""
+    t = np.concatenate([c_start, c_end, f_start, f_end])
+    d_n = np.concatenate([np.ones(len(c_start)), -np.ones(len(c_end)), np.zeros(2 * len(f_start))])
+    d_u = np.concatenate([np.zeros(2 * len(c_start)), f_used, -f_used])
+    order = np.argsort(t, kind="stable")
+    t, running, flows_use = t[order], np.cumsum(d_n[order]), np.cumsum(d_u[order])
+    rate = np.minimum(1.0, np.maximum(capacity - flows_use, 0.0) / np.maximum(running, 1.0))
+    gap = np.diff(t, append=t[-1] if len(t) else 0.0)
+    integral = np.concatenate([[0.0], np.cumsum(rate * gap)])      # ∫ up to each event
+
+    def at(x):
+        i = np.searchsorted(t, x, side="right")
+        k = np.maximum(i - 1, 0)
+        return integral[k] + rate[k] * (x - t[k])
+
+    width = c_end - c_start
+    got = np.where(width > 0, (at(c_end) - at(c_start)) / np.where(width > 0, width, 1.0), 1.0)
+    return np.clip(got, 1e-9, 1.0)
 
 
 def _mean_load(act, res, dem, s, e) -> np.ndarray:
