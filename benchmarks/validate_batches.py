@@ -66,7 +66,8 @@ def run_pack(n: int, seed: int, rounds: int, tmp: Path) -> dict:
     for c, role, m in zip(got.candidates, got.roles, measured):
         t = [x for x, _ in m]
         rows.append({"role": role, "algorithm": c.algorithm, "layout": c.workload.layout, "knobs": c.knobs,
-                     "model_level": c.model_level, "predicted_s": c.predicted.makespan_s, "measured_s": float(np.median(t)), "rounds_s": t,
+                     "model_level": c.model_level, "predicted_s": c.predicted.makespan_s,
+                     "measured_s": float(np.median(t)), "rounds_s": t,
                      "probe_ms": [p for _, p in m]})
     pick = got.candidates.index(got.best)
     fastest = min(r["measured_s"] for r in rows)

@@ -4,18 +4,21 @@ The uncontended evaluation (:func:`meshplan.plan.dataflow.evaluate`, L0) times e
 shares each link max-min fairly among the flows crossing it, shares a compute pool (CPU ranks on a few cores)
 among the ranks computing, slows a rank's kernel by κ while that rank communicates, and slows a flow by κ_t while
 one of its ranks computes (docs/cost-model.md). This estimate keeps L1's rules but replaces its event loop by a
-mean-field fixed point, in the manner of analytic network models (bandwidth shared in proportion to the
-time-averaged number of competing flows):
+mean-field fixed point, in the manner of analytic network models (bandwidth shared by the average load):
 
 1. evaluate the schedule's dataflow with the current op durations (max-plus, vectorised);
-2. from the op intervals, each activity's time-averaged competing demand on each of its resources (a link, a
-   rank's compute, the pool): ``L = (1/|I_a|) ∫_{I_a} Σ_b demand_b dt`` by a per-resource sweep (prefix integrals,
-   one sort); where L exceeds the capacity C the activity runs at C/L of its rate; the fraction of a kernel's
-   time its rank communicates gives its κ slowdown, the fraction of a flow's time an end rank computes its κ_t;
-3. new durations (transfers keep their latency), damped half-way, and again (a few rounds).
+2. from the op intervals, each activity's use of each resource at its actual mean rate (its work over its
+   width), and per activity the time-averaged total use of each of its resources over its interval,
+   ``L = (1/|I_a|) ∫_{I_a} Σ_b use_b dt``, by a per-resource sweep (prefix integrals, one sort); where L exceeds
+   the capacity C the activity takes width · L / C (never less than alone). Kernels on a shared CPU pool take
+   their max-min fair share of what the flows leave, averaged over their interval by a second sweep. The
+   fraction of a kernel's time its rank communicates gives its κ slowdown, the fraction of a flow's time an end
+   rank computes its κ_t;
+3. new durations (transfers keep their latency), all the way in the first round, half-way in the second.
 
 It has no bound property; it is the planner's estimate where simulating costs too much (``plan_batch``: seconds
-at 64+ ranks against milliseconds here). Its error against the simulator is tested on fuzzed packed batches.
+at 64+ ranks against milliseconds here). Its error against the simulator is tested on fuzzed packed batches
+(``tests/cost/test_estimate.py``).
 """
 
 from __future__ import annotations
