@@ -186,12 +186,14 @@ def forward(b: ScheduleBuilder, hg: HeadGroups, permitted: np.ndarray) -> None:
     mine = hg.chunks(j)
     cur, recv = held["kv"], got
     comps = [np.full(len(r), -1), np.full(len(r), -1)]
-    last, sends_prev, cur_prev = np.full(len(r), -1), None, None
+    last, passed_on = np.full(len(r), -1), np.full(len(r), -1)
     for t in range(hg.m):
         if t > 0:
             cur_prev = cur
             cur, sends_prev, recv = _ring_step(b, hg, t, cur, comps[0], got if t == 1 else np.full(len(r), -1))
-            if t > 1:                                      # a travelled KV dies once computed and passed on
+            if t == 1:
+                passed_on = sends_prev
+            else:                                          # a travelled KV dies once computed and passed on
                 b.free_after(cur_prev.ravel(), np.repeat(sends_prev, hg.u))
         kv_chunks = hg.chunks(j - t)
         ok = permitted[mine[:, :, None], kv_chunks[:, None, :]].any(axis=(1, 2))
@@ -205,6 +207,7 @@ def forward(b: ScheduleBuilder, hg: HeadGroups, permitted: np.ndarray) -> None:
         last = np.where(ok, comp, last)
         comps = [comps[1], np.where(ok, comp, comps[1])]
     _free_received(b, hg, held.values(), last)
+    _free_received(b, hg, [held["kv"]], passed_on)     # the scattered KV also travels on at step 1
     _gather(b, hg, "out", acc, [last], b.w.dtype, 1)
 
 
@@ -218,12 +221,14 @@ def backward(b: ScheduleBuilder, hg: HeadGroups, permitted: np.ndarray, dkv_dtyp
     h0, h1 = hg.heads(p)
     cur, recv = saved["kv"], got
     comps = [np.full(len(r), -1), np.full(len(r), -1)]
-    last, own_comp, adds = np.full(len(r), -1), np.full(len(r), -1), []
+    last, own_comp, adds, passed_on = np.full(len(r), -1), np.full(len(r), -1), [], np.full(len(r), -1)
     for t in range(hg.m):
         if t > 0:
             cur_prev = cur
             cur, sends_prev, recv = _ring_step(b, hg, t, cur, comps[0], got if t == 1 else np.full(len(r), -1))
-            if t > 1:
+            if t == 1:
+                passed_on = sends_prev
+            else:
                 b.free_after(cur_prev.ravel(), np.repeat(sends_prev, hg.u))
         kv_chunks = hg.chunks(j - t)
         ok = permitted[mine[:, :, None], kv_chunks[:, None, :]].any(axis=(1, 2))
@@ -254,6 +259,7 @@ def backward(b: ScheduleBuilder, hg: HeadGroups, permitted: np.ndarray, dkv_dtyp
         last = np.where(ok, comp, last)
         comps = [comps[1], np.where(ok, comp, comps[1])]
     _free_received(b, hg, held.values(), last)
+    _free_received(b, hg, [held["kv"]], passed_on)
     last_add = np.full(len(r), -1)
     for home, c, back, brecv in adds:                       # each home adds the partials of its chunks
         add = b.combine_op(r[home], "accumulate", src=back, dst=dkv[home, c], deps=[brecv, own_comp[home]])
