@@ -178,6 +178,19 @@ def _ring_step(b: ScheduleBuilder, hg: HeadGroups, t: int, cur: np.ndarray, prev
     return got, snd.reshape(n, u)[:, -1], recvs
 
 
+def _next_kv(b: ScheduleBuilder, hg: HeadGroups, t: int, cur: np.ndarray, prev2: np.ndarray, got: np.ndarray,
+             passed_on: np.ndarray):
+    """Ring step t ≥ 1 (:func:`_ring_step`): returns (the KV now held [M, u], its recvs [M], the step-1 sends).
+    A KV that travelled dies once computed and passed on; the scattered one (passed on at step 1) is freed with
+    the rest of the scatter, after those sends."""
+    held = cur
+    cur, sends, recv = _ring_step(b, hg, t, held, prev2, got if t == 1 else np.full(len(hg.rank), -1))
+    if t == 1:
+        return cur, recv, sends
+    b.free_after(held.ravel(), np.repeat(sends, hg.u))
+    return cur, recv, passed_on
+
+
 def forward(b: ScheduleBuilder, hg: HeadGroups, permitted: np.ndarray) -> None:
     """The forward of every group in ``hg`` (module docstring); ``permitted`` is the matrix's [n, n]."""
     r, j, p = hg.rank, hg.j, hg.p
@@ -189,12 +202,7 @@ def forward(b: ScheduleBuilder, hg: HeadGroups, permitted: np.ndarray) -> None:
     last, passed_on = np.full(len(r), -1), np.full(len(r), -1)
     for t in range(hg.m):
         if t > 0:
-            cur_prev = cur
-            cur, sends_prev, recv = _ring_step(b, hg, t, cur, comps[0], got if t == 1 else np.full(len(r), -1))
-            if t == 1:
-                passed_on = sends_prev
-            else:                                          # a travelled KV dies once computed and passed on
-                b.free_after(cur_prev.ravel(), np.repeat(sends_prev, hg.u))
+            cur, recv, passed_on = _next_kv(b, hg, t, cur, comps[0], got, passed_on)
         kv_chunks = hg.chunks(j - t)
         ok = permitted[mine[:, :, None], kv_chunks[:, None, :]].any(axis=(1, 2))
         comp = np.full(len(r), -1)
@@ -224,12 +232,7 @@ def backward(b: ScheduleBuilder, hg: HeadGroups, permitted: np.ndarray, dkv_dtyp
     last, own_comp, adds, passed_on = np.full(len(r), -1), np.full(len(r), -1), [], np.full(len(r), -1)
     for t in range(hg.m):
         if t > 0:
-            cur_prev = cur
-            cur, sends_prev, recv = _ring_step(b, hg, t, cur, comps[0], got if t == 1 else np.full(len(r), -1))
-            if t == 1:
-                passed_on = sends_prev
-            else:
-                b.free_after(cur_prev.ravel(), np.repeat(sends_prev, hg.u))
+            cur, recv, passed_on = _next_kv(b, hg, t, cur, comps[0], got, passed_on)
         kv_chunks = hg.chunks(j - t)
         ok = permitted[mine[:, :, None], kv_chunks[:, None, :]].any(axis=(1, 2))
         statics = [saved["q"][ok, c] for c in range(hg.u)] + [saved["out"][ok, c] for c in range(hg.u)] + \
