@@ -99,6 +99,14 @@ def test_cli_json_carries_plan_s_best_and_every_role(tmp_path):
     assert verify(read_schedule(out)).ok
 
 
+def test_cli_simulate_flag_simulates_the_plan():
+    r = run("plan-batch", "--gpus", 4, "--topo", "h100x8", "--heads", 8, "--kv-heads", 2, "--head-dim", 64,
+            "--cu-seqlens", ",".join(map(str, CU)), "--no-cache", "--simulate", "--json")
+    assert r.exit_code == 0, r.stderr
+    plan = next(c for c in json.loads(r.stdout)["candidates"] if c["role"] == "plan")
+    assert plan["model_level"] == "simulated"
+
+
 @pytest.mark.parametrize("args,field", [
     (["--cu-seqlens", "0,10,5"], "--cu-seqlens"),
     (["--cu-seqlens", "0,ten"], "--cu-seqlens"),
