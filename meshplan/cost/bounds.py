@@ -19,9 +19,7 @@ from meshplan.cost.memory import model_peak_bytes, op_workspace_bytes
 from meshplan.cost.symmetry import find_reduction, identity
 from meshplan.model.topology import Topology
 from meshplan.plan.dataflow import build_items, evaluate, peak_memory
-from meshplan.plan.schedule import COMPUTE, KIND, PASS_NAMES, RECV, SEND, Schedule
-
-_BUSY = np.array([KIND["compute"], KIND["merge"], KIND["accumulate"]])
+from meshplan.plan.schedule import BUSY_KINDS, COMPUTE, PASS_NAMES, RECV, SEND, Schedule
 
 
 @dataclass
@@ -96,7 +94,7 @@ def schedule_timing(sched: Schedule, topo: Topology, contended: bool = False) ->
         sends = np.flatnonzero(in_pass & (o.kind == SEND))
         loads = topo.link_loads(dev[o.rank[sends]], dev[o.peer[sends]], o.size_bytes[sends])
         makespan = float(np.nanmax(ev.end)) if len(ev.end) else 0.0
-        busy = in_pass & np.isin(o.kind, _BUSY)
+        busy = in_pass & np.isin(o.kind, BUSY_KINDS)
         pooled = pool_bound(topo, np.bincount(o.rank[busy], weights=dur[busy], minlength=sched.n_ranks))
         if not ev.complete:
             raise RuntimeError("the schedule deadlocks (run meshplan validate)")
@@ -104,7 +102,7 @@ def schedule_timing(sched: Schedule, topo: Topology, contended: bool = False) ->
         out[PASS_NAMES[phase]] = PassTiming(
             makespan_s=makespan,
             bound_s=max(makespan, pooled, float((loads / topo.link_capacity).max(initial=0.0))),
-            compute_s=float(dur[mine & np.isin(o.kind, _BUSY)].sum()), comm_s=float(tr[mine & (o.kind == RECV)].sum()),
+            compute_s=float(dur[mine & busy].sum()), comm_s=float(tr[mine & (o.kind == RECV)].sum()),
             recv_bytes_max=float(by_rank.max()), inter_node_bytes_max=float(cross_rank.max()),
             flops_total=float(o.flops[in_pass & (o.kind == COMPUTE)].sum()), recv_bytes_total=float(by_rank.sum()),
             peak_memory_bytes=float(peak_memory(sched, phase, start, end).max()),

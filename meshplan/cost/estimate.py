@@ -27,14 +27,13 @@ import numpy as np
 
 from meshplan.model.topology import Topology
 from meshplan.plan.dataflow import Evaluation, Items, evaluate
-from meshplan.plan.schedule import KIND, SEND, Schedule
+from meshplan.plan.schedule import BUSY_KINDS, SEND, Schedule
 
 ROUNDS = 2
 #: how far each round moves the durations toward the new ones: all the way first (from L0's uncontended
 #: durations), half-way after (the fixed point of a mean-field model can oscillate; 2 rounds so damped are within
 #: 5% of the simulator on the fuzzed batches of tests/cost/test_estimate.py)
 DAMPING = (1.0, 0.5)
-_BUSY = (KIND["compute"], KIND["merge"], KIND["accumulate"])
 
 
 def contended_evaluation(sched: Schedule, topo: Topology, items: Items, duration: np.ndarray,
@@ -52,7 +51,7 @@ def contended_evaluation(sched: Schedule, topo: Topology, items: Items, duration
     """
     o = sched.ops
     flows = _Flows(sched, topo, items.partner, items.phase, transfer_s)
-    busy = np.flatnonzero((o.phase == items.phase) & np.isin(o.kind, _BUSY) & (duration > 0))
+    busy = np.flatnonzero((o.phase == items.phase) & np.isin(o.kind, BUSY_KINDS) & (duration > 0))
     share = _Sharing(sched, topo, flows, busy)
     d, tr = duration.copy(), transfer_s.copy()
     ev = first if first is not None else evaluate(items, d, tr)

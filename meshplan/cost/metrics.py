@@ -31,7 +31,7 @@ from meshplan.cost.memory import model_peak_bytes
 from meshplan.cost.simulate import SimResult
 from meshplan.model.topology import Topology
 from meshplan.plan.dataflow import peak_memory
-from meshplan.plan.schedule import COMPUTE, KIND, PASS_NAMES, RECV, SEND, Schedule
+from meshplan.plan.schedule import BUSY_KINDS, COMPUTE, PASS_NAMES, RECV, SEND, Schedule
 
 KEYS = ("makespan_s", "compute_s", "exposed_comm_s", "comm_busy_s", "comm_bytes_per_gpu_max",
         "inter_node_bytes_per_gpu_max", "ring_ccr", "compute_to_comm", "bytes_per_flop", "peak_memory_bytes",
@@ -43,7 +43,6 @@ def imbalance(flops_by_rank: np.ndarray) -> float | None:
     holding only padding, or a causal split without zigzag, raises it). None without work."""
     mean = float(np.mean(flops_by_rank)) if len(flops_by_rank) else 0.0
     return float(np.max(flops_by_rank)) / mean if mean > 0 else None
-_BUSY = np.array([KIND["compute"], KIND["merge"], KIND["accumulate"]])
 
 
 def union_length(start: np.ndarray, end: np.ndarray) -> float:
@@ -138,7 +137,7 @@ def pass_metrics(sched: Schedule, topo: Topology, sim: SimResult, phase: int) ->
     np.maximum.at(last, o.rank[sel], end[sel])
     crit = int(np.argmax(last))
     mine = sel & (o.rank == crit)
-    busy = mine & np.isin(o.kind, _BUSY) & (sim.durations > 0)
+    busy = mine & np.isin(o.kind, BUSY_KINDS) & (sim.durations > 0)
     comm = mine & ((o.kind == SEND) | (o.kind == RECV))
     compute_s = union_length(start[busy], end[busy])
     comm_s = union_length(start[comm], end[comm])

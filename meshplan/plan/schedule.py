@@ -64,6 +64,8 @@ TENSOR_KINDS = {
 TENSOR_KIND_NAMES = tuple(TENSOR_KINDS)
 KIND = {k: i for i, k in enumerate(OP_KINDS)}
 SEND, RECV, COMPUTE = KIND["send"], KIND["recv"], KIND["compute"]
+#: op kinds that hold a rank's compute (kernels, LSE merges, gradient additions)
+BUSY_KINDS = (KIND["compute"], KIND["merge"], KIND["accumulate"])
 
 
 def tensor_bytes(workload: Workload, kind: str, tokens: int, heads: int, dtype: str) -> int:

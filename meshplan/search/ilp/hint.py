@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import heapq
 
-from meshplan.plan.schedule import KIND
+from meshplan.plan.schedule import BUSY_KINDS
 
-BUSY = (KIND["compute"], KIND["merge"], KIND["accumulate"])   # op kinds that hold a rank's compute
+BUSY = BUSY_KINDS
 SCALE = 1000            # integer demand units per link capacity
 
 
