@@ -165,18 +165,31 @@ class OpRunner:
 
     # ------------------------------------------------------------------ merge / accumulate
     def fold(self, op) -> None:
-        """A merge (LSE merge of (O, LSE)) or accumulate (fp32 add) of ``inputs[0]`` into ``outputs[0]``."""
-        src, dst = op.inputs[0], op.outputs[0]
+        """A merge (LSE merge of (O, LSE)) or accumulate (fp32 add) of ``inputs[0]`` into each output, every
+        output taking the input's tokens of its own chunks (one output over the input's chunks: all of it)."""
+        src = op.inputs[0]
         h0, h1 = self.prog.tensors[src].heads
-        kind = self.prog.tensors[dst].kind
-        if op.kind == "merge":
-            o = self._part(dst, "o", h0, h1)
-            merge_into(o.transpose(1, 2), self._part(dst, "lse", h0, h1),
-                       self._part(src, "o", h0, h1).transpose(1, 2), self._part(src, "lse", h0, h1))
-            return
-        for part in PARTS[kind]:
-            self._part(dst, part, h0, h1).add_(self._part(src, part, h0, h1).float())
+        for dst in op.outputs:
+            lo, hi = self._token_range(src, dst)
+            kind = self.prog.tensors[dst].kind
+            if op.kind == "merge":
+                o = self._part(dst, "o", h0, h1)
+                merge_into(o.transpose(1, 2), self._part(dst, "lse", h0, h1),
+                           self._part(src, "o", h0, h1)[:, lo:hi].transpose(1, 2),
+                           self._part(src, "lse", h0, h1)[:, :, lo:hi])
+                continue
+            for part in PARTS[kind]:
+                x = self._part(src, part, h0, h1)
+                self._part(dst, part, h0, h1).add_((x[:, :, lo:hi] if part in FP32_PARTS else x[:, lo:hi]).float())
 
+    def _token_range(self, src: int, dst: int) -> tuple[int, int]:
+        """[lo, hi): the tokens of ``src`` that belong to ``dst``'s chunks (a contiguous run of src's chunks)."""
+        s, d = self.prog.tensors[src], self.prog.tensors[dst]
+        if list(s.chunks) == list(d.chunks):
+            return 0, self.prog.layout(src).tokens
+        at = next(i for i in range(len(s.chunks)) if list(s.chunks[i:i + len(d.chunks)]) == list(d.chunks))
+        lo = len(self.prog.tokens_of(s.kind, s.chunks[:at]))
+        return lo, lo + len(self.prog.tokens_of(s.kind, d.chunks))
 
 def _by_chunk(mask, prog, op, q_pos: np.ndarray, k_pos: np.ndarray, rows: np.ndarray,
               cols: np.ndarray) -> tuple[np.ndarray, np.ndarray, Blocks]:

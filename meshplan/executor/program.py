@@ -206,7 +206,8 @@ def _check_sizes(prog: Program) -> None:
                             "regenerate the schedule for this workload")
     for op in prog.ops.values():
         if op.kind in ("send", "recv"):
-            want = prog.layout(op.tensor).nbytes(op.dtype)
+            want = sum(prog.layout(t).nbytes(op.dtype) for t in (op.parts if op.kind == "send" and op.parts
+                                                                  else [op.tensor]))
             if op.size_bytes != want:
                 raise UserError(f"op {op.id}.size_bytes", f"is {op.size_bytes}, its tensor in {op.dtype} is {want}",
                                 "regenerate the schedule for this workload")

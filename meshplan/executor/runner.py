@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from meshplan.executor.ops import OpRunner
-from meshplan.executor.program import Program
+from meshplan.executor.program import FP32_PARTS, Program
 from meshplan.executor.store import Store, pack, unpack
 
 
@@ -168,7 +168,7 @@ class PassRunner:
                 continue
             peer = dist.get_global_rank(group, op.peer)       # schedule rank r is rank r of the group
             if op.kind == "send":
-                buf = pack(self.store.get(op.tensor), self.prog.tensors[op.tensor].kind, op.dtype)
+                buf = pack(self._payload(op), self.prog.tensors[op.tensor].kind, op.dtype)
                 ops.append(dist.P2POp(dist.isend, buf, peer, group))
             else:
                 buf = torch.empty(op.size_bytes, dtype=torch.uint8, device=self.store.device)
@@ -187,6 +187,13 @@ class PassRunner:
         for op, buf in bufs:
             if op.kind == "recv":
                 unpack(buf, self.store.get(op.tensor), self.prog.tensors[op.tensor].kind, op.dtype)
+
+    def _payload(self, op) -> dict:
+        """What a send moves: its tensor's parts, or a packed send's tensors concatenated along tokens."""
+        if not op.parts:
+            return self.store.get(op.tensor)
+        held = [self.store.get(t) for t in op.parts]
+        return {part: torch.cat([h[part] for h in held], dim=2 if part in FP32_PARTS else 1) for part in held[0]}
 
     def _ended(self, op_id: int) -> None:
         for tid in self.frees.get(op_id, ()):

@@ -30,7 +30,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from meshplan.model import doc_place
 from meshplan.model.pair_counts import doc_columns, restrict
+from meshplan.model.workload import DOC_PLACE
 
 
 @dataclass(frozen=True)
@@ -136,17 +138,11 @@ def block_tiles(m, tq: int, tk: int) -> BlockTiles:
     over documents are matrix products, the diagonal's causal squares a sum per chunk — in O(n² · D) multiply-adds
     done by BLAS; other layouts by summing :func:`block_segments`."""
     n = m.n
+    if m.chunks.layout == DOC_PLACE:
+        return _doc_place_tiles(m.workload, n, tq, tk)
     width = doc_columns(m.workload, m.chunks)
     if not (width and m.chunks.layout != "striped"):
-        out = [np.zeros(n * n) for _ in range(4)]
-        for seg in block_segments(m):
-            work = tile_count(seg.nq, seg.nk, seg.c, tq, tk) * float(tq * tk)
-            rect = seg.rect
-            np.add.at(out[0], seg.block[rect], work[rect])
-            np.add.at(out[1], seg.block[~rect], work[~rect])
-            np.add.at(out[2], seg.block, rect)
-            np.add.at(out[3], seg.block, ~rect)
-        return BlockTiles(*(x.reshape(n, n) for x in out))
+        return summed_tiles(m, tq, tk)
     first, second, both = _piece_rows(m.workload, n, width)                  # [D, n] each, float64
     i, j = np.arange(n)[:, None], np.arange(n)[None, :]
     tiles_q = lambda x: np.ceil(x / tq)  # noqa: E731
@@ -162,6 +158,57 @@ def block_tiles(m, tq: int, tk: int) -> BlockTiles:
                       np.diag(np.where(one, 0, square).sum(axis=0) * tile),
                       count + np.diag(one.sum(axis=0).astype(np.float64)),
                       np.diag((both > 1).sum(axis=0).astype(np.float64)))
+
+
+def summed_tiles(m, tq: int, tk: int) -> BlockTiles:
+    """:func:`block_tiles` of any layout by summing its :func:`block_segments`."""
+    n = m.n
+    out = [np.zeros(n * n) for _ in range(4)]
+    for seg in block_segments(m):
+        work = tile_count(seg.nq, seg.nk, seg.c, tq, tk) * float(tq * tk)
+        rect = seg.rect
+        np.add.at(out[0], seg.block[rect], work[rect])
+        np.add.at(out[1], seg.block[~rect], work[~rect])
+        np.add.at(out[2], seg.block, rect)
+        np.add.at(out[3], seg.block, ~rect)
+    return BlockTiles(*(x.reshape(n, n) for x in out))
+
+
+def _doc_place_tiles(w, n: int, tq: int, tk: int) -> BlockTiles:
+    """:func:`block_tiles` of a doc-place layout (:mod:`meshplan.model.doc_place`) in closed form. Its pieces are
+    contiguous runs of one document, so a query piece sees an earlier piece of its document whole (a rectangle of
+    ⌈rows / tq⌉ · ⌈keys / tk⌉ tiles), itself as a causal square and a later one not at all. A document split over g
+    members: member k holds pieces k and 2g − 1 − k, so with x1_k, x2_k a quantity of member k's first and second
+    piece, block (k, k') holds the rectangles a1_k·b1_k' (k' < k) + a2_k·b1_k' + a2_k·b2_k' (k' > k) — rows a and
+    key tiles b — and the diagonal the squares: O(g²) per document, against (2g)² segments summed."""
+    p = doc_place.pieces(w.doc_ranks, w.mask.doc_lens, w.mask.doc_real_lens())
+    real = np.clip(p["real_end"] - p["start"], 0, p["count"])
+    tile = float(tq * tk)
+    out = [np.zeros((n, n)) for _ in range(4)]                     # rect_work, stair_work, rect, stair
+    square = tile_count(real, real, 0, tq, tk) * tile              # every piece against itself (its diagonal)
+    one, many = real == 1, real > 1                                 # a 1-token square is a rectangle
+    for acc, sel, val in ((out[0], one, square), (out[1], many, square), (out[2], one, 1.0), (out[3], many, 1.0)):
+        np.add.at(acc, (p["chunk"][sel], p["chunk"][sel]), np.broadcast_to(val, real.shape)[sel])
+    doc = p["doc"]
+    starts = np.flatnonzero(np.r_[True, doc[1:] != doc[:-1]])
+    ends = np.r_[starts[1:], len(doc)]
+    split = ends - starts > 1
+    for a, e in zip(starts[split], ends[split]):
+        g = (e - a) // 2
+        r = real[a:e]
+        r1, r2 = r[:g], r[2 * g - 1 - np.arange(g)]                 # each member's first and second piece
+        k = np.arange(g)
+        below, above = k[None, :] < k[:, None], k[None, :] > k[:, None]     # k' < k, k' > k
+
+        def rects(q1, q2, k1, k2, below=below, above=above):
+            return np.outer(q1, k1) * below + np.outer(q2, k1) + np.outer(q2, k2) * above
+
+        c0 = int(p["chunk"][a])                                     # member k's chunk: c0 + 2k
+        block = (slice(c0, c0 + 2 * g, 2),) * 2
+        out[0][block] += tile * rects(np.ceil(r1 / tq), np.ceil(r2 / tq), np.ceil(r1 / tk), np.ceil(r2 / tk))
+        live1, live2 = (r1 > 0).astype(np.float64), (r2 > 0).astype(np.float64)
+        out[2][block] += rects(live1, live2, live1, live2)
+    return BlockTiles(*out)
 
 
 def _piece_rows(w, n: int, width: int):

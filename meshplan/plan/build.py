@@ -175,18 +175,25 @@ class ScheduleBuilder:
                  send_deps=(), recv_deps=()) -> tuple[np.ndarray, np.ndarray]:
         """Matched send (on ``src``) and recv (on ``dst``) pairs; the recv allocates ``dst_tensor``.
 
-        ``dtype`` is the wire dtype (default: the source tensor's); bytes follow the tensor's kind.
-        Returns (send ids, recv ids).
+        ``src_tensor`` is [k] (one tensor per send) or [k, p]: a *packed* send of p parts (one kind, heads and
+        dtype) moved as one buffer, their tokens concatenated in order, landing as one tensor over the parts'
+        chunks in that order (an all-to-all's output sent on as one piece). ``dtype`` is the wire dtype (default:
+        the source tensor's); bytes follow the tensor's kind. Returns (send ids, recv ids).
         """
         src, dst = np.atleast_1d(src), np.atleast_1d(dst)
-        src_tensor, dst_tensor = np.atleast_1d(src_tensor), np.atleast_1d(dst_tensor)
+        parts = np.asarray(src_tensor, dtype=np.int64).reshape(len(src), -1)
+        dst_tensor = np.atleast_1d(dst_tensor)
         if len(src) == 0:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-        kind, width, _, t_dtype = self._tensor_info(src_tensor[0])
+        kind, width, _, t_dtype = self._tensor_info(parts[0, 0])
         dt = dtype or DTYPES[t_dtype]
-        size = tensor_bytes(self.w, kind, self._tokens(src_tensor), width, dt)
+        tokens = np.zeros(len(src), dtype=np.int64)
+        for c in range(parts.shape[1]):
+            tokens += self._tokens(parts[:, c])
+        size = tensor_bytes(self.w, kind, _one_or_each(tokens), width, dt)
         common = dict(step=step, size_bytes=size, dtype=DTYPES.index(dt))
-        s = self._add(src, "send", stream, send_deps, peer=dst, tensor=src_tensor, **common)
+        packed = {"inputs": parts} if parts.shape[1] > 1 else {}
+        s = self._add(src, "send", stream, send_deps, peer=dst, tensor=parts[:, 0], **common, **packed)
         r = self._add(dst, "recv", stream, recv_deps, peer=src, tensor=dst_tensor, **common)
         self.alloc_at(dst_tensor, r)
         return s, r
@@ -211,15 +218,18 @@ class ScheduleBuilder:
                          outputs=np.stack([np.broadcast_to(x, len(ranks)) for x in outputs], axis=1))
 
     def combine_op(self, ranks, kind: str, *, src, dst, deps=(), stream: str = "compute") -> np.ndarray:
-        """A ``merge`` (LSE merge of partial (O, LSE) ``src`` into ``dst``) or ``accumulate`` (dst += src)."""
-        src, dst = np.atleast_1d(src), np.atleast_1d(dst)
-        if len(dst) == 0:
+        """A ``merge`` (LSE merge of partial (O, LSE) ``src`` into ``dst``) or ``accumulate`` (dst += src).
+        ``dst`` is [k] or [k, p]: p outputs, each taking the tokens of its own chunks out of ``src`` (a packed
+        partial added into per-chunk accumulators)."""
+        src = np.atleast_1d(src)
+        if len(src) == 0:
             return np.zeros(0, dtype=np.int64)
+        dst = np.asarray(dst, dtype=np.int64).reshape(len(src), -1)
         kind_t, width, _, src_dtype = self._tensor_info(src[0])   # the src's heads are the ones touched
         tokens = self._tokens(src)
         touched = 2 * tensor_bytes(self.w, kind_t, tokens, width, "fp32") + \
             tensor_bytes(self.w, kind_t, tokens, width, DTYPES[src_dtype])
-        return self._add(ranks, kind, stream, deps, size_bytes=touched, inputs=src[:, None], outputs=dst[:, None])
+        return self._add(ranks, kind, stream, deps, size_bytes=touched, inputs=src[:, None], outputs=dst)
 
     def _describe(self, qc: np.ndarray, kc: np.ndarray, heads: int):
         m, ph = self.m, PASS_NAMES[self.phase]

@@ -371,3 +371,31 @@ def test_two_documents_on_two_ranks_are_not_read_as_a_per_document_layout():
         np.add.at(got, seg.block, seg.pairs)
     assert m.pairs[1, 3] == 2 * 828 * 828           # rank 0's piece 3 against rank 1's pieces 1 and 2
     assert (got.reshape(4, 4) == m.pairs).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(docs=st.lists(st.tuples(st.integers(1, 400), st.integers(0, 7)), min_size=1, max_size=16),
+       n=st.sampled_from([1, 2, 3, 4, 6]), tiles=st.sampled_from([(1, 1), (128, 64), (16, 32)]))
+def test_tile_sums_of_a_placement_are_its_segments_summed(docs, n, tiles):
+    """The doc-place closed form of block_tiles (prefix sums over each split document's pieces) equals the
+    tiles of every document segment of the layout, summed one by one."""
+    from meshplan.model.doc_segments import block_tiles, summed_tiles
+
+    w = _doc_place_workload([r for r, _ in docs], [p for _, p in docs], n, cap=1.05)
+    m = AttnMatrix(w, 2 * n)
+    got, want = block_tiles(m, *tiles), summed_tiles(m, *tiles)
+    for k in ("rect_work", "stair_work", "rect", "stair"):
+        np.testing.assert_array_equal(getattr(got, k), getattr(want, k), err_msg=k)
+    if tiles == (1, 1):                                                   # unit tiles: the permitted pairs
+        np.testing.assert_array_equal(got.rect_work + got.stair_work, m.pairs)
+
+
+def test_tile_sums_of_a_split_document_are_its_segments_summed():
+    from meshplan.model.doc_segments import block_tiles, summed_tiles
+
+    w = _doc_place_workload([900, 37, 12, 301], [5, 0, 3, 1], 4)
+    assert max(g for _, g in w.doc_ranks) > 1                             # a document is split
+    m = AttnMatrix(w, 8)
+    got, want = block_tiles(m, 128, 64), summed_tiles(m, 128, 64)
+    for k in ("rect_work", "stair_work", "rect", "stair"):
+        np.testing.assert_array_equal(getattr(got, k), getattr(want, k), err_msg=k)

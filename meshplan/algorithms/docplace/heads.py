@@ -159,36 +159,37 @@ def _free_received(b: ScheduleBuilder, hg: HeadGroups, held, last: np.ndarray) -
 
 def _ring_step(b: ScheduleBuilder, hg: HeadGroups, t: int, cur: np.ndarray, prev2: np.ndarray,
                arrived: np.ndarray):
-    """KV of step t − 1 passed on to ((j + 1) mod m, p), once it has ``arrived`` ([M] ops: the scatter's last
-    recv before step 1; later steps are ordered by the stream): returns (the KV landed [M, u] on each member, the
-    sends [M] of each member's forwarding, the recvs [M] on each member)."""
-    r, j, p, u = hg.rank, hg.j, hg.p, hg.u
-    n = len(r)
+    """KV of step t − 1 passed on to ((j + 1) mod m, p) as one buffer, once it has ``arrived`` ([M] ops: the
+    scatter's last recv before step 1; later steps are ordered by the stream). ``cur`` [M, k]: the KV each member
+    holds — at step 1 the scatter's u columns, sent packed (an all-to-all's output is one buffer), after that one
+    tensor over the subgroup's u chunks. Returns (the KV landed [M, 1] on each member, the sends [M], the recvs
+    [M] on each member)."""
+    r, j, p = hg.rank, hg.j, hg.p
     to = hg.member(j + 1, p)
-    chunks = hg.chunks(j - (t - 1))                        # the subgroup whose KV member i holds before step t
     h0, h1 = hg.heads(p)
-    ii, tt = np.repeat(np.arange(n), u), np.repeat(to, u)
-    land = b.tensor(r[tt], "kv", chunks.ravel(), heads=(h0[ii], h1[ii]))
-    snd, rcv = b.transfer(r[ii], r[tt], cur.ravel(), land, stream="kv", step=t, recv_deps=[prev2[tt]],
-                          send_deps=[arrived[ii]])
-    got = np.full((n, u), -1)
-    got[to] = land.reshape(n, u)
-    recvs = np.full(n, -1)
-    recvs[to] = rcv.reshape(n, u)[:, -1]
-    return got, snd.reshape(n, u)[:, -1], recvs
+    land = b.tensor(r[to], "kv", hg.chunks(j - (t - 1)), heads=(h0, h1))
+    snd, rcv = b.transfer(r, r[to], cur, land, stream="kv", step=t, recv_deps=[prev2[to]], send_deps=[arrived])
+    got, recvs = np.full((len(r), 1), -1), np.full(len(r), -1)
+    got[to, 0], recvs[to] = land, rcv
+    return got, snd, recvs
 
 
 def _next_kv(b: ScheduleBuilder, hg: HeadGroups, t: int, cur: np.ndarray, prev2: np.ndarray, got: np.ndarray,
              passed_on: np.ndarray):
-    """Ring step t ≥ 1 (:func:`_ring_step`): returns (the KV now held [M, u], its recvs [M], the step-1 sends).
+    """Ring step t ≥ 1 (:func:`_ring_step`): returns (the KV now held [M, 1], its recvs [M], the step-1 sends).
     A KV that travelled dies once computed and passed on; the scattered one (passed on at step 1) is freed with
     the rest of the scatter, after those sends."""
     held = cur
     cur, sends, recv = _ring_step(b, hg, t, held, prev2, got if t == 1 else np.full(len(hg.rank), -1))
     if t == 1:
         return cur, recv, sends
-    b.free_after(held.ravel(), np.repeat(sends, hg.u))
+    b.free_after(held[:, 0], sends)
     return cur, recv, passed_on
+
+
+def _columns(x: np.ndarray, ok: np.ndarray) -> list[np.ndarray]:
+    """The tensor ids of ``x`` [M, k] of the members ``ok``, one array per column (an op's inputs or outputs)."""
+    return [x[ok, c] for c in range(x.shape[1])]
 
 
 def forward(b: ScheduleBuilder, hg: HeadGroups, permitted: np.ndarray) -> None:
@@ -208,10 +209,10 @@ def forward(b: ScheduleBuilder, hg: HeadGroups, permitted: np.ndarray) -> None:
         comp = np.full(len(r), -1)
         h0, h1 = hg.heads(p)
         comp[ok] = b.compute(r[ok], mine[ok], kv_chunks[ok], heads=(h0[ok], h1[ok]),
-                             inputs=[held["q"][ok, c] for c in range(hg.u)] + [cur[ok, c] for c in range(hg.u)],
-                             outputs=[acc[ok, c] for c in range(hg.u)], combine="merge", deps=[recv[ok]])
+                             inputs=_columns(held["q"], ok) + _columns(cur, ok), outputs=_columns(acc, ok),
+                             combine="merge", deps=[recv[ok]])
         if t > 0:
-            b.free_after(cur.ravel(), np.repeat(comp, hg.u))
+            b.free_after(cur[:, 0], comp)
         last = np.where(ok, comp, last)
         comps = [comps[1], np.where(ok, comp, comps[1])]
     _free_received(b, hg, held.values(), last)
@@ -235,37 +236,35 @@ def backward(b: ScheduleBuilder, hg: HeadGroups, permitted: np.ndarray, dkv_dtyp
             cur, recv, passed_on = _next_kv(b, hg, t, cur, comps[0], got, passed_on)
         kv_chunks = hg.chunks(j - t)
         ok = permitted[mine[:, :, None], kv_chunks[:, None, :]].any(axis=(1, 2))
-        statics = [saved["q"][ok, c] for c in range(hg.u)] + [saved["out"][ok, c] for c in range(hg.u)] + \
-            [held["dout"][ok, c] for c in range(hg.u)]
-        ii, cc = np.repeat(np.flatnonzero(ok), hg.u), np.tile(np.arange(hg.u), int(ok.sum()))
+        statics = _columns(saved["q"], ok) + _columns(saved["out"], ok) + _columns(held["dout"], ok)
+        sel = np.flatnonzero(ok)
         if t == 0:
             part = dkv
-        else:
-            part = np.full((len(r), hg.u), -1)
-            part[ii, cc] = b.tensor(r[ii], "dkv", kv_chunks[ii, cc], dtype="fp32", heads=(h0[ii], h1[ii]))
+        else:                       # this step's partial dK/dV of C_(j−t): one tensor over its u chunks
+            part = np.full((len(r), 1), -1)
+            part[sel, 0] = b.tensor(r[sel], "dkv", kv_chunks[sel], dtype="fp32", heads=(h0[sel], h1[sel]))
         comp = np.full(len(r), -1)
         comp[ok] = b.compute(r[ok], mine[ok], kv_chunks[ok], heads=(h0[ok], h1[ok]),
-                             inputs=statics + [cur[ok, c] for c in range(hg.u)],
-                             outputs=[dq[ok, c] for c in range(hg.u)] + [part[ok, c] for c in range(hg.u)],
+                             inputs=statics + _columns(cur, ok), outputs=_columns(dq, ok) + _columns(part, ok),
                              combine="accumulate", deps=[recv[ok]])
         if t == 0:
             own_comp = comp
         else:
-            b.free_after(cur.ravel(), np.repeat(comp, hg.u))
-            home = hg.member(j - t, p)[ii]                 # the partial dK/dV goes straight to its chunks' home
-            b.alloc_at(part[ii, cc], comp[ii])
-            back = b.tensor(r[home], "dkv", kv_chunks[ii, cc], dtype=dkv_dtype, heads=(h0[ii], h1[ii]))
-            send, brecv = b.transfer(r[ii], r[home], part[ii, cc], back, stream="dkv", step=t, dtype=dkv_dtype,
-                                     send_deps=[comp[ii]])
-            b.free_after(part[ii, cc], send)
-            adds.append((home, cc, back, brecv))
+            b.free_after(cur[:, 0], comp)
+            home = hg.member(j - t, p)[sel]                # the partial goes straight to its chunks' home
+            b.alloc_at(part[sel, 0], comp[sel])
+            back = b.tensor(r[home], "dkv", kv_chunks[sel], dtype=dkv_dtype, heads=(h0[sel], h1[sel]))
+            send, brecv = b.transfer(r[sel], r[home], part[sel, 0], back, stream="dkv", step=t, dtype=dkv_dtype,
+                                     send_deps=[comp[sel]])
+            b.free_after(part[sel, 0], send)
+            adds.append((home, back, brecv))
         last = np.where(ok, comp, last)
         comps = [comps[1], np.where(ok, comp, comps[1])]
     _free_received(b, hg, held.values(), last)
     _free_received(b, hg, [held["kv"]], passed_on)
     last_add = np.full(len(r), -1)
-    for home, c, back, brecv in adds:                       # each home adds the partials of its chunks
-        add = b.combine_op(r[home], "accumulate", src=back, dst=dkv[home, c], deps=[brecv, own_comp[home]])
+    for home, back, brecv in adds:              # each home adds a partial into its chunks' accumulators
+        add = b.combine_op(r[home], "accumulate", src=back, dst=dkv[home], deps=[brecv, own_comp[home]])
         b.free_after(back, add)
         last_add[home] = add
     _gather(b, hg, "dq", dq, [last], b.w.dtype, 1)

@@ -73,11 +73,14 @@ class _Op(_Strict):
 
 
 class SendOp(_Op):
-    """Send ``tensor`` to ``peer`` (``dtype`` on the wire)."""
+    """Send ``tensor`` to ``peer`` (``dtype`` on the wire); a packed send (``parts`` not empty) sends the parts'
+    tokens concatenated in order as one buffer (``tensor`` is the first part), landing as one tensor over their
+    chunks in that order."""
 
     kind: Literal["send"]
     peer: Int32
     tensor: Id
+    parts: list[Id] = Field(default_factory=list, description="a packed send's tensors, in order ([] = tensor alone)")
     size_bytes: Id = Field(description="0 for an empty chunk (a decode step's ranks without a query)")
     dtype: Dtype
     step: Int32 | None = Field(None, description="batch id: consecutive send/recv of a stream with one step")
@@ -124,7 +127,7 @@ class MergeOp(_Op):
 
 
 class AccumulateOp(_Op):
-    """``outputs[0] += inputs[0]`` in fp32."""
+    """``outputs[k] += inputs[0]`` in fp32, each output taking the tokens of its own chunks out of the input."""
 
     kind: Literal["accumulate"]
     inputs: list[Id]

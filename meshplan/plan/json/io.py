@@ -104,7 +104,8 @@ def _ranks_text(sched: Schedule, matrix: AttnMatrix):
     for i, (kind, st, ph, peer, ten, size, dt, step, h0, h1, comb, flops) in enumerate(cols):
         base = f'{{"id":{i},"kind":"{OP_KINDS[kind]}","stream":{names[st]},"deps":{deps[i]},"pass":"{PASS_NAMES[ph]}"'
         if kind in (1, 2):
-            ops.append(f'{base},"peer":{peer},"tensor":{ten},"size_bytes":{size},"dtype":"{DTYPES[dt]}",'
+            parts = f',"parts":{ins[i]}' if kind == 1 and o.in_ptr[i + 1] > o.in_ptr[i] else ""
+            ops.append(f'{base},"peer":{peer},"tensor":{ten}{parts},"size_bytes":{size},"dtype":"{DTYPES[dt]}",'
                        f'"step":{step if step >= 0 else "null"}}}')
         elif kind == 0:
             rows, cols_, mask = desc[i]

@@ -69,7 +69,8 @@ def op_table(doc: ScheduleJSON, streams: Streams, m: AttnMatrix, w: Workload) ->
            "q_chunks": ("compute",), "kv_chunks": ("compute",)}
     for name in _LISTS:
         rows = [op.deps for op in ops] if has[name] is None else \
-            [getattr(op, name) if k in has[name] else () for op, k in zip(ops, kinds)]
+            [getattr(op, name) if k in has[name] else op.parts if name == "inputs" and k == "send" else ()
+             for op, k in zip(ops, kinds)]
         a[_PTRS[name]] = csr_ptr(np.fromiter(map(len, rows), dtype=np.int64, count=n))
         flat = [x for row in rows for x in row]
         if name == "deps":
