@@ -215,7 +215,8 @@ class CostModel:
         dur = np.zeros(len(o))
         dtype = sched.workload.dtype
         blocks = np.diff(o.qc_ptr) * np.diff(o.kvc_ptr)
-        for phase in (0, 1):
+        by_cover = priced_by_cover(sched.workload, self.kernel.spec)
+        for phase in () if by_cover else (0, 1):        # priced by cover: every compute op priced there below
             sel = np.flatnonzero((o.kind == COMPUTE) & (o.phase == phase) & (blocks <= 1))
             if len(sel):
                 dur[sel] = self.block_time_s(o.flops[sel], o.s_q[sel], o.s_kv[sel], o.mask[sel] > 0,
@@ -223,8 +224,8 @@ class CostModel:
             multi = np.flatnonzero((o.kind == COMPUTE) & (o.phase == phase) & (blocks > 1))
             if len(multi):
                 dur[multi] = self._one_kernel(sched, multi, PASS_NAMES[phase])
-        if priced_by_cover(sched.workload, self.kernel.spec):     # document segments, window strips on CPU:
-            self._doc_compute(sched, dur)                         # priced as the kernels run them
+        if by_cover:                                    # document segments, window strips on CPU:
+            self._doc_compute(sched, dur)               # priced as the kernels run them
         delta = self.kernel.bwd_delta(dtype)
         stage = self.kernel.spec.stage_inputs
         without_out = self._bwd_without_out(sched) if delta != 1.0 or stage else None

@@ -210,9 +210,45 @@ class AttnMatrix:
         qi, kj = qc[:, :, None], kc[:, None, :]
         flops = self.flops(pass_, heads)[qi, kj].sum(axis=(1, 2))
         pairs = self.pairs[qi, kj].sum(axis=(1, 2))
-        rows = (self.q_involved[qi, kj].any(axis=2) * self.q_count[qc]).sum(axis=(1, 2))
-        cols = (self.kv_involved[qi, kj].any(axis=1) * self.valid_count[kc]).sum(axis=(1, 2))
+        rows = self._involved_tokens(qc, kc, 0, axis=2)
+        cols = self._involved_tokens(kc, qc, 1, axis=1)
         return flops, rows, cols, (pairs > 0) & (pairs != rows * cols)
+
+    @cached_property
+    def _involved_words(self) -> tuple[np.ndarray, np.ndarray]:
+        """q_involved and kv_involved with the segment axis packed into 64-bit words: [n, n, ⌈seg/64⌉] uint64."""
+        def pack(x):
+            pad = -x.shape[2] % 64
+            bits = np.packbits(np.pad(x, ((0, 0), (0, 0), (0, pad))), axis=2, bitorder="little")
+            return np.ascontiguousarray(bits).view(np.uint64)
+        return pack(self.q_involved), pack(self.kv_involved)
+
+    @cached_property
+    def _byte_tokens(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per chunk, the tokens of the segments each byte value of its packed involvement words selects:
+        [n, bytes, 256] for the query counts and for the valid counts (bytes = 8 · words)."""
+        bits = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little")   # [256, 8]
+
+        def table(count):
+            n, seg = count.shape
+            width = self._involved_words[0].shape[2] * 64
+            c = np.pad(count, ((0, 0), (0, width - seg))).reshape(n, width // 8, 8).astype(np.int64)
+            return c @ bits.T.astype(np.int64)                                      # [n, bytes, 256]
+        return table(self.q_count), table(self.valid_count)
+
+    def _involved_tokens(self, own, other, which: int, axis: int) -> np.ndarray:
+        """[k]: tokens of the ``own`` chunks [k, m] whose segments take part with any of the ``other`` chunks:
+        the involved segments of each (own, other) block OR-ed over ``other`` as packed words, then the tokens
+        of each byte of the result looked up (:attr:`_byte_tokens`)."""
+        words = self._involved_words[which]
+        pick = words[own[:, :, None], other[:, None, :]] if axis == 2 else words[other[:, :, None], own[:, None, :]]
+        held = np.bitwise_or.reduce(pick, axis=axis)                                # [k, m, W] uint64
+        by_byte = held.view(np.uint8)                                               # [k, m, 8W]
+        table = self._byte_tokens[which]
+        total = np.zeros(own.shape, dtype=np.int64)
+        for j in range(-(-self.q_involved.shape[2] // 8)):                     # the bytes that hold segments
+            total += table[own, j, by_byte[:, :, j]]
+        return total.sum(axis=1)
 
     def op_descriptor(self, q_chunks: list[int], kv_chunks: list[int]) -> dict:
         """The compute-op descriptor of a cartesian op: ``q_rows``/``kv_cols`` index the concatenation of the

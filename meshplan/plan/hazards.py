@@ -56,14 +56,13 @@ def _accesses(sched: Schedule, phase: int) -> tuple[np.ndarray, np.ndarray, np.n
     o = sched.ops
     ops_in = np.repeat(np.arange(len(o)), np.diff(o.in_ptr))
     ops_out = np.repeat(np.arange(len(o)), np.diff(o.out_ptr))
-    comm = np.flatnonzero((o.kind == SEND) | (o.kind == RECV))
-    op = np.r_[ops_in, ops_out, comm]
-    tensor = np.r_[o.inputs, o.outputs, o.tensor[comm]]
-    write = np.r_[np.zeros(len(ops_in), bool), np.ones(len(ops_out), bool), o.kind[comm] == RECV]
-    keep = o.phase[op] == phase
-    op, tensor, write = op[keep], tensor[keep], write[keep]
-    key = tensor * len(o) + op  # one row per (tensor, op), a write if any access writes
-    order = np.lexsort((~write, key))
+    in_pass, out_pass = o.phase[ops_in] == phase, o.phase[ops_out] == phase
+    comm = np.flatnonzero(((o.kind == SEND) | (o.kind == RECV)) & (o.phase == phase))
+    op = np.r_[ops_in[in_pass], ops_out[out_pass], comm]
+    tensor = np.r_[o.inputs[in_pass], o.outputs[out_pass], o.tensor[comm]]
+    write = np.r_[np.zeros(in_pass.sum(), bool), np.ones(out_pass.sum(), bool), o.kind[comm] == RECV]
+    key = tensor * len(o) + op  # one row per (tensor, op), a write if any access writes (sorted first)
+    order = np.argsort(2 * key + ~write)
     key, op, tensor, write = key[order], op[order], tensor[order], write[order]
     first = np.r_[True, key[1:] != key[:-1]] if len(key) else np.zeros(0, bool)
     return op[first], tensor[first], write[first]

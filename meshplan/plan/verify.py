@@ -330,7 +330,7 @@ def _coverage(s: Schedule, m: AttnMatrix, phase: int) -> list[str]:
     op_of, qi, ki = op_of[keep], qi[keep], ki[keep]
     h0, h1 = h0[keep], h1[keep]
     block = qi * N + ki
-    order = np.lexsort((h0, block))
+    order = np.argsort(block * (H + 1) + h0, kind="stable")                    # by block, then first head
     b, a0, a1, ow = block[order], h0[order], h1[order], op_of[order]
     first = np.r_[True, b[1:] != b[:-1]] if len(b) else np.zeros(0, dtype=bool)
     last = np.r_[b[1:] != b[:-1], True] if len(b) else np.zeros(0, dtype=bool)

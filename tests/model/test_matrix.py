@@ -183,3 +183,22 @@ def test_layout_granularity_error_suggests_padding():
         AttnMatrix(wl(2999, "zigzag"), 4)
     text = str(err.value)
     assert "2·N = 8" in text and "--seq-len 3000 --valid-len 2999" in text
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(1, 3), min_size=1, max_size=150), st.sampled_from([2, 4]), st.integers(0, 2**31))
+def test_op_shape_counts_the_segments_that_take_part(units, n, seed):
+    """Rows and keys of an op over several chunks (packed words and byte tables) against the segment-by-segment
+    definition: a segment takes part when it does with any chunk on the other side. Per-document zigzag over up
+    to 150 documents (one segment per document in every chunk), so the segment axis spans several 64-bit words."""
+    lens = [2 * n * u for u in units]
+    w = wl(sum(lens), mask="docs:" + ",".join(map(str, lens)))
+    m = AttnMatrix(w, n)
+    rng = np.random.default_rng(seed)
+    k, mq, mk = 12, int(rng.integers(1, n + 1)), int(rng.integers(1, n + 1))
+    qc = np.stack([rng.permutation(n)[:mq] for _ in range(k)])
+    kc = np.stack([rng.permutation(n)[:mk] for _ in range(k)])
+    _, rows, cols, _ = m.op_shape(qc, kc, "fwd", 1)
+    qi, kj = qc[:, :, None], kc[:, None, :]
+    assert (rows == (m.q_involved[qi, kj].any(axis=2) * m.q_count[qc]).sum(axis=(1, 2))).all()
+    assert (cols == (m.kv_involved[qi, kj].any(axis=1) * m.valid_count[kc]).sum(axis=(1, 2))).all()
