@@ -518,6 +518,30 @@ def block_plan_batch_speed(r) -> str:
             f"{v['topology']}, llama3-8b, fwd+bwd, cold cache):\n\n" + "\n".join(rows) + "\n")
 
 
+def block_batch_target(r) -> str:
+    """accuracy.md's predicted target of ``batch_target.py``: per pack doc-place (estimated and simulated), the two
+    references and the pick; the means' ratios against the target."""
+    v = r.get("batch_target")
+    if not v:
+        return "(run `python benchmarks/batch_target.py`)\n"
+    rows = ["| pack | documents (longest) | doc-place (simulated) | per-document zigzag Ring | best fixed (search) "
+            "| pick | pick vs Ring / vs best fixed |", "|---|---|---|---|---|---|---|"]
+    for x in v["rows"]:
+        rows.append(f"| seed {x['seed']} | {x['documents']} ({x['longest']:,}) | {1e3 * x['doc_place_s']:.2f} ms "
+                    f"({1e3 * x['doc_place_simulated_s']:.2f}) | {1e3 * x['per_doc_ring_s']:.0f} ms | "
+                    f"{1e3 * x['best_fixed_s']:.2f} ms ({x['best_fixed']}) | {x['pick']} | "
+                    f"{x['per_doc_ring_s'] / x['pick_s']:.1f}x / {x['best_fixed_s'] / x['pick_s']:.2f}x |")
+    s = v["summary"]
+    return (f"`python benchmarks/batch_target.py` ({v['date']}; predicted, {v['topology']}, {v['ranks']} GPUs, "
+            f"Pile packs of {v['tokens']} tokens, {v['model']}, fwd+bwd):\n\n" + "\n".join(rows) + "\n\n"
+            f"Over {s['packs']} packs the per-batch pick's expected step time is {1e3 * s['pick_mean_s']:.1f} ms "
+            f"(p90 {1e3 * s['pick_p90_s']:.1f} ms): **{s['vs_per_doc_ring']:.1f}x** per-document zigzag Ring "
+            f"({1e3 * s['per_doc_ring_mean_s']:.0f} ms; target 1.3x) and **{s['vs_best_fixed']:.2f}x** the best "
+            f"fixed method ({1e3 * s['best_fixed_mean_s']:.1f} ms; target 1.1x), never slower than it on a pack "
+            f"(worst {s['vs_best_fixed_min']:.2f}x); doc-place is the pick on {s['doc_place_picked']} of "
+            f"{s['packs']}; its estimate is within {100 * s['estimate_error_abs_max']:.1f}% of the simulator.\n")
+
+
 BLOCKS = {"stamp": block_stamp, "results": block_results, "main-job": block_main_job,
           "cli-examples": block_cli_examples,
           "run-example": block_run_example, "reproduce": block_reproduce, "validate-cpu": block_validate_cpu,
@@ -527,11 +551,12 @@ BLOCKS = {"stamp": block_stamp, "results": block_results, "main-job": block_main
           "ilp-gap": block_ilp_gap,
           "mapping-search": block_mapping_search, "job-tp": block_job_tp,
           "inference": block_inference, "docs-balance": block_docs_balance, "charm-memory": block_charm_memory,
-          "memory-cpu": block_memory_cpu, "plan-batch-speed": block_plan_batch_speed}
+          "memory-cpu": block_memory_cpu, "plan-batch-speed": block_plan_batch_speed,
+          "batch-target": block_batch_target}
 SOURCES = ("readme_cli", "reproduce_charm_h100", "reproduce_charm_ablation", "validate_cpu", "mesh_seed",
            "mesh_greedy", "baselines_table", "planner_speed", "executor_overhead", "ilp_gap",
            "mapping_search", "job_tp", "workload_shapes", "memory_cpu", "doc_masks", "validate_docs",
-           "validate_batches", "plan_batch_speed")
+           "validate_batches", "plan_batch_speed", "batch_target")
 
 
 def render(text: str, stamp: str | None = None) -> str:

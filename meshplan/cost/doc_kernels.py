@@ -71,9 +71,16 @@ def many_covers(sched: Schedule, ops: np.ndarray) -> bool:
     o = sched.ops
     if len(ops) <= MAX_COVERS:
         return False
-    keys = {(o.q_chunks[o.qc_ptr[op]:o.qc_ptr[op + 1]].tobytes(), o.kv_chunks[o.kvc_ptr[op]:o.kvc_ptr[op + 1]]
-             .tobytes()) for op in ops}
-    return len(keys) > MAX_COVERS
+    nq, nk = np.diff(o.qc_ptr)[ops], np.diff(o.kvc_ptr)[ops]
+    distinct = 0
+    for mq, mk in set(zip(nq.tolist(), nk.tolist())):       # ops of one shape as rows of chunk ids
+        sel = ops[(nq == mq) & (nk == mk)]
+        rows = np.concatenate([o.q_chunks[o.qc_ptr[sel][:, None] + np.arange(mq)],
+                               o.kv_chunks[o.kvc_ptr[sel][:, None] + np.arange(mk)]], axis=1)
+        distinct += len(np.unique(rows, axis=0))
+        if distinct > MAX_COVERS:
+            return True
+    return False
 
 
 class DocKernels:

@@ -28,6 +28,7 @@ from meshplan.core.errors import UserError
 from meshplan.model.doc_lengths import document_lengths
 from meshplan.model.topology import Topology
 from meshplan.model.workload import Mask, Workload
+from meshplan.plan.verify import Report, verify
 from meshplan.search.candidate import Candidate, closed_form_predicted, make_candidate, simulate_candidate
 
 _CACHE: OrderedDict = OrderedDict()
@@ -99,9 +100,9 @@ def plan_batch(cu_seqlens, topo: Topology, n_ranks: int, shape: Workload, *, cac
     hit = _CACHE.get(key) if cache else None
     if hit is None:
         plan = make_candidate("doc-place", with_documents(shape, lens, pad_to=1), topo, n_ranks, {},
-                              keep_schedule=True)
+                              keep_schedule=True, alongside=lambda s: verify(s, topo.memory_bytes))
         plan.schedule = plan.plan.extra["schedule"]
-        _verified(plan, topo)
+        _verified(plan.plan.extra.pop("alongside"))
         if simulate:
             simulate_candidate(plan, topo, None)
         else:
@@ -154,9 +155,8 @@ def with_documents(shape: Workload, lens: np.ndarray, pad_to: int) -> Workload:
                        doc_layout="per-doc", valid_len=None, prefix_len=0)
 
 
-def _verified(cand: Candidate, topo: Topology) -> None:
-    from meshplan.plan.verify import verify
-    report = verify(cand.schedule, topo.memory_bytes)
+def _verified(report: Report) -> None:
+    """Raise unless the verifier's ``report`` on the doc-place schedule is clean."""
     if not report.ok:
         if report.over_memory_only:
             raise UserError("--cu-seqlens", f"the doc-place plan does not fit the device: {report.violations[0]}",

@@ -6,6 +6,8 @@ Every candidate reports Ring's CCR for its workload and topology
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,11 +66,14 @@ class Candidate:
 
 def make_candidate(name: str, workload: Workload, topo: Topology, n_ranks: int, knobs: dict[str, Any],
                    matrix: AttnMatrix | None = None, builds: BuildCache | None = None,
-                   keep_schedule: bool = False) -> Candidate:
+                   keep_schedule: bool = False, alongside: Callable[[Schedule], Any] | None = None) -> Candidate:
     """Normalise knobs, check, plan, and compute the closed-form timing. ``builds``: the caller's cache of
     schedule builds shared between its plans (a search run's), attached to the plan. ``keep_schedule``: build the
     schedule first and keep it on the plan, so a closed form that needs it (and a later simulation) reuse that
-    one build — for a caller about to simulate anyway (``plan_batch``).
+    one build — for a caller about to simulate anyway (``plan_batch``). ``alongside``: with ``keep_schedule``, a
+    function of the schedule (``plan_batch``: the verifier) run in a worker thread while the closed form is
+    computed — both are numpy loops that release the GIL, so they share the machine's cores; its result is kept
+    in ``plan.extra["alongside"]`` (its exception re-raised here).
 
     Raises:
         UserError: bad knob values or an impossible workload; SkipCandidate: the method cannot do this.
@@ -81,10 +86,17 @@ def make_candidate(name: str, workload: Workload, topo: Topology, n_ranks: int, 
     if builds is not None:
         plan.extra["builds"] = builds
     if keep_schedule:
-        alg.schedule(plan, topo)
+        sched = alg.schedule(plan, topo)
     if alg.places_tokens:
         workload = plan.workload
-    return Candidate(name, workload, plan.knobs, n_ranks, plan=plan, timing=alg.timing(plan, topo))
+    if keep_schedule and alongside is not None:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            job = pool.submit(alongside, sched)
+            timing = alg.timing(plan, topo)
+            plan.extra["alongside"] = job.result()
+    else:
+        timing = alg.timing(plan, topo)
+    return Candidate(name, workload, plan.knobs, n_ranks, plan=plan, timing=timing)
 
 
 def simulate_candidate(cand: Candidate, topo: Topology, ccr: float | None) -> Candidate:
