@@ -27,8 +27,9 @@ EXTRA = ("doc-place",)
 PLANNED: dict[str, str] = {}
 
 
-def get(name: str) -> Algorithm:
-    """The algorithm registered under ``name``.
+def get(name: str, flag: str = "--algo") -> Algorithm:
+    """The algorithm registered under ``name``; ``flag``: the option it came from (``--algo``, ``--algos``), which
+    an error names.
 
     Raises:
         UserError: unknown name (with the valid ones), or a contract name not implemented yet.
@@ -36,6 +37,6 @@ def get(name: str) -> Algorithm:
     if name in REGISTRY:
         return REGISTRY[name]
     if name in PLANNED:
-        raise UserError("--algo", f"{name!r} is not implemented yet (planned in {PLANNED[name]})",
+        raise UserError(flag, f"{name!r} is not implemented yet (planned in {PLANNED[name]})",
                         f"use one of {', '.join(REGISTRY)}")
-    raise UserError("--algo", f"unknown algorithm {name!r}", f"use one of {', '.join(NAMES)}")
+    raise UserError(flag, f"unknown algorithm {name!r}", f"use one of {', '.join(REGISTRY)}")

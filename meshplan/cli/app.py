@@ -53,6 +53,20 @@ class _Group(TyperGroup):
         sys.exit(code)
 
 
+def _flag_type_hidden() -> None:
+    """Help shows no ``<bool>`` beside an on/off flag (typer labels every option with its type)."""
+    import typer.core as tc
+    show = getattr(tc.TyperOption, "display_type_rich", None)
+    if show is None or getattr(show, "_meshplan", False):
+        return
+
+    def display_type_rich(self, ctx):
+        return None if getattr(self, "is_flag", False) else show(self, ctx)
+    display_type_rich._meshplan = True
+    tc.TyperOption.display_type_rich = display_type_rich
+
+
+_flag_type_hidden()
 app = typer.Typer(cls=_Group, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Plan, simulate and run distributed attention for long-context LLMs.")
 topo_app = typer.Typer(no_args_is_help=True, help="Inspect topologies.")
@@ -80,7 +94,7 @@ def _emit(body, as_json: bool, human) -> None:
 
 
 @app.command()
-def search(gpus: o.Gpus = None, topo: o.Topo = None, model: o.Model = None, seq_len: o.SeqLen = None,
+def search(gpus: o.GpusNeeded = None, topo: o.TopoNeeded = None, model: o.Model = None, seq_len: o.SeqLen = None,
            batch: o.Batch = None, heads: o.Heads = None, kv_heads: o.KvHeads = None, head_dim: o.HeadDim = None,
            dtype: o.Dtype = None, mask: o.MaskOpt = None, layout: o.Layout = None, passes: o.Pass = None,
            valid_len: o.ValidLen = None, prefix_len: o.PrefixLen = None,
@@ -202,7 +216,7 @@ def _progress():
 @app.command()
 def simulate(schedule: Annotated[Optional[str], typer.Argument(help="a schedule file (or use --algo)")] = None,
              algo: Annotated[Optional[str], typer.Option("--algo", help="algorithm name")] = None,
-             gpus: o.Gpus = None, topo: o.Topo = None, model: o.Model = None, seq_len: o.SeqLen = None,
+             gpus: o.GpusToPlan = None, topo: o.TopoToPlan = None, model: o.Model = None, seq_len: o.SeqLen = None,
              batch: o.Batch = None, heads: o.Heads = None, kv_heads: o.KvHeads = None, head_dim: o.HeadDim = None,
              dtype: o.Dtype = None, mask: o.MaskOpt = None, layout: o.Layout = None, passes: o.Pass = None,
              valid_len: o.ValidLen = None, prefix_len: o.PrefixLen = None,
@@ -237,7 +251,7 @@ def simulate(schedule: Annotated[Optional[str], typer.Argument(help="a schedule 
 @app.command("plan-batch")
 def plan_batch(cu_seqlens: Annotated[str, typer.Option("--cu-seqlens", help="the batch's document boundaries "
                                                        "0,E1,E2,...,S (FlashAttention's cu_seqlens)")],
-               gpus: o.Gpus = None, topo: o.Topo = None, model: o.Model = None, batch: o.Batch = None,
+               gpus: o.GpusNeeded = None, topo: o.TopoNeeded = None, model: o.Model = None, batch: o.Batch = None,
                heads: o.Heads = None, kv_heads: o.KvHeads = None, head_dim: o.HeadDim = None, dtype: o.Dtype = None,
                passes: o.Pass = None,
                no_cache: Annotated[bool, typer.Option("--no-cache", help="plan afresh (no cached plan)")] = False,
@@ -290,7 +304,8 @@ def validate(schedule: Annotated[str, typer.Argument(help="a schedule file")],
 
 
 @app.command()
-def schema() -> None:
+def schema(as_json: Annotated[bool, typer.Option("--json", help="accepted for symmetry: the schema is JSON")]
+           = False) -> None:
     """Print the JSON Schema of the Schedule file."""
     from meshplan.plan.json.io import schema as schedule_schema
     sys.stdout.write(json.dumps(schedule_schema(), indent=1) + "\n")
@@ -307,10 +322,11 @@ def topo_show(topo: Annotated[str, typer.Argument(help="topology file or shipped
 
 
 @topo_app.command("list")
-def topo_list() -> None:
-    """List the shipped topologies."""
+def topo_list(as_json: o.Json = False) -> None:
+    """List the shipped topologies (``--json``: a JSON list of their names)."""
     from meshplan.model.topo_files import shipped_topologies
-    sys.stdout.write("\n".join(shipped_topologies()) + "\n")
+    names = list(shipped_topologies())
+    sys.stdout.write((json.dumps(names, indent=1) if as_json else "\n".join(names)) + "\n")
 
 
 from meshplan.cli.topo import topo_import  # noqa: E402  (typer only; the import itself loads inside)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from meshplan.core.errors import UserError
+from meshplan.core.units import fmt_seconds
 
 
 def job_setup(gpus, topo, workload, tp, dp, rank_order, scheduler, map_search):
@@ -92,5 +93,5 @@ def _print_job(body: dict, console, title: str, group0: list[int]) -> None:
     slower = j["together_s"] / j["alone_s"] - 1 if j["alone_s"] > 0 else 0.0
     console.print(f"job TP {j['tp']} x CP {j['cp']} x DP {j['dp']} ({j['order']}, innermost first): "
                   f"{j['groups']} CP groups at once, group 0 on GPUs {group0}; group 0 alone "
-                  f"{j['alone_s'] * 1e3:.3g} ms, all groups together {j['together_s'] * 1e3:.3g} ms "
+                  f"{fmt_seconds(j['alone_s'])}, all groups together {fmt_seconds(j['together_s'])} "
                   f"({slower:+.1%})", soft_wrap=True)

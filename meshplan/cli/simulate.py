@@ -52,7 +52,7 @@ def schedule_title(algo, knobs, topo, n, w) -> str:
     """The one-line title of a simulation: method, knobs, topology, ranks, workload."""
     from meshplan.show.tables import knob_text
     kn = knob_text(knobs, algo)
-    return f"{algo} ({kn}) on {topo.name} x {n}: {w.describe()}"
+    return f"{algo}{f' ({kn})' if kn else ''} on {topo.name} x {n}: {w.describe()}"
 
 
 def write_verified(sched, topo, path: str) -> None:

@@ -75,12 +75,19 @@ def fmt_bytes(n: float) -> str:
 
 
 def fmt_seconds(t: float) -> str:
-    """Human-readable duration (s, ms or us)."""
-    if t >= 1:
-        return f"{t:.3g} s"
-    if t >= 1e-3:
-        return f"{t * 1e3:.3g} ms"
-    return f"{t * 1e6:.3g} us"
+    """Human-readable duration, 3 significant digits in s, ms or us (``999.96 ms`` reads ``1 s``, not
+    ``1e+03 ms``); below a nanosecond (float round-off of a zero) ``0 us``."""
+    t = float(t)
+    if t != t:
+        return "nan"
+    if abs(t) < 1e-9:
+        return "0 us"
+    for scale, unit in ((1e-6, "us"), (1e-3, "ms")):
+        text = f"{t / scale:.3g}"
+        if abs(float(text)) < 1000:
+            return f"{text} {unit}"
+    text = f"{t:.3g}"
+    return f"{text} s" if abs(float(text)) < 1000 else f"{t:,.0f} s"
 
 
 def round_sig(x: float, digits: int = 4) -> float:

@@ -76,7 +76,7 @@ def enumerate_candidates(base: Workload, topo: Topology, n: int, algos: list[str
     cands: list[Candidate] = []
     for name in algos or algorithms.NAMES:
         if name not in algorithms.NAMES:
-            algorithms.get(name)  # raises: unknown algorithm, with the valid names
+            algorithms.get(name, "--algos")  # raises: unknown algorithm, with the valid names
         if name not in algorithms.REGISTRY:
             skipped["not implemented yet"] += 1
             continue

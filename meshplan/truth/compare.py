@@ -28,16 +28,28 @@ KIND_GROUPS = {"compute": "compute", "send": "transfer", "recv": "transfer", "me
 
 def read_measurement(path: str | Path) -> MeasurementJSON:
     """Read and validate a Measurement JSON. Raises UserError naming the first bad field."""
+    import re
+
     from pydantic import ValidationError
     try:
-        return MeasurementJSON.model_validate_json(Path(path).read_bytes())
+        raw = Path(path).read_bytes()
     except OSError as err:
         raise UserError(str(path), f"cannot read the measurement ({type(err).__name__})",
                         "give the file `meshplan run --out` wrote") from None
+    if raw[:2] == b"\x1f\x8b" or re.match(rb'\s*\{\s*"schema_version"', raw):
+        raise UserError(Path(path).name, "is a schedule, not a measurement",
+                        "give the file `meshplan run --out` wrote; compare takes the schedule first: "
+                        "meshplan compare SCHEDULE MEASUREMENT")
+    try:
+        return MeasurementJSON.model_validate_json(raw)
     except ValidationError as err:
         first = err.errors(include_url=False)[0]
+        if first["type"] == "json_invalid":
+            raise UserError(Path(path).name, f"is not valid JSON ({first['msg'].removeprefix('Invalid JSON: ')})",
+                            "the file is cut short or corrupted: measure again (meshplan run --out)") from None
         loc = ".".join(str(p) for p in first["loc"])
-        raise UserError(f"{Path(path).name}: {loc}", first["msg"], "give the file `meshplan run --out` wrote") from None
+        raise UserError(f"{Path(path).name}: {loc}" if loc else Path(path).name, first["msg"],
+                        "give the file `meshplan run --out` wrote") from None
 
 
 def compare_files(schedule_path: str, measurement_path: str, topo: str | None = None) -> dict[str, Any]:

@@ -150,6 +150,7 @@ def test_schema_and_topo_show():
     (["simulate", "--algo", "ring", "--gpus", 4, "--topo", "nowhere"], ["--topo", "h100x32"]),
     (["simulate", "--algo", "ring", "--gpus", 4], ["--topo"]),
     (["search", "--topo", "h100x8"], ["--gpus"]),
+    (["search", "--gpus", 8, "--topo", "h100x8", "--algos", "rng"], ["--algos:", "doc-place"]),
     (["search", "--gpus", 8, "--topo", "h100x8", "--memory-limit", "lots"], ["--memory-limit"]),
     (["search", "--gpus", 8, "--topo", "h100x8", "--memory-limit", "16"], ["--memory-limit", "16GB or 16GiB"]),
     (["simulate", "--algo", "ring", "--gpus", 4, "--topo", "h100x8", "--bogus"], ["--bogus"]),

@@ -11,6 +11,7 @@ import contextlib
 import gc
 import gzip
 import json
+import re
 import zlib
 from pathlib import Path
 from typing import Any
@@ -219,6 +220,10 @@ def read_document(path: str | Path) -> tuple[ScheduleJSON, bytes]:
     except (OSError, ValueError, EOFError) as err:
         raise UserError(str(path), f"cannot read the schedule ({type(err).__name__})",
                         "give a .json or .json.gz file written by meshplan") from None
+    if version is None and re.match(rb'\s*\{\s*"measurement_version"', raw):
+        raise UserError(path.name, "is a measurement (meshplan run --out), not a schedule",
+                        "give the schedule that was run; compare takes it first: meshplan compare SCHEDULE "
+                        "MEASUREMENT")
     if version != SCHEMA_VERSION:
         raise UserError(f"{path.name}: schema_version", f"is {version!r}, this meshplan reads {SCHEMA_VERSION!r}",
                         "regenerate the schedule with this version (meshplan simulate --out / search --write)")
@@ -228,14 +233,18 @@ def read_document(path: str | Path) -> tuple[ScheduleJSON, bytes]:
             doc = ScheduleJSON.model_validate_json(raw)
     except ValidationError as err:
         first = err.errors(include_url=False)[0]
+        if first["type"] == "json_invalid":         # cut short (an interrupted copy) or not JSON at all
+            raise UserError(path.name, f"is not valid JSON ({first['msg'].removeprefix('Invalid JSON: ')})",
+                            "the file is cut short or corrupted: regenerate it (meshplan simulate --out / "
+                            "search --write)") from None
         loc = ".".join(str(p) for p in first["loc"])
-        raise UserError(f"{path.name}: {loc}", first["msg"], "fix the file or regenerate it") from None
+        raise UserError(f"{path.name}: {loc}" if loc else path.name, first["msg"],
+                        "fix the file or regenerate it") from None
     return doc, raw
 
 
 def _schema_version(raw: bytes):
     """The file's ``schema_version``, read before validating the rest (ValueError if not JSON)."""
-    import re
     m = re.match(rb'\s*\{\s*"schema_version"\s*:\s*("(?:[^"\\]|\\.)*"|[-0-9.]+|null|true|false)', raw)
     if m:
         return json.loads(m.group(1))

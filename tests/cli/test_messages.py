@@ -1,0 +1,69 @@
+"""What the CLI says, as a user reads it: errors that point the right way, help that fits, numbers in plain units
+(issue 26's small things)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import one_line_error, run
+
+from meshplan.core.units import fmt_seconds
+
+
+@pytest.mark.parametrize("t,text", [(4.44e-16, "0 us"), (0.0, "0 us"), (5e-7, "0.5 us"), (0.0009996, "1 ms"),
+                                    (0.0012, "1.2 ms"), (0.99996, "1 s"), (1.33, "1.33 s"), (999.9, "1,000 s"),
+                                    (1330.0, "1,330 s"), (-0.002, "-2 ms")])
+def test_seconds_read_in_plain_units(t, text):
+    """No exponent at a unit's edge (999.96 ms is 1 s) and no float round-off shown as a time."""
+    assert fmt_seconds(t) == text
+
+
+@pytest.fixture(scope="module")
+def schedule_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("s") / "s.json"
+    r = run("simulate", "--algo", "ring", "--gpus", 2, "--topo", "cpu-local", "--seq-len", 256, "--heads", 2,
+            "--kv-heads", 2, "--head-dim", 16, "--out", path)
+    assert r.exit_code == 0, r.stderr
+    return path
+
+
+def test_compare_with_its_files_swapped_says_so(schedule_file, tmp_path):
+    measurement = tmp_path / "m.json"
+    measurement.write_text(json.dumps({"measurement_version": "1.0", "schedule": "x"}))
+    one_line_error(run("compare", measurement, schedule_file), "m.json", "is a measurement",
+                   "meshplan compare SCHEDULE MEASUREMENT")
+    one_line_error(run("compare", schedule_file, schedule_file), "is a schedule, not a measurement")
+
+
+def test_a_truncated_schedule_is_named_as_cut_short(schedule_file, tmp_path):
+    cut = tmp_path / "trunc.json"
+    cut.write_bytes(schedule_file.read_bytes()[:300])
+    for command in ("validate", "simulate"):
+        r = run(command, cut)
+        one_line_error(r, "trunc.json: is not valid JSON", "cut short")
+        assert ": :" not in r.stderr
+
+
+def test_simulate_title_has_no_empty_knobs():
+    r = run("simulate", "--algo", "ring", "--gpus", 2, "--topo", "h100x8", "--seq-len", "8K")
+    assert r.exit_code == 0 and r.stdout.startswith("ring on h100x8 x 2:"), r.stdout[:200]
+
+
+def test_json_on_schema_and_topo_list():
+    assert json.loads(run("schema", "--json").stdout)["title"] == "ScheduleJSON"
+    names = json.loads(run("topo", "list", "--json").stdout)
+    assert "h100x32" in names and "cpu-local" in names
+
+
+@pytest.mark.parametrize("command", [["search"], ["simulate"], ["plan-batch"], ["compare"], ["run"]])
+def test_help_fits_80_columns_and_shows_no_flag_types(command, monkeypatch):
+    """A flag takes no value, so no ``<bool>`` beside it; panel titles (with the workload's defaults) are not cut."""
+    monkeypatch.setenv("COLUMNS", "80")
+    r = run(*command, "--help")
+    assert r.exit_code == 0
+    lines = r.stdout.splitlines()
+    assert max(len(x) for x in lines) <= 80
+    assert "<bool>" not in r.stdout
+    if command[0] in ("search", "plan-batch"):
+        assert "[required]" in r.stdout and "[default: bf16]" in r.stdout
