@@ -13,6 +13,8 @@ from typing import Annotated, Optional
 import typer
 from typer.core import TyperGroup
 
+from meshplan.show.console import out_console
+
 try:  # typer >= 0.20 vendors click; older typer uses the click package
     from typer._click import exceptions as _cx
 except ImportError:  # pragma: no cover
@@ -82,8 +84,7 @@ def _err_console():
 
 
 def _out_console():
-    from rich.console import Console
-    return Console(width=200 if not sys.stdout.isatty() else None)
+    return out_console()
 
 
 def _emit(body, as_json: bool, human) -> None:
@@ -104,6 +105,8 @@ def search(gpus: o.GpusNeeded = None, topo: o.TopoNeeded = None, model: o.Model 
            knob: o.KnobKV = None,
            algos: Annotated[Optional[str], typer.Option("--algos", help="comma-separated algorithm names")] = None,
            top: Annotated[int, typer.Option("--top", help="rows shown")] = 10,
+           wide: Annotated[bool, typer.Option("--wide", help="every column (algorithm, layout and knobs apart, "
+                                              "bytes, compute/communication)")] = False,
            write: Annotated[int, typer.Option("--write", help="best schedules written (0: none)")] = 1,
            out: Annotated[str, typer.Option("--out", help="directory for written schedules")] = "schedules",
            scheduler: Annotated[str, typer.Option("--scheduler", help="greedy | ilp (CP-SAT stream orders for the "
@@ -166,7 +169,7 @@ def search(gpus: o.GpusNeeded = None, topo: o.TopoNeeded = None, model: o.Model 
         raise UserError("--algos" if names else "--gpus", "no candidate can run this workload",
                         "see the skipped reasons with --json, or change the filters")
     body = report.json()
-    _emit(body, as_json, lambda c: (print_search(body, c, top), sv.print_sensitivity(body, c)))
+    _emit(body, as_json, lambda c: (print_search(body, c, top, wide), sv.print_sensitivity(body, c)))
 
 
 def _memory_limit(text: str | None) -> float | None:

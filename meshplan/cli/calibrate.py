@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from meshplan.core.errors import UserError
+from meshplan.show.console import out_console
 
 _LINK_CLASS = {"loopback": "loopback", "nvswitch": "nvlink", "pcie": "pcie"}
 
@@ -71,7 +72,7 @@ def calibrate_command(topo: str, backend: str, quick: bool, out: str, as_json: b
                 "device": calib.device.model_dump(mode="json"), "fitted": rows}
         sys.stdout.write(json.dumps(body, indent=1) + "\n")
     else:
-        _print(calib, rows, out, Console(width=200 if not sys.stdout.isatty() else None))
+        _print(calib, rows, out, out_console())
     return 0
 
 
@@ -95,7 +96,7 @@ def calibrate_refit(topo: str, out: str, as_json: bool) -> int:
         sys.stdout.write(json.dumps({"calibration": out, "topology": topology.name, "refit": True,
                                      "fitted": rows}, indent=1) + "\n")
     else:
-        _print(calib, rows, out, Console(width=200 if not sys.stdout.isatty() else None))
+        _print(calib, rows, out, out_console())
     return 0
 
 
@@ -159,7 +160,7 @@ def calibrate_memory_only(topo: str, backend: str, quick: bool, out: str, as_jso
         sys.stdout.write(json.dumps({"calibration": out, "topology": topology.name, "wall_s": round(wall_s, 1),
                                      "fitted": rows}, indent=1) + "\n")
         return 0
-    console = Console(width=200 if not sys.stdout.isatty() else None)
+    console = out_console()
     console.print(f"{calib.name}: memory model re-measured in {wall_s:.0f} s; the rest of {out} kept", soft_wrap=True)
     console.print(_fitted_table(rows))
     return 0
@@ -322,7 +323,7 @@ def calibrate_from_nccl_tests(topo: str, files: list[str], out: str, as_json: bo
         body = {"calibration": out, "topology": spec.name, "files": per_file, "fitted": rows}
         sys.stdout.write(json.dumps(body, indent=1) + "\n")
         return 0
-    console = Console(width=200 if not sys.stdout.isatty() else None)
+    console = out_console()
     t = Table("file", "test", "ranks", "hosts", "class", "alpha us", "busbw GB/s", "rate GB/s", "max error ≥ 1 MiB")
     for r in per_file:
         t.add_row(r["file"], r["collective"], str(r["ranks"]), str(r["hosts"]), r["link_class"], _fmt(r["alpha_us"]),

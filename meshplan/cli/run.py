@@ -12,6 +12,7 @@ from rich.table import Table
 
 from meshplan.core.errors import UserError
 from meshplan.core.units import fmt_bytes, fmt_seconds
+from meshplan.show.console import out_console
 
 
 def run_command(schedule: str, nproc, backend, iters, warmup, check, serialize, timeout_s, out, trace, dump_dir,
@@ -49,7 +50,7 @@ def run_command(schedule: str, nproc, backend, iters, warmup, check, serialize, 
     if as_json:
         sys.stdout.write(json.dumps({"measurement": meas.model_dump(), "comparison": cmp}, indent=1) + "\n")
     else:
-        print_run(meas, cmp, Console(width=200 if not sys.stdout.isatty() else None))
+        print_run(meas, cmp, out_console())
     _say_implausible(cmp)
     return 1 if meas.numerics.passed is False or (cmp or {}).get("implausible") else 0
 
@@ -172,7 +173,7 @@ def compare_command(schedule: str, measurement: str, topo: str | None, as_json: 
 
 def _print_comparison(schedule: str, measurement: str, body: dict[str, Any]) -> None:
     """The human tables of ``meshplan compare``."""
-    console = Console(width=200 if not sys.stdout.isatty() else None)
+    console = out_console()
     console.print(f"{schedule} on {body['topology']} against {measurement} ({body['backend']})", soft_wrap=True)
     if body["note"]:
         console.print(f"note: {body['note']}", soft_wrap=True)

@@ -13,6 +13,7 @@ from typing import Annotated, Optional
 import typer
 
 from meshplan.cli import options as o
+from meshplan.show.console import out_console
 
 _NET = "Network (the dumps do not see it)"
 
@@ -99,9 +100,8 @@ def topo_import(
     if as_json:
         sys.stdout.write(json.dumps({"out": str(path), "notes": list(result.notes), "topology": info}, indent=1) + "\n")
         return
-    from rich.console import Console
 
     from meshplan.show.tables import print_topology
-    console = Console(width=200 if not sys.stdout.isatty() else None)
+    console = out_console()
     console.print(f"wrote {path}")
     print_topology(info, console)

@@ -29,7 +29,7 @@ def print_simulation(body: dict[str, Any], console: Console, title: str) -> None
     """The predicted metrics of one schedule, a column per pass."""
     pred = body["predicted"]
     parts = [p for p in ("fwd", "bwd", "total") if p in pred] or [body["pass"]]
-    console.print(title, soft_wrap=True)
+    console.print(title)
     table = Table()
     table.add_column("predicted")
     for p in parts:
@@ -47,19 +47,30 @@ def knob_text(knobs: dict[str, Any], algorithm: str | None = None) -> str:
                     if v not in (None, "auto") and (k not in defaults or v != defaults[k]))
 
 
-def print_search(body: dict[str, Any], console: Console, top: int) -> None:
-    """The ranked candidates of a search."""
+def plan_text(c: dict[str, Any]) -> str:
+    """A candidate as one phrase: algorithm, layout, the knobs that differ from the defaults."""
+    return f"{c['algorithm']} {c['layout']} {knob_text(c['knobs'], c['algorithm'])}".strip()
+
+
+def print_search(body: dict[str, Any], console: Console, top: int, wide: bool = False) -> None:
+    """The ranked candidates of a search: a compact table (the plan in one column, which wraps; times, exposed
+    communication, inter-node bytes, peak memory) that fits 100 columns, or with ``wide`` every column."""
     topo, counts = body["topology"], body["counts"]
-    console.print(f"{topo['name']} x {body['n_ranks']} ranks; {_workload_text(body['workload'])}", soft_wrap=True)
+    console.print(f"{topo['name']} x {body['n_ranks']} ranks; {_workload_text(body['workload'])}")
     table = Table()
-    for col, just in (("#", "right"), ("algorithm", "left"), ("layout", "left"), ("knobs", "left"),
-                      ("level", "left"), ("time", "right"), ("fwd", "right"), ("bwd", "right"),
-                      ("exposed comm", "right"), ("bytes/GPU", "right"), ("inter-node/GPU", "right"),
-                      ("comp/comm", "right"), ("peak mem (+ws)", "right")):
-        table.add_column(col, justify=just)
+    wide_cols = (("#", "right"), ("algorithm", "left"), ("layout", "left"), ("knobs", "left"), ("level", "left"),
+                 ("time", "right"), ("fwd", "right"), ("bwd", "right"), ("exposed comm", "right"),
+                 ("bytes/GPU", "right"), ("inter-node/GPU", "right"), ("comp/comm", "right"),
+                 ("peak mem (+ws)", "right"))
+    compact_cols = (("#", "right"), ("plan", "left"), ("time", "right"), ("fwd", "right"), ("bwd", "right"),
+                    ("exposed\ncomm", "right"), ("inter-node\nper GPU", "right"), ("peak\nmemory", "right"))
+    for col, just in wide_cols if wide else compact_cols:
+        # only the plan (or knobs) column wraps; numbers and names are never cut
+        folds = col in ("plan", "knobs")
+        table.add_column(col, justify=just, no_wrap=not folds, overflow="fold")
     solver = any(c["scheduler"]["requested"] != "greedy" for c in body["candidates"])
     if solver:
-        table.add_column("order kept (CP-SAT status, gap to its own bound)", justify="left")
+        table.add_column("order kept (CP-SAT status, gap to its own bound)", justify="left", overflow="fold")
     job = body.get("job")
     if job:
         table.add_column(f"job: {job['groups']} CP groups at once", justify="right")
@@ -73,42 +84,55 @@ def print_search(body: dict[str, Any], console: Console, top: int) -> None:
         one = body["workload"]["passes"]                       # a single-pass search: its total is that pass
         part = lambda name, p=p, one=one: (p["makespan_s"] if one == name else  # noqa: E731
                                            (p.get(name) or {}).get("makespan_s"))  # (bwd: null: forward-only)
-        table.add_row(str(i), c["algorithm"], c["layout"], knob_text(c["knobs"], c["algorithm"]),
-                      "sim" if sim else "bound", _fmt(p["makespan_s"], t), _fmt(part("fwd"), t), _fmt(part("bwd"), t),
-                      _fmt(p["exposed_comm_s"], fmt_seconds), _fmt(p["comm_bytes_per_gpu_max"], fmt_bytes),
-                      _fmt(p["inter_node_bytes_per_gpu_max"], fmt_bytes),
-                      _fmt(p["compute_to_comm"], lambda x: f"{x:.3g}"),
-                      _fmt(p.get("peak_memory_total_bytes"), fmt_bytes),
-                      *([_order_text(c["scheduler"])] if solver else []),
+        times = (_fmt(p["makespan_s"], t), _fmt(part("fwd"), t), _fmt(part("bwd"), t),
+                 _fmt(p["exposed_comm_s"], fmt_seconds))
+        if wide:
+            row = (str(i), c["algorithm"], c["layout"], knob_text(c["knobs"], c["algorithm"]),
+                   "sim" if sim else "bound", *times, _fmt(p["comm_bytes_per_gpu_max"], fmt_bytes),
+                   _fmt(p["inter_node_bytes_per_gpu_max"], fmt_bytes), _fmt(p["compute_to_comm"], lambda x: f"{x:.3g}"),
+                   _fmt(p.get("peak_memory_total_bytes"), fmt_bytes))
+        else:
+            row = (str(i), plan_text(c), *times, _fmt(p["inter_node_bytes_per_gpu_max"], fmt_bytes),
+                   _fmt(p.get("peak_memory_total_bytes"), fmt_bytes))
+        table.add_row(*row, *([_order_text(c["scheduler"])] if solver else []),
                       *([_fmt((c.get("job") or {}).get("together_s"), fmt_seconds)] if job else []),
                       *([_doc_text(c.get("documents"))] if docs else []))
-    console.print(table)
+    if wide:                               # every column at its natural width: wider than the terminal if need be
+        from rich.measure import Measurement
+        need = Measurement.get(console, console.options.update(width=10_000), table).maximum
+        was = console.width
+        console.width = max(need, was)
+        try:
+            console.print(table)
+        finally:
+            console.width = was
+    else:
+        console.print(table)
     if docs:
-        console.print(_doc_legend(body["candidates"]), soft_wrap=True)
+        console.print(_doc_legend(body["candidates"]))
     if lead := _lead_text(body["candidates"]):
-        console.print(lead, soft_wrap=True)
+        console.print(lead)
     for i, c in enumerate(body["candidates"], start=1):
         m = c.get("mapping_search")
         if m:
             console.print(f"#{i} placement search: {fmt_seconds(m['start_s'])} -> {fmt_seconds(m['best_s'])} "
                           f"({m['gain']:.1%}, {m['swaps']} swaps in {m['evals']} simulations, {m['wall_s']:.1f} s); "
-                          f"rank -> device {m['device_of_rank']}", soft_wrap=True)
+                          f"rank -> device {m['device_of_rank']}")
         if c["schedule_path"]:
-            console.print(f"#{i} written to {c['schedule_path']}", soft_wrap=True)
+            console.print(f"#{i} written to {c['schedule_path']}")
     for r in body.get("rejected", []):
         if r.startswith("not written:"):
-            console.print(r, soft_wrap=True)
+            console.print(r)
     skipped = ", ".join(f"{v} {k}" for k, v in counts["skipped"].items()) or "none"
     unsim = "".join(f", {v} not simulated: {k}" for k, v in counts.get("not_simulated", {}).items())
     console.print(f"{counts['enumerated']} enumerated, {counts['simulated']} simulated, {counts['pruned']} left at "
                   f"their closed-form bound (prune slack {counts['prune_slack']:.0%}{unsim}); skipped: {skipped}; "
-                  f"{body['wall_s']:.2f} s", soft_wrap=True)
+                  f"{body['wall_s']:.2f} s")
     if job:
         console.print(f"job TP {job['tp']} x CP {job['cp']} x DP {job['dp']} ({job['order']}, innermost first) on "
                       f"{job['topology']['devices']} GPUs: time = one CP group as planned (on {job['cp']} devices of "
                       f"one topology; job.alone_s in --json is it on its real GPUs); the best {job['ranked_as_job']} "
-                      f"(each method's best among them) re-ranked by all {job['groups']} groups at once",
-                      soft_wrap=True)
+                      f"(each method's best among them) re-ranked by all {job['groups']} groups at once")
     if body.get("inference"):
         print_inference(body["inference"], console)
     if body.get("frameworks"):
@@ -157,38 +181,49 @@ def print_inference(inf: dict[str, Any], console: Console) -> None:
     verdict = ("agrees" if inf["agree"] else f"disagrees (its pick is {inf['rule_regret_pct']:.1f}% slower)") \
         if inf["agree"] is not None else "cannot be compared (one method only)"
     console.print(f"inference, {inf['prefix_len']} cached + {inf['new_tokens']} new tokens: Meta's rule picks "
-                  f"{rule['choice']} ({rule['reason']}); simulated: {times}; the rule {verdict}", soft_wrap=True)
+                  f"{rule['choice']} ({rule['reason']}); simulated: {times}; the rule {verdict}")
 
 
 def print_frameworks(frameworks: list[dict[str, Any]], console: Console) -> None:
     """Each framework's best setting, its predicted time and its ratio to the search's best plan."""
-    table = Table(title="the best setting each framework offers (simulated)", title_justify="left")
-    for col, just in (("framework", "left"), ("settings", "left"), ("plan", "left"), ("time", "right"),
-                      ("vs best", "right")):
-        table.add_column(col, justify=just)
+    table = Table(title="the best setting each framework offers (simulated; its settings below)",
+                  title_justify="left")
+    for col, just in (("framework", "left"), ("plan", "left"), ("time", "right"), ("vs best", "right")):
+        table.add_column(col, justify=just, overflow="fold", no_wrap=col in ("time", "vs best"))
     for f in frameworks:
         if f["settings"] is None:
-            table.add_row(f["framework"], f"not expressible: {f['reason']}", "-", "-", "-")
+            table.add_row(f["framework"], f"not expressible: {f['reason']}", "-", "-")
             continue
-        plan = f"{f['algorithm']} {f['layout']} {knob_text(f['knobs'], f['algorithm'])}".strip()
-        table.add_row(f["framework"], f["cli"], plan, fmt_seconds(f["time_s"]),
-                      _fmt(f["vs_best"], lambda x: f"{x:.2f}x"))
+        table.add_row(f["framework"], plan_text(f), fmt_seconds(f["time_s"]), _fmt(f["vs_best"], lambda x: f"{x:.2f}x"))
     console.print(table)
+    for f in frameworks:                   # whole, one per line, so each copies as it is
+        if f["settings"] is not None:
+            console.print(f"{f['framework']}:")
+            for line in _setting_lines(f["cli"]):
+                console.print(f"  {line}", overflow="fold")
     for f in frameworks:
         if f["expresses_best"]:
-            console.print(f"the best plan in {f['framework']}: {f['expresses_best']}", soft_wrap=True)
+            console.print(f"the best plan in {f['framework']}: {f['expresses_best']}")
     left = sum(len(f.get("not_evaluated", [])) for f in frameworks)
     if left:
         console.print(f"{left} framework settings the search does not list were not evaluated at this size (--json "
-                      "lists them, each with the simulate command that times it)", soft_wrap=True)
+                      "lists them, each with the simulate command that times it)")
     faster = [f for f in frameworks if f["settings"] is not None and f["vs_best"] is not None and f["vs_best"] < 1]
     lossy = [f for f in faster if (f.get("knobs") or {}).get("dkv_dtype") not in (None, "fp32")]
     for f in lossy:
         console.print(f"vs best < 1 for {f['framework']}: its plan sends dK/dV in {f['knobs']['dkv_dtype']} (lossy); "
-                      "the search keeps fp32 gradients on the wire unless given --dkv-dtype bf16", soft_wrap=True)
+                      "the search keeps fp32 gradients on the wire unless given --dkv-dtype bf16")
     if any(f not in lossy for f in faster):
         console.print("vs best < 1: that setting's plan is outside what search enumerates (knobs it keeps at their "
-                      "defaults); pin them with the knob flags to rank it", soft_wrap=True)
+                      "defaults); pin them with the knob flags to rank it")
+
+
+def _setting_lines(cli: str) -> list[str]:
+    """A framework's settings one per line, whole: command-line flags (``--name value ...``) or ``key=value``
+    pairs, so a reader copies each without a line break inside it."""
+    if cli.lstrip().startswith("--"):
+        return ["--" + part.strip() for part in cli.strip().split("--") if part.strip()]
+    return cli.split()
 
 
 def _order_text(s: dict[str, Any]) -> str:
@@ -228,9 +263,9 @@ def print_topology(info: dict[str, Any], console: Console) -> None:
                                                   if net['spine_oversubscription'] > 1 else "non-blocking")
                    + f" (+{net['spine_latency_us']:g} us)")
             console.print(f"network: rail-optimised, {net['rails']} rails (NIC k on leaf k); same-rail traffic stays "
-                          f"in its leaf; cross-rail: {how}", soft_wrap=True)
+                          f"in its leaf; cross-rail: {how}")
         else:
-            console.print(f"network: non-blocking switch ({net['latency_us']:g} us)", soft_wrap=True)
+            console.print(f"network: non-blocking switch ({net['latency_us']:g} us)")
     routes = Table(title="example routes", title_justify="left")
     for col in ("from", "to", "hops", "GB/s", "latency us"):
         routes.add_column(col)
@@ -247,7 +282,7 @@ def print_batch(body: dict[str, Any], console: Console) -> None:
     docs = body["documents"]
     batch = f", batch {body['batch']}" if body.get("batch", 1) > 1 else ""
     console.print(f"{docs} document{'s' if docs != 1 else ''}, {body['tokens']} tokens{batch} on "
-                  f"{body['topology']['name']} x {body['ranks']}", soft_wrap=True)
+                  f"{body['topology']['name']} x {body['ranks']}")
     table = Table()
     for name, justify in (("", "left"), ("method", "left"), ("settings", "left"), ("fwd", "right"),
                           ("bwd", "right"), ("total", "right"), ("vs best", "right")):
@@ -264,17 +299,16 @@ def print_batch(body: dict[str, Any], console: Console) -> None:
     cached = " (from the cache)" if body["cached"] else ""
     how = "simulate" if plan["model_level"] == "simulated" else "estimate"
     console.print(f"* fastest: {_method(body['best'])}; doc-place took {fmt_seconds(body['plan_s'])} to plan "
-                  f"(place, build, verify, {how}){cached}", soft_wrap=True)
+                  f"(place, build, verify, {how}){cached}")
     if plan["model_level"] != "simulated":
         console.print("doc-place's time is the contended closed form (docs/cost-model.md; --simulate to simulate "
-                      "it); the references are simulated", soft_wrap=True)
+                      "it); the references are simulated")
     if plan != body["best"]:
-        console.print(f"doc-place is {plan['predicted']['makespan_s'] / best:.2f}x the fastest's time here",
-                      soft_wrap=True)
+        console.print(f"doc-place is {plan['predicted']['makespan_s'] / best:.2f}x the fastest's time here")
     for note in body.get("notes", []):
-        console.print(f"note: {note}", soft_wrap=True)
+        console.print(f"note: {note}")
     if "schedule_path" in body:
-        console.print(f"doc-place plan written to {body['schedule_path']}", soft_wrap=True)
+        console.print(f"doc-place plan written to {body['schedule_path']}")
 
 
 def _method(c: dict[str, Any]) -> str:
@@ -287,7 +321,7 @@ def print_distribution(body: dict[str, Any], console: Console) -> None:
     docs = body["documents_per_pack"]
     span = f"{min(docs)}" if min(docs) == max(docs) else f"{min(docs)}-{max(docs)}"
     console.print(f"{body['batches']} packs of {body['seq_len']} tokens ({span} documents) drawn "
-                  f"from {body['histogram']}, on {body['topology']['name']} x {body['ranks']}", soft_wrap=True)
+                  f"from {body['histogram']}, on {body['topology']['name']} x {body['ranks']}")
     table = Table()
     for name, justify in (("#", "right"), ("method", "left"), ("settings", "left"), ("mean", "right"),
                           ("p90", "right"), ("vs per-batch", "right")):
@@ -305,4 +339,4 @@ def print_distribution(body: dict[str, Any], console: Console) -> None:
         verdict = (f"per-batch planning is {gain + 1:.2f}x faster than the best fixed method ({_method(fixed[0])}) "
                    "on average" if gain > 0.005 else f"per-batch planning does not pay here: the best fixed method "
                    f"({_method(fixed[0])}) is within {max(gain, 0):.1%} of it")
-        console.print(verdict, soft_wrap=True)
+        console.print(verdict)

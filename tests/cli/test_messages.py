@@ -67,3 +67,42 @@ def test_help_fits_80_columns_and_shows_no_flag_types(command, monkeypatch):
     assert "<bool>" not in r.stdout
     if command[0] in ("search", "plan-batch"):
         assert "[required]" in r.stdout and "[default: bf16]" in r.stdout
+
+
+@pytest.fixture(scope="module")
+def search_body():
+    r = run("search", "--gpus", 16, "--topo", "h100x32", "--seq-len", "64K", "--write", 0, "--json")
+    assert r.exit_code == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def _rendered(body, width: int, wide: bool) -> list[str]:
+    from rich.console import Console
+
+    from meshplan.show.tables import print_search
+    console = Console(width=width, record=True, file=open("/dev/null", "w"))
+    print_search(body, console, 10, wide)
+    return console.export_text().splitlines()
+
+
+def test_search_output_fits_100_columns(search_body):
+    """The compact table and everything under it (framework settings whole, one per line) within 100 columns."""
+    lines = _rendered(search_body, 100, wide=False)
+    assert max(len(x) for x in lines) <= 100
+    assert any(x.strip() == "--cp-comm-type a2a+p2p" for x in lines), lines      # a framework flag, whole
+    assert not any("…" in x for x in lines)                                       # nothing cut
+
+
+def test_search_wide_shows_every_column_uncut(search_body):
+    lines = _rendered(search_body, 100, wide=True)
+    header = next(x for x in lines if "algorithm" in x)
+    for col in ("layout", "knobs", "level", "bytes/GPU", "comp/comm", "peak mem (+ws)"):
+        assert col in header, header
+
+
+def test_piped_output_defaults_to_100_columns(monkeypatch):
+    from meshplan.show.console import out_width
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert out_width() == 100                          # pytest's stdout is not a terminal
+    monkeypatch.setenv("COLUMNS", "132")
+    assert out_width() == 132
