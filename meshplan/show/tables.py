@@ -77,7 +77,14 @@ def print_search(body: dict[str, Any], console: Console, top: int, wide: bool = 
     docs = any("documents" in c for c in body["candidates"])
     if docs:
         table.add_column("segments/rank, tile waste", justify="right")
-    for i, c in enumerate(body["candidates"][:top], start=1):
+    ref = body.get("reference")
+    shown = body["candidates"][:top]
+    rows = list(enumerate(shown, start=1))
+    if ref is not None and ref not in shown:          # Ring's best setting, the reference everyone knows
+        rows.append(("ring", ref))
+    for i, c in rows:
+        if i == "ring":
+            table.add_section()
         p = c["predicted"]
         sim = c["model_level"] == "simulated"
         t = fmt_seconds if sim else (lambda x: "≥" + fmt_seconds(x))  # bounds are lower bounds
@@ -112,6 +119,8 @@ def print_search(body: dict[str, Any], console: Console, top: int, wide: bool = 
         console.print(_doc_legend(body["candidates"]))
     if lead := _lead_text(body["candidates"]):
         console.print(lead)
+    if (vs := _vs_ring_text(body)) is not None:
+        console.print(vs)
     for i, c in enumerate(body["candidates"], start=1):
         m = c.get("mapping_search")
         if m:
@@ -172,6 +181,18 @@ def _lead_text(candidates: list[dict[str, Any]]) -> str | None:
         text += (f"; under {NEAR_TIE:.0%} that is a near-tie, closer than the model's error (docs/accuracy.md): "
                  "run both (meshplan search --write 2, then meshplan run) to pick")
     return text
+
+
+def _vs_ring_text(body: dict[str, Any]) -> str | None:
+    """The pick's lead over Ring's best setting (the ``ring`` row, or its rank in the table)."""
+    ref, cands = body.get("reference"), body["candidates"]
+    if ref is None or not cands or cands[0] == ref or cands[0]["model_level"] != "simulated":
+        return None
+    a, b = cands[0]["predicted"]["makespan_s"], ref["predicted"]["makespan_s"]
+    sim = ref["model_level"] == "simulated"
+    where = f"#{cands.index(ref) + 1}" if ref in cands[:10] else "the ring row"
+    return (f"#1 is {'at least ' if not sim else ''}{b / a:.2f}x as fast as Ring's best setting ({where}: "
+            f"{plan_text(ref)}, {fmt_seconds(b)} {'simulated' if sim else 'at its lower bound'})")
 
 
 def print_inference(inf: dict[str, Any], console: Console) -> None:

@@ -106,3 +106,18 @@ def test_piped_output_defaults_to_100_columns(monkeypatch):
     assert out_width() == 100                          # pytest's stdout is not a terminal
     monkeypatch.setenv("COLUMNS", "132")
     assert out_width() == 132
+
+
+def test_ring_is_the_reference_row(search_body):
+    """Ring's best setting, simulated, is in --json as ``reference`` (one of the candidates) and in the table, and
+    the pick's lead over it is said; no Ring candidate simulated faster than it."""
+    ref = search_body["reference"]
+    assert ref["algorithm"] == "ring" and ref["model_level"] == "simulated"
+    assert ref in search_body["candidates"]
+    rings = [c for c in search_body["candidates"] if c["algorithm"] == "ring"]
+    assert all(ref["predicted"]["makespan_s"] <= (c["predicted"]["makespan_s"] if c["model_level"] == "simulated"
+                                                  else c["bound_s"]) for c in rings)
+    text = "\n".join(_rendered(search_body, 100, wide=False))
+    best = search_body["candidates"][0]["predicted"]["makespan_s"]
+    assert f"#1 is {ref['predicted']['makespan_s'] / best:.2f}x as fast as Ring's best setting" in text
+    assert "│ ring │" in text or "ring zigzag" in text
