@@ -65,7 +65,7 @@ def block_main_job(r) -> str:
         return NO_CLI
     m, best, ring = cli["main"], cli["main_best"], cli["main_ring"]
     return (f"The main job above prints (`benchmarks/readme.py --run-cli`, {cli['date']}; times are predictions; "
-            f"`COLUMNS=250`, `--top 8`):\n\n```\n{m['stdout'].rstrip()}\n```\n\n"
+            f"`COLUMNS=100`, `--top 8`):\n\n```\n{m['stdout'].rstrip()}\n```\n\n"
             f"- **{best['algorithm']} wins here**: {ms(best['makespan_s'])} predicted, against "
             f"{ms(ring['makespan_s'])} for the best Ring ({ring['makespan_s'] / best['makespan_s']:.2f}x), "
             f"{best['bytes_GB']:.2f} GB received per GPU against Ring's {ring['bytes_GB']:.2f} GB.\n")
@@ -576,7 +576,7 @@ def render(text: str, stamp: str | None = None) -> str:
 
 # ---------------------------------------------------------------- the CLI examples
 def _cli(args: list[str], cwd: str) -> dict:
-    env = dict(os.environ, COLUMNS="250", NO_COLOR="1", TERM="dumb")
+    env = dict(os.environ, COLUMNS="100", NO_COLOR="1", TERM="dumb")
     p = subprocess.run([sys.executable, "-m", "meshplan", *args], capture_output=True, text=True, cwd=cwd, env=env,
                        timeout=900)
     if p.returncode not in (0, 1):

@@ -181,10 +181,10 @@ class ScheduleBuilder:
         the source tensor's); bytes follow the tensor's kind. Returns (send ids, recv ids).
         """
         src, dst = np.atleast_1d(src), np.atleast_1d(dst)
-        parts = np.asarray(src_tensor, dtype=np.int64).reshape(len(src), -1)
-        dst_tensor = np.atleast_1d(dst_tensor)
         if len(src) == 0:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        parts = np.asarray(src_tensor, dtype=np.int64).reshape(len(src), -1)
+        dst_tensor = np.atleast_1d(dst_tensor)
         kind, width, _, t_dtype = self._tensor_info(parts[0, 0])
         dt = dtype or DTYPES[t_dtype]
         tokens = np.zeros(len(src), dtype=np.int64)

@@ -368,7 +368,7 @@ def search_json(result: SearchResult, scheduler: str) -> dict[str, Any]:
     layout = result.workload.layout if result.layout_pinned else "any"
     return {"workload": result.workload.to_dict() | {"layout": layout},
             "topology": {"name": topo.name, "hash": topo.content_hash, "devices": topo.n_devices,
-                         "source": topo.source},
+                         "source": topo.source, "memory_bytes": result.memory_limit},
             "n_ranks": result.n_ranks, "wall_s": result.wall_s, "ring_ccr": result.ring_ccr,
             "counts": result.counts,
             "rejected": result.rejected, "candidates": cands,

@@ -121,6 +121,8 @@ def print_search(body: dict[str, Any], console: Console, top: int, wide: bool = 
         console.print(lead)
     if (vs := _vs_ring_text(body)) is not None:
         console.print(vs)
+    for line in why_lines(body):
+        console.print(line)
     for i, c in enumerate(body["candidates"], start=1):
         m = c.get("mapping_search")
         if m:
@@ -181,6 +183,53 @@ def _lead_text(candidates: list[dict[str, Any]]) -> str | None:
         text += (f"; under {NEAR_TIE:.0%} that is a near-tie, closer than the model's error (docs/accuracy.md): "
                  "run both (meshplan search --write 2, then meshplan run) to pick")
     return text
+
+
+#: exposed communication under this fraction of the time: the plan is compute-bound
+COMPUTE_BOUND = 0.1
+
+
+def why_lines(body: dict[str, Any]) -> list[str]:
+    """What decides the workload on this cluster, in words, from #1's predicted metrics (both simulated): compute-
+    or communication-bound, the bytes it moves across nodes per GPU against Ring's, the memory headroom, and what
+    makes up its lead over #2 (compute or exposed communication)."""
+    cands = body["candidates"]
+    if not cands or cands[0]["model_level"] != "simulated":
+        return []
+    one = cands[0]["predicted"]
+    t, exposed = one["makespan_s"], one["exposed_comm_s"] or 0.0
+    lines = []
+    if exposed < COMPUTE_BOUND * t:
+        head = (f"why: compute-bound — #1's communication hides behind its kernels ({fmt_seconds(exposed)} of "
+                f"{fmt_seconds(t)} exposed)")
+    elif exposed < 0.5 * t:
+        head = (f"why: mostly compute — {fmt_seconds(exposed)} of #1's {fmt_seconds(t)} is communication its "
+                "kernels cannot hide")
+    else:
+        head = (f"why: communication-bound — {fmt_seconds(exposed)} of #1's {fmt_seconds(t)} is communication its "
+                "kernels cannot hide")
+    ref = body.get("reference")
+    cross = one.get("inter_node_bytes_per_gpu_max")
+    if ref is not None and ref != cands[0] and cross is not None:
+        theirs = ref["predicted"].get("inter_node_bytes_per_gpu_max")
+        if theirs:
+            head += f"; it moves {fmt_bytes(cross)} across nodes per GPU, Ring {fmt_bytes(theirs)}"
+    memory = (body["topology"].get("memory_bytes") or 0)
+    peak = one.get("peak_memory_total_bytes")
+    if memory and peak:
+        head += f"; memory {fmt_bytes(peak)} of {fmt_bytes(memory)} per GPU"
+    lines.append(head)
+    if len(cands) > 1 and cands[1]["model_level"] == "simulated":
+        two = cands[1]["predicted"]
+        d_compute = (two.get("compute_s") or 0.0) - (one.get("compute_s") or 0.0)
+        d_comm = (two["exposed_comm_s"] or 0.0) - exposed
+        gap = two["makespan_s"] - t
+        if gap > 0:
+            what = "exposed communication" if d_comm >= d_compute else "compute on the critical rank"
+            lines.append(f"#1 beats #2 ({plan_text(cands[1])}) mostly by {what}: compute "
+                         f"{fmt_seconds(one.get('compute_s') or 0.0)} vs {fmt_seconds(two.get('compute_s') or 0.0)}, "
+                         f"exposed communication {fmt_seconds(exposed)} vs {fmt_seconds(two['exposed_comm_s'] or 0.0)}")
+    return lines
 
 
 def _vs_ring_text(body: dict[str, Any]) -> str | None:

@@ -121,3 +121,18 @@ def test_ring_is_the_reference_row(search_body):
     best = search_body["candidates"][0]["predicted"]["makespan_s"]
     assert f"#1 is {ref['predicted']['makespan_s'] / best:.2f}x as fast as Ring's best setting" in text
     assert "│ ring │" in text or "ring zigzag" in text
+
+
+def test_why_in_words(search_body):
+    """Under the table: what bounds #1 (from its exposed communication against its time), its bytes across nodes
+    against Ring's, its memory against the device's, and what #1's lead over #2 is made of."""
+    from meshplan.show.tables import why_lines
+
+    one = search_body["candidates"][0]["predicted"]
+    lines = why_lines(search_body)
+    share = one["exposed_comm_s"] / one["makespan_s"]
+    bound = "compute-bound" if share < 0.1 else "mostly compute" if share < 0.5 else "communication-bound"
+    assert lines[0].startswith(f"why: {bound}"), lines
+    assert "across nodes per GPU, Ring" in lines[0] and "of 80 GB per GPU" in lines[0]
+    if search_body["candidates"][1]["model_level"] == "simulated":
+        assert lines[1].startswith("#1 beats #2")
