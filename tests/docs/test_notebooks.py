@@ -81,3 +81,14 @@ def test_mesh_vs_ring_scaling(tmp_path, monkeypatch):
         assert got == (n - 1) * 2 * (s // n) * kv_heads * head_dim * elem_bytes   # N−1 K,V chunks of S/N tokens
     assert r["makespan_ms"]["mesh"][-1] < r["makespan_ms"]["ring"][-1]
     assert r["recv_bytes_per_gpu"]["mesh"][-1] < r["recv_bytes_per_gpu"]["ring"][-1]
+
+
+def test_the_runner_lists_every_notebook():
+    """``notebooks/run.py`` (the README's way to run them) sees every notebook, and refuses an unknown name."""
+    import subprocess
+    import sys
+    script = NOTEBOOKS / "run.py"
+    listed = subprocess.run([sys.executable, script, "--list"], capture_output=True, text=True, check=True)
+    assert listed.stdout.split() == ALL
+    bad = subprocess.run([sys.executable, script, "nope.ipynb"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "use one of" in bad.stderr
