@@ -15,10 +15,10 @@ import numpy as np
 
 from meshplan.cost.cost import CostModel
 from meshplan.cost.estimate import contended_evaluation
-from meshplan.cost.memory import model_peak_bytes, op_workspace_bytes
+from meshplan.cost.memory import model_total_bytes, op_workspace_bytes
 from meshplan.cost.symmetry import find_reduction, identity
 from meshplan.model.topology import Topology
-from meshplan.plan.dataflow import build_items, evaluate, peak_memory
+from meshplan.plan.dataflow import build_items, evaluate, peak_memories
 from meshplan.plan.schedule import BUSY_KINDS, COMPUTE, PASS_NAMES, RECV, SEND, Schedule
 
 
@@ -99,13 +99,14 @@ def schedule_timing(sched: Schedule, topo: Topology, contended: bool = False) ->
         if not ev.complete:
             raise RuntimeError("the schedule deadlocks (run meshplan validate)")
         mine = in_pass & (o.rank == crit)
+        buffers, with_workspace = peak_memories(sched, phase, start, end, workspace)
         out[PASS_NAMES[phase]] = PassTiming(
             makespan_s=makespan,
             bound_s=max(makespan, pooled, float((loads / topo.link_capacity).max(initial=0.0))),
             compute_s=float(dur[mine & busy].sum()), comm_s=float(tr[mine & (o.kind == RECV)].sum()),
             recv_bytes_max=float(by_rank.max()), inter_node_bytes_max=float(cross_rank.max()),
             flops_total=float(o.flops[in_pass & (o.kind == COMPUTE)].sum()), recv_bytes_total=float(by_rank.sum()),
-            peak_memory_bytes=float(peak_memory(sched, phase, start, end).max()),
-            peak_memory_total_bytes=model_peak_bytes(sched, topo.memory_model, phase, start, end, workspace),
+            peak_memory_bytes=float(buffers.max()),
+            peak_memory_total_bytes=model_total_bytes(topo.memory_model, float(with_workspace.max(initial=0.0))),
             estimate_s=estimate)
     return out

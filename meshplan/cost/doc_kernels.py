@@ -77,9 +77,12 @@ def many_covers(sched: Schedule, ops: np.ndarray) -> bool:
         sel = ops[(nq == mq) & (nk == mk)]
         rows = np.concatenate([o.q_chunks[o.qc_ptr[sel][:, None] + np.arange(mq)],
                                o.kv_chunks[o.kvc_ptr[sel][:, None] + np.arange(mk)]], axis=1)
-        distinct += len(np.unique(rows, axis=0))
-        if distinct > MAX_COVERS:
-            return True
+        rows = np.ascontiguousarray(rows).view(np.dtype((np.void, rows.dtype.itemsize * rows.shape[1]))).ravel()
+        for part in (rows[:4 * MAX_COVERS], rows):         # a prefix usually settles it
+            seen = len(np.unique(part))
+            if distinct + seen > MAX_COVERS:
+                return True
+        distinct += seen
     return False
 
 

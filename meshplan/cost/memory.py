@@ -55,8 +55,13 @@ def model_peak_bytes(sched: Schedule, spec: MemorySpec, phase: int, start: np.nd
     ``overhead_factor`` x (buffers + each op's workspace while it runs) + ``runtime_bytes``. ``workspace``:
     :func:`op_workspace_bytes` when the caller has it already."""
     ws = op_workspace_bytes(sched, spec) if workspace is None else workspace
-    return spec.overhead_factor * float(peak_memory(sched, phase, start, end, ws).max(initial=0.0)) \
-        + spec.runtime_bytes
+    return model_total_bytes(spec, float(peak_memory(sched, phase, start, end, ws).max(initial=0.0)))
+
+
+def model_total_bytes(spec: MemorySpec, peak_with_workspace: float) -> float:
+    """The memory model's total from a pass's peak of buffers and op workspace (bytes, max over ranks):
+    ``overhead_factor`` x that + ``runtime_bytes``."""
+    return spec.overhead_factor * peak_with_workspace + spec.runtime_bytes
 
 
 def kernel_workspace_bytes(spec: MemorySpec, dtype: str, pass_: str, batch: int, heads: int, head_dim: int,

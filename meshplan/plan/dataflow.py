@@ -143,7 +143,9 @@ def evaluate(items: Items, duration: np.ndarray, transfer_s: np.ndarray) -> Eval
             np.maximum.at(t_end, owner, start[owner] + duration[ops])
             pending[plain] = 0
         late = _pair_up(items, comm, was_started, started, start, pending, t_end, transfer_s)
-        done = np.union1d(frontier[pending[frontier] == 0], late[pending[late] == 0])
+        done = frontier[pending[frontier] == 0]                      # sorted and unique, as frontier is
+        if len(late):
+            done = np.union1d(done, late[pending[late] == 0])
         end[done] = t_end[done]
         succ, owner = _gather(items.succ_ptr, items.succs, done)
         np.maximum.at(ready_at, succ, end[owner])
@@ -181,6 +183,14 @@ def peak_memory(sched: Schedule, phase: int, op_start: np.ndarray, op_end: np.nd
     each op of the pass also holds that much from its start to its end. At equal times frees come before
     allocations.
     """
+    buffers, total = peak_memories(sched, phase, op_start, op_end, transient)
+    return buffers if transient is None else total
+
+
+def peak_memories(sched: Schedule, phase: int, op_start: np.ndarray, op_end: np.ndarray,
+                  transient: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """([n_ranks] peak of the tensors alone, [n_ranks] peak with ``transient`` too) from one sort of the events
+    (:func:`peak_memory`; the two are equal without ``transient``)."""
     t = sched.tensors
     sel = np.flatnonzero(t.phase == phase)
     pass_end = np.nanmax(op_end[sched.ops.phase == phase]) if (sched.ops.phase == phase).any() else 0.0
@@ -205,12 +215,20 @@ def peak_memory(sched: Schedule, phase: int, op_start: np.ndarray, op_end: np.nd
         ev_time = np.r_[ev_time, op_start[ops], op_end[ops]]
         ev_delta = np.r_[ev_delta, transient[ops], -transient[ops]]
     order = np.lexsort((ev_delta, ev_time, ev_rank))
-    cum = np.cumsum(ev_delta[order])
     ranks_sorted = ev_rank[order]
     first = np.r_[True, ranks_sorted[1:] != ranks_sorted[:-1]] if len(order) else np.zeros(0, dtype=bool)
     first_idx = np.flatnonzero(first)
-    offset = np.r_[0.0, cum[first_idx[1:] - 1]]
-    level = cum - offset[np.cumsum(first) - 1]
-    peak = np.zeros(sched.n_ranks)
-    np.maximum.at(peak, ranks_sorted, level)
-    return peak
+    group = np.cumsum(first) - 1
+
+    def peak_of(delta):
+        cum = np.cumsum(delta[order])
+        level = cum - np.r_[0.0, cum[first_idx[1:] - 1]][group]
+        peak = np.zeros(sched.n_ranks)
+        np.maximum.at(peak, ranks_sorted, level)
+        return peak
+
+    total = peak_of(ev_delta)
+    if transient is None:
+        return total, total
+    n_tensor = 2 * len(sel)                 # the tensors' events come first; the ops' transients after them
+    return peak_of(np.r_[ev_delta[:n_tensor], np.zeros(len(ev_delta) - n_tensor)]), total
