@@ -27,7 +27,7 @@ RESULTS = HERE / "results"
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 BLOCK = re.compile(r"(<!-- generated:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /generated:(?P=name) -->)", re.S)
-MAIN_JOB = ["search", "--gpus", "256", "--topo", "h100x32.yaml", "--top", "8"]
+MAIN_JOB = ["search", "--gpus", "256", "--topo", "h100x32.yaml", "--top", "6"]
 CLI_EXAMPLES = {
     "simulate": ["simulate", "--algo", "ring", "--gpus", "8", "--topo", "l20x8", "--seq-len", "64K", "--heads", "8",
                  "--kv-heads", "8", "--head-dim", "128", "--pass", "fwd"],
@@ -65,7 +65,7 @@ def block_main_job(r) -> str:
         return NO_CLI
     m, best, ring = cli["main"], cli["main_best"], cli["main_ring"]
     return (f"The main job above prints (`benchmarks/readme.py --run-cli`, {cli['date']}; times are predictions; "
-            f"`COLUMNS=100`, `--top 8`):\n\n```\n{m['stdout'].rstrip()}\n```\n\n"
+            f"`COLUMNS=100`, `--top 6`):\n\n```\n{m['stdout'].rstrip()}\n```\n\n"
             f"- **{best['algorithm']} wins here**: {ms(best['makespan_s'])} predicted, against "
             f"{ms(ring['makespan_s'])} for the best Ring ({ring['makespan_s'] / best['makespan_s']:.2f}x), "
             f"{best['bytes_GB']:.2f} GB received per GPU against Ring's {ring['bytes_GB']:.2f} GB.\n")

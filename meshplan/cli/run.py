@@ -117,6 +117,7 @@ def print_run(meas, cmp: dict[str, Any] | None, console: Console) -> None:
                   fmt_seconds(row["predicted_s"]) if row else "-", _pct(row.get("error_pct")))
     console.print(t)
     _print_speed((cmp or {}).get("host_speed"), e2e, console)
+    _print_contention((cmp or {}).get("contention"), console)
     mem = f"peak memory per rank: {fmt_bytes(meas.peak_memory_bytes)} measured ({meas.peak_memory_kind})"
     if cmp:
         mem += f", {fmt_bytes(cmp['peak_memory']['predicted_bytes'])} predicted"
@@ -142,6 +143,13 @@ def _print_speed(speed: dict | None, e2e: dict, console: Console) -> None:
     console.print(f"host speed: probe {speed['probe_ms']:.1f} ms, {how} at calibration "
                   f"({speed['calibrated_probe_ms']:.1f} ms); total error with that drift taken out: {_pct(adj)}",
                   soft_wrap=True)
+
+
+def _print_contention(c: dict | None, console: Console) -> None:
+    """One line: contention on the host or the kernel model (:mod:`meshplan.truth.contention`)."""
+    from meshplan.truth.contention import contention_text
+    if (text := contention_text(c)) is not None:
+        console.print(text)
 
 
 def _print_stream_cpu(cpu: dict[str, float] | None, console: Console) -> None:
@@ -182,6 +190,7 @@ def _print_comparison(schedule: str, measurement: str, body: dict[str, Any]) -> 
         t.add_row(name, fmt_seconds(r["predicted_s"]), fmt_seconds(r["measured_s"]), _pct(r["error_pct"]))
     console.print(t)
     _print_speed(body.get("host_speed"), body["end_to_end"], console)
+    _print_contention(body.get("contention"), console)
     t = Table("pass", "op kind", "ops", "predicted (sum)", "measured (sum)", "error")
     for r in body["per_kind"]:
         t.add_row(r["pass"], r["kind"], str(r["ops"]), fmt_seconds(r["predicted_s"]), fmt_seconds(r["measured_s"]),

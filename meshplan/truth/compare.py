@@ -69,9 +69,11 @@ def compare_files(schedule_path: str, measurement_path: str, topo: str | None = 
 
 def compare(sched, ids: list[int], meas: MeasurementJSON, topo: str | None = None) -> dict[str, Any]:
     """The comparison body; ``ids[i]`` is the file's id of in-memory op i."""
+    from meshplan.cost.cost import CostModel
     from meshplan.cost.metrics import pass_metrics
     from meshplan.cost.simulate import simulate
     from meshplan.model.topology import Topology
+    from meshplan.truth.contention import contention
 
     topo_obj = Topology.load(topo or sched.topology["name"], sched.topology.get("devices"))
     sim = simulate(sched, topo_obj)
@@ -105,6 +107,8 @@ def compare(sched, ids: list[int], meas: MeasurementJSON, topo: str | None = Non
         "per_step": _per_step(sched, p_end, m_end),
         "executor_overhead": executor_overhead(sched, m_start, m_end),
         "stream_cpu_s": stream_cpu(meas),
+        "contention": contention(sched, CostModel(topo_obj).op_durations(sched), p_start, p_end, m_start, m_end,
+                                 meas),
         "peak_memory": _row({"predicted_bytes": float(peak_pred), "measured_bytes": float(meas.peak_memory_bytes)},
                             "predicted_bytes", "measured_bytes") | {"measured_kind": meas.peak_memory_kind},
         "memory_rise": _memory_rise(float(peak_pred), total_pred, topo_obj.memory_model.source, meas),
