@@ -100,7 +100,7 @@ def print_run(meas, cmp: dict[str, Any] | None, console: Console) -> None:
     verdict = "not checked (--no-check)" if n.checked == "off" else ("passed" if n.passed else "FAILED") + how
     console.print(f"{meas.algorithm}: {len(meas.ranks)} ranks ({meas.env.get('backend')}), {s['iters']} timed "
                   f"iterations after {s['warmup']} warm-up{', serialized' if s['serialize'] else ''}; "
-                  f"numerics {verdict}", soft_wrap=True)
+                  f"numerics {verdict}")
     if n.checked != "off":
         t = Table("tensor", "max |error|", "bound", "1-process error", "floor", "ok")
         for name, e in n.tensors.items():
@@ -128,7 +128,7 @@ def print_run(meas, cmp: dict[str, Any] | None, console: Console) -> None:
                     f"runtime) predicts {fmt_bytes(rise['predicted_bytes'])}, error {_pct(rise['error_pct'])}")
         if cmp["note"]:
             mem += f"\nnote: {cmp['note']}"
-    console.print(mem, soft_wrap=True)
+    console.print(mem)
     from meshplan.truth.compare import stream_cpu
     _print_stream_cpu(stream_cpu(meas), console)
 
@@ -141,8 +141,7 @@ def _print_speed(speed: dict | None, e2e: dict, console: Console) -> None:
     how = f"{abs(r - 1) * 100:.0f}% {'slower' if r >= 1 else 'faster'} than"
     adj = e2e.get("total", {}).get("speed_adjusted_error_pct")
     console.print(f"host speed: probe {speed['probe_ms']:.1f} ms, {how} at calibration "
-                  f"({speed['calibrated_probe_ms']:.1f} ms); total error with that drift taken out: {_pct(adj)}",
-                  soft_wrap=True)
+                  f"({speed['calibrated_probe_ms']:.1f} ms); total error with that drift taken out: {_pct(adj)}")
 
 
 def _print_contention(c: dict | None, console: Console) -> None:
@@ -156,8 +155,7 @@ def _print_stream_cpu(cpu: dict[str, float] | None, console: Console) -> None:
     """One line: each stream thread's CPU time per iteration (median over ranks)."""
     if cpu:
         each = ", ".join(f"{s} {fmt_seconds(v)}" for s, v in cpu.items())
-        console.print(f"thread CPU per iteration (median over ranks; the backend's own threads not counted): {each}",
-                      soft_wrap=True)
+        console.print(f"thread CPU per iteration (median over ranks; the backend's own threads not counted): {each}")
 
 
 def _pct(x) -> str:
@@ -182,9 +180,9 @@ def compare_command(schedule: str, measurement: str, topo: str | None, as_json: 
 def _print_comparison(schedule: str, measurement: str, body: dict[str, Any]) -> None:
     """The human tables of ``meshplan compare``."""
     console = out_console()
-    console.print(f"{schedule} on {body['topology']} against {measurement} ({body['backend']})", soft_wrap=True)
+    console.print(f"{schedule} on {body['topology']} against {measurement} ({body['backend']})")
     if body["note"]:
-        console.print(f"note: {body['note']}", soft_wrap=True)
+        console.print(f"note: {body['note']}")
     t = Table("end to end", "predicted", "measured", "error")
     for name, r in body["end_to_end"].items():
         t.add_row(name, fmt_seconds(r["predicted_s"]), fmt_seconds(r["measured_s"]), _pct(r["error_pct"]))
@@ -211,7 +209,7 @@ def _print_comparison(schedule: str, measurement: str, body: dict[str, Any]) -> 
                       f"({rise['kind']}), "
                       f"predicted {fmt_bytes(rise['predicted_bytes'])} (the memory model, {calibrated}: buffers + "
                       f"workspace + runtime), error {_pct(rise['error_pct'])}; the buffers alone "
-                      f"{fmt_bytes(rise['predicted_buffers_bytes'])}", soft_wrap=True)
+                      f"{fmt_bytes(rise['predicted_buffers_bytes'])}")
     over = ", ".join(f"{p} {o['overhead_pct']:.1f}%" for p, o in body["executor_overhead"].items())
     console.print(f"executor overhead (makespan − critical path of measured ops): {over}")
     _print_stream_cpu(body.get("stream_cpu_s"), console)
