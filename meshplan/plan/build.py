@@ -34,43 +34,54 @@ _SCALARS = {  # op field -> (dtype, default)
 _LISTS = {"deps": "dep_ptr", "inputs": "in_ptr", "outputs": "out_ptr", "q_chunks": "qc_ptr", "kv_chunks": "kvc_ptr"}
 
 
-def _scalar(blocks: list[dict], name: str, dtype, default) -> np.ndarray:
+def _scalar(blocks: list[dict], name: str, dtype, default, lengths: list[int] | None = None) -> np.ndarray:
+    """One field of every block's ops, concatenated: a block holds a scalar (all its ops) or an array [k]."""
     values = [b.get(name, default) for b in blocks]
-    lengths = [len(b["rank"]) for b in blocks]
-    if all(np.ndim(v) == 0 for v in values):
+    lengths = [len(b["rank"]) for b in blocks] if lengths is None else lengths
+    if not any(isinstance(v, (np.ndarray, list, tuple)) for v in values):
         return np.repeat(np.asarray(values, dtype=dtype), lengths)
-    parts = [np.full(k, v, dtype=dtype) if np.ndim(v) == 0 else np.asarray(v, dtype=dtype)
-             for v, k in zip(values, lengths)]
+    parts = [np.asarray(v, dtype=dtype) if isinstance(v, (np.ndarray, list, tuple)) and np.ndim(v) else
+             np.full(k, v, dtype=dtype) for v, k in zip(values, lengths)]
     return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
 
 
-def _ragged(blocks: list[dict], name: str) -> tuple[np.ndarray, np.ndarray]:
-    """Concatenate per-block [k, m] arrays (−1 = empty slot) into CSR (ptr, values)."""
-    counts, values = [], []
-    for b in blocks:
-        k = len(b["rank"])
-        arr = np.asarray(b.get(name, np.full((k, 0), -1)), dtype=np.int64).reshape(k, -1)
-        keep = arr >= 0
-        counts.append(keep.sum(axis=1))
-        values.append(arr[keep])
-    cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)  # noqa: E731
-    return csr_ptr(cat(counts)), cat(values)
+def _ragged(blocks: list[dict], name: str, lengths: list[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenate per-block [k, m] arrays (−1 = empty slot) into CSR (ptr, values): every block flattened and
+    joined once, each op's row counted by one reduction (no per-block masking)."""
+    lengths = [len(b["rank"]) for b in blocks] if lengths is None else lengths
+    flat, widths = [], []
+    for b, k in zip(blocks, lengths):
+        v = b.get(name)
+        arr = np.zeros(0, dtype=np.int64) if v is None else np.asarray(v, dtype=np.int64).ravel()
+        flat.append(arr)
+        widths.append(len(arr) // k if k else 0)
+    n_ops = int(sum(lengths))
+    if not flat or n_ops == 0:
+        return np.zeros(n_ops + 1, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    values = np.concatenate(flat)
+    width = np.repeat(np.asarray(widths, dtype=np.int64), lengths)              # [n_ops] slots per op
+    keep = values >= 0
+    row_end = np.cumsum(width)
+    kept = np.concatenate([[0], np.cumsum(keep)])
+    counts = kept[row_end] - kept[row_end - width]
+    return csr_ptr(counts), values[keep]
 
 
 def assemble(builder, topology: dict[str, Any]) -> Schedule:
     """Build the Schedule: stable-sort ops by rank, remap op ids in deps, allocs and frees."""
     blocks = builder._ops
-    rank = _scalar(blocks, "rank", np.int64, 0)
+    lengths = [len(b["rank"]) for b in blocks]
+    rank = _scalar(blocks, "rank", np.int64, 0, lengths)
     order = np.argsort(rank, kind="stable")
     new_id = np.empty(len(order), dtype=np.int64)
     new_id[order] = np.arange(len(order))
     fields: dict[str, np.ndarray] = {"rank": rank[order]}
     for name in ("kind", "stream", "phase"):
-        fields[name] = _scalar(blocks, name, np.int8 if name != "stream" else np.int16, 0)[order]
+        fields[name] = _scalar(blocks, name, np.int8 if name != "stream" else np.int16, 0, lengths)[order]
     for name, (dtype, default) in _SCALARS.items():
-        fields[name] = _scalar(blocks, name, dtype, default)[order]
+        fields[name] = _scalar(blocks, name, dtype, default, lengths)[order]
     for name, ptr_name in _LISTS.items():
-        ptr, values = _ragged(blocks, name)
+        ptr, values = _ragged(blocks, name, lengths)
         ptr, values = csr_take(ptr, values, order)
         fields[ptr_name], fields[name] = ptr, (new_id[values] if name == "deps" else values)
     ops = OpTable(**fields)

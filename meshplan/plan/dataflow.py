@@ -214,17 +214,23 @@ def peak_memories(sched: Schedule, phase: int, op_start: np.ndarray, op_end: np.
         ev_rank = np.r_[ev_rank, sched.ops.rank[ops], sched.ops.rank[ops]]
         ev_time = np.r_[ev_time, op_start[ops], op_end[ops]]
         ev_delta = np.r_[ev_delta, transient[ops], -transient[ops]]
-    order = np.lexsort((ev_delta, ev_time, ev_rank))
-    ranks_sorted = ev_rank[order]
+    # by rank, then time: a stable sort by time, then a stable (radix) sort by rank. Events at one instant of one
+    # rank are taken together: with frees before allocations there, the level peaks at the instant's end
+    by_time = np.argsort(ev_time, kind="stable")
+    rank_key = ev_rank[by_time].astype(np.int16 if sched.n_ranks < 2**15 else np.int64)
+    order = by_time[np.argsort(rank_key, kind="stable")]
+    ranks_sorted, times_sorted = ev_rank[order], ev_time[order]
     first = np.r_[True, ranks_sorted[1:] != ranks_sorted[:-1]] if len(order) else np.zeros(0, dtype=bool)
     first_idx = np.flatnonzero(first)
     group = np.cumsum(first) - 1
+    instant_end = np.r_[(ranks_sorted[1:] != ranks_sorted[:-1]) | (times_sorted[1:] != times_sorted[:-1]), True] \
+        if len(order) else np.zeros(0, dtype=bool)
 
     def peak_of(delta):
         cum = np.cumsum(delta[order])
-        level = cum - np.r_[0.0, cum[first_idx[1:] - 1]][group]
+        level = (cum - np.r_[0.0, cum[first_idx[1:] - 1]][group])[instant_end]
         peak = np.zeros(sched.n_ranks)
-        np.maximum.at(peak, ranks_sorted, level)
+        np.maximum.at(peak, ranks_sorted[instant_end], level)
         return peak
 
     total = peak_of(ev_delta)

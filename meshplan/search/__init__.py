@@ -46,7 +46,7 @@ PRUNE_SLACK = 0.01
 #: 1024 ranks took 750 s) is left at its closed-form bound once another candidate has been simulated.
 FULL_SIM_MAX_RANKS = 256
 #: Ring settings simulated at most to find its best for the reference row
-REFERENCE_SIMULATIONS = 4
+REFERENCE_SIMULATIONS = 2
 #: Above this many ranks, methods whose closed form builds the schedule are searched in zigzag only.
 #: Knobs search varies by default (numerically neutral); others stay at their defaults unless given.
 SEARCHED = {"ring": {"dkv_hops": ("n", "n-1")}, "pass-q": {"dq_hops": ("n", "n-1")}}
@@ -184,7 +184,7 @@ def _ring_reference(cands: list[Candidate], bnb: _BranchAndBound) -> Candidate |
 
     for c in sorted(ring, key=lambda c: c.bound_s)[:REFERENCE_SIMULATIONS]:   # until no bound beats the best
         best = min((time_of(r) for r in ring if r.model_level == "simulated"), default=float("inf"))
-        if c.bound_s >= best:
+        if c.bound_s >= best * (1 - bnb.prune_slack):                          # as the search prunes
             break
         if c.model_level != "simulated" and (bnb.n <= FULL_SIM_MAX_RANKS or reduces(c, bnb.topo)):
             simulate_candidate(c, bnb.topo, bnb.ccr)
