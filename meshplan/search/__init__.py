@@ -24,6 +24,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
+
 from meshplan import algorithms
 from meshplan.algorithms.base import BuildCache
 from meshplan.algorithms.ring import ring_ccr
@@ -37,6 +39,7 @@ from meshplan.search.candidate import (
     Candidate,
     closed_form_predicted,
     make_candidate,
+    ranked,
     reduces,
     simulate_candidate,
 )
@@ -46,7 +49,7 @@ PRUNE_SLACK = 0.01
 #: 1024 ranks took 750 s) is left at its closed-form bound once another candidate has been simulated.
 FULL_SIM_MAX_RANKS = 256
 #: Ring settings simulated at most to find its best for the reference row
-REFERENCE_SIMULATIONS = 2
+REFERENCE_SIMULATIONS = 4
 #: Above this many ranks, methods whose closed form builds the schedule are searched in zigzag only.
 #: Knobs search varies by default (numerically neutral); others stay at their defaults unless given.
 SEARCHED = {"ring": {"dkv_hops": ("n", "n-1")}, "pass-q": {"dq_hops": ("n", "n-1")}}
@@ -97,6 +100,7 @@ def enumerate_candidates(base: Workload, topo: Topology, n: int, algos: list[str
         if few is not None and n > few and not layout_pinned:       # the balanced layout only
             skipped[f"only zigzag searched above {few} ranks"] += len(layouts) - 1
             layouts = ["zigzag"]
+        seen: list = []                                              # matrices of the layouts kept so far
         for layout in layouts:
             w = base.with_(layout=layout)
             try:
@@ -104,6 +108,11 @@ def enumerate_candidates(base: Workload, topo: Topology, n: int, algos: list[str
             except UserError:
                 skipped[f"sequence cannot be split by the {layout} layout"] += 1
                 continue
+            if matrix is not None and any(same_computation(matrix, m) for m in seen):
+                skipped["layouts that are the same computation (every block alike)"] += 1
+                continue
+            if matrix is not None:
+                seen.append(matrix)
             own_space = type(alg).knob_space is not algorithms.Algorithm.knob_space
             settings = alg.knob_space(w, topo, n, filters) if own_space else _knob_settings(name, filters, w)
             fwd_only = alg.forward_only and "bwd" in w.pass_list
@@ -117,6 +126,17 @@ def enumerate_candidates(base: Workload, topo: Topology, n: int, algos: list[str
                 c.forward_only = fwd_only
                 cands.append(c)
     return cands, skipped
+
+
+def same_computation(a, b) -> bool:
+    """Whether two attention matrices of one workload under different layouts are the same computation: every
+    block has the same pairs, the same participating rows and keys and the same mask need (a full mask without
+    padding: each layout only renames the tokens), so every plan costs the same on both."""
+    return (a.n == b.n and np.array_equal(a.pairs, b.pairs) and np.array_equal(a.s_q, b.s_q)
+            and np.array_equal(a.s_kv, b.s_kv) and np.array_equal(a.elementwise, b.elementwise)
+            and np.array_equal(a.chunks.tokens, b.chunks.tokens)
+            and np.array_equal(a.chunks.q_tokens, b.chunks.q_tokens)
+            and a.workload.mask.kind == b.workload.mask.kind == "full")
 
 
 def _knob_settings(name: str, filters: dict[str, Any], w: Workload) -> list[dict[str, Any]]:
@@ -158,16 +178,15 @@ def run_search(base: Workload, topo: Topology, n: int, *, algos: list[str] | Non
     reference = _ring_reference(cands, bnb)
     builds.clear()
     cands = [c for c in cands if c.model_level != "over-memory"]
-    sim = sorted((c for c in cands if c.model_level == "simulated"), key=lambda c: c.predicted.makespan_s)
-    cf = sorted((c for c in cands if c.model_level != "simulated"), key=lambda c: c.bound_s)
     _rank_forward_only(fwd_only, topo, ccr)
-    if bnb.over and not sim and not cf and not fwd_only:
+    if bnb.over and not cands and not fwd_only:
         peak, label = min(bnb.over)
         raise _no_fit(memory_limit, given, f"{fmt_bytes(peak)} ({label}, simulated)")
-    counts = {"enumerated": len(cands) + len(fwd_only) + skipped[_OVER[given]], "pruned": len(cf),
-              "simulated": len(sim) + len(fwd_only), "skipped": dict(skipped), "not_simulated": dict(bnb.unsimulated),
+    n_sim = sum(c.model_level == "simulated" for c in cands)
+    counts = {"enumerated": len(cands) + len(fwd_only) + skipped[_OVER[given]], "pruned": len(cands) - n_sim,
+              "simulated": n_sim + len(fwd_only), "skipped": dict(skipped), "not_simulated": dict(bnb.unsimulated),
               "prune_slack": prune_slack}
-    return SearchResult(base, topo, n, sim + cf + fwd_only, counts, time.perf_counter() - t0, ccr, rejected,
+    return SearchResult(base, topo, n, ranked(cands + fwd_only), counts, time.perf_counter() - t0, ccr, rejected,
                         layout_pinned, memory_limit, reference)
 
 
@@ -189,7 +208,11 @@ def _ring_reference(cands: list[Candidate], bnb: _BranchAndBound) -> Candidate |
         if c.model_level != "simulated" and (bnb.n <= FULL_SIM_MAX_RANKS or reduces(c, bnb.topo)):
             simulate_candidate(c, bnb.topo, bnb.ccr)
             forget_built(c)
-    return min(ring, key=lambda c: (time_of(c), c.model_level != "simulated"))
+    sim = [r for r in ring if r.model_level == "simulated"]
+    best = min(sim, key=time_of) if sim else None
+    lower = [r for r in ring if r.model_level != "simulated"
+             and (best is None or r.bound_s < time_of(best) * (1 - bnb.prune_slack))]
+    return min(lower, key=time_of) if lower else best       # a bound well below the best simulated stays shown
 
 
 @dataclass
@@ -228,6 +251,7 @@ class _BranchAndBound:
             return
         if self.n > FULL_SIM_MAX_RANKS and self.leader is not None and not reduces(c, self.topo):
             c.predicted = closed_form_predicted(c, self.ccr)
+            c.not_simulated = f"no node symmetry above {FULL_SIM_MAX_RANKS} ranks: simulating it runs every rank"
             self.unsimulated[f"no node symmetry above {FULL_SIM_MAX_RANKS} ranks (simulate it alone)"] += 1
             forget_built(c)
             return
@@ -373,4 +397,22 @@ def search_json(result: SearchResult, scheduler: str) -> dict[str, Any]:
             "counts": result.counts,
             "rejected": result.rejected, "candidates": cands,
             "reference": (cands[result.candidates.index(result.reference)] if result.reference is not None
-                          else None)}
+                          else None),
+            "not_proven": not_proven(result)}
+
+
+def not_proven(result: SearchResult) -> list[dict[str, Any]]:
+    """The candidates left at a lower bound that is more than the prune slack below the pick's simulated time
+    (the search could not simulate them: ``Candidate.not_simulated``): the pick is not proven the best while they
+    stand. Each: its 1-based ``rank`` in the table, ``bound_s``, ``reason`` and the ``simulate`` command that
+    times it alone."""
+    from meshplan.search.candidate import simulate_command
+
+    cands = result.candidates
+    if not cands or cands[0].model_level != "simulated":
+        return []
+    best, slack = cands[0].predicted.makespan_s, result.counts.get("prune_slack", 0.0)
+    return [{"rank": i, "algorithm": c.algorithm, "bound_s": c.bound_s, "reason": c.not_simulated or "not simulated",
+             "simulate": simulate_command(c, result.topology)}
+            for i, c in enumerate(cands, start=1)
+            if c.model_level != "simulated" and not c.forward_only and c.bound_s < best * (1 - slack)]

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from meshplan import algorithms
-from meshplan.algorithms.base import BuildCache, PassTiming
+from meshplan.algorithms.base import BuildCache, PassTiming, knob_flag
 from meshplan.algorithms.ring import ring_ccr
 from meshplan.core.errors import SkipCandidate, UserError
 from meshplan.cost.metrics import KEYS, PassMetrics, Prediction, combine, imbalance, predicted
@@ -46,6 +46,7 @@ class Candidate:
     mapping_search: dict[str, Any] | None = None   # search --map-search: what the placement search found
     job: dict[str, Any] | None = None     # search --tp/--dp: {alone_s, together_s} of the whole job
     documents: dict[str, Any] | None = None   # docs masks: what the documents cost it, kept when the schedule goes
+    not_simulated: str | None = None   # why the search left it at its bound although the bound could beat the pick
 
     @property
     def bound_s(self) -> float:
@@ -97,6 +98,36 @@ def make_candidate(name: str, workload: Workload, topo: Topology, n_ranks: int, 
     else:
         timing = alg.timing(plan, topo)
     return Candidate(name, workload, plan.knobs, n_ranks, plan=plan, timing=timing)
+
+
+def ranked(cands: list[Candidate]) -> list[Candidate]:
+    """The table's order: the fastest simulated candidate first (the pick), then every other by its time —
+    simulated, or its closed-form lower bound — so no bound that could beat a simulated row is listed under it;
+    forward-only methods in a fwd+bwd search last, in their own order. Stable: ranking twice changes nothing."""
+    both = [c for c in cands if not c.forward_only]
+    sim = [c for c in both if c.model_level == "simulated"]
+    first = min(sim, key=lambda c: c.predicted.makespan_s) if sim else None
+    time_of = lambda c: c.predicted.makespan_s if c.model_level == "simulated" else c.bound_s  # noqa: E731
+    rest = sorted((c for c in both if c is not first), key=time_of)
+    return ([first] if first is not None else []) + rest + [c for c in cands if c.forward_only]
+
+
+def topology_arg(topo: Topology) -> str:
+    """How a command line names ``topo``: its shipped name, else the path of its file."""
+    from pathlib import Path
+    shipped = Path(__file__).resolve().parents[1] / "topologies"
+    path = Path(topo.source) if topo.source else None
+    return topo.name if path is None or path.resolve().parent == shipped else str(path)
+
+
+def simulate_command(cand: Candidate, topo: Topology) -> str:
+    """The ``meshplan simulate`` command that times this candidate alone (every flag: method, knobs that differ
+    from the defaults, ranks, topology, workload)."""
+    defaults = {k: kn.default for k, kn in algorithms.get(cand.algorithm).knobs.items()}
+    knobs = [f"{knob_flag(k)}={v}" if knob_flag(k).startswith("--knob") else f"{knob_flag(k)} {v}"
+             for k, v in cand.knobs.items() if v is not None and v != defaults.get(k) and v != "auto"]
+    return " ".join(["meshplan simulate --algo", cand.algorithm, f"--gpus {cand.n_ranks}",
+                     f"--topo {topology_arg(topo)}", cand.workload.cli_flags(), *knobs])
 
 
 def simulate_candidate(cand: Candidate, topo: Topology, ccr: float | None) -> Candidate:

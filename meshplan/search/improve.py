@@ -21,7 +21,7 @@ from meshplan import algorithms
 from meshplan.cost.metrics import predicted
 from meshplan.cost.simulate import simulate
 from meshplan.plan.verify import verify
-from meshplan.search.candidate import Candidate
+from meshplan.search.candidate import Candidate, ranked
 
 #: Largest model (intervals) the search gives to CP-SAT: the scheduling notes found proofs up to ~500 fixed
 #: intervals in seconds and gaps of 2-3% at 2k-8k in 10-30 s on 2 cores.
@@ -143,9 +143,7 @@ def _schedule_of(c: Candidate, topo):
 
 def _rerank(result, sim: list[Candidate]) -> None:
     """The simulated candidates by predicted makespan, then the rest in their order."""
-    ids = {id(c) for c in sim}
-    result.candidates[:] = sorted(sim, key=lambda c: c.predicted.makespan_s) + \
-        [c for c in result.candidates if id(c) not in ids]
+    result.candidates[:] = ranked(result.candidates)
 
 
 def _buffer_budget(sched, topo, memory_limit: float | None) -> float:

@@ -34,7 +34,7 @@ from meshplan import algorithms
 from meshplan.core.errors import UserError
 from meshplan.cost.simulate import simulate
 from meshplan.model.topology import LINK_CLASSES, Topology
-from meshplan.search.candidate import jsonable, simulate_candidate
+from meshplan.search.candidate import jsonable, ranked, simulate_candidate
 
 PICKS = ("nominal", "robust")
 PERTURBED = ("bandwidth", "latency", "efficiency")
@@ -133,21 +133,20 @@ def perturbed_topology(topo: Topology, f: Factors, tag: str = "perturbed") -> To
 
 def _eligible(result, top: int, progress) -> tuple[list, set[int]]:
     """The ``top`` best candidates ranked on all passes, simulated (those left at their bound are simulated now;
-    their ids returned), the search's simulated candidates re-sorted by makespan as
-    :mod:`meshplan.search.improve` does."""
-    chosen = [c for c in result.candidates if not c.forward_only][:top]
-    fresh = set()
-    for k, c in enumerate(chosen):
-        if c.model_level != "simulated":
+    their ids returned), the candidates re-ranked (:func:`~meshplan.search.candidate.ranked`) until the top ones
+    are all simulated: a simulated time can fall below another's bound, which then joins the top."""
+    fresh: set[int] = set()
+    while True:
+        chosen = [c for c in result.candidates if not c.forward_only][:top]
+        todo = [c for c in chosen if c.model_level != "simulated"]
+        if not todo:
+            return chosen, fresh
+        for k, c in enumerate(todo):
             if progress:
-                progress(k, len(chosen), f"simulating {c.algorithm} {c.workload.layout}")
+                progress(k, len(todo), f"simulating {c.algorithm} {c.workload.layout}")
             simulate_candidate(c, result.topology, result.ring_ccr)
             fresh.add(id(c))
-    sim = [c for c in result.candidates if c.model_level == "simulated" and not c.forward_only]
-    ids = {id(c) for c in sim}
-    result.candidates[:] = sorted(sim, key=lambda c: c.predicted.makespan_s) + \
-        [c for c in result.candidates if id(c) not in ids]
-    return [c for c in result.candidates if not c.forward_only][:top], fresh
+        result.candidates[:] = ranked(result.candidates)
 
 
 def sample_times(cands: list, topo: Topology, factors: list[Factors], progress=None,

@@ -117,6 +117,11 @@ def print_search(body: dict[str, Any], console: Console, top: int, wide: bool = 
         console.print(table)
     if docs:
         console.print(_doc_legend(body["candidates"]))
+    for u in body.get("not_proven", []):
+        best = fmt_seconds(body["candidates"][0]["predicted"]["makespan_s"])
+        console.print(f"not proven best: #{u['rank']} ({u['algorithm']}) has a lower bound of "
+                      f"{fmt_seconds(u['bound_s'])}, below #1's {best}, and was not simulated ({u['reason']}); "
+                      f"time it alone: {u['simulate']}")
     if lead := _lead_text(body["candidates"]):
         console.print(lead)
     if (vs := _vs_ring_text(body)) is not None:
@@ -177,6 +182,8 @@ def _lead_text(candidates: list[dict[str, Any]]) -> str | None:
         return None
     bound = candidates[1]["model_level"] != "simulated"
     gap = (b - a) / a
+    if gap < 0:                          # a bound below the pick: said by the not-proven line, not as a lead
+        return None
     text = (f"#1 leads #2 by {'at least ' if bound else ''}{gap:.1%} (predicted"
             f"{'; #2 at its closed-form lower bound' if bound else ''})")
     if gap < NEAR_TIE:

@@ -126,3 +126,51 @@ def test_search_shows_documents_and_tile_waste():
                            "--algos", "ring,ulysses,usp", "--json").stdout)["candidates"]
     simulated = [c for c in every if c["model_level"] == "simulated"]
     assert len(simulated) > 1 and all(c["documents"]["count"] == 64 for c in simulated)   # not only #1's
+
+
+def test_layouts_that_are_the_same_computation_are_one_row():
+    """Under a full mask every layout only renames the tokens: each (method, knobs) is searched once, the other
+    layouts counted as skipped; under a causal mask the layouts differ and all stay. The times are those of the
+    layout kept, whichever it is (checked against simulating another layout directly)."""
+    from meshplan.search import LAYOUTS
+    from meshplan.search.candidate import make_candidate
+
+    topo = Topology.load("h100x8", gpus=4)
+    full = resolve(seq_len="8K", heads=8, kv_heads=2, head_dim=64, mask="full")
+    cands, skipped = enumerate_candidates(full, topo, 4, ["ring", "usp"], {}, False)
+    assert {c.workload.layout for c in cands} == {LAYOUTS[0]}
+    assert skipped["layouts that are the same computation (every block alike)"] == 2 * (len(LAYOUTS) - 1)
+    ring = next(c for c in cands if c.algorithm == "ring")
+    other = make_candidate("ring", full.with_(layout="zigzag"), topo, 4, ring.knobs)
+    assert simulate_candidate(ring, topo, None).predicted.makespan_s == pytest.approx(
+        simulate_candidate(other, topo, None).predicted.makespan_s, rel=1e-12)
+    causal, _ = enumerate_candidates(full.with_(mask=resolve(seq_len="8K").mask), topo, 4, ["ring"], {}, False)
+    assert {c.workload.layout for c in causal} == set(LAYOUTS)
+
+
+def test_a_bound_under_the_pick_is_ranked_above_slower_rows_and_said_not_proven(monkeypatch):
+    """A candidate left unsimulated (no node symmetry above a lowered limit) whose bound is under the pick's time:
+    listed by its bound among the rows (never under a slower simulated row), named in ``not_proven`` with a
+    simulate command that runs and times it at no less than that bound."""
+    from helpers import run
+
+    import meshplan.search as search
+
+    topo = Topology.load("h100x16", gpus=16)
+    w = resolve(seq_len="32K", heads=8, kv_heads=2, head_dim=64, passes="fwd")
+    monkeypatch.setattr(search, "FULL_SIM_MAX_RANKS", 8)
+    result = search.run_search(w, topo, 16, algos=["ring", "mesh"], prune_slack=0.0)
+    times = [c.predicted.makespan_s if c.model_level == "simulated" else c.bound_s for c in result.candidates]
+    assert result.candidates[0].model_level == "simulated" and times[1:] == sorted(times[1:])
+    best = times[0]
+    listed = search.not_proven(result)
+    below = [i + 1 for i, c in enumerate(result.candidates) if c.model_level != "simulated" and c.bound_s < best]
+    assert listed and [u["rank"] for u in listed] == below
+    for u in listed[:1]:
+        c = result.candidates[u["rank"] - 1]
+        assert u["reason"] == c.not_simulated and u["bound_s"] == c.bound_s
+        args = u["simulate"].split()[1:]
+        r = run(*args, "--json")
+        assert r.exit_code == 0, r.stderr
+        import json
+        assert json.loads(r.stdout)["predicted"]["makespan_s"] >= u["bound_s"] * (1 - 1e-9)
