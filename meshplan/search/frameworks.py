@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from meshplan import algorithms
-from meshplan.algorithms.base import BuiltTiming, knob_flag
+from meshplan.algorithms.base import BuiltTiming
 from meshplan.core.errors import SkipCandidate, UserError
 from meshplan.core.units import fmt_bytes
 from meshplan.cost.memory import estimated_peak_bytes
@@ -126,14 +126,12 @@ def _evaluate(fb: FrameworkBest, entries: list, result: SearchResult, listed: di
     for s, ch, k, c in sorted(pending, key=lambda e: _order(e, listed)):
         if n > FULL_SIM_MAX_RANKS:             # a schedule takes up to a minute and GBs to build and simulate
             fb.not_evaluated.append((s.cli(), f"not simulated above {FULL_SIM_MAX_RANKS} ranks unless the search "
-                                     f"simulated it; time it: meshplan simulate --algo {ch.algorithm} "
-                                     f"{_knob_flags(ch)}"))
+                                     f"simulated it; time it: {_simulate_command(ch, result)}"))
             continue
         if c is None and n > FULL_RANKS and isinstance(algorithms.get(ch.algorithm), BuiltTiming):
             if listed.get(_sibling(k)) is None or built >= EXTRA_BUILT:
                 fb.not_evaluated.append((s.cli(), f"not evaluated above {FULL_RANKS} ranks (search does "
-                                         f"not list it); time it: meshplan simulate --algo {ch.algorithm} "
-                                         f"{_knob_flags(ch)}"))
+                                         f"not list it); time it: {_simulate_command(ch, result)}"))
                 continue
             built += 1
         try:
@@ -187,12 +185,11 @@ def _order(entry, listed: dict) -> float:
     return sib.bound_s if sib is not None else float("inf")
 
 
-def _knob_flags(ch: Choice) -> str:
-    """The ``simulate`` flags of a plan's knobs."""
-    defaults = {k: kn.default for k, kn in algorithms.get(ch.algorithm).knobs.items()}
-    flags = [f"{knob_flag(k)}={v}" if knob_flag(k).startswith("--knob") else f"{knob_flag(k)} {v}"
-             for k, v in ch.knobs.items() if v is not None and v != defaults.get(k)]
-    return " ".join(flags + [f"--layout {ch.layout}"])
+def _simulate_command(ch: Choice, result: SearchResult) -> str:
+    """The complete ``meshplan simulate`` command that times a plan on the search's workload and cluster."""
+    from meshplan.search.candidate import simulate_command
+    cand = Candidate(ch.algorithm, result.workload.with_(layout=ch.layout), ch.knobs, result.n_ranks)
+    return simulate_command(cand, result.topology)
 
 
 def frameworks_json(bests: list[FrameworkBest], best_s: float | None) -> list[dict[str, Any]]:

@@ -185,4 +185,10 @@ def test_above_the_full_simulation_size_only_the_searchs_simulated_plans_are_tim
         assert fb.choice is None or fb.choice.key(result.workload) in simulated
         for _cli, why in fb.not_evaluated:
             assert why.startswith("not simulated above 4 ranks") and "meshplan simulate --algo" in why
-    assert any(fb.not_evaluated for fb in framework_bests(result, ["ring", "ulysses"]))
+    listed = [why for fb in framework_bests(result, ["ring", "ulysses"]) for _cli, why in fb.not_evaluated]
+    assert listed
+    from helpers import run  # the suggested command runs as printed (every flag it needs)
+    command = listed[0].split("time it: ", 1)[1].split()
+    assert command[:2] == ["meshplan", "simulate"]
+    r = run(*command[1:], "--json")
+    assert r.exit_code == 0, r.stderr
