@@ -191,9 +191,10 @@ def run_search(base: Workload, topo: Topology, n: int, *, algos: list[str] | Non
 
 
 def _ring_reference(cands: list[Candidate], bnb: _BranchAndBound) -> Candidate | None:
-    """Ring's best setting, the row every user knows: its lowest-bound candidate simulated if the search left it at
-    its bound (where the simulator can take it: up to ``FULL_SIM_MAX_RANKS`` ranks or with node symmetry), then the
-    fastest Ring candidate. None when Ring is not among the candidates (``--algos`` without it, or it cannot run)."""
+    """Ring's best setting, the row every user knows: its candidates simulated in bound order (up to
+    ``REFERENCE_SIMULATIONS``, and up to ``FULL_SIM_MAX_RANKS`` ranks: above, its bound stands) until no bound is
+    more than the prune slack under the best simulated. None when Ring is not among the candidates (``--algos``
+    without it, or it cannot run)."""
     ring = [c for c in cands if c.algorithm == "ring" and c.model_level not in ("over-memory",)
             and not c.forward_only]
     if not ring:
@@ -205,8 +206,8 @@ def _ring_reference(cands: list[Candidate], bnb: _BranchAndBound) -> Candidate |
         best = min((time_of(r) for r in ring if r.model_level == "simulated"), default=float("inf"))
         if c.bound_s >= best * (1 - bnb.prune_slack):                          # as the search prunes
             break
-        if c.model_level != "simulated" and (bnb.n <= FULL_SIM_MAX_RANKS or reduces(c, bnb.topo)):
-            simulate_candidate(c, bnb.topo, bnb.ccr)
+        if c.model_level != "simulated" and bnb.n <= FULL_SIM_MAX_RANKS:    # above: its schedule alone takes
+            simulate_candidate(c, bnb.topo, bnb.ccr)                       # GBs (8 GB at 1024 ranks, 1M tokens)
             forget_built(c)
     sim = [r for r in ring if r.model_level == "simulated"]
     best = min(sim, key=time_of) if sim else None
