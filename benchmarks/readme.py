@@ -542,6 +542,34 @@ def block_batch_target(r) -> str:
             f"{s['packs']}; its estimate is within {100 * s['estimate_error_abs_max']:.1f}% of the simulator.\n")
 
 
+def block_gpu_docs(r) -> str:
+    """accuracy.md's one-GPU check (``gpu_check.py`` and ``gpu_docs_check.py`` on a lent H200): the kernels against
+    float64, and packed-document blocks priced by the model against the varlen kernels alone and the executor."""
+    check, mixes = r.get("gpu_check_h200"), [r.get("gpu_docs_check_16k"), r.get("gpu_docs_check_64k")]
+    if not check or not all(mixes):
+        return "(run `benchmarks/gpu_check.sh` and `benchmarks/gpu_docs_check.py` on a GPU)\n"
+    ok = sum(k["passed"] for k in check["kernels"])
+    worst = max(v for k in check["kernels"] for v in k["relative_errors"].values())
+    ms = lambda x: f"{x * 1e3:.3g} ms"  # noqa: E731
+    rows = ["| tokens | documents (longest) | predicted fwd / bwd | kernels alone fwd / bwd (error) | "
+            "executor fwd / bwd (error) |", "|---|---|---|---|---|"]
+    for m in mixes:
+        for x in m["rows"]:
+            p, q = x["predicted_s"], x["measured_s"]
+            rows.append(f"| {m['env']['tokens']:,} | {x['documents']} ({x['longest']:,}) | {ms(p['fwd'])} / "
+                        f"{ms(p['bwd'])} | {ms(q['fwd_kernel'])} / {ms(q['bwd_kernel'])} "
+                        f"({x['kernel_error_pct']['fwd']:+.0f}% / {x['kernel_error_pct']['bwd']:+.0f}%) | "
+                        f"{ms(q['fwd'])} / {ms(q['bwd'])} ({x['error_pct']['fwd']:+.0f}% / "
+                        f"{x['error_pct']['bwd']:+.0f}%) |")
+    env = mixes[0]["env"]
+    return (f"On one {check['device']} (torch {check['torch']}, lent to this task once): the executor's CUDA kernels "
+            f"against float64, {ok} of {len(check['kernels'])} cases passed (bf16 and fp16; full, causal and "
+            f"ragged masks; forward and backward; worst relative error {worst:.2g}), and `pytest -m gpu` passed. "
+            f"`python3 benchmarks/gpu_docs_check.py` ({env['date']}; {env['heads']} query / {env['kv_heads']} KV "
+            f"heads, D = {env['head_dim']}, {env['dtype']}; predicted on {env['kernel_table']}, an H100 table):\n\n"
+            + "\n".join(rows) + "\n")
+
+
 BLOCKS = {"stamp": block_stamp, "results": block_results, "main-job": block_main_job,
           "cli-examples": block_cli_examples,
           "run-example": block_run_example, "reproduce": block_reproduce, "validate-cpu": block_validate_cpu,
@@ -552,11 +580,12 @@ BLOCKS = {"stamp": block_stamp, "results": block_results, "main-job": block_main
           "mapping-search": block_mapping_search, "job-tp": block_job_tp,
           "inference": block_inference, "docs-balance": block_docs_balance, "charm-memory": block_charm_memory,
           "memory-cpu": block_memory_cpu, "plan-batch-speed": block_plan_batch_speed,
-          "batch-target": block_batch_target}
+          "batch-target": block_batch_target, "gpu-docs": block_gpu_docs}
 SOURCES = ("readme_cli", "reproduce_charm_h100", "reproduce_charm_ablation", "validate_cpu", "mesh_seed",
            "mesh_greedy", "baselines_table", "planner_speed", "executor_overhead", "ilp_gap",
            "mapping_search", "job_tp", "workload_shapes", "memory_cpu", "doc_masks", "validate_docs",
-           "validate_batches", "plan_batch_speed", "batch_target")
+           "validate_batches", "plan_batch_speed", "batch_target", "gpu_check_h200",
+           "gpu_docs_check_16k", "gpu_docs_check_64k")
 
 
 def render(text: str, stamp: str | None = None) -> str:

@@ -20,6 +20,7 @@ float64 reference.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from meshplan.executor.lse import merge_into
@@ -29,7 +30,19 @@ UNLIMITED = 1 << 62
 
 
 def cuda_cover(mask, n_q: int, n_k: int) -> list[Piece]:
-    """The mask's cover by full and causal pieces with no limit on their number (a varlen call takes any)."""
+    """The mask's cover by full and causal pieces with no limit on their number (a varlen call takes any).
+    Kept on a :class:`KeyRanges` or :class:`Blocks` mask (frozen: the executor decides an op's mask once and runs
+    it every step), so the host builds each cover once — on a pack of a hundred documents it costs milliseconds,
+    more than the kernels."""
+    if isinstance(mask, (KeyRanges, Blocks)):
+        memo = mask.__dict__.setdefault("_cuda_cover", {})
+        if (n_q, n_k) not in memo:
+            memo[(n_q, n_k)] = _cuda_cover(mask, n_q, n_k)
+        return memo[(n_q, n_k)]
+    return _cuda_cover(mask, n_q, n_k)
+
+
+def _cuda_cover(mask, n_q: int, n_k: int) -> list[Piece]:
     if mask is None:
         return [Piece(0, n_q, 0, n_k, False)]
     if isinstance(mask, torch.Tensor):
@@ -45,17 +58,28 @@ def cuda_cover(mask, n_q: int, n_k: int) -> list[Piece]:
     return kernel_cover(mask) or pieces(mask, budget=UNLIMITED)
 
 
-def _pack(x: torch.Tensor, group: list[Piece], rows: bool):
+def _index(group: list[Piece], rows: bool, batch: int, device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(token index [T] of the group's rows (or keys) in order, a reversed square's backwards; cu_seqlens int32
+    over ``batch`` copies; the longest piece), built on the host and copied once: a launch per piece would cost
+    more than the kernel on a pack of hundreds of short documents."""
+    a = np.array([p.r0 if rows else p.c0 for p in group], dtype=np.int64)
+    b = np.array([p.r1 if rows else p.c1 for p in group], dtype=np.int64)
+    anti = np.array([p.anti for p in group], dtype=bool)
+    n = b - a
+    local = np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)
+    idx = np.repeat(np.where(anti, b - 1, a), n) + np.repeat(np.where(anti, -1, 1), n) * local
+    cu = np.concatenate([[0], np.cumsum(np.tile(n, batch))]).astype(np.int32)
+    return (torch.from_numpy(idx).to(device, non_blocking=True), torch.from_numpy(cu).to(device, non_blocking=True),
+            int(n.max()))
+
+
+def _pack(x: torch.Tensor, group: list[Piece], rows: bool, index=None):
     """[B, H, S, D] -> ([B·T, H, D] the group's rows (or keys) of every batch, cu_seqlens int32, max length, index);
-    a reversed square's rows and keys in reverse order."""
-    spans = [(p.r0, p.r1) if rows else (p.c0, p.c1) for p in group]
-    idx = torch.cat([torch.arange(b - 1, a - 1, -1, device=x.device) if p.anti else torch.arange(a, b, device=x.device)
-                     for (a, b), p in zip(spans, group)])
-    lens = torch.tensor([b - a for a, b in spans], device=x.device, dtype=torch.int32).repeat(x.shape[0])
-    cu = torch.zeros(len(lens) + 1, dtype=torch.int32, device=x.device)
-    cu[1:] = torch.cumsum(lens, 0)
+    a reversed square's rows and keys in reverse order. ``index``: :func:`_index`'s result, when the caller packs
+    several tensors over the same tokens."""
+    idx, cu, longest = index if index is not None else _index(group, rows, x.shape[0], x.device)
     packed = x.transpose(1, 2).index_select(1, idx).reshape(-1, x.shape[1], x.shape[3])
-    return packed.contiguous(), cu, max(b - a for a, b in spans), idx
+    return packed.contiguous(), cu, longest, idx
 
 
 def _unpack(packed: torch.Tensor, batch: int) -> torch.Tensor:
@@ -78,9 +102,10 @@ def forward(q, k, v, scale: float, plan: list[Piece]) -> tuple[torch.Tensor, tor
     o = torch.zeros(q.shape, dtype=torch.float32 if len(groups) > 1 else q.dtype, device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
     for causal, group in groups:
+        cols = _index(group, False, b, q.device)
         qp, cu_q, max_q, r_idx = _pack(q, group, True)
-        kp, cu_k, max_k, _ = _pack(k, group, False)
-        vp, *_ = _pack(v, group, False)
+        kp, cu_k, max_k, _ = _pack(k, group, False, cols)
+        vp, *_ = _pack(v, group, False, cols)
         o_p, l_p = VARLEN["forward"](qp, kp, vp, cu_q, cu_k, max_q, max_k, causal, scale)
         o_p = _unpack(o_p, b)                                           # [B, H, T, D]
         l_p = l_p.float().reshape(q.shape[1], b, -1).transpose(0, 1)    # [H, B·T] -> [B, H, T]
@@ -103,11 +128,12 @@ def backward(q, k, v, o, do, lse, scale: float, plan: list[Piece]):
     dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
     dv = torch.zeros_like(dk)
     for causal, group in _groups(plan):
-        qp, cu_q, max_q, r_idx = _pack(q, group, True)
-        kp, cu_k, max_k, c_idx = _pack(k, group, False)
-        vp, *_ = _pack(v, group, False)
-        op, *_ = _pack(o.to(q.dtype), group, True)
-        dop, *_ = _pack(do.to(q.dtype), group, True)
+        rows, cols = _index(group, True, b, q.device), _index(group, False, b, q.device)
+        qp, cu_q, max_q, r_idx = _pack(q, group, True, rows)
+        kp, cu_k, max_k, c_idx = _pack(k, group, False, cols)
+        vp, *_ = _pack(v, group, False, cols)
+        op, *_ = _pack(o.to(q.dtype), group, True, rows)
+        dop, *_ = _pack(do.to(q.dtype), group, True, rows)
         lp = lse.index_select(2, r_idx).transpose(0, 1).reshape(q.shape[1], -1).contiguous()   # [H, B·T]
         g_q, g_k, g_v = VARLEN["backward"](dop, qp, kp, vp, op, lp, cu_q, cu_k, max_q, max_k, causal, scale)
         dq.index_add_(2, r_idx, _unpack(g_q, b).float())
