@@ -132,7 +132,7 @@ def search(gpus: o.GpusNeeded = None, topo: o.TopoNeeded = None, model: o.Model 
     from meshplan.core.errors import UserError
     from meshplan.search.pipeline import JobRerank, SearchRequest, Sensitivity, run_pipeline
     from meshplan.search.sensitivity import check_args
-    from meshplan.show.tables import print_search
+    from meshplan.show.search_table import print_search
 
     _check_search_flags(gpus, scheduler, ilp_time_limit_s, ilp_workers, write, top, map_search, prune_slack)
     if doc_lengths is not None or batches is not None:

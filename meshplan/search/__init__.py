@@ -9,7 +9,8 @@ simulated once another has been (it stays at its bound, counted in ``counts.not_
 would run every rank's program, minutes at 1024 ranks.
 
 Modules, in pipeline order: this one (:func:`run_search`, :func:`write_best`), :mod:`candidate` (one candidate:
-plan, closed form, simulation), :mod:`pipeline` (the whole search the CLI runs, as one call: a ``SearchRequest``
+plan, closed form, simulation), :mod:`ranking` (the table's order, Ring's reference row, what keeps the pick
+unproven), :mod:`pipeline` (the whole search the CLI runs, as one call: a ``SearchRequest``
 in, a ``SearchReport`` out), :mod:`framework_settings` and :mod:`frameworks` (Megatron-LM/TE, yunchang and
 torchtitan settings), :mod:`improve`, :mod:`mapping` and :mod:`ilp` (CP-SAT orders, placement search),
 :mod:`sensitivity`, :mod:`job_rerank` (ranking by a TP x CP x DP job's time), :mod:`inference` (the KV-cache
@@ -38,18 +39,17 @@ from meshplan.model.workload import LAYOUTS, Workload
 from meshplan.search.candidate import (
     Candidate,
     closed_form_predicted,
+    forget_built,
     make_candidate,
-    ranked,
     reduces,
     simulate_candidate,
 )
+from meshplan.search.ranking import not_proven, ranked, ring_reference
 
 PRUNE_SLACK = 0.01
 #: Above this many ranks a schedule without node symmetry (every rank simulated, e.g. a causal contiguous Mesh:
 #: 1024 ranks took 750 s) is left at its closed-form bound once another candidate has been simulated.
 FULL_SIM_MAX_RANKS = 256
-#: Ring settings simulated at most to find its best for the reference row
-REFERENCE_SIMULATIONS = 4
 #: Above this many ranks, methods whose closed form builds the schedule are searched in zigzag only.
 #: Knobs search varies by default (numerically neutral); others stay at their defaults unless given.
 SEARCHED = {"ring": {"dkv_hops": ("n", "n-1")}, "pass-q": {"dq_hops": ("n", "n-1")}}
@@ -175,7 +175,7 @@ def run_search(base: Workload, topo: Topology, n: int, *, algos: list[str] | Non
         if progress:
             progress(k, len(cands), _label(c))
         bnb.visit(c)
-    reference = _ring_reference(cands, bnb)
+    reference = ring_reference(cands, topo, n, ccr, prune_slack, FULL_SIM_MAX_RANKS)
     builds.clear()
     cands = [c for c in cands if c.model_level != "over-memory"]
     _rank_forward_only(fwd_only, topo, ccr)
@@ -188,32 +188,6 @@ def run_search(base: Workload, topo: Topology, n: int, *, algos: list[str] | Non
               "prune_slack": prune_slack}
     return SearchResult(base, topo, n, ranked(cands + fwd_only), counts, time.perf_counter() - t0, ccr, rejected,
                         layout_pinned, memory_limit, reference)
-
-
-def _ring_reference(cands: list[Candidate], bnb: _BranchAndBound) -> Candidate | None:
-    """Ring's best setting, the row every user knows: its candidates simulated in bound order (up to
-    ``REFERENCE_SIMULATIONS``, and up to ``FULL_SIM_MAX_RANKS`` ranks: above, its bound stands) until no bound is
-    more than the prune slack under the best simulated. None when Ring is not among the candidates (``--algos``
-    without it, or it cannot run)."""
-    ring = [c for c in cands if c.algorithm == "ring" and c.model_level not in ("over-memory",)
-            and not c.forward_only]
-    if not ring:
-        return None
-    def time_of(c: Candidate) -> float:
-        return c.predicted.makespan_s if c.predicted is not None and c.model_level == "simulated" else c.bound_s
-
-    for c in sorted(ring, key=lambda c: c.bound_s)[:REFERENCE_SIMULATIONS]:   # until no bound beats the best
-        best = min((time_of(r) for r in ring if r.model_level == "simulated"), default=float("inf"))
-        if c.bound_s >= best * (1 - bnb.prune_slack):                          # as the search prunes
-            break
-        if c.model_level != "simulated" and bnb.n <= FULL_SIM_MAX_RANKS:    # above: its schedule alone takes
-            simulate_candidate(c, bnb.topo, bnb.ccr)                       # GBs (8 GB at 1024 ranks, 1M tokens)
-            forget_built(c)
-    sim = [r for r in ring if r.model_level == "simulated"]
-    best = min(sim, key=time_of) if sim else None
-    lower = [r for r in ring if r.model_level != "simulated"
-             and (best is None or r.bound_s < time_of(best) * (1 - bnb.prune_slack))]
-    return min(lower, key=time_of) if lower else best       # a bound well below the best simulated stays shown
 
 
 @dataclass
@@ -320,13 +294,6 @@ def _rank_forward_only(cands: list[Candidate], topo: Topology, ccr: float | None
     cands.sort(key=lambda c: c.predicted.rank_s)
 
 
-def forget_built(c: Candidate) -> None:
-    """Drop a candidate's schedule and timeline (large at 1024 ranks); its numbers stay. Rebuilt if written."""
-    c.schedule, c.sim = None, None
-    if c.plan is not None:
-        c.plan.extra.pop("schedule", None)
-
-
 def _label(c: Candidate) -> str:
     knobs = ",".join(f"{k}={v}" for k, v in c.knobs.items() if v is not None)
     return f"{c.algorithm} {c.workload.layout} {knobs}"
@@ -400,20 +367,3 @@ def search_json(result: SearchResult, scheduler: str) -> dict[str, Any]:
             "reference": (cands[result.candidates.index(result.reference)] if result.reference is not None
                           else None),
             "not_proven": not_proven(result)}
-
-
-def not_proven(result: SearchResult) -> list[dict[str, Any]]:
-    """The candidates left at a lower bound that is more than the prune slack below the pick's simulated time
-    (the search could not simulate them: ``Candidate.not_simulated``): the pick is not proven the best while they
-    stand. Each: its 1-based ``rank`` in the table, ``bound_s``, ``reason`` and the ``simulate`` command that
-    times it alone."""
-    from meshplan.search.candidate import simulate_command
-
-    cands = result.candidates
-    if not cands or cands[0].model_level != "simulated":
-        return []
-    best, slack = cands[0].predicted.makespan_s, result.counts.get("prune_slack", 0.0)
-    return [{"rank": i, "algorithm": c.algorithm, "bound_s": c.bound_s, "reason": c.not_simulated or "not simulated",
-             "simulate": simulate_command(c, result.topology)}
-            for i, c in enumerate(cands, start=1)
-            if c.model_level != "simulated" and not c.forward_only and c.bound_s < best * (1 - slack)]

@@ -100,16 +100,11 @@ def make_candidate(name: str, workload: Workload, topo: Topology, n_ranks: int, 
     return Candidate(name, workload, plan.knobs, n_ranks, plan=plan, timing=timing)
 
 
-def ranked(cands: list[Candidate]) -> list[Candidate]:
-    """The table's order: the fastest simulated candidate first (the pick), then every other by its time —
-    simulated, or its closed-form lower bound — so no bound that could beat a simulated row is listed under it;
-    forward-only methods in a fwd+bwd search last, in their own order. Stable: ranking twice changes nothing."""
-    both = [c for c in cands if not c.forward_only]
-    sim = [c for c in both if c.model_level == "simulated"]
-    first = min(sim, key=lambda c: c.predicted.makespan_s) if sim else None
-    time_of = lambda c: c.predicted.makespan_s if c.model_level == "simulated" else c.bound_s  # noqa: E731
-    rest = sorted((c for c in both if c is not first), key=time_of)
-    return ([first] if first is not None else []) + rest + [c for c in cands if c.forward_only]
+def forget_built(c: Candidate) -> None:
+    """Drop a candidate's schedule and timeline (large at 1024 ranks); its numbers stay. Rebuilt if written."""
+    c.schedule, c.sim = None, None
+    if c.plan is not None:
+        c.plan.extra.pop("schedule", None)
 
 
 def topology_arg(topo: Topology) -> str:

@@ -21,7 +21,8 @@ from meshplan import algorithms
 from meshplan.cost.metrics import predicted
 from meshplan.cost.simulate import simulate
 from meshplan.plan.verify import verify
-from meshplan.search.candidate import Candidate, ranked
+from meshplan.search.candidate import Candidate
+from meshplan.search.ranking import ranked
 
 #: Largest model (intervals) the search gives to CP-SAT: the scheduling notes found proofs up to ~500 fixed
 #: intervals in seconds and gaps of 2-3% at 2k-8k in 10-30 s on 2 cores.

@@ -34,7 +34,8 @@ from meshplan import algorithms
 from meshplan.core.errors import UserError
 from meshplan.cost.simulate import simulate
 from meshplan.model.topology import LINK_CLASSES, Topology
-from meshplan.search.candidate import jsonable, ranked, simulate_candidate
+from meshplan.search.candidate import jsonable, simulate_candidate
+from meshplan.search.ranking import ranked
 
 PICKS = ("nominal", "robust")
 PERTURBED = ("bandwidth", "latency", "efficiency")

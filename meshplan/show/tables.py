@@ -21,7 +21,7 @@ _ROWS = [("makespan_s", "makespan", fmt_seconds), ("compute_s", "compute (critic
          ("work_imbalance", "work imbalance (max / mean rank)", lambda x: f"{x:.3g}")]
 
 
-def _fmt(value: Any, f) -> str:
+def fmt_or_dash(value: Any, f) -> str:
     return "-" if value is None else f(value)
 
 
@@ -35,7 +35,7 @@ def print_simulation(body: dict[str, Any], console: Console, title: str) -> None
     for p in parts:
         table.add_column(p, justify="right")
     for key, label, f in _ROWS:
-        table.add_row(label, *[_fmt((pred[p] if p in pred else pred).get(key), f) for p in parts])
+        table.add_row(label, *[fmt_or_dash((pred[p] if p in pred else pred).get(key), f) for p in parts])
     console.print(table)
 
 
@@ -45,276 +45,6 @@ def knob_text(knobs: dict[str, Any], algorithm: str | None = None) -> str:
     defaults = {k: kn.default for k, kn in REGISTRY[algorithm].knobs.items()} if algorithm in REGISTRY else {}
     return " ".join(f"{k}={v}" for k, v in knobs.items()
                     if v not in (None, "auto") and (k not in defaults or v != defaults[k]))
-
-
-def plan_text(c: dict[str, Any]) -> str:
-    """A candidate as one phrase: algorithm, layout, the knobs that differ from the defaults."""
-    return f"{c['algorithm']} {c['layout']} {knob_text(c['knobs'], c['algorithm'])}".strip()
-
-
-def print_search(body: dict[str, Any], console: Console, top: int, wide: bool = False) -> None:
-    """The ranked candidates of a search: a compact table (the plan in one column, which wraps; times, exposed
-    communication, inter-node bytes, peak memory) that fits 100 columns, or with ``wide`` every column."""
-    topo, counts = body["topology"], body["counts"]
-    console.print(f"{topo['name']} x {body['n_ranks']} ranks; {_workload_text(body['workload'])}")
-    table = Table()
-    wide_cols = (("#", "right"), ("algorithm", "left"), ("layout", "left"), ("knobs", "left"), ("level", "left"),
-                 ("time", "right"), ("fwd", "right"), ("bwd", "right"), ("exposed comm", "right"),
-                 ("bytes/GPU", "right"), ("inter-node/GPU", "right"), ("comp/comm", "right"),
-                 ("peak mem (+ws)", "right"))
-    compact_cols = (("#", "right"), ("plan", "left"), ("time", "right"), ("fwd", "right"), ("bwd", "right"),
-                    ("exposed\ncomm", "right"), ("inter-node\nper GPU", "right"), ("peak\nmemory", "right"))
-    for col, just in wide_cols if wide else compact_cols:
-        # only the plan (or knobs) column wraps; numbers and names are never cut
-        folds = col in ("plan", "knobs")
-        table.add_column(col, justify=just, no_wrap=not folds, overflow="fold")
-    solver = any(c["scheduler"]["requested"] != "greedy" for c in body["candidates"])
-    if solver:
-        table.add_column("order kept (CP-SAT status, gap to its own bound)", justify="left", overflow="fold")
-    job = body.get("job")
-    if job:
-        table.add_column(f"job: {job['groups']} CP groups at once", justify="right")
-    docs = any("documents" in c for c in body["candidates"])
-    if docs:
-        table.add_column("segments/rank, tile waste", justify="right")
-    ref = body.get("reference")
-    shown = body["candidates"][:top]
-    rows = list(enumerate(shown, start=1))
-    if ref is not None and ref not in shown:          # Ring's best setting, the reference everyone knows
-        rows.append(("ring", ref))
-    for i, c in rows:
-        if i == "ring":
-            table.add_section()
-        p = c["predicted"]
-        sim = c["model_level"] == "simulated"
-        t = fmt_seconds if sim else (lambda x: "≥" + fmt_seconds(x))  # bounds are lower bounds
-        one = body["workload"]["passes"]                       # a single-pass search: its total is that pass
-        part = lambda name, p=p, one=one: (p["makespan_s"] if one == name else  # noqa: E731
-                                           (p.get(name) or {}).get("makespan_s"))  # (bwd: null: forward-only)
-        times = (_fmt(p["makespan_s"], t), _fmt(part("fwd"), t), _fmt(part("bwd"), t),
-                 _fmt(p["exposed_comm_s"], fmt_seconds))
-        if wide:
-            row = (str(i), c["algorithm"], c["layout"], knob_text(c["knobs"], c["algorithm"]),
-                   "sim" if sim else "bound", *times, _fmt(p["comm_bytes_per_gpu_max"], fmt_bytes),
-                   _fmt(p["inter_node_bytes_per_gpu_max"], fmt_bytes), _fmt(p["compute_to_comm"], lambda x: f"{x:.3g}"),
-                   _fmt(p.get("peak_memory_total_bytes"), fmt_bytes))
-        else:
-            row = (str(i), plan_text(c), *times, _fmt(p["inter_node_bytes_per_gpu_max"], fmt_bytes),
-                   _fmt(p.get("peak_memory_total_bytes"), fmt_bytes))
-        table.add_row(*row, *([_order_text(c["scheduler"])] if solver else []),
-                      *([_fmt((c.get("job") or {}).get("together_s"), fmt_seconds)] if job else []),
-                      *([_doc_text(c.get("documents"))] if docs else []))
-    if wide:                               # every column at its natural width: wider than the terminal if need be
-        from rich.measure import Measurement
-        need = Measurement.get(console, console.options.update(width=10_000), table).maximum
-        was = console.width
-        console.width = max(need, was)
-        try:
-            console.print(table)
-        finally:
-            console.width = was
-    else:
-        console.print(table)
-    if docs:
-        console.print(_doc_legend(body["candidates"]))
-    for u in body.get("not_proven", []):
-        best = fmt_seconds(body["candidates"][0]["predicted"]["makespan_s"])
-        console.print(f"not proven best: #{u['rank']} ({u['algorithm']}) has a lower bound of "
-                      f"{fmt_seconds(u['bound_s'])}, below #1's {best}, and was not simulated ({u['reason']}); "
-                      f"time it alone: {u['simulate']}")
-    if lead := _lead_text(body["candidates"]):
-        console.print(lead)
-    if (vs := _vs_ring_text(body)) is not None:
-        console.print(vs)
-    for line in why_lines(body):
-        console.print(line)
-    for i, c in enumerate(body["candidates"], start=1):
-        m = c.get("mapping_search")
-        if m:
-            console.print(f"#{i} placement search: {fmt_seconds(m['start_s'])} -> {fmt_seconds(m['best_s'])} "
-                          f"({m['gain']:.1%}, {m['swaps']} swaps in {m['evals']} simulations, {m['wall_s']:.1f} s); "
-                          f"rank -> device {m['device_of_rank']}")
-        if c["schedule_path"]:
-            console.print(f"#{i} written to {c['schedule_path']}")
-    for r in body.get("rejected", []):
-        if r.startswith("not written:"):
-            console.print(r)
-    skipped = ", ".join(f"{v} {k}" for k, v in counts["skipped"].items()) or "none"
-    unsim = "".join(f", {v} not simulated: {k}" for k, v in counts.get("not_simulated", {}).items())
-    console.print(f"{counts['enumerated']} enumerated, {counts['simulated']} simulated, {counts['pruned']} left at "
-                  f"their closed-form bound (prune slack {counts['prune_slack']:.0%}{unsim}); skipped: {skipped}; "
-                  f"{body['wall_s']:.2f} s")
-    if job:
-        console.print(f"job TP {job['tp']} x CP {job['cp']} x DP {job['dp']} ({job['order']}, innermost first) on "
-                      f"{job['topology']['devices']} GPUs: time = one CP group as planned (on {job['cp']} devices of "
-                      f"one topology; job.alone_s in --json is it on its real GPUs); the best {job['ranked_as_job']} "
-                      f"(each method's best among them) re-ranked by all {job['groups']} groups at once")
-    if body.get("inference"):
-        print_inference(body["inference"], console)
-    if body.get("frameworks"):
-        print_frameworks(body["frameworks"], console)
-
-
-def _doc_legend(candidates: list[dict[str, Any]]) -> str:
-    count = next(c["documents"]["count"] for c in candidates if c.get("documents"))
-    return (f"{count} documents: each runs as its own kernel segments; tile waste = the tiles the kernels compute "
-            "(every segment rounded up to the kernel's tile) over the permitted pairs, forward")
-
-
-def _doc_text(d: dict[str, Any] | None) -> str:
-    if not d:
-        return "-"
-    waste = d.get("tile_waste")
-    return f"{d['segments']:,}, " + ("-" if waste is None else f"{waste:.2f}x")
-
-
-NEAR_TIE = 0.03      # predicted margins below this are near-ties: the CPU validation's error is several times it
-
-
-def _lead_text(candidates: list[dict[str, Any]]) -> str | None:
-    """How far #1 (simulated) leads #2 — at least that far when #2 was left at its closed-form lower bound — and a
-    near-tie warning under :data:`NEAR_TIE`: a margin smaller than the model's error does not say which is
-    faster. None without a simulated #1 and a #2."""
-    if len(candidates) < 2 or candidates[0]["model_level"] != "simulated":
-        return None
-    a, b = (c["predicted"]["makespan_s"] for c in candidates[:2])
-    if a <= 0:
-        return None
-    bound = candidates[1]["model_level"] != "simulated"
-    gap = (b - a) / a
-    if gap < 0:                          # a bound below the pick: said by the not-proven line, not as a lead
-        return None
-    text = (f"#1 leads #2 by {'at least ' if bound else ''}{gap:.1%} (predicted"
-            f"{'; #2 at its closed-form lower bound' if bound else ''})")
-    if gap < NEAR_TIE:
-        text += (f"; under {NEAR_TIE:.0%} that is a near-tie, closer than the model's error (docs/accuracy.md): "
-                 "run both (meshplan search --write 2, then meshplan run) to pick")
-    return text
-
-
-#: exposed communication under this fraction of the time: the plan is compute-bound
-COMPUTE_BOUND = 0.1
-
-
-def why_lines(body: dict[str, Any]) -> list[str]:
-    """What decides the workload on this cluster, in words, from #1's predicted metrics (both simulated): compute-
-    or communication-bound, the bytes it moves across nodes per GPU against Ring's, the memory headroom, and what
-    makes up its lead over #2 (compute or exposed communication)."""
-    cands = body["candidates"]
-    if not cands or cands[0]["model_level"] != "simulated":
-        return []
-    one = cands[0]["predicted"]
-    t, exposed = one["makespan_s"], one["exposed_comm_s"] or 0.0
-    lines = []
-    if exposed < COMPUTE_BOUND * t:
-        head = (f"why: compute-bound — #1's communication hides behind its kernels ({fmt_seconds(exposed)} of "
-                f"{fmt_seconds(t)} exposed)")
-    elif exposed < 0.5 * t:
-        head = (f"why: mostly compute — {fmt_seconds(exposed)} of #1's {fmt_seconds(t)} is communication its "
-                "kernels cannot hide")
-    else:
-        head = (f"why: communication-bound — {fmt_seconds(exposed)} of #1's {fmt_seconds(t)} is communication its "
-                "kernels cannot hide")
-    ref = body.get("reference")
-    cross = one.get("inter_node_bytes_per_gpu_max")
-    if ref is not None and ref != cands[0] and cross is not None:
-        theirs = ref["predicted"].get("inter_node_bytes_per_gpu_max")
-        if theirs:
-            head += f"; it moves {fmt_bytes(cross)} across nodes per GPU, Ring {fmt_bytes(theirs)}"
-    memory = (body["topology"].get("memory_bytes") or 0)
-    peak = one.get("peak_memory_total_bytes")
-    if memory and peak:
-        head += f"; memory {fmt_bytes(peak)} of {fmt_bytes(memory)} per GPU"
-    lines.append(head)
-    if len(cands) > 1 and cands[1]["model_level"] == "simulated":
-        two = cands[1]["predicted"]
-        d_compute = (two.get("compute_s") or 0.0) - (one.get("compute_s") or 0.0)
-        d_comm = (two["exposed_comm_s"] or 0.0) - exposed
-        gap = two["makespan_s"] - t
-        if gap > 0:
-            what = "exposed communication" if d_comm >= d_compute else "compute on the critical rank"
-            lines.append(f"#1 beats #2 ({plan_text(cands[1])}) mostly by {what}: compute "
-                         f"{fmt_seconds(one.get('compute_s') or 0.0)} vs {fmt_seconds(two.get('compute_s') or 0.0)}, "
-                         f"exposed communication {fmt_seconds(exposed)} vs {fmt_seconds(two['exposed_comm_s'] or 0.0)}")
-    return lines
-
-
-def _vs_ring_text(body: dict[str, Any]) -> str | None:
-    """The pick's lead over Ring's best setting (the ``ring`` row, or its rank in the table)."""
-    ref, cands = body.get("reference"), body["candidates"]
-    if ref is None or not cands or cands[0] == ref or cands[0]["model_level"] != "simulated":
-        return None
-    a, b = cands[0]["predicted"]["makespan_s"], ref["predicted"]["makespan_s"]
-    sim = ref["model_level"] == "simulated"
-    where = f"#{cands.index(ref) + 1}" if ref in cands[:10] else "the ring row"
-    return (f"#1 is {'at least ' if not sim else ''}{b / a:.2f}x as fast as Ring's best setting ({where}: "
-            f"{plan_text(ref)}, {fmt_seconds(b)} {'simulated' if sim else 'at its lower bound'})")
-
-
-def print_inference(inf: dict[str, Any], console: Console) -> None:
-    """Meta's pass-KV / pass-Q rule beside the simulated best of each (search with --prefix-len)."""
-    rule, sim = inf["rule"], inf["simulated"]
-    times = ", ".join(f"{k} {fmt_seconds(v['time_s'])}" for k, v in sim.items())
-    verdict = ("agrees" if inf["agree"] else f"disagrees (its pick is {inf['rule_regret_pct']:.1f}% slower)") \
-        if inf["agree"] is not None else "cannot be compared (one method only)"
-    console.print(f"inference, {inf['prefix_len']} cached + {inf['new_tokens']} new tokens: Meta's rule picks "
-                  f"{rule['choice']} ({rule['reason']}); simulated: {times}; the rule {verdict}")
-
-
-def print_frameworks(frameworks: list[dict[str, Any]], console: Console) -> None:
-    """Each framework's best setting, its predicted time and its ratio to the search's best plan."""
-    table = Table(title="the best setting each framework offers (simulated; its settings below)",
-                  title_justify="left")
-    for col, just in (("framework", "left"), ("plan", "left"), ("time", "right"), ("vs best", "right")):
-        table.add_column(col, justify=just, overflow="fold", no_wrap=col in ("time", "vs best"))
-    for f in frameworks:
-        if f["settings"] is None:
-            table.add_row(f["framework"], f"not expressible: {f['reason']}", "-", "-")
-            continue
-        table.add_row(f["framework"], plan_text(f), fmt_seconds(f["time_s"]), _fmt(f["vs_best"], lambda x: f"{x:.2f}x"))
-    console.print(table)
-    for f in frameworks:                   # whole, one per line, so each copies as it is
-        if f["settings"] is not None:
-            console.print(f"{f['framework']}:")
-            for line in _setting_lines(f["cli"]):
-                console.print(f"  {line}", overflow="fold")
-    for f in frameworks:
-        if f["expresses_best"]:
-            console.print(f"the best plan in {f['framework']}: {f['expresses_best']}")
-    left = sum(len(f.get("not_evaluated", [])) for f in frameworks)
-    if left:
-        console.print(f"{left} framework settings the search does not list were not evaluated at this size (--json "
-                      "lists them, each with the simulate command that times it)")
-    faster = [f for f in frameworks if f["settings"] is not None and f["vs_best"] is not None and f["vs_best"] < 1]
-    lossy = [f for f in faster if (f.get("knobs") or {}).get("dkv_dtype") not in (None, "fp32")]
-    for f in lossy:
-        console.print(f"vs best < 1 for {f['framework']}: its plan sends dK/dV in {f['knobs']['dkv_dtype']} (lossy); "
-                      "the search keeps fp32 gradients on the wire unless given --dkv-dtype bf16")
-    if any(f not in lossy for f in faster):
-        console.print("vs best < 1: that setting's plan is outside what search enumerates (knobs it keeps at their "
-                      "defaults); pin them with the knob flags to rank it")
-
-
-def _setting_lines(cli: str) -> list[str]:
-    """A framework's settings one per line, whole: command-line flags (``--name value ...``) or ``key=value``
-    pairs, so a reader copies each without a line break inside it."""
-    if cli.lstrip().startswith("--"):
-        return ["--" + part.strip() for part in cli.strip().split("--") if part.strip()]
-    return cli.split()
-
-
-def _order_text(s: dict[str, Any]) -> str:
-    """The order kept, and the solver's status and gap in its own model."""
-    if s["status"] == "not_run":
-        return f"{s['kept']} (not run: {s['reason']})" if s.get("reason") else f"{s['kept']} (not run)"
-    gap = f", gap {s['gap']:.1%}" if s["gap"] is not None else ""
-    return f"{s['kept']} ({s['status']}{gap}, {s['solve_s']:.1f} s)"
-
-
-def _workload_text(w: dict[str, Any]) -> str:
-    from meshplan.core.units import fmt_count
-    return (f"{w.get('model') or 'custom'} B={w['batch']} S={fmt_count(w['seq_len'])} H={w['n_heads']} "
-            f"Hkv={w['n_kv_heads']} D={w['head_dim']} {w['dtype']} {w['mask']} {w['layout']} {w['passes']}")
 
 
 def print_topology(info: dict[str, Any], console: Console) -> None:
@@ -368,8 +98,8 @@ def print_batch(body: dict[str, Any], console: Console) -> None:
     for c in body["candidates"]:
         p = c["predicted"]
         mark = "*" if c == body["best"] else ""
-        table.add_row(role_text[c["role"]] + mark, _method(c), knob_text(c["knobs"],
-                      c["algorithm"]), _fmt(p.get("fwd_s"), fmt_seconds), _fmt(p.get("bwd_s"), fmt_seconds),
+        table.add_row(role_text[c["role"]] + mark, _method(c), knob_text(c["knobs"], c["algorithm"]),
+                      fmt_or_dash(p.get("fwd_s"), fmt_seconds), fmt_or_dash(p.get("bwd_s"), fmt_seconds),
                       fmt_seconds(p["makespan_s"]), f"{p['makespan_s'] / best:.2f}x")
     console.print(table)
     plan = body["candidates"][0]

@@ -79,7 +79,7 @@ def test_search_flags_a_near_tie_at_the_top():
     """#1's predicted lead over #2 is printed under the table ("at least" when #2 kept its closed-form lower
     bound), with a near-tie warning below NEAR_TIE (a margin smaller than the model's error does not say which is
     faster); no line without a simulated #1 and a #2."""
-    from meshplan.show.tables import NEAR_TIE, _lead_text
+    from meshplan.show.search_table import NEAR_TIE, _lead_text
 
     args = ("search", "--gpus", 4, "--topo", "h100x8", "--seq-len", "16K", "--layout", "zigzag", "--algos",
             "ring,merge,rmplus", "--write", 0)

@@ -79,7 +79,7 @@ def search_body():
 def _rendered(body, width: int, wide: bool) -> list[str]:
     from rich.console import Console
 
-    from meshplan.show.tables import print_search
+    from meshplan.show.search_table import print_search
     console = Console(width=width, record=True, file=open("/dev/null", "w"))
     print_search(body, console, 10, wide)
     return console.export_text().splitlines()
@@ -127,7 +127,7 @@ def test_ring_is_the_reference_row(search_body):
 def test_why_in_words(search_body):
     """Under the table: what bounds #1 (from its exposed communication against its time), its bytes across nodes
     against Ring's, its memory against the device's, and what #1's lead over #2 is made of."""
-    from meshplan.show.tables import why_lines
+    from meshplan.show.search_table import why_lines
 
     one = search_body["candidates"][0]["predicted"]
     lines = why_lines(search_body)

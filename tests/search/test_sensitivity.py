@@ -12,7 +12,7 @@ from meshplan.cost.simulate import simulate
 from meshplan.model.topology import LINK_CLASSES, Topology
 from meshplan.model.workload import resolve
 from meshplan.search import run_search
-from meshplan.search.candidate import ranked
+from meshplan.search.ranking import ranked
 from meshplan.search.sensitivity import Factors, draw_factors, perturbed_topology, run_sensitivity, sample_times
 
 SMALL = ["search", "--gpus", "4", "--topo", "h100x8", "--seq-len", "16K", "--write", "0"]

@@ -1,0 +1,70 @@
+"""The table's order and its reference points: the pick and the rows under it (:func:`ranked`), Ring's best
+setting as the reference row (:func:`ring_reference`), and the candidates that keep the pick from being proven
+the best (:func:`not_proven`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from meshplan.model.topology import Topology
+from meshplan.search.candidate import Candidate, forget_built, simulate_candidate, simulate_command
+
+if TYPE_CHECKING:
+    from meshplan.search import SearchResult
+
+#: Ring settings simulated at most to find its best for the reference row
+REFERENCE_SIMULATIONS = 4
+
+
+def ranked(cands: list[Candidate]) -> list[Candidate]:
+    """The table's order: the fastest simulated candidate first (the pick), then every other by its time —
+    simulated, or its closed-form lower bound — so no bound that could beat a simulated row is listed under it;
+    forward-only methods in a fwd+bwd search last, in their own order. Stable: ranking twice changes nothing."""
+    both = [c for c in cands if not c.forward_only]
+    sim = [c for c in both if c.model_level == "simulated"]
+    first = min(sim, key=lambda c: c.predicted.makespan_s) if sim else None
+    time_of = lambda c: c.predicted.makespan_s if c.model_level == "simulated" else c.bound_s  # noqa: E731
+    rest = sorted((c for c in both if c is not first), key=time_of)
+    return ([first] if first is not None else []) + rest + [c for c in cands if c.forward_only]
+
+
+def ring_reference(cands: list[Candidate], topo: Topology, n: int, ccr: float | None, prune_slack: float,
+                   max_ranks: int) -> Candidate | None:
+    """Ring's best setting, the row every user knows: its candidates simulated in bound order (up to
+    ``REFERENCE_SIMULATIONS``, and up to ``max_ranks`` ranks: above, its bound stands) until no bound is
+    more than the prune slack under the best simulated. None when Ring is not among the candidates (``--algos``
+    without it, or it cannot run)."""
+    ring = [c for c in cands if c.algorithm == "ring" and c.model_level not in ("over-memory",)
+            and not c.forward_only]
+    if not ring:
+        return None
+    def time_of(c: Candidate) -> float:
+        return c.predicted.makespan_s if c.predicted is not None and c.model_level == "simulated" else c.bound_s
+
+    for c in sorted(ring, key=lambda c: c.bound_s)[:REFERENCE_SIMULATIONS]:   # until no bound beats the best
+        best = min((time_of(r) for r in ring if r.model_level == "simulated"), default=float("inf"))
+        if c.bound_s >= best * (1 - prune_slack):                          # as the search prunes
+            break
+        if c.model_level != "simulated" and n <= max_ranks:    # above: its schedule alone takes
+            simulate_candidate(c, topo, ccr)                       # GBs (8 GB at 1024 ranks, 1M tokens)
+            forget_built(c)
+    sim = [r for r in ring if r.model_level == "simulated"]
+    best = min(sim, key=time_of) if sim else None
+    lower = [r for r in ring if r.model_level != "simulated"
+             and (best is None or r.bound_s < time_of(best) * (1 - prune_slack))]
+    return min(lower, key=time_of) if lower else best       # a bound well below the best simulated stays shown
+
+
+def not_proven(result: SearchResult) -> list[dict[str, Any]]:
+    """The candidates left at a lower bound that is more than the prune slack below the pick's simulated time
+    (the search could not simulate them: ``Candidate.not_simulated``): the pick is not proven the best while they
+    stand. Each: its 1-based ``rank`` in the table, ``bound_s``, ``reason`` and the ``simulate`` command that
+    times it alone."""
+    cands = result.candidates
+    if not cands or cands[0].model_level != "simulated":
+        return []
+    best, slack = cands[0].predicted.makespan_s, result.counts.get("prune_slack", 0.0)
+    return [{"rank": i, "algorithm": c.algorithm, "bound_s": c.bound_s, "reason": c.not_simulated or "not simulated",
+             "simulate": simulate_command(c, result.topology)}
+            for i, c in enumerate(cands, start=1)
+            if c.model_level != "simulated" and not c.forward_only and c.bound_s < best * (1 - slack)]
