@@ -22,6 +22,7 @@ _ROWS = [("makespan_s", "makespan", fmt_seconds), ("compute_s", "compute (critic
 
 
 def fmt_or_dash(value: Any, f) -> str:
+    """``f(value)``, or "-" for a value the prediction does not have (None)."""
     return "-" if value is None else f(value)
 
 
