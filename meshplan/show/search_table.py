@@ -102,7 +102,9 @@ def _print_notes(body: dict[str, Any], console: Console) -> None:
         best = fmt_seconds(body["candidates"][0]["predicted"]["makespan_s"])
         console.print(f"not proven best: #{u['rank']} ({u['algorithm']}) has a lower bound of "
                       f"{fmt_seconds(u['bound_s'])}, below #1's {best}, and was not simulated ({u['reason']}); "
-                      f"time it alone: {u['simulate']}")
+                      "time it alone:")
+        for line in command_lines(u["simulate"], console.width):
+            console.print(line, soft_wrap=True, markup=False, highlight=False)
     for line in (_lead_text(body["candidates"]), _vs_ring_text(body), *why_lines(body)):
         if line:
             console.print(line)
@@ -131,6 +133,20 @@ def _print_notes(body: dict[str, Any], console: Console) -> None:
         print_inference(body["inference"], console)
     if body.get("frameworks"):
         print_frameworks(body["frameworks"], console)
+
+
+def command_lines(command: str, width: int) -> list[str]:
+    """A shell command over lines of at most ``width`` columns, broken before its flags with ``\\`` continuations,
+    so it pastes into a shell as it is (a flag and its value stay on one line)."""
+    head, *flags = command.split(" --")
+    lines, line = [], "  " + head
+    for flag in ("--" + f for f in flags):
+        if len(line) + 1 + len(flag) + 2 > width:
+            lines.append(line + " \\")
+            line = "    " + flag
+        else:
+            line += " " + flag
+    return lines + [line]
 
 
 def _doc_legend(candidates: list[dict[str, Any]]) -> str:

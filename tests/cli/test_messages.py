@@ -137,3 +137,17 @@ def test_why_in_words(search_body):
     assert "across nodes per GPU, Ring" in lines[0] and "of 80 GB per GPU" in lines[0]
     if search_body["candidates"][1]["model_level"] == "simulated":
         assert lines[1].startswith("#1 beats #2")
+
+
+def test_a_long_suggested_command_pastes_as_it_is():
+    """A command wider than the terminal is broken before its flags with backslash continuations: each line fits,
+    and the shell reads the lines back as the one command."""
+    import shlex
+
+    from meshplan.show.search_table import command_lines
+    command = ("meshplan simulate --algo mesh --gpus 1024 --topo h100x32 --seq-len 1048576 --batch 1 --heads 32 "
+               "--kv-heads 8 --head-dim 128 --dtype bf16 --mask causal --layout contiguous --pass fwd+bwd "
+               "--tile 16x64 --mapping row-major")
+    lines = command_lines(command, 100)
+    assert len(lines) > 1 and max(len(x) for x in lines) <= 100
+    assert shlex.split("\n".join(lines).replace("\\\n", " ")) == command.split()
