@@ -174,10 +174,8 @@ class DocKernels:
         bt = block_tiles(self.m, *self.kernel.tile(pass_))
         op_of, qi, kj = expand_blocks(o, ops)
         b = qi * n + kj
-        parts = [np.zeros(len(o)) for _ in range(4)]
-        for acc, arr in zip(parts, (bt.rect_work, bt.stair_work, bt.rect, bt.stair)):
-            np.add.at(acc, op_of, arr.ravel()[b])
-        rect_work, stair_work, rect, stair = (x[ops] for x in parts)
+        rect_work, stair_work, rect, stair = (np.bincount(op_of, weights=arr.ravel()[b], minlength=len(o))[ops]
+                                              for arr in (bt.rect_work, bt.stair_work, bt.rect, bt.stair))
         e_full, e_masked = (self.kernel.efficiency(o.s_q[ops], o.s_kv[ops], pass_, masked, w.head_dim, dtype=w.dtype)
                             for masked in (False, True))
         heads = (o.h1 - o.h0)[ops] / w.n_heads

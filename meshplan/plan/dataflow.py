@@ -198,11 +198,10 @@ def peak_memories(sched: Schedule, phase: int, op_start: np.ndarray, op_end: np.
     counts = np.diff(t.free_ptr)[sel]
     has_free = counts > 0
     free = np.full(len(sel), pass_end + 1.0)
-    if has_free.any():
-        row = np.repeat(np.arange(len(t.rank)), np.diff(t.free_ptr))
-        mine = t.phase[row] == phase
+    if has_free.any():          # the last of each tensor's free_after ops: one reduction over the non-empty CSR rows
+        rows = np.flatnonzero(np.diff(t.free_ptr) > 0)        # (contiguous: together they tile free_after)
         last = np.full(len(t.rank), -np.inf)
-        np.maximum.at(last, row[mine], op_end[t.free_after[mine]])
+        last[rows] = np.maximum.reduceat(op_end[t.free_after], t.free_ptr[rows])
         free[has_free] = last[sel][has_free]
     rank = t.rank[sel]
     size = t.size_bytes[sel].astype(np.float64)
@@ -226,11 +225,15 @@ def peak_memories(sched: Schedule, phase: int, op_start: np.ndarray, op_end: np.
     instant_end = np.r_[(ranks_sorted[1:] != ranks_sorted[:-1]) | (times_sorted[1:] != times_sorted[:-1]), True] \
         if len(order) else np.zeros(0, dtype=bool)
 
+    at_end = ranks_sorted[instant_end]                         # sorted by rank: each rank's instants contiguous
+    rank_first = np.flatnonzero(np.r_[True, at_end[1:] != at_end[:-1]]) if len(at_end) else np.zeros(0, np.int64)
+
     def peak_of(delta):
         cum = np.cumsum(delta[order])
         level = (cum - np.r_[0.0, cum[first_idx[1:] - 1]][group])[instant_end]
         peak = np.zeros(sched.n_ranks)
-        np.maximum.at(peak, ranks_sorted[instant_end], level)
+        if len(level):
+            peak[at_end[rank_first]] = np.maximum(np.maximum.reduceat(level, rank_first), 0.0)
         return peak
 
     total = peak_of(ev_delta)
