@@ -104,7 +104,7 @@ def _tensors(builder, new_id: np.ndarray) -> TensorTable:
     if builder._free:
         t = np.concatenate([f[0] for f in builder._free]).astype(np.int64)
         o = new_id[np.concatenate([f[1] for f in builder._free]).astype(np.int64)]
-        srt = np.lexsort((o, t))
+        srt = np.argsort(t * (len(new_id) + 1) + o)           # by tensor, then op (one int64 key: no lexsort)
         free_ptr, free_after = csr_ptr(np.bincount(t, minlength=n)), o[srt]
     else:
         free_ptr, free_after = np.zeros(n + 1, dtype=np.int64), np.zeros(0, dtype=np.int64)
