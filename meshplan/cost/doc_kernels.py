@@ -67,23 +67,12 @@ def priced_by_cover(w, kernel_spec) -> bool:
 
 def many_covers(sched: Schedule, ops: np.ndarray) -> bool:
     """Whether ``ops`` span more than :data:`MAX_COVERS` distinct (query chunks, KV chunks) sets (each set's cover
-    is built once, O(tokens) numpy and O(segments) Python)."""
-    o = sched.ops
+    is built once, O(tokens) numpy and O(segments) Python). A prefix of the ops usually settles it."""
+    from meshplan.plan.schedule import distinct_chunk_sets
+
     if len(ops) <= MAX_COVERS:
         return False
-    nq, nk = np.diff(o.qc_ptr)[ops], np.diff(o.kvc_ptr)[ops]
-    distinct = 0
-    for mq, mk in set(zip(nq.tolist(), nk.tolist())):       # ops of one shape as rows of chunk ids
-        sel = ops[(nq == mq) & (nk == mk)]
-        rows = np.concatenate([o.q_chunks[o.qc_ptr[sel][:, None] + np.arange(mq)],
-                               o.kv_chunks[o.kvc_ptr[sel][:, None] + np.arange(mk)]], axis=1)
-        rows = np.ascontiguousarray(rows).view(np.dtype((np.void, rows.dtype.itemsize * rows.shape[1]))).ravel()
-        for part in (rows[:4 * MAX_COVERS], rows):         # a prefix usually settles it
-            seen = len(np.unique(part))
-            if distinct + seen > MAX_COVERS:
-                return True
-        distinct += seen
-    return False
+    return any(len(distinct_chunk_sets(sched.ops, part)[0]) > MAX_COVERS for part in (ops[:4 * MAX_COVERS], ops))
 
 
 class DocKernels:
@@ -168,13 +157,14 @@ class DocKernels:
         """Seconds of varlen ops over several chunks: one call over the segments of all their blocks (each block's
         segments kept apart: an upper bound on the tiles of the executor's cover, which may join a document's
         pieces from adjacent chunks), every tile at the efficiency of the op's shape."""
-        from meshplan.plan.schedule import expand_blocks
+        from meshplan.plan.schedule import distinct_chunk_sets, expand_blocks
 
         o, w, n = sched.ops, self.w, self.m.n
         bt = block_tiles(self.m, *self.kernel.tile(pass_))
-        op_of, qi, kj = expand_blocks(o, ops)
+        reps, again = distinct_chunk_sets(o, ops)           # ops alike but for heads or rank: summed once
+        op_of, qi, kj = expand_blocks(o, reps)
         b = qi * n + kj
-        rect_work, stair_work, rect, stair = (np.bincount(op_of, weights=arr.ravel()[b], minlength=len(o))[ops]
+        rect_work, stair_work, rect, stair = (np.bincount(op_of, weights=arr.ravel()[b], minlength=len(o))[reps][again]
                                               for arr in (bt.rect_work, bt.stair_work, bt.rect, bt.stair))
         e_full, e_masked = (self.kernel.efficiency(o.s_q[ops], o.s_kv[ops], pass_, masked, w.head_dim, dtype=w.dtype)
                             for masked in (False, True))

@@ -111,6 +111,23 @@ def _one_or_each(tokens: np.ndarray):
     return int(tokens[0]) if (tokens == tokens[0]).all() else tokens
 
 
+def distinct_chunk_sets(o: OpTable, ops: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(one op of each distinct (query chunks, KV chunks) among compute ops ``ops``, [len(ops)] the index of each op's
+    representative in that list): ops alike but for their heads or rank are priced once."""
+    nq, nk = np.diff(o.qc_ptr)[ops], np.diff(o.kvc_ptr)[ops]
+    reps, inverse = [], np.empty(len(ops), dtype=np.int64)
+    for mq, mk in sorted(set(zip(nq.tolist(), nk.tolist()))):
+        sel = np.flatnonzero((nq == mq) & (nk == mk))
+        rows = np.ascontiguousarray(np.concatenate([o.q_chunks[o.qc_ptr[ops[sel]][:, None] + np.arange(mq)],
+                                                    o.kv_chunks[o.kvc_ptr[ops[sel]][:, None] + np.arange(mk)]],
+                                                   axis=1), dtype=np.int64)
+        _, first, again = np.unique(rows.view(np.dtype((np.void, 8 * (mq + mk)))).ravel(), return_index=True,
+                                    return_inverse=True)
+        inverse[sel] = sum(len(r) for r in reps) + again.ravel()
+        reps.append(ops[sel[first]])
+    return (np.concatenate(reps) if reps else np.zeros(0, dtype=np.int64)), inverse
+
+
 def expand_blocks(o: OpTable, ops: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The (op, query chunk, KV chunk) triples of compute ops ``ops`` (cartesian products expanded)."""
     nq, nk = np.diff(o.qc_ptr)[ops], np.diff(o.kvc_ptr)[ops]

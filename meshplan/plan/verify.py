@@ -41,6 +41,7 @@ from meshplan.plan.schedule import (
     SEND,
     TENSOR_KIND_NAMES,
     Schedule,
+    distinct_chunk_sets,
     expand_blocks,
     tensor_bytes,
 )
@@ -316,10 +317,11 @@ def _coverage(s: Schedule, m: AttnMatrix, phase: int) -> list[str]:
     """Every permitted block exactly once per head; no single-block op on a block without a permitted pair."""
     o, H, N = s.ops, s.workload.n_heads, s.n_chunks
     ops = np.flatnonzero((o.kind == COMPUTE) & (o.phase == phase))
-    op_of, qi, ki = expand_blocks(o, ops)
-    h0, h1 = o.h0[op_of].astype(np.int64), o.h1[op_of].astype(np.int64)
-    out: list[str] = []
     name = ("fwd", "bwd")[phase]
+    out, seg_op, seg_h0, seg_h1 = _head_runs(o, ops, name)
+    op_of, qi, ki = expand_blocks(o, seg_op)
+    run = np.repeat(np.arange(len(seg_op)), np.diff(o.qc_ptr)[seg_op] * np.diff(o.kvc_ptr)[seg_op])
+    h0, h1 = seg_h0[run], seg_h1[run]
     empty = ~m.permitted[qi, ki]
     single = (np.diff(o.qc_ptr)[op_of] == 1) & (np.diff(o.kvc_ptr)[op_of] == 1)
     out += [f"{name}: op {op_of[k]} computes block ({qi[k]}, {ki[k]}), which has no permitted pair"
@@ -346,6 +348,28 @@ def _coverage(s: Schedule, m: AttnMatrix, phase: int) -> list[str]:
     missing = np.flatnonzero(m.permitted.ravel() & ~covered)
     out += [f"{name}: block ({i // N}, {i % N}) is never computed" for i in missing]
     return out
+
+
+def _head_runs(o, ops: np.ndarray, name: str) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
+    """Ops over the same chunk sets merged by heads, so the block check sees each set once per run of heads (a
+    Ulysses group's u ops over one set become one run): (overlaps found among them, each run's first op, its
+    first head, its end head). Adjacent head ranges join; an overlap is a violation; a gap starts a new run (the
+    block check then finds it)."""
+    reps, group = distinct_chunk_sets(o, ops)
+    order = np.lexsort((o.h0[ops], group))
+    g, op_sorted = group[order], ops[order]
+    a0, a1 = o.h0[op_sorted].astype(np.int64), o.h1[op_sorted].astype(np.int64)
+    first = np.r_[True, g[1:] != g[:-1]] if len(g) else np.zeros(0, dtype=bool)
+    prev_end = np.r_[0, a1[:-1]]
+    overlap = ~first & (a0 < prev_end)
+    out = [f"{name}: op {op_sorted[k]} computes heads from {a0[k]} that op {op_sorted[k - 1]} computes over the same "
+           f"chunks (computed twice)" for k in np.flatnonzero(overlap)]
+    new_run = first | (a0 != prev_end)
+    run_id = np.cumsum(new_run) - 1
+    seg_first = np.flatnonzero(new_run)
+    seg_h1 = np.zeros(len(seg_first), dtype=np.int64)
+    np.maximum.at(seg_h1, run_id, a1)
+    return out, op_sorted[seg_first], a0[seg_first], seg_h1
 
 
 def _rows(s: Schedule, m: AttnMatrix) -> list[str]:

@@ -7,7 +7,6 @@ Every candidate reports Ring's CCR for its workload and topology
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +16,7 @@ from meshplan import algorithms
 from meshplan.algorithms.base import BuildCache, PassTiming, knob_flag
 from meshplan.algorithms.ring import ring_ccr
 from meshplan.core.errors import SkipCandidate, UserError
+from meshplan.core.parallel import alongside as run_alongside
 from meshplan.cost.metrics import KEYS, PassMetrics, Prediction, combine, imbalance, predicted
 from meshplan.cost.simulate import SimResult, simulate
 from meshplan.model.matrix import AttnMatrix
@@ -72,9 +72,9 @@ def make_candidate(name: str, workload: Workload, topo: Topology, n_ranks: int, 
     schedule builds shared between its plans (a search run's), attached to the plan. ``keep_schedule``: build the
     schedule first and keep it on the plan, so a closed form that needs it (and a later simulation) reuse that
     one build — for a caller about to simulate anyway (``plan_batch``). ``alongside``: with ``keep_schedule``, a
-    function of the schedule (``plan_batch``: the verifier) run in a worker thread while the closed form is
-    computed — both are numpy loops that release the GIL, so they share the machine's cores; its result is kept
-    in ``plan.extra["alongside"]`` (its exception re-raised here).
+    function of the schedule (``plan_batch``: the verifier) run beside the closed form, in a forked process
+    (:func:`meshplan.core.parallel.alongside`: both cores); its result is kept in ``plan.extra["alongside"]``
+    (its exception re-raised here).
 
     Raises:
         UserError: bad knob values or an impossible workload; SkipCandidate: the method cannot do this.
@@ -91,10 +91,7 @@ def make_candidate(name: str, workload: Workload, topo: Topology, n_ranks: int, 
     if alg.places_tokens:
         workload = plan.workload
     if keep_schedule and alongside is not None:
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            job = pool.submit(alongside, sched)
-            timing = alg.timing(plan, topo)
-            plan.extra["alongside"] = job.result()
+        plan.extra["alongside"], timing = run_alongside(lambda: alongside(sched), lambda: alg.timing(plan, topo))
     else:
         timing = alg.timing(plan, topo)
     return Candidate(name, workload, plan.knobs, n_ranks, plan=plan, timing=timing)

@@ -152,3 +152,22 @@ def test_memory_limit():
     s = build(n=8, passes="fwd", seq_len="64K")
     assert verify(s, memory_bytes=80e9).ok and verify(s).peak_memory_bytes > 1e6
     assert any("more than the device" in v for v in verify(s, memory_bytes=1e6).violations)
+
+
+def test_head_ranges_of_ops_over_the_same_chunks_must_tile_the_heads():
+    """USP's Ulysses members compute the same blocks for disjoint head ranges (merged by the coverage check into
+    one run per chunk set): a range cut short leaves heads missing, a range stretched over its neighbour's computes
+    them twice."""
+    def usp():
+        w, t, alg = resolve(passes="fwd", seq_len=256), Topology.load("cpu-local", gpus=4), get("usp")
+        return alg.schedule(alg.plan(w, t, 4, alg.normalize({"ulysses_degree": 2})), t)
+
+    s = usp()
+    comp = np.flatnonzero((s.ops.kind == COMPUTE) & (s.ops.h0 > 0))
+    assert verify(s).ok and len(comp)
+    short = usp()
+    short.ops.h0[comp[0]] += 1                               # its first head now computed by no one
+    assert any("gap" in v or "covers heads" in v for v in verify(short).violations)
+    wide = usp()
+    wide.ops.h0[comp[0]] -= 1                                # reaches into the previous member's heads
+    assert any("computed twice" in v for v in verify(wide).violations)
