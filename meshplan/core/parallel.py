@@ -26,14 +26,15 @@ def _child(fn: Callable[[], Any], conn) -> None:
         conn.close()
 
 
-def alongside(side: Callable[[], Any], main: Callable[[], T]) -> tuple[Any, T]:
-    """(``side()``, ``main()``), ``side`` computed in a forked child (a thread where fork is unavailable) while
-    ``main`` runs here. ``side``'s result must pickle; its exception is raised here after ``main`` has finished.
+def alongside(side: Callable[[], Any], main: Callable[[], T], fork: bool = True) -> tuple[Any, T]:
+    """(``side()``, ``main()``), ``side`` computed in a forked child (a thread where fork is unavailable, or with
+    ``fork`` False: small work, where starting a process costs more than it saves) while ``main`` runs here.
+    ``side``'s result must pickle; its exception is raised here after ``main`` has finished.
 
     Raises:
         whatever ``side`` or ``main`` raised; RuntimeError if the child died without an answer.
     """
-    if os.environ.get("MESHPLAN_FORK", "1") == "0" or "fork" not in mp.get_all_start_methods():
+    if not fork or os.environ.get("MESHPLAN_FORK", "1") == "0" or "fork" not in mp.get_all_start_methods():
         with ThreadPoolExecutor(max_workers=1) as pool:
             job = pool.submit(side)
             out = main()

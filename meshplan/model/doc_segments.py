@@ -193,18 +193,21 @@ def _doc_place_tiles(w, n: int, tq: int, tk: int) -> BlockTiles:
     starts = np.flatnonzero(np.r_[True, doc[1:] != doc[:-1]])
     ends = np.r_[starts[1:], len(doc)]
     split = ends - starts > 1
+    groups: dict[tuple[int, int], list[np.ndarray]] = {}        # documents split over the same members together
     for a, e in zip(starts[split], ends[split]):
         g = (e - a) // 2
         r = real[a:e]
-        r1, r2 = r[:g], r[2 * g - 1 - np.arange(g)]                 # each member's first and second piece
+        groups.setdefault((int(p["chunk"][a]), g), []).append(np.stack([r[:g], r[2 * g - 1 - np.arange(g)]]))
+    for (c0, g), docs in groups.items():
+        r1, r2 = (np.stack([d[i] for d in docs]).astype(np.float64) for i in (0, 1))   # [D, g]: first, second piece
         k = np.arange(g)
         below, above = k[None, :] < k[:, None], k[None, :] > k[:, None]     # k' < k, k' > k
 
         def rects(q1, q2, k1, k2, below=below, above=above):
-            return np.outer(q1, k1) * below + np.outer(q2, k1) + np.outer(q2, k2) * above
+            """Σ over the documents of the rectangles: [D, g] per-member quantities, as matrix products."""
+            return (q1.T @ k1) * below + q2.T @ k1 + (q2.T @ k2) * above
 
-        c0 = int(p["chunk"][a])                                     # member k's chunk: c0 + 2k
-        block = (slice(c0, c0 + 2 * g, 2),) * 2
+        block = (slice(c0, c0 + 2 * g, 2),) * 2                     # member k's chunk: c0 + 2k
         out[0][block] += tile * rects(np.ceil(r1 / tq), np.ceil(r2 / tq), np.ceil(r1 / tk), np.ceil(r2 / tk))
         live1, live2 = (r1 > 0).astype(np.float64), (r2 > 0).astype(np.float64)
         out[2][block] += rects(live1, live2, live1, live2)

@@ -65,6 +65,10 @@ class Candidate:
         return self.predicted.rank_s if self.predicted is not None else self.bound_s
 
 
+#: schedules of fewer ops run ``alongside`` in a thread: forking costs ~10 ms, more than it saves there
+FORK_MIN_OPS = 50_000
+
+
 def make_candidate(name: str, workload: Workload, topo: Topology, n_ranks: int, knobs: dict[str, Any],
                    matrix: AttnMatrix | None = None, builds: BuildCache | None = None,
                    keep_schedule: bool = False, alongside: Callable[[Schedule], Any] | None = None) -> Candidate:
@@ -91,7 +95,8 @@ def make_candidate(name: str, workload: Workload, topo: Topology, n_ranks: int, 
     if alg.places_tokens:
         workload = plan.workload
     if keep_schedule and alongside is not None:
-        plan.extra["alongside"], timing = run_alongside(lambda: alongside(sched), lambda: alg.timing(plan, topo))
+        plan.extra["alongside"], timing = run_alongside(lambda: alongside(sched), lambda: alg.timing(plan, topo),
+                                                        fork=len(sched.ops) >= FORK_MIN_OPS)
     else:
         timing = alg.timing(plan, topo)
     return Candidate(name, workload, plan.knobs, n_ranks, plan=plan, timing=timing)

@@ -1,0 +1,32 @@
+"""Two pieces of work at once: the side work's result (or its error) comes back, forked or threaded."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from meshplan.core.parallel import alongside
+
+
+@pytest.mark.parametrize("fork", ["1", "0"])
+def test_both_results_come_back_and_the_side_sees_the_parents_arrays(fork, monkeypatch):
+    monkeypatch.setenv("MESHPLAN_FORK", fork)
+    data = np.arange(1_000_000, dtype=np.int64)          # shared copy-on-write with a forked child
+    side, main = alongside(lambda: (int(data.sum()), os.getpid()), lambda: int(data[::2].sum()))
+    assert side[0] == 499999500000 and main == 249999500000
+    assert (side[1] != os.getpid()) == (fork == "1")       # forked: another process; else this one
+
+
+@pytest.mark.parametrize("fork", ["1", "0"])
+def test_the_side_works_error_is_raised_here_after_main(fork, monkeypatch):
+    monkeypatch.setenv("MESHPLAN_FORK", fork)
+    ran = []
+
+    def side():
+        raise ValueError("bad schedule")
+
+    with pytest.raises(ValueError, match="bad schedule"):
+        alongside(side, lambda: ran.append(1))
+    assert ran == [1]
