@@ -4,13 +4,10 @@ the best (:func:`not_proven`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from meshplan.model.topology import Topology
 from meshplan.search.candidate import Candidate, forget_built, simulate_candidate, simulate_command
-
-if TYPE_CHECKING:
-    from meshplan.search import SearchResult
 
 #: Ring settings simulated at most to find its best for the reference row
 REFERENCE_SIMULATIONS = 4
@@ -55,11 +52,11 @@ def ring_reference(cands: list[Candidate], topo: Topology, n: int, ccr: float | 
     return min(lower, key=time_of) if lower else best       # a bound well below the best simulated stays shown
 
 
-def not_proven(result: SearchResult) -> list[dict[str, Any]]:
-    """The candidates left at a lower bound that is more than the prune slack below the pick's simulated time
-    (the search could not simulate them: ``Candidate.not_simulated``): the pick is not proven the best while they
-    stand. Each: its 1-based ``rank`` in the table, ``bound_s``, ``reason`` and the ``simulate`` command that
-    times it alone."""
+def not_proven(result) -> list[dict[str, Any]]:
+    """Of a :class:`~meshplan.search.SearchResult` (not imported here: the package imports this module): the
+    candidates left at a lower bound more than the prune slack below the pick's simulated time (the search could
+    not simulate them: ``Candidate.not_simulated``) — the pick is not proven the best while they stand. Each: its
+    1-based ``rank`` in the table, ``bound_s``, ``reason`` and the ``simulate`` command that times it alone."""
     cands = result.candidates
     if not cands or cands[0].model_level != "simulated":
         return []
