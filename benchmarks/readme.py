@@ -64,8 +64,12 @@ def block_main_job(r) -> str:
     if not cli:
         return NO_CLI
     m, best, ring = cli["main"], cli["main_best"], cli["main_ring"]
+    out = m["stdout"].rstrip()
+    cut = out.find("the best setting each framework offers")
+    if cut > 0:                             # the framework rows: docs/commands.md, "In the frameworks' language"
+        out = out[:cut].rstrip() + "\n(then each framework's best setting: docs/commands.md)"
     return (f"The main job above prints (`benchmarks/readme.py --run-cli`, {cli['date']}; times are predictions; "
-            f"`COLUMNS=100`, `--top 6`):\n\n```\n{m['stdout'].rstrip()}\n```\n\n"
+            f"`COLUMNS=100`, `--top 6`):\n\n```\n{out}\n```\n\n"
             f"- **{best['algorithm']} wins here**: {ms(best['makespan_s'])} predicted, against "
             f"{ms(ring['makespan_s'])} for the best Ring ({ring['makespan_s'] / best['makespan_s']:.2f}x), "
             f"{best['bytes_GB']:.2f} GB received per GPU against Ring's {ring['bytes_GB']:.2f} GB.\n")
