@@ -43,6 +43,12 @@ def knob_flag(name: str) -> str:
     return KNOB_FLAGS.get(name, f"--knob {name}")
 
 
+def knob_arg(name: str, value) -> str:
+    """A knob and its value as command-line words: ``--tile 8x32``, or ``--knob dkv_hops=n-1``."""
+    flag = knob_flag(name)
+    return f"{flag}={value}" if flag.startswith("--knob") else f"{flag} {value}"
+
+
 @dataclass(frozen=True)
 class Knob:
     """One knob: its choices (or a parser), its default and what it means."""

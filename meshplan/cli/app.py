@@ -83,15 +83,11 @@ def _err_console():
     return Console(stderr=True)
 
 
-def _out_console():
-    return out_console()
-
-
 def _emit(body, as_json: bool, human) -> None:
     if as_json:
         sys.stdout.write(json.dumps(body, indent=1) + "\n")
     else:
-        human(_out_console())
+        human(out_console())
 
 
 @app.command()

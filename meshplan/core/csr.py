@@ -1,5 +1,5 @@
 """Compressed sparse rows (CSR): ragged per-op lists (deps, inputs, chunks) stored as a pointer array and
-one flat value array; row k is ``values[ptr[k]:ptr[k + 1]]``."""
+one flat value array; row k is ``values[ptr[k]:ptr[k + 1]]``. Also :func:`unique_rows`, for rows of equal width."""
 
 from __future__ import annotations
 
@@ -26,3 +26,12 @@ def csr_sum(ptr: np.ndarray, values: np.ndarray) -> np.ndarray:
     rows = len(ptr) - 1
     seg = np.repeat(np.arange(rows), np.diff(ptr))
     return np.bincount(seg, weights=values, minlength=rows).astype(np.float64)
+
+
+def unique_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(index of the first of each distinct row, [k] each row's position among those) of an int array [k, m]:
+    each row compared as one byte string (one 1-D sort, not ``np.unique(axis=0)``'s lexicographic one)."""
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    _, first, again = np.unique(rows.view(np.dtype((np.void, 8 * rows.shape[1]))).ravel(), return_index=True,
+                                return_inverse=True)
+    return first, again.ravel()

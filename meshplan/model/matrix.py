@@ -20,6 +20,7 @@ from functools import cached_property
 
 import numpy as np
 
+from meshplan.core.csr import unique_rows
 from meshplan.model import doc_place
 from meshplan.model.chunking import Chunking
 from meshplan.model.granularity import granularity_error
@@ -208,11 +209,9 @@ class AttnMatrix:
         of the concatenation that take part; whether that rectangle needs an elementwise mask.
         """
         if len(qc) > 256 and qc.shape[1] * kc.shape[1] > 1:       # ops alike but for their heads: one each
-            both = np.ascontiguousarray(np.concatenate([qc, kc], axis=1), dtype=np.int64)
-            _, first, again = np.unique(both.view(np.dtype((np.void, 8 * both.shape[1]))).ravel(),
-                                        return_index=True, return_inverse=True)
+            first, again = unique_rows(np.concatenate([qc, kc], axis=1))
             if len(first) < len(qc) // 2:
-                return tuple(x[again.ravel()] for x in self.op_shape(qc[first], kc[first], pass_, heads))
+                return tuple(x[again] for x in self.op_shape(qc[first], kc[first], pass_, heads))
         qi, kj = qc[:, :, None], kc[:, None, :]
         flops = self.flops(pass_, heads)[qi, kj].sum(axis=(1, 2))
         pairs = self.pairs[qi, kj].sum(axis=(1, 2))

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from meshplan.core.csr import csr_ptr
+from meshplan.core.csr import csr_ptr, unique_rows
 from meshplan.core.units import DTYPE_BYTES
 from meshplan.model.workload import Workload
 
@@ -118,12 +118,9 @@ def distinct_chunk_sets(o: OpTable, ops: np.ndarray) -> tuple[np.ndarray, np.nda
     reps, inverse = [], np.empty(len(ops), dtype=np.int64)
     for mq, mk in sorted(set(zip(nq.tolist(), nk.tolist()))):
         sel = np.flatnonzero((nq == mq) & (nk == mk))
-        rows = np.ascontiguousarray(np.concatenate([o.q_chunks[o.qc_ptr[ops[sel]][:, None] + np.arange(mq)],
-                                                    o.kv_chunks[o.kvc_ptr[ops[sel]][:, None] + np.arange(mk)]],
-                                                   axis=1), dtype=np.int64)
-        _, first, again = np.unique(rows.view(np.dtype((np.void, 8 * (mq + mk)))).ravel(), return_index=True,
-                                    return_inverse=True)
-        inverse[sel] = sum(len(r) for r in reps) + again.ravel()
+        first, again = unique_rows(np.concatenate([o.q_chunks[o.qc_ptr[ops[sel]][:, None] + np.arange(mq)],
+                                                   o.kv_chunks[o.kvc_ptr[ops[sel]][:, None] + np.arange(mk)]], axis=1))
+        inverse[sel] = sum(len(r) for r in reps) + again
         reps.append(ops[sel[first]])
     return (np.concatenate(reps) if reps else np.zeros(0, dtype=np.int64)), inverse
 

@@ -280,7 +280,7 @@ def _head_runs(o, ops: np.ndarray, name: str) -> tuple[list[str], np.ndarray, np
     Ulysses group's u ops over one set become one run): (overlaps found among them, each run's first op, its
     first head, its end head). Adjacent head ranges join; an overlap is a violation; a gap starts a new run (the
     block check then finds it)."""
-    reps, group = distinct_chunk_sets(o, ops)
+    _, group = distinct_chunk_sets(o, ops)
     order = np.lexsort((o.h0[ops], group))
     g, op_sorted = group[order], ops[order]
     a0, a1 = o.h0[op_sorted].astype(np.int64), o.h1[op_sorted].astype(np.int64)
@@ -289,11 +289,8 @@ def _head_runs(o, ops: np.ndarray, name: str) -> tuple[list[str], np.ndarray, np
     overlap = ~first & (a0 < prev_end)
     out = [f"{name}: op {op_sorted[k]} computes heads from {a0[k]} that op {op_sorted[k - 1]} computes over the same "
            f"chunks (computed twice)" for k in np.flatnonzero(overlap)]
-    new_run = first | (a0 != prev_end)
-    run_id = np.cumsum(new_run) - 1
-    seg_first = np.flatnonzero(new_run)
-    seg_h1 = np.zeros(len(seg_first), dtype=np.int64)
-    np.maximum.at(seg_h1, run_id, a1)
+    seg_first = np.flatnonzero(first | (a0 != prev_end))                  # runs are contiguous in this order
+    seg_h1 = np.maximum.reduceat(a1, seg_first) if len(seg_first) else np.zeros(0, dtype=np.int64)
     return out, op_sorted[seg_first], a0[seg_first], seg_h1
 
 

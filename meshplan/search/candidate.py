@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from meshplan import algorithms
-from meshplan.algorithms.base import BuildCache, PassTiming, knob_flag
+from meshplan.algorithms.base import BuildCache, PassTiming, knob_arg
 from meshplan.algorithms.ring import ring_ccr
 from meshplan.core.errors import SkipCandidate, UserError
 from meshplan.core.parallel import alongside as run_alongside
@@ -121,8 +121,7 @@ def simulate_command(cand: Candidate, topo: Topology) -> str:
     """The ``meshplan simulate`` command that times this candidate alone (every flag: method, knobs that differ
     from the defaults, ranks, topology, workload)."""
     defaults = {k: kn.default for k, kn in algorithms.get(cand.algorithm).knobs.items()}
-    knobs = [f"{knob_flag(k)}={v}" if knob_flag(k).startswith("--knob") else f"{knob_flag(k)} {v}"
-             for k, v in cand.knobs.items() if v is not None and v != defaults.get(k) and v != "auto"]
+    knobs = [knob_arg(k, v) for k, v in cand.knobs.items() if v is not None and v != defaults.get(k) and v != "auto"]
     return " ".join(["meshplan simulate --algo", cand.algorithm, f"--gpus {cand.n_ranks}",
                      f"--topo {topology_arg(topo)}", cand.workload.cli_flags(), *knobs])
 

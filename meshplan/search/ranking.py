@@ -13,6 +13,11 @@ from meshplan.search.candidate import Candidate, forget_built, simulate_candidat
 REFERENCE_SIMULATIONS = 4
 
 
+def time_of(c: Candidate) -> float:
+    """A candidate's time in the table: simulated, else its closed-form lower bound."""
+    return c.predicted.makespan_s if c.predicted is not None and c.model_level == "simulated" else c.bound_s
+
+
 def ranked(cands: list[Candidate]) -> list[Candidate]:
     """The table's order: the fastest simulated candidate first (the pick), then every other by its time —
     simulated, or its closed-form lower bound — so no bound that could beat a simulated row is listed under it;
@@ -20,7 +25,6 @@ def ranked(cands: list[Candidate]) -> list[Candidate]:
     both = [c for c in cands if not c.forward_only]
     sim = [c for c in both if c.model_level == "simulated"]
     first = min(sim, key=lambda c: c.predicted.makespan_s) if sim else None
-    time_of = lambda c: c.predicted.makespan_s if c.model_level == "simulated" else c.bound_s  # noqa: E731
     rest = sorted((c for c in both if c is not first), key=time_of)
     return ([first] if first is not None else []) + rest + [c for c in cands if c.forward_only]
 
@@ -35,9 +39,6 @@ def ring_reference(cands: list[Candidate], topo: Topology, n: int, ccr: float | 
             and not c.forward_only]
     if not ring:
         return None
-    def time_of(c: Candidate) -> float:
-        return c.predicted.makespan_s if c.predicted is not None and c.model_level == "simulated" else c.bound_s
-
     for c in sorted(ring, key=lambda c: c.bound_s)[:REFERENCE_SIMULATIONS]:   # until no bound beats the best
         best = min((time_of(r) for r in ring if r.model_level == "simulated"), default=float("inf"))
         if c.bound_s >= best * (1 - prune_slack):                          # as the search prunes

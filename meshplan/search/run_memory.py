@@ -106,7 +106,7 @@ def check_fits(sched, host, name: str, gathers: bool = False) -> None:
 
 def _smaller(sched, topo, host, gathers: bool) -> str | None:
     """The ``simulate`` command of the longest power-of-two fraction of the sequence whose plan fits, or None."""
-    from meshplan.algorithms.base import knob_flag
+    from meshplan.algorithms.base import knob_arg
     from meshplan.model.topology import Topology
     from meshplan.search.candidate import predict
 
@@ -127,8 +127,7 @@ def _smaller(sched, topo, host, gathers: bool) -> str | None:
         peak = rank_peak_bytes(cand.schedule, run_topology(cand.schedule, host.gpu))
         need = host_need_bytes(cand.schedule, host, peak, gathers)
         if need <= HOST_SHARE * host.available_bytes:
-            knobs = " ".join(f"{knob_flag(k)}={v}" if knob_flag(k).startswith("--knob") else f"{knob_flag(k)} {v}"
-                             for k, v in sched.knobs.items() if v is not None)
+            knobs = " ".join(knob_arg(k, v) for k, v in sched.knobs.items() if v is not None)
             flags = f"{w.with_(seq_len=seq).cli_flags()}{' ' + knobs if knobs else ''}"
             return (f"plan {seq} tokens instead ({fmt_bytes(need)}): meshplan simulate "
                     f"--algo {sched.algorithm} --gpus {sched.n_ranks} --topo {planned_on.name} {flags} --out "
