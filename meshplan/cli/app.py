@@ -382,6 +382,9 @@ def calibrate(topo: Annotated[str, typer.Option("--topo", help="the topology to 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``meshplan`` console script."""
+    from meshplan.core.heap import keep_freed_memory
+
+    keep_freed_memory()                 # numpy temporaries reuse the heap's pages (meshplan.core.heap)
     typer.main.get_command(app).main(args=argv, prog_name="meshplan")
 
 

@@ -40,7 +40,7 @@ from meshplan.model.blockmask import (
     rows_overlap,
     worth_blocks,
 )
-from meshplan.model.doc_segments import Segments, block_segments, block_tiles, tile_count
+from meshplan.model.doc_segments import Segments, block_segments, block_tiles, tile_count, tiles_at
 from meshplan.model.matrix import BWD_FLOP_FACTOR, attn_matrix
 from meshplan.plan.schedule import Schedule
 
@@ -159,12 +159,11 @@ class DocKernels:
         pieces from adjacent chunks), every tile at the efficiency of the op's shape."""
         from meshplan.plan.schedule import distinct_chunk_sets, expand_blocks
 
-        o, w, n = sched.ops, self.w, self.m.n
-        bt = block_tiles(self.m, *self.kernel.tile(pass_))
+        o, w = sched.ops, self.w
         reps, again = distinct_chunk_sets(o, ops)           # ops alike but for heads or rank: summed once
         op_of, qi, kj = expand_blocks(o, reps)
-        b = qi * n + kj
-        rect_work, stair_work, rect, stair = (np.bincount(op_of, weights=arr.ravel()[b], minlength=len(o))[reps][again]
+        bt = tiles_at(self.m, *self.kernel.tile(pass_), qi, kj)
+        rect_work, stair_work, rect, stair = (np.bincount(op_of, weights=arr, minlength=len(o))[reps][again]
                                               for arr in (bt.rect_work, bt.stair_work, bt.rect, bt.stair))
         e_full, e_masked = (self.kernel.efficiency(o.s_q[ops], o.s_kv[ops], pass_, masked, w.head_dim, dtype=w.dtype)
                             for masked in (False, True))

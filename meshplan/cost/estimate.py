@@ -208,20 +208,12 @@ def _mean_load(act, res, dem, s, e) -> np.ndarray:
     gap[np.concatenate([[True], res_ev[1:] != res_ev[:-1]])] = 0.0   # no integral across resources
     integral = np.cumsum(base * gap)                     # ∫ active demand up to each event, since resource 0
 
-    # each interval end is itself an event: read the integral at the last event of its key (ties included), found
-    # from the sort's inverse permutation rather than searched
-    n_ev = len(key)
-    run_last = np.flatnonzero(np.concatenate([key[1:] != key[:-1], [True]])) if n_ev else np.zeros(0, np.int64)
-    last = run_last[np.concatenate([[0], np.cumsum(key[1:] != key[:-1])])] if n_ev else run_last
-    where = np.empty(n_ev, dtype=np.int64)
-    where[order] = np.arange(n_ev)
-    i_s, i_e = last[where[:len(act)]], last[where[len(act):]]
-
-    def at(i, q):
-        return integral[i] + level[i] * (q - key[i])
-
+    # each interval end is itself an event, found from the sort's inverse permutation rather than searched (events
+    # tied on a key have the same integral: no gap between them)
+    where = np.empty(len(key), dtype=np.int64)
+    where[order] = np.arange(len(key))
     width = a_e - a_s
-    used = at(i_e, res * span + a_e) - at(i_s, res * span + a_s)
+    used = integral[where[len(act):]] - integral[where[:len(act)]]
     mean = np.where(width > 0, used / np.where(width > 0, width, 1.0), 0.0)
     return np.maximum(mean, dem)                          # an empty interval: its own use alone
 

@@ -26,7 +26,7 @@ segment's pairs.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import numpy as np
 
@@ -139,7 +139,7 @@ def block_tiles(m, tq: int, tk: int) -> BlockTiles:
     done by BLAS; other layouts by summing :func:`block_segments`."""
     n = m.n
     if m.chunks.layout == DOC_PLACE:
-        return _doc_place_tiles(m.workload, n, tq, tk)
+        return DocPlaceTiles(m.workload, n, tq, tk).dense()
     width = doc_columns(m.workload, m.chunks)
     if not (width and m.chunks.layout != "striped"):
         return summed_tiles(m, tq, tk)
@@ -174,44 +174,90 @@ def summed_tiles(m, tq: int, tk: int) -> BlockTiles:
     return BlockTiles(*(x.reshape(n, n) for x in out))
 
 
-def _doc_place_tiles(w, n: int, tq: int, tk: int) -> BlockTiles:
-    """:func:`block_tiles` of a doc-place layout (:mod:`meshplan.model.doc_place`) in closed form. Its pieces are
-    contiguous runs of one document, so a query piece sees an earlier piece of its document whole (a rectangle of
-    ⌈rows / tq⌉ · ⌈keys / tk⌉ tiles), itself as a causal square and a later one not at all. A document split over g
-    members: member k holds pieces k and 2g − 1 − k, so with x1_k, x2_k a quantity of member k's first and second
-    piece, block (k, k') holds the rectangles a1_k·b1_k' (k' < k) + a2_k·b1_k' + a2_k·b2_k' (k' > k) — rows a and
-    key tiles b — and the diagonal the squares: O(g²) per document, against (2g)² segments summed."""
-    p = doc_place.pieces(w.doc_ranks, w.mask.doc_lens, w.mask.doc_real_lens())
-    real = np.clip(p["real_end"] - p["start"], 0, p["count"])
-    tile = float(tq * tk)
-    out = [np.zeros((n, n)) for _ in range(4)]                     # rect_work, stair_work, rect, stair
-    square = tile_count(real, real, 0, tq, tk) * tile              # every piece against itself (its diagonal)
-    one, many = real == 1, real > 1                                 # a 1-token square is a rectangle
-    for acc, sel, val in ((out[0], one, square), (out[1], many, square), (out[2], one, 1.0), (out[3], many, 1.0)):
-        np.add.at(acc, (p["chunk"][sel], p["chunk"][sel]), np.broadcast_to(val, real.shape)[sel])
-    doc = p["doc"]
-    starts = np.flatnonzero(np.r_[True, doc[1:] != doc[:-1]])
-    ends = np.r_[starts[1:], len(doc)]
-    split = ends - starts > 1
-    groups: dict[tuple[int, int], list[np.ndarray]] = {}        # documents split over the same members together
-    for a, e in zip(starts[split], ends[split]):
-        g = (e - a) // 2
-        r = real[a:e]
-        groups.setdefault((int(p["chunk"][a]), g), []).append(np.stack([r[:g], r[2 * g - 1 - np.arange(g)]]))
-    for (c0, g), docs in groups.items():
-        r1, r2 = (np.stack([d[i] for d in docs]).astype(np.float64) for i in (0, 1))   # [D, g]: first, second piece
-        k = np.arange(g)
-        below, above = k[None, :] < k[:, None], k[None, :] > k[:, None]     # k' < k, k' > k
+def tiles_at(m, tq: int, tk: int, qi: np.ndarray, kj: np.ndarray) -> BlockTiles:
+    """:func:`block_tiles` read at the blocks (``qi``, ``kj``) only: [len(qi)] arrays. A doc-place layout's are
+    computed without its dense [n, n] arrays (:class:`DocPlaceTiles`: at 512 ranks four such arrays per pass cost
+    more, in fresh pages touched, than the sums themselves)."""
+    if m.chunks.layout == DOC_PLACE:
+        return DocPlaceTiles(m.workload, m.n, tq, tk).at(qi, kj)
+    bt, b = block_tiles(m, tq, tk), qi * m.n + kj
+    return BlockTiles(*(arr.ravel()[b] for arr in (bt.rect_work, bt.stair_work, bt.rect, bt.stair)))
 
-        def rects(q1, q2, k1, k2, below=below, above=above):
-            """Σ over the documents of the rectangles: [D, g] per-member quantities, as matrix products."""
-            return (q1.T @ k1) * below + q2.T @ k1 + (q2.T @ k2) * above
 
-        block = (slice(c0, c0 + 2 * g, 2),) * 2                     # member k's chunk: c0 + 2k
-        out[0][block] += tile * rects(np.ceil(r1 / tq), np.ceil(r2 / tq), np.ceil(r1 / tk), np.ceil(r2 / tk))
-        live1, live2 = (r1 > 0).astype(np.float64), (r2 > 0).astype(np.float64)
-        out[2][block] += rects(live1, live2, live1, live2)
-    return BlockTiles(*out)
+class DocPlaceTiles:
+    """:func:`block_tiles` of a doc-place layout (:mod:`meshplan.model.doc_place`) in closed form, kept sparse: the
+    diagonal blocks as [n] arrays, the blocks among the members of each split group as one [g, g] matrix per group.
+
+    Its pieces are contiguous runs of one document, so a query piece sees an earlier piece of its document whole (a
+    rectangle of ⌈rows / tq⌉ · ⌈keys / tk⌉ tiles), itself as a causal square and a later one not at all. A document
+    split over g members: member k holds pieces k and 2g − 1 − k, so with x1_k, x2_k a quantity of member k's first
+    and second piece, block (k, k') holds the rectangles a1_k·b1_k' (k' < k) + a2_k·b1_k' + a2_k·b2_k' (k' > k) —
+    rows a and key tiles b — and the diagonal the squares: O(g²) per document, against (2g)² segments summed;
+    documents split over the same members summed as matrix products. Split groups share no rank
+    (:mod:`meshplan.algorithms.docplace.placement`), so a block lies in at most one group."""
+
+    def __init__(self, w, n: int, tq: int, tk: int) -> None:
+        p = doc_place.pieces(w.doc_ranks, w.mask.doc_lens, w.mask.doc_real_lens())
+        real = np.clip(p["real_end"] - p["start"], 0, p["count"])
+        tile = float(tq * tk)
+        self.n = n
+        square = tile_count(real, real, 0, tq, tk) * tile          # every piece against itself (its diagonal)
+        one, many = real == 1, real > 1                             # a 1-token square is a rectangle
+        chunk = p["chunk"]
+        self.diag = [np.bincount(chunk[sel], weights=np.broadcast_to(val, real.shape)[sel], minlength=n)
+                     for sel, val in ((one, square), (many, square), (one, 1.0), (many, 1.0))]
+        doc = p["doc"]
+        starts = np.flatnonzero(np.r_[True, doc[1:] != doc[:-1]])
+        ends = np.r_[starts[1:], len(doc)]
+        split = ends - starts > 1
+        groups: dict[tuple[int, int], list[np.ndarray]] = {}       # documents split over the same members together
+        for a, e in zip(starts[split], ends[split]):
+            g = (e - a) // 2
+            r = real[a:e]
+            groups.setdefault((int(chunk[a]), g), []).append(np.stack([r[:g], r[2 * g - 1 - np.arange(g)]]))
+        self.group = np.full(n, -1)                                  # chunk -> its group, its member index
+        self.member = np.zeros(n, dtype=np.int64)
+        self.size, self.offset, work, count = [], [], [], []
+        at = 0
+        for gi, ((c0, g), docs) in enumerate(groups.items()):
+            r1, r2 = (np.stack([d[i] for d in docs]).astype(np.float64) for i in (0, 1))   # [D, g]: each piece
+            k = np.arange(g)
+            below, above = k[None, :] < k[:, None], k[None, :] > k[:, None]     # k' < k, k' > k
+
+            def rects(q1, q2, k1, k2, below=below, above=above):
+                """Σ over the documents of the rectangles: [D, g] per-member quantities, as matrix products."""
+                return (q1.T @ k1) * below + q2.T @ k1 + (q2.T @ k2) * above
+
+            work.append((tile * rects(np.ceil(r1 / tq), np.ceil(r2 / tq), np.ceil(r1 / tk),
+                                      np.ceil(r2 / tk))).ravel())
+            live1, live2 = (r1 > 0).astype(np.float64), (r2 > 0).astype(np.float64)
+            count.append(rects(live1, live2, live1, live2).ravel())
+            self.group[c0:c0 + 2 * g:2], self.member[c0:c0 + 2 * g:2] = gi, k       # member k's chunk: c0 + 2k
+            self.size.append(g)
+            self.offset.append(at)
+            at += g * g
+        self.size, self.offset = np.asarray(self.size, dtype=np.int64), np.asarray(self.offset, dtype=np.int64)
+        self.work = np.concatenate(work) if work else np.zeros(0)
+        self.count = np.concatenate(count) if count else np.zeros(0)
+
+    def at(self, qi: np.ndarray, kj: np.ndarray) -> BlockTiles:
+        """The four sums at blocks (``qi``, ``kj``) ([B] chunk indices): [B] arrays."""
+        qi, kj = np.asarray(qi, dtype=np.int64), np.asarray(kj, dtype=np.int64)
+        on_diag = qi == kj
+        out = [np.where(on_diag, d[qi], 0.0) for d in self.diag]
+        gq = self.group[qi]
+        same = np.flatnonzero((gq >= 0) & (gq == self.group[kj]))
+        if len(same):
+            g = gq[same]
+            idx = self.offset[g] + self.member[qi[same]] * self.size[g] + self.member[kj[same]]
+            out[0][same] += self.work[idx]
+            out[2][same] += self.count[idx]
+        return BlockTiles(*out)
+
+    def dense(self) -> BlockTiles:
+        """The [n, n] arrays of :func:`block_tiles`."""
+        i, j = np.divmod(np.arange(self.n * self.n), self.n)
+        return BlockTiles(*(x.reshape(self.n, self.n) for x in astuple(self.at(i, j))))
 
 
 def _piece_rows(w, n: int, width: int):

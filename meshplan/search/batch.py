@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from meshplan.core.errors import UserError
+from meshplan.core.heap import keep_freed_memory
 from meshplan.model.doc_lengths import document_lengths
 from meshplan.model.topology import Topology
 from meshplan.model.workload import Mask, Workload
@@ -93,6 +94,7 @@ def plan_batch(cu_seqlens, topo: Topology, n_ranks: int, shape: Workload, *, cac
     if n_ranks != topo.n_devices:
         raise UserError("n_ranks", f"{n_ranks} ranks on a topology loaded for {topo.n_devices} devices",
                         f"load it for the CP group: Topology.load({topo.name!r}, gpus={n_ranks})")
+    keep_freed_memory()                 # numpy temporaries reuse the heap's pages (meshplan.core.heap)
     t0 = time.perf_counter()
     lens = document_lengths(cu_seqlens)
     key = (tuple(lens.tolist()), topo.content_hash, n_ranks, shape.batch, shape.n_heads, shape.n_kv_heads,
