@@ -26,6 +26,12 @@ def _child(fn: Callable[[], Any], conn) -> None:
         conn.close()
 
 
+def can_fork() -> bool:
+    """Whether :func:`alongside` would fork (else it runs the side work in a thread: no faster for numpy code
+    that holds the GIL between its loops, so callers with no other reason for a thread run it in turn)."""
+    return os.environ.get("MESHPLAN_FORK", "1") != "0" and "fork" in mp.get_all_start_methods()
+
+
 def alongside(side: Callable[[], Any], main: Callable[[], T], fork: bool = True) -> tuple[Any, T]:
     """(``side()``, ``main()``), ``side`` computed in a forked child (a thread where fork is unavailable, or with
     ``fork`` False: small work, where starting a process costs more than it saves) while ``main`` runs here.
@@ -34,7 +40,7 @@ def alongside(side: Callable[[], Any], main: Callable[[], T], fork: bool = True)
     Raises:
         whatever ``side`` or ``main`` raised; RuntimeError if the child died without an answer.
     """
-    if not fork or os.environ.get("MESHPLAN_FORK", "1") == "0" or "fork" not in mp.get_all_start_methods():
+    if not fork or not can_fork():
         with ThreadPoolExecutor(max_workers=1) as pool:
             job = pool.submit(side)
             out = main()

@@ -40,7 +40,7 @@ from meshplan.search.candidate import (
     Candidate,
     closed_form_predicted,
     forget_built,
-    make_candidate,
+    make_candidates,
     reduces,
     simulate_candidate,
 )
@@ -80,6 +80,7 @@ def enumerate_candidates(base: Workload, topo: Topology, n: int, algos: list[str
     run's cache of schedule builds, attached to every plan."""
     skipped: Counter = Counter()
     cands: list[Candidate] = []
+    jobs: list[tuple] = []                  # (name, workload, knobs, matrix, forward only): timed together below
     for name in algos or algorithms.NAMES:
         if name not in algorithms.NAMES:
             algorithms.get(name, "--algos")  # raises: unknown algorithm, with the valid names
@@ -117,14 +118,14 @@ def enumerate_candidates(base: Workload, topo: Topology, n: int, algos: list[str
             settings = alg.knob_space(w, topo, n, filters) if own_space else _knob_settings(name, filters, w)
             fwd_only = alg.forward_only and "bwd" in w.pass_list
             wc = w.with_(passes="fwd") if fwd_only else w
-            for knobs in settings:
-                try:
-                    c = make_candidate(name, wc, topo, n, knobs, None if fwd_only else matrix, builds)
-                except SkipCandidate as skip:
-                    skipped[skip.reason] += 1
-                    continue
-                c.forward_only = fwd_only
-                cands.append(c)
+            jobs += [(name, wc, knobs, None if fwd_only else matrix, fwd_only) for knobs in settings]
+    made = make_candidates([j[:4] for j in jobs], topo, n, builds)
+    for (*_, fwd_only), c in zip(jobs, made):
+        if isinstance(c, SkipCandidate):
+            skipped[c.reason] += 1
+            continue
+        c.forward_only = fwd_only
+        cands.append(c)
     return cands, skipped
 
 

@@ -17,6 +17,7 @@ from meshplan.algorithms.base import BuildCache, PassTiming, knob_arg
 from meshplan.algorithms.ring import ring_ccr
 from meshplan.core.errors import SkipCandidate, UserError
 from meshplan.core.parallel import alongside as run_alongside
+from meshplan.core.parallel import can_fork
 from meshplan.cost.metrics import KEYS, PassMetrics, Prediction, combine, imbalance, predicted
 from meshplan.cost.simulate import SimResult, simulate
 from meshplan.model.matrix import AttnMatrix
@@ -83,6 +84,24 @@ def make_candidate(name: str, workload: Workload, topo: Topology, n_ranks: int, 
     Raises:
         UserError: bad knob values or an impossible workload; SkipCandidate: the method cannot do this.
     """
+    alg, plan, workload = plan_candidate(name, workload, topo, n_ranks, knobs, matrix, builds)
+    if keep_schedule:
+        sched = alg.schedule(plan, topo)
+    if keep_schedule and alongside is not None:
+        plan.extra["alongside"], timing = run_alongside(lambda: alongside(sched), lambda: alg.timing(plan, topo),
+                                                        fork=len(sched.ops) >= FORK_MIN_OPS)
+    else:
+        timing = alg.timing(plan, topo)
+    return Candidate(name, workload, plan.knobs, n_ranks, plan=plan, timing=timing)
+
+
+def plan_candidate(name: str, workload: Workload, topo: Topology, n_ranks: int, knobs: dict[str, Any],
+                   matrix: AttnMatrix | None = None, builds: BuildCache | None = None):
+    """(algorithm, plan, the candidate's workload): :func:`make_candidate` up to its closed form.
+
+    Raises:
+        UserError, SkipCandidate: as :func:`make_candidate`.
+    """
     alg = algorithms.get(name)
     norm = alg.normalize(knobs)
     alg.check(workload, topo, n_ranks, norm)
@@ -90,16 +109,57 @@ def make_candidate(name: str, workload: Workload, topo: Topology, n_ranks: int, 
     plan.check()
     if builds is not None:
         plan.extra["builds"] = builds
-    if keep_schedule:
-        sched = alg.schedule(plan, topo)
-    if alg.places_tokens:
-        workload = plan.workload
-    if keep_schedule and alongside is not None:
-        plan.extra["alongside"], timing = run_alongside(lambda: alongside(sched), lambda: alg.timing(plan, topo),
-                                                        fork=len(sched.ops) >= FORK_MIN_OPS)
+    return alg, plan, (plan.workload if alg.places_tokens else workload)
+
+
+#: closed forms that build a schedule cost ~0.1–1 s each from this many ranks: worth a second process
+PARALLEL_MIN_RANKS = 64
+
+
+def make_candidates(jobs: list[tuple[str, Workload, dict[str, Any], AttnMatrix | None]], topo: Topology,
+                    n_ranks: int, builds: BuildCache | None = None) -> list[Candidate | SkipCandidate]:
+    """:func:`make_candidate` of every (name, workload, knobs, matrix) job, in order; a job the method cannot run
+    gives its :class:`SkipCandidate`. From :data:`PARALLEL_MIN_RANKS` ranks the closed forms that build a schedule
+    (``BuiltTiming``: up to a second each at 256 ranks) are shared between this process and a forked one
+    (:func:`meshplan.core.parallel.alongside`; in turn where fork is not offered), halved by count; the
+    schedule-free closed forms (~1/50 of one each) stay here and count against this process's half.
+
+    Raises:
+        UserError: bad knob values or an impossible workload.
+    """
+    from meshplan.algorithms.base import BuiltTiming
+
+    planned: list[tuple[Any, Plan, Workload] | SkipCandidate] = []
+    for name, w, knobs, matrix in jobs:
+        try:
+            planned.append(plan_candidate(name, w, topo, n_ranks, knobs, matrix, builds))
+        except SkipCandidate as skip:
+            planned.append(skip)
+    todo = [i for i, p in enumerate(planned) if not isinstance(p, SkipCandidate)]
+    heavy = [i for i in todo if isinstance(planned[i][0], BuiltTiming)]
+    side: list[int] = []
+    if n_ranks >= PARALLEL_MIN_RANKS and len(heavy) >= 2 and can_fork():
+        light_cost = 0.02 * (len(todo) - len(heavy))          # the schedule-free closed forms, kept here
+        k = min(len(heavy) - 1, round((len(heavy) + light_cost) / 2))
+        side = sorted((heavy[0::2] + heavy[1::2])[:k])         # every other first: each method on both sides
+    mine = sorted(set(todo) - set(side))
+
+    def timings(idx: list[int]) -> list[dict[str, PassTiming]]:
+        return [planned[i][0].timing(planned[i][1], topo) for i in idx]
+
+    if side:
+        side_t, mine_t = run_alongside(lambda: timings(side), lambda: timings(mine))
     else:
-        timing = alg.timing(plan, topo)
-    return Candidate(name, workload, plan.knobs, n_ranks, plan=plan, timing=timing)
+        side_t, mine_t = [], timings(mine)
+    timing = dict(zip(side, side_t)) | dict(zip(mine, mine_t))
+    out: list[Candidate | SkipCandidate] = []
+    for i, p in enumerate(planned):
+        if isinstance(p, SkipCandidate):
+            out.append(p)
+            continue
+        alg, plan, w = p
+        out.append(Candidate(alg.name, w, plan.knobs, n_ranks, plan=plan, timing=timing[i]))
+    return out
 
 
 def forget_built(c: Candidate) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from meshplan.core.errors import SkipCandidate
 from meshplan.model.topology import Topology
 from meshplan.model.workload import resolve
 from meshplan.search import enumerate_candidates, run_search
@@ -174,3 +175,25 @@ def test_a_bound_under_the_pick_is_ranked_above_slower_rows_and_said_not_proven(
         assert r.exit_code == 0, r.stderr
         import json
         assert json.loads(r.stdout)["predicted"]["makespan_s"] >= u["bound_s"] * (1 - 1e-9)
+
+
+def test_closed_forms_shared_with_a_forked_process_land_on_their_own_candidates(monkeypatch):
+    """make_candidates at 64 ranks sends half the schedule-building closed forms to a forked process: every
+    candidate gets the timing it gets computed alone, in this process and in order."""
+    from meshplan.core.parallel import can_fork
+    from meshplan.search.candidate import make_candidate, make_candidates
+
+    topo = Topology.load("h100x32", gpus=64)
+    w = resolve(seq_len="16K", model="llama3-8b")
+    jobs = [("usp", w, {"ulysses_degree": 8}, None), ("ring", w, {}, None), ("loongtrain", w, {}, None),
+            ("ulysses", w.with_(n_heads=12, n_kv_heads=12), {}, None), ("usp", w, {"ulysses_degree": 4}, None)]
+    monkeypatch.setenv("MESHPLAN_FORK", "1")
+    assert can_fork()
+    made = make_candidates(jobs, topo, 64)
+    assert isinstance(made[3], SkipCandidate)                   # 12 heads: no Ulysses degree 64
+    for (name, wl, knobs, _), got in zip(jobs, made):
+        if isinstance(got, SkipCandidate):
+            continue
+        alone = make_candidate(name, wl, topo, 64, knobs)
+        assert (got.algorithm, got.knobs) == (alone.algorithm, alone.knobs)
+        assert {k: t.bound_s for k, t in got.timing.items()} == {k: t.bound_s for k, t in alone.timing.items()}
