@@ -31,6 +31,7 @@ from meshplan import algorithms
 from meshplan.algorithms.base import BuildCache
 from meshplan.algorithms.ring import ring_ccr
 from meshplan.core.errors import SkipCandidate, UserError
+from meshplan.core.parallel import can_fork
 from meshplan.core.units import fmt_bytes
 from meshplan.cost.memory import estimated_peak_bytes
 from meshplan.model.matrix import attn_matrix
@@ -42,6 +43,7 @@ from meshplan.search.candidate import (
     forget_built,
     make_candidates,
     reduces,
+    simulate_both,
     simulate_candidate,
 )
 from meshplan.search.ranking import not_proven, ranked, ring_reference
@@ -50,6 +52,8 @@ PRUNE_SLACK = 0.01
 #: Above this many ranks a schedule without node symmetry (every rank simulated, e.g. a causal contiguous Mesh:
 #: 1024 ranks took 750 s) is left at its closed-form bound once another candidate has been simulated.
 FULL_SIM_MAX_RANKS = 256
+#: up to this many ranks the search simulates two candidates at a time (a forked process each second one)
+PAIR_MAX_RANKS = 256
 #: Above this many ranks, methods whose closed form builds the schedule are searched in zigzag only.
 #: Knobs search varies by default (numerically neutral); others stay at their defaults unless given.
 SEARCHED = {"ring": {"dkv_hops": ("n", "n-1")}, "pass-q": {"dq_hops": ("n", "n-1")}}
@@ -172,10 +176,7 @@ def run_search(base: Workload, topo: Topology, n: int, *, algos: list[str] | Non
     cands = [c for c in cands if not c.forward_only]
     cands.sort(key=lambda c: (c.estimate_s, c.bound_s))   # likely winners first: pruning bites early
     bnb = _BranchAndBound(topo, n, ccr, memory_limit, given, prune_slack, skipped, rejected)
-    for k, c in enumerate(cands):
-        if progress:
-            progress(k, len(cands), _label(c))
-        bnb.visit(c)
+    bnb.visit_all(cands, progress)
     reference = ring_reference(cands, topo, n, ccr, prune_slack, FULL_SIM_MAX_RANKS)
     builds.clear()
     cands = [c for c in cands if c.model_level != "over-memory"]
@@ -214,9 +215,48 @@ class _BranchAndBound:
         """Its lower bound exceeds (1 − prune_slack) x the best simulated makespan."""
         return c.bound_s > self.best * (1 - self.prune_slack) * (1 + 1e-12)
 
+    def visit_all(self, cands: list[Candidate], progress: Callable[[int, int, str], None] | None = None) -> None:
+        """Visit the candidates in order (:meth:`visit`). Up to :data:`PAIR_MAX_RANKS` ranks and where fork is
+        offered, two at a time: each candidate to simulate is simulated together with the next one that the best
+        so far does not prune (:func:`~meshplan.search.candidate.simulate_both`: both cores), and both are
+        recorded in order — so the second may be simulated where visiting one by one would have left it at a bound
+        the first's time beats (one more simulated row, never one fewer)."""
+        pairs = self.n <= PAIR_MAX_RANKS and can_fork()
+        k = 0
+        while k < len(cands):
+            c = cands[k]
+            if progress:
+                progress(k, len(cands), _label(c))
+            k += 1
+            if not self._to_simulate(c):
+                continue
+            partner = None
+            while pairs and k < len(cands):
+                d = cands[k]
+                if progress:
+                    progress(k, len(cands), _label(d))
+                k += 1
+                if self._to_simulate(d):
+                    partner = d
+                    break
+            if partner is None:
+                simulate_candidate(c, self.topo, self.ccr)
+            else:
+                simulate_both(c, partner, self.topo, self.ccr)
+            self._record(c)
+            if partner is not None:
+                self._record(partner)
+
     def visit(self, c: Candidate) -> None:
         """Tighten the bound, then leave ``c`` at its closed form (pruned, or no node symmetry at scale) or simulate
         it (rejected when its simulated total is over the memory limit); keeps the leader."""
+        if self._to_simulate(c):
+            simulate_candidate(c, self.topo, self.ccr)
+            self._record(c)
+
+    def _to_simulate(self, c: Candidate) -> bool:
+        """Tighten ``c``'s bound; False (``c`` left at its closed form) when the best so far prunes it or, above
+        :data:`FULL_SIM_MAX_RANKS` ranks, when its schedule has no node symmetry and a leader exists."""
         if not self.beaten(c):
             tighter = algorithms.get(c.algorithm).refine(c.plan, self.topo)
             if tighter is not None:
@@ -224,14 +264,18 @@ class _BranchAndBound:
         if self.beaten(c):
             c.predicted = closed_form_predicted(c, self.ccr)
             forget_built(c)
-            return
+            return False
         if self.n > FULL_SIM_MAX_RANKS and self.leader is not None and not reduces(c, self.topo):
             c.predicted = closed_form_predicted(c, self.ccr)
             c.not_simulated = f"no node symmetry above {FULL_SIM_MAX_RANKS} ranks: simulating it runs every rank"
             self.unsimulated[f"no node symmetry above {FULL_SIM_MAX_RANKS} ranks (simulate it alone)"] += 1
             forget_built(c)
-            return
-        simulate_candidate(c, self.topo, self.ccr)
+            return False
+        return True
+
+    def _record(self, c: Candidate) -> None:
+        """A simulated candidate: rejected when its simulated total is over the memory limit, else the leader if
+        fastest so far (only the leader keeps its schedule)."""
         total = c.predicted.total.peak_memory_total_bytes
         if total > self.memory_limit:
             self.skipped[_OVER[self.given]] += 1                 # the simulated total: wire images included

@@ -192,24 +192,53 @@ def simulate_candidate(cand: Candidate, topo: Topology, ccr: float | None) -> Ca
     When the algorithm offers variants (Mesh's fetch orders), each is simulated and the fastest is kept;
     ``knobs`` then name the one kept (e.g. ``order: "auto:kv-first"``).
     """
+    _simulate(cand, topo, ccr)
+    return cand
+
+
+def _simulate(cand: Candidate, topo: Topology, ccr: float | None) -> int:
+    """:func:`simulate_candidate`; returns the index of the variant kept."""
     alg = algorithms.get(cand.algorithm)
     best = None
     variants = alg.variants(cand.plan, topo)
-    for plan in variants:
+    for k, plan in enumerate(variants):
         sched = alg.schedule(plan, topo)
         sim = simulate(sched, topo)
         total = sum(sim.pass_makespan.values())
         if best is None or total < best[0]:
-            best = (total, plan, sched, sim)
-    _, plan, cand.schedule, cand.sim = best
-    if plan is not cand.plan:
-        cand.plan = plan
-        cand.knobs = plan.knobs | {"order": f"auto:{plan.knobs['order']}"}
+            best = (total, k, plan, sched, sim)
+    _, kept, plan, cand.schedule, cand.sim = best
+    _keep_variant(cand, plan)
     cand.predicted, cand.model_level = predicted(cand.schedule, topo, cand.sim, ccr), "simulated"
     if cand.workload.mask.kind == "docs":             # while the schedule is at hand (a search drops it later)
         from meshplan.cost.doc_kernels import document_stats
         cand.documents = document_stats(cand.schedule, topo)
-    return cand
+    return kept
+
+
+def _keep_variant(cand: Candidate, plan: Plan) -> None:
+    if plan is not cand.plan:
+        cand.plan = plan
+        cand.knobs = plan.knobs | {"order": f"auto:{plan.knobs['order']}"}
+
+
+def simulate_both(first: Candidate, second: Candidate, topo: Topology, ccr: float | None) -> None:
+    """:func:`simulate_candidate` of two candidates at once, ``second`` in a forked process
+    (:func:`meshplan.core.parallel.alongside`; in turn where fork is not offered). ``second`` comes back without
+    its schedule (rebuilt where needed: written, improved); its simulation's timeline comes back."""
+    if not can_fork():
+        simulate_candidate(first, topo, ccr)
+        simulate_candidate(second, topo, ccr)
+        return
+
+    def side():
+        kept = _simulate(second, topo, ccr)
+        return kept, second.predicted, second.documents, second.sim
+
+    (kept, pred, docs, sim), _ = run_alongside(side, lambda: simulate_candidate(first, topo, ccr))
+    if kept:
+        _keep_variant(second, algorithms.get(second.algorithm).variants(second.plan, topo)[kept])
+    second.predicted, second.model_level, second.documents, second.sim = pred, "simulated", docs, sim
 
 
 def reduces(cand: Candidate, topo: Topology) -> bool:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from meshplan.model.topology import Topology
-from meshplan.search.candidate import Candidate, forget_built, simulate_candidate, simulate_command
+from meshplan.search.candidate import Candidate, forget_built, simulate_both, simulate_candidate, simulate_command
 
 #: Ring settings simulated at most to find its best for the reference row
 REFERENCE_SIMULATIONS = 4
@@ -31,20 +31,25 @@ def ranked(cands: list[Candidate]) -> list[Candidate]:
 
 def ring_reference(cands: list[Candidate], topo: Topology, n: int, ccr: float | None, prune_slack: float,
                    max_ranks: int) -> Candidate | None:
-    """Ring's best setting, the row every user knows: its candidates simulated in bound order (up to
-    ``REFERENCE_SIMULATIONS``, and up to ``max_ranks`` ranks: above, its bound stands) until no bound is
-    more than the prune slack under the best simulated. None when Ring is not among the candidates (``--algos``
-    without it, or it cannot run)."""
+    """Ring's best setting, the row every user knows: its candidates simulated in bound order, two at a time
+    (:func:`~meshplan.search.candidate.simulate_both`; up to ``REFERENCE_SIMULATIONS``, and up to ``max_ranks``
+    ranks: above, its bound stands) until no bound is more than the prune slack under the best simulated. None
+    when Ring is not among the candidates (``--algos`` without it, or it cannot run)."""
     ring = [c for c in cands if c.algorithm == "ring" and c.model_level not in ("over-memory",)
             and not c.forward_only]
     if not ring:
         return None
-    for c in sorted(ring, key=lambda c: c.bound_s)[:REFERENCE_SIMULATIONS]:   # until no bound beats the best
+    order = sorted(ring, key=lambda c: c.bound_s)[:REFERENCE_SIMULATIONS]
+    while n <= max_ranks:                     # above: its schedule alone takes GBs (8 GB at 1024 ranks, 1M tokens)
         best = min((time_of(r) for r in ring if r.model_level == "simulated"), default=float("inf"))
-        if c.bound_s >= best * (1 - prune_slack):                          # as the search prunes
+        todo = [c for c in order if c.model_level != "simulated" and c.bound_s < best * (1 - prune_slack)][:2]
+        if not todo:                                                # no bound beats the best: as the search prunes
             break
-        if c.model_level != "simulated" and n <= max_ranks:    # above: its schedule alone takes
-            simulate_candidate(c, topo, ccr)                       # GBs (8 GB at 1024 ranks, 1M tokens)
+        if len(todo) == 2:                                          # both cores
+            simulate_both(*todo, topo, ccr)
+        else:
+            simulate_candidate(todo[0], topo, ccr)
+        for c in todo:
             forget_built(c)
     sim = [r for r in ring if r.model_level == "simulated"]
     best = min(sim, key=time_of) if sim else None

@@ -197,3 +197,20 @@ def test_closed_forms_shared_with_a_forked_process_land_on_their_own_candidates(
         alone = make_candidate(name, wl, topo, 64, knobs)
         assert (got.algorithm, got.knobs) == (alone.algorithm, alone.knobs)
         assert {k: t.bound_s for k, t in got.timing.items()} == {k: t.bound_s for k, t in alone.timing.items()}
+
+
+def test_simulating_two_at_a_time_keeps_every_simulation_and_the_pick(monkeypatch):
+    """The branch and bound in pairs (the second of each in a forked process) simulates every candidate the one
+    at a time search simulates, to the same time and kept variant, and picks the same plan."""
+    topo = Topology.load("h100x16", gpus=16)
+    w = resolve(seq_len="32K", model="llama3-8b")
+    runs = {}
+    for fork in ("0", "1"):
+        monkeypatch.setenv("MESHPLAN_FORK", fork)
+        res = run_search(w, topo, 16, algos=["ring", "mesh", "usp", "pass-q"])
+        runs[fork] = {(c.algorithm, c.workload.layout, str(c.plan.extra.get("grid", "")), repr(c.knobs)):
+                      c.predicted.makespan_s for c in res.candidates if c.model_level == "simulated"}
+        runs[fork + "pick"] = (res.candidates[0].algorithm, res.candidates[0].knobs,
+                               res.candidates[0].predicted.makespan_s)
+    assert runs["0pick"] == runs["1pick"]
+    assert runs["0"].items() <= runs["1"].items()
