@@ -345,7 +345,18 @@ def _label(c: Candidate) -> str:
 
 
 def write_best(result: SearchResult, k: int, out_dir: str) -> None:
-    """Verify and write the ``k`` best schedules (``.json``, or ``.json.gz`` past 50k ops)."""
+    """Verify and write the ``k`` best schedules (``.json``, or ``.json.gz`` past 50k ops): each written
+    candidate's ``schedule_path`` set, each refused one in ``result.rejected``."""
+    apply_written(result, written_best(result, k, out_dir))
+
+
+def written_best(result: SearchResult, k: int, out_dir: str) -> tuple[dict[int, str], list[str]]:
+    """:func:`write_best`'s work, ``result`` left as it was (but for schedules built): ({index in
+    ``result.candidates``: path written}, messages for ``result.rejected``) — so it can run in a forked process.
+
+    Raises:
+        RuntimeError: a schedule fails verification (an internal error).
+    """
     from pathlib import Path
 
     from meshplan.cost.bounds import schedule_timing
@@ -353,17 +364,19 @@ def write_best(result: SearchResult, k: int, out_dir: str) -> None:
     from meshplan.plan.verify import verify
 
     topo = result.topology
+    paths: dict[int, str] = {}
+    rejected: list[str] = []
     for rank, c in enumerate(result.candidates[:k], start=1):
         if c.schedule is None:
             c.schedule = algorithms.get(c.algorithm).schedule(c.plan, topo)
         if c.model_level != "simulated" and result.memory_limit is not None:    # its estimate fitted: check it
             peak = max(t.peak_memory_total_bytes for t in schedule_timing(c.schedule, topo).values())
             if peak > result.memory_limit:
-                result.rejected.append(f"not written: {_over(c, peak, result.memory_limit, 'its schedule')}")
+                rejected.append(f"not written: {_over(c, peak, result.memory_limit, 'its schedule')}")
                 continue
         report = verify(c.schedule, topo.memory_bytes)
         if report.over_memory_only:    # a --memory-limit above it
-            result.rejected.append(f"not written: {_label(c)}: {report.violations[0]}")
+            rejected.append(f"not written: {_label(c)}: {report.violations[0]}")
             continue
         if not report.ok:
             raise RuntimeError(f"internal error: the {c.algorithm} schedule fails verification: {report.violations[0]}")
@@ -375,7 +388,16 @@ def write_best(result: SearchResult, k: int, out_dir: str) -> None:
         if c.scheduler and c.scheduler.get("kept") == "ilp":
             name += "-cpsat"          # stream orders from CP-SAT, not the algorithm's own (its order knob)
         suffix = ".json.gz" if len(c.schedule.ops) > 50_000 else ".json"
-        c.schedule_path = str(write_schedule(c.schedule, Path(out_dir) / (name + suffix)))
+        paths[rank - 1] = str(write_schedule(c.schedule, Path(out_dir) / (name + suffix)))
+    return paths, rejected
+
+
+def apply_written(result: SearchResult, written: tuple[dict[int, str], list[str]]) -> None:
+    """Record :func:`written_best`'s outcome on ``result``."""
+    paths, rejected = written
+    for i, path in paths.items():
+        result.candidates[i].schedule_path = path
+    result.rejected.extend(rejected)
 
 
 def _documents(c: Candidate, topo: Topology) -> dict[str, Any] | None:

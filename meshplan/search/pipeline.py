@@ -4,8 +4,9 @@ and returns a :class:`SearchReport`; the CLI parses flags into the request and p
 The steps, in order: enumerate, prune and simulate the candidates (:func:`meshplan.search.run_search`); the
 frameworks' settings (:mod:`meshplan.search.frameworks`); the rank -> GPU placement search
 (``map_search``); CP-SAT stream orders (``scheduler``); the sensitivity study; the re-rank by the whole job's
-time (``job``); the inference rules; verifying and writing the best schedules. ``progress(done, total, label)``
-is called as the steps go (``total`` None: a step without a count).
+time (``job``); the inference rules; verifying and writing the best schedules — in a forked process beside the
+frameworks' settings when no step after the search changes the ranking (both cores). ``progress(done, total,
+label)`` is called as the steps go (``total`` None: a step without a count).
 """
 
 from __future__ import annotations
@@ -13,10 +14,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from meshplan.core.parallel import alongside, can_fork
 from meshplan.model.topology import Topology
 from meshplan.model.workload import Workload
 from meshplan.plan.job import JobShape
-from meshplan.search import PRUNE_SLACK, SearchResult, run_search, search_json, write_best
+from meshplan.search import (
+    PRUNE_SLACK,
+    SearchResult,
+    apply_written,
+    run_search,
+    search_json,
+    write_best,
+    written_best,
+)
 from meshplan.search.frameworks import FrameworkBest, framework_bests, frameworks_json
 from meshplan.search.inference import rule_report
 
@@ -99,6 +109,14 @@ class SearchReport:
         return body
 
 
+def _writes_now(req: SearchRequest, result: SearchResult) -> bool:
+    """Whether the best schedules can be written right after the search: no later step re-ranks or replaces
+    them (mapping search, CP-SAT, a job re-rank), and none needs their schedules in this process (sensitivity,
+    a documents mask's costs of written candidates left at a bound)."""
+    return (not req.map_search and req.scheduler == "greedy" and req.sensitivity is None and req.job is None
+            and result.workload.mask.kind != "docs")
+
+
 def run_pipeline(request: SearchRequest, progress: Progress | None = None) -> SearchReport:
     """Run every step of the request (module docstring) and report.
 
@@ -112,8 +130,14 @@ def run_pipeline(request: SearchRequest, progress: Progress | None = None) -> Se
                         prune_slack=req.prune_slack, progress=say)
     if not result.candidates:
         return SearchReport(req, result, [])
-    say(0, None, "the frameworks' settings")
-    bests = framework_bests(result, list(req.algos) if req.algos else None, req.filters)
+    early = req.write > 0 and _writes_now(req, result) and can_fork()
+    say(0, None, "the frameworks' settings" + (f"; verifying and writing {req.write} schedule(s)" if early else ""))
+    bests_of = lambda: framework_bests(result, list(req.algos) if req.algos else None, req.filters)  # noqa: E731
+    written = None
+    if early:                                               # the write beside the frameworks: both cores
+        written, bests = alongside(lambda: written_best(result, req.write, req.out_dir), bests_of)
+    else:
+        bests = bests_of()
     if req.map_search:
         from meshplan.search.improve import improve_mapping
         improve_mapping(result, req.map_search, write=req.write, progress=say)
@@ -133,7 +157,9 @@ def run_pipeline(request: SearchRequest, progress: Progress | None = None) -> Se
         group_best_s = best_group_s(result)          # before the job re-ranks the candidates
         job_body = rerank_for_job(result, req.job.shape, req.job.topology, max(req.top, req.write), progress=say)
     inference = rule_report(result)
-    if req.write > 0:
+    if written is not None:
+        apply_written(result, written)
+    elif req.write > 0:
         say(0, None, f"verifying and writing {req.write} schedule(s)")
         write_best(result, req.write, req.out_dir)
     return SearchReport(req, result, bests, sens, job_body, group_best_s, inference)
