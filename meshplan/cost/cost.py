@@ -114,22 +114,20 @@ class CostModel:
         if key not in cache:
             grow = np.sqrt(kernel_chunks[0] * kernel_chunks[1])
             # a block matrix holds a handful of kernel shapes: interpolate those, then gather (N² lookups at
-            # 1024 ranks cost 0.2 s each; this, 20 ms)
-            vq, cq = _codes(m.s_q)
-            vk, ck = _codes(m.s_kv)
+            # 1024 ranks cost 0.2 s each; this, 20 ms). The shapes' codes and the FLOPs are kept on the matrix
+            # (Mesh's tiles ask for tens of (a, b) growths of one matrix)
+            vq, vk, code = _shape_codes(m)
             grid = self.kernel.efficiency(vq[:, None, None] * grow, vk[None, :, None] * grow, pass_,
                                           np.array([False, True])[None, None, :], m.workload.head_dim, envelope,
-                                          dtype=m.workload.dtype)
-            eff = grid[cq, ck, m.elementwise.astype(np.int64)]
+                                          dtype=m.workload.dtype).ravel()
             if docs and envelope and self.kernel.spec.segments == "per_call":
                 # kernels per document segment (or window strip) run at their own (smaller) shapes, any of them up
                 # to the table's best: the best efficiency anywhere keeps the bound a bound
                 big = float(self.kernel.spec.tokens[-1])
-                eff = np.full(eff.shape, float(self.kernel.efficiency(big, big, pass_, False, m.workload.head_dim,
-                                                                      True, dtype=m.workload.dtype)))
-            flops = m.flops(pass_)
-            t = self.kernel.launch_s + flops / (self.topo.peak_flops(m.workload.dtype) * eff)
-            cache[key] = np.where(flops > 0, t, 0.0)
+                grid = np.full(grid.shape, float(self.kernel.efficiency(big, big, pass_, False, m.workload.head_dim,
+                                                                        True, dtype=m.workload.dtype)))
+            flops, launch = _flops_and_launch(m, pass_, self.kernel.launch_s)
+            cache[key] = launch + flops / (self.topo.peak_flops(m.workload.dtype) * grid)[code]
         return cache[key]
 
     def merge_time_s(self, bytes_touched) -> np.ndarray:
@@ -242,6 +240,27 @@ class CostModel:
         dur[side] = self.merge_time_s(o.size_bytes[side])
         return dur
 
+
+
+def _shape_codes(m) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(distinct query rows, distinct key columns, [N, N] each block's index into the (rows, columns, masked)
+    grid raveled) of a matrix's blocks, kept on the matrix."""
+    got = m.__dict__.get("_shape_codes")
+    if got is None:
+        vq, cq = _codes(m.s_q)
+        vk, ck = _codes(m.s_kv)
+        got = m.__dict__["_shape_codes"] = (vq, vk, (cq * len(vk) + ck) * 2 + m.elementwise.astype(np.int64))
+    return got
+
+
+def _flops_and_launch(m, pass_: str, launch_s: float) -> tuple[np.ndarray, np.ndarray]:
+    """([N, N] FLOPs of each block in ``pass_``, [N, N] ``launch_s`` where a block has FLOPs, else 0), kept on the
+    matrix."""
+    cache = m.__dict__.setdefault("_flops_launch", {})
+    if (pass_, launch_s) not in cache:
+        flops = m.flops(pass_)
+        cache[(pass_, launch_s)] = (flops, np.where(flops > 0, launch_s, 0.0))
+    return cache[(pass_, launch_s)]
 
 
 def _codes(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
