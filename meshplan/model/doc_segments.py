@@ -225,8 +225,11 @@ class DocPlaceTiles:
             below, above = k[None, :] < k[:, None], k[None, :] > k[:, None]     # k' < k, k' > k
 
             def rects(q1, q2, k1, k2, below=below, above=above):
-                """Σ over the documents of the rectangles: [D, g] per-member quantities, as matrix products."""
-                return (q1.T @ k1) * below + q2.T @ k1 + (q2.T @ k2) * above
+                """Σ over the documents of the rectangles: [D, g] per-member quantities, as matrix products
+                (einsum's own loops: BLAS would start threads for these thin products, beside the verifier's
+                process)."""
+                return (np.einsum("dk,dl->kl", q1, k1) * below + np.einsum("dk,dl->kl", q2, k1)
+                        + np.einsum("dk,dl->kl", q2, k2) * above)
 
             work.append((tile * rects(np.ceil(r1 / tq), np.ceil(r2 / tq), np.ceil(r1 / tk),
                                       np.ceil(r2 / tk))).ravel())
