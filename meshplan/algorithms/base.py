@@ -80,17 +80,20 @@ class BuildCache:
     """Recent schedule builds shared by plans that build the same ops (Mesh plans that differ only in their
     mapping), keyed by what determines the ops. Owned by whoever plans many candidates (a search run creates one,
     attaches it to its plans as ``plan.extra["builds"]`` and clears it when done); a plan without one builds alone.
-    Holds at most ``size`` builds (a 1024-rank build is gigabytes)."""
+    Holds at most ``size`` builds and, past the newest, at most ``max_ops`` ops (a 1024-rank Mesh build is 0.9M
+    ops, ~400 MB)."""
 
-    def __init__(self, size: int = 4) -> None:
-        self.size, self._built = size, {}
+    def __init__(self, size: int = 4, max_ops: int = 1_000_000) -> None:
+        self.size, self.max_ops, self._built = size, max_ops, {}
 
     def get(self, key: tuple, build: Callable[[], Schedule]) -> Schedule:
-        """The build under ``key``, made by ``build()`` on a miss (the oldest dropped past ``size``)."""
+        """The build under ``key``, made by ``build()`` on a miss (the oldest dropped past ``size`` or
+        ``max_ops``)."""
         sched = self._built.get(key)
         if sched is None:
             sched = self._built[key] = build()
-            while len(self._built) > self.size:
+            while len(self._built) > 1 and (len(self._built) > self.size or
+                                            sum(len(s.ops) for s in self._built.values()) > self.max_ops):
                 self._built.pop(next(iter(self._built)))
         return sched
 

@@ -47,7 +47,7 @@ def alongside(side: Callable[[], Any], main: Callable[[], T], fork: bool = True)
             return job.result(), out
     ctx = mp.get_context("fork")
     recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(side, send), daemon=True)
+    proc = ctx.Process(target=_child, args=(side, send))   # not daemonic: a side may fork again
     proc.start()
     send.close()
     try:

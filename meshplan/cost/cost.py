@@ -78,6 +78,11 @@ def _runs_by_block(sched: Schedule, m, ops: np.ndarray) -> np.ndarray:
     return out
 
 
+#: block times at other kernel growths kept per matrix (N² floats each: 8 MB at 1024 ranks; Mesh's tiles ask for
+#: ~150 of them, a few at a time)
+GROWN_KEPT = 4
+
+
 class CostModel:
     """Op durations on one topology for one workload dtype."""
 
@@ -107,6 +112,8 @@ class CostModel:
         runs at its own, smaller shape)."""
         key = (self.topo.content_hash, pass_, kernel_chunks, envelope)
         cache = m.__dict__.setdefault("_block_time_cache", {})
+        if key in cache:
+            cache[key] = cache.pop(key)                 # most recently used last
         docs = priced_by_cover(m.workload, self.kernel.spec)
         if key not in cache and docs and not envelope and kernel_chunks == (1, 1):
             fixed, scaled = DocKernels(self, m).block_parts(pass_)
@@ -128,6 +135,9 @@ class CostModel:
                                                                         True, dtype=m.workload.dtype)))
             flops, launch = _flops_and_launch(m, pass_, self.kernel.launch_s)
             cache[key] = launch + flops / (self.topo.peak_flops(m.workload.dtype) * grid)[code]
+            grown = [k for k in cache if k[2] != (1, 1)]
+            for old in grown[:max(len(grown) - GROWN_KEPT, 0)]:     # least recently used first
+                del cache[old]
         return cache[key]
 
     def merge_time_s(self, bytes_touched) -> np.ndarray:

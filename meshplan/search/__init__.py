@@ -19,6 +19,7 @@ rule), :mod:`run_memory` (will a run fit this host).
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from collections import Counter
@@ -31,12 +32,13 @@ from meshplan import algorithms
 from meshplan.algorithms.base import BuildCache
 from meshplan.algorithms.ring import ring_ccr
 from meshplan.core.errors import SkipCandidate, UserError
-from meshplan.core.parallel import can_fork
+from meshplan.core.parallel import alongside
 from meshplan.core.units import fmt_bytes
 from meshplan.cost.memory import estimated_peak_bytes
 from meshplan.model.matrix import attn_matrix
 from meshplan.model.topology import Topology
 from meshplan.model.workload import LAYOUTS, Workload
+from meshplan.plan.verify import verify
 from meshplan.search.candidate import (
     Candidate,
     closed_form_predicted,
@@ -52,6 +54,8 @@ PRUNE_SLACK = 0.01
 #: Above this many ranks a schedule without node symmetry (every rank simulated, e.g. a causal contiguous Mesh:
 #: 1024 ranks took 750 s) is left at its closed-form bound once another candidate has been simulated.
 FULL_SIM_MAX_RANKS = 256
+#: a schedule of this many ops is verified in a forked process while it is encoded (smaller: one after the other)
+FORK_WRITE_MIN_OPS = 50_000
 #: up to this many ranks the search simulates two candidates at a time (a forked process each second one)
 PAIR_MAX_RANKS = 256
 #: Above this many ranks, methods whose closed form builds the schedule are searched in zigzag only.
@@ -216,12 +220,13 @@ class _BranchAndBound:
         return c.bound_s > self.best * (1 - self.prune_slack) * (1 + 1e-12)
 
     def visit_all(self, cands: list[Candidate], progress: Callable[[int, int, str], None] | None = None) -> None:
-        """Visit the candidates in order (:meth:`visit`). Up to :data:`PAIR_MAX_RANKS` ranks and where fork is
-        offered, two at a time: each candidate to simulate is simulated together with the next one that the best
-        so far does not prune (:func:`~meshplan.search.candidate.simulate_both`: both cores), and both are
-        recorded in order — so the second may be simulated where visiting one by one would have left it at a bound
-        the first's time beats (one more simulated row, never one fewer)."""
-        pairs = self.n <= PAIR_MAX_RANKS and can_fork()
+        """Visit the candidates in order (:meth:`visit`). Up to :data:`PAIR_MAX_RANKS` ranks, two at a time: each
+        candidate to simulate is simulated together with the next one that the best so far does not prune
+        (:func:`~meshplan.search.candidate.simulate_both`: both cores where fork is offered, else one after the
+        other — the same answer), and both are recorded in order. So the second may be simulated where visiting one
+        by one would have left it at a bound the first's time beats: one more simulated row, never one fewer, and
+        a pick at least as fast."""
+        pairs = self.n <= PAIR_MAX_RANKS      # in pairs where fork is not offered too: the same answer everywhere
         k = 0
         while k < len(cands):
             c = cands[k]
@@ -361,7 +366,6 @@ def written_best(result: SearchResult, k: int, out_dir: str) -> tuple[dict[int, 
 
     from meshplan.cost.bounds import schedule_timing
     from meshplan.plan.json.io import write_schedule
-    from meshplan.plan.verify import verify
 
     topo = result.topology
     paths: dict[int, str] = {}
@@ -374,12 +378,6 @@ def written_best(result: SearchResult, k: int, out_dir: str) -> tuple[dict[int, 
             if peak > result.memory_limit:
                 rejected.append(f"not written: {_over(c, peak, result.memory_limit, 'its schedule')}")
                 continue
-        report = verify(c.schedule, topo.memory_bytes)
-        if report.over_memory_only:    # a --memory-limit above it
-            rejected.append(f"not written: {_label(c)}: {report.violations[0]}")
-            continue
-        if not report.ok:
-            raise RuntimeError(f"internal error: the {c.algorithm} schedule fails verification: {report.violations[0]}")
         defaults = {k: kn.default for k, kn in algorithms.get(c.algorithm).knobs.items()}
         knobs = "-".join(re.sub(r"[^A-Za-z0-9.]", "", str(v).replace("auto:", "")) for k, v in c.knobs.items()
                          if v is not None and v != "auto" and v != defaults.get(k))
@@ -387,8 +385,26 @@ def written_best(result: SearchResult, k: int, out_dir: str) -> tuple[dict[int, 
         name = f"{rank:02d}-{c.algorithm}{layout}" + (f"-{knobs}" if knobs else "")
         if c.scheduler and c.scheduler.get("kept") == "ilp":
             name += "-cpsat"          # stream orders from CP-SAT, not the algorithm's own (its order knob)
-        suffix = ".json.gz" if len(c.schedule.ops) > 50_000 else ".json"
-        paths[rank - 1] = str(write_schedule(c.schedule, Path(out_dir) / (name + suffix)))
+        target = Path(out_dir) / (name + (".json.gz" if len(c.schedule.ops) > 50_000 else ".json"))
+        staged = target.with_name(f".unverified-{target.name}")          # the same suffix: gzip or not
+        # verified in a forked process while it is encoded to a staging file (both cores), renamed into place
+        # once verified: the file never stands under its name unverified
+        try:
+            report, _ = alongside(lambda s=c.schedule: verify(s, topo.memory_bytes),
+                                  lambda s=c.schedule, to=staged: write_schedule(s, to),
+                                  fork=len(c.schedule.ops) >= FORK_WRITE_MIN_OPS)
+        except BaseException:
+            staged.unlink(missing_ok=True)
+            raise
+        if not report.ok:
+            staged.unlink(missing_ok=True)
+        if report.over_memory_only:    # a --memory-limit above it
+            rejected.append(f"not written: {_label(c)}: {report.violations[0]}")
+            continue
+        if not report.ok:
+            raise RuntimeError(f"internal error: the {c.algorithm} schedule fails verification: {report.violations[0]}")
+        os.replace(staged, target)
+        paths[rank - 1] = str(target)
     return paths, rejected
 
 

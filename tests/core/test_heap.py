@@ -34,4 +34,4 @@ def test_freed_arrays_reuse_their_pages_and_the_switch_turns_it_off():
     kept, faults = _probe()
     assert kept and faults < 1024                        # not even one array's pages faulted in again
     kept, faults = _probe(MESHPLAN_KEEP_HEAP="0")
-    assert not kept and faults > 10 * 4096               # glibc's default: the freed heap top trimmed, faulted in afresh
+    assert not kept and faults > 10 * 4096               # glibc default: the freed heap top trimmed, faulted again

@@ -30,3 +30,11 @@ def test_the_side_works_error_is_raised_here_after_main(fork, monkeypatch):
     with pytest.raises(ValueError, match="bad schedule"):
         alongside(side, lambda: ran.append(1))
     assert ran == [1]
+
+
+def test_a_forked_side_may_fork_again(monkeypatch):
+    """The search writes its schedules in a forked process, which verifies each beside its encoding in another."""
+    monkeypatch.setenv("MESHPLAN_FORK", "1")
+    inner = lambda: alongside(lambda: os.getpid(), lambda: os.getpid())   # noqa: E731
+    (side_pid, side_main_pid), main_pid = alongside(inner, lambda: os.getpid())
+    assert len({side_pid, side_main_pid, main_pid}) == 3

@@ -199,9 +199,9 @@ def test_closed_forms_shared_with_a_forked_process_land_on_their_own_candidates(
         assert {k: t.bound_s for k, t in got.timing.items()} == {k: t.bound_s for k, t in alone.timing.items()}
 
 
-def test_simulating_two_at_a_time_keeps_every_simulation_and_the_pick(monkeypatch):
-    """The branch and bound in pairs (the second of each in a forked process) simulates every candidate the one
-    at a time search simulates, to the same time and kept variant, and picks the same plan."""
+def test_simulating_two_at_a_time_forked_or_not_gives_the_same_answer(monkeypatch):
+    """The branch and bound in pairs simulates the same candidates to the same times and kept variants, and picks
+    the same plan, whether the second of each pair runs in a forked process or after the first here."""
     topo = Topology.load("h100x16", gpus=16)
     w = resolve(seq_len="32K", model="llama3-8b")
     runs = {}
@@ -213,4 +213,35 @@ def test_simulating_two_at_a_time_keeps_every_simulation_and_the_pick(monkeypatc
         runs[fork + "pick"] = (res.candidates[0].algorithm, res.candidates[0].knobs,
                                res.candidates[0].predicted.makespan_s)
     assert runs["0pick"] == runs["1pick"]
-    assert runs["0"].items() <= runs["1"].items()
+    assert runs["0"] == runs["1"] and len(runs["1"]) > 4
+
+
+@pytest.mark.parametrize("fork", ["1", "0"])
+def test_a_schedule_is_written_under_its_name_only_once_verified(fork, tmp_path, monkeypatch):
+    """write_best encodes each schedule to a staging file while it is verified (a forked process past 50K ops):
+    verified, it is renamed into place, gzipped past 50K ops, nothing else left; refused by the verifier, nothing
+    stands under any name."""
+    import meshplan.search as search
+    from meshplan.plan.json.io import read_schedule
+    from meshplan.plan.verify import verify
+
+    monkeypatch.setenv("MESHPLAN_FORK", fork)
+    monkeypatch.setattr(search, "FORK_WRITE_MIN_OPS", 0)                 # fork even for this small schedule
+    topo = Topology.load("h100x8")
+    result = run_search(resolve(seq_len="64K"), topo, 8, algos=["ring"])
+    search.write_best(result, 1, str(tmp_path))
+    (written,) = tmp_path.iterdir()
+    assert written.name.startswith("01-ring-zigzag") and written.suffix == ".json"      # 8 ranks: < 50K ops
+    assert result.candidates[0].schedule_path == str(written)
+    assert verify(read_schedule(written), topo.memory_bytes).ok
+
+    def refuse(sched, memory_bytes):
+        report = verify(sched, memory_bytes)
+        report.violations.append("a planted violation")
+        return report
+
+    monkeypatch.setattr(search, "verify", refuse, raising=False)
+    out = tmp_path / "refused"
+    with pytest.raises(RuntimeError, match="a planted violation"):
+        search.write_best(result, 1, str(out))
+    assert not out.exists() or not any(out.iterdir())

@@ -73,8 +73,13 @@ class Mesh(Algorithm):
         """Owners from the grid and KVR; devices from the mapping."""
         m = matrix if matrix is not None else attn_matrix(workload, n_ranks)
         grid = self.grid(n_ranks, knobs, workload, topo)
-        owner = grid.owner()
-        owner[~m.permitted] = -1
+        owners = m.__dict__.setdefault("_mesh_owners", {})     # one per grid: plans differ by their mappings
+        if grid not in owners:                                  # (N² each: 4 MB at 1024 ranks, ~90 plans)
+            owner = grid.owner().astype(np.int32)
+            owner[~m.permitted] = -1
+            owner.flags.writeable = False
+            owners[grid] = owner
+        owner = owners[grid]
         dev, shape = _mapping(grid, topo, knobs["mapping"], workload, knobs)
         idx = np.arange(n_ranks)
         knobs = knobs | {"tile": f"{grid.a}x{grid.b}", "mapping": shape}
