@@ -213,9 +213,10 @@ def peak_memories(sched: Schedule, phase: int, op_start: np.ndarray, op_end: np.
         ev_rank = np.r_[ev_rank, sched.ops.rank[ops], sched.ops.rank[ops]]
         ev_time = np.r_[ev_time, op_start[ops], op_end[ops]]
         ev_delta = np.r_[ev_delta, transient[ops], -transient[ops]]
-    # by rank, then time: a stable sort by time, then a stable (radix) sort by rank. Events at one instant of one
-    # rank are taken together: with frees before allocations there, the level peaks at the instant's end
-    by_time = np.argsort(ev_time, kind="stable")
+    # by rank, then time: a sort by time, then a stable (radix) sort by rank. Events at one instant of one rank are
+    # taken together (with frees before allocations there, the level peaks at the instant's end), so their order
+    # within the instant does not matter: the time sort need not be stable (quicksort: 2.5x faster)
+    by_time = np.argsort(ev_time)
     rank_key = ev_rank[by_time].astype(np.int16 if sched.n_ranks < 2**15 else np.int64)
     order = by_time[np.argsort(rank_key, kind="stable")]
     ranks_sorted, times_sorted = ev_rank[order], ev_time[order]
