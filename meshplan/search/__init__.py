@@ -8,19 +8,17 @@ the reason. Above ``FULL_SIM_MAX_RANKS`` ranks a candidate whose schedule has no
 simulated once another has been (it stays at its bound, counted in ``counts.not_simulated``): the simulator
 would run every rank's program, minutes at 1024 ranks.
 
-Modules, in pipeline order: this one (:func:`run_search`, :func:`write_best`), :mod:`candidate` (one candidate:
+Modules, in pipeline order: this one (:func:`run_search`), :mod:`candidate` (one candidate:
 plan, closed form, simulation), :mod:`ranking` (the table's order, Ring's reference row, what keeps the pick
 unproven), :mod:`pipeline` (the whole search the CLI runs, as one call: a ``SearchRequest``
 in, a ``SearchReport`` out), :mod:`framework_settings` and :mod:`frameworks` (Megatron-LM/TE, yunchang and
 torchtitan settings), :mod:`improve`, :mod:`mapping` and :mod:`ilp` (CP-SAT orders, placement search),
 :mod:`sensitivity`, :mod:`job_rerank` (ranking by a TP x CP x DP job's time), :mod:`inference` (the KV-cache
-rule), :mod:`run_memory` (will a run fit this host).
+rule), :mod:`run_memory` (will a run fit this host), :mod:`write` (verify and write the best schedules).
 """
 
 from __future__ import annotations
 
-import os
-import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -32,30 +30,29 @@ from meshplan import algorithms
 from meshplan.algorithms.base import BuildCache
 from meshplan.algorithms.ring import ring_ccr
 from meshplan.core.errors import SkipCandidate, UserError
-from meshplan.core.parallel import alongside
 from meshplan.core.units import fmt_bytes
 from meshplan.cost.memory import estimated_peak_bytes
 from meshplan.model.matrix import attn_matrix
 from meshplan.model.topology import Topology
 from meshplan.model.workload import LAYOUTS, Workload
-from meshplan.plan.verify import verify
 from meshplan.search.candidate import (
     Candidate,
     closed_form_predicted,
     forget_built,
+    label,
     make_candidates,
+    over_memory,
     reduces,
     simulate_both,
     simulate_candidate,
 )
 from meshplan.search.ranking import not_proven, ranked, ring_reference
+from meshplan.search.write import write_best  # noqa: F401 (the package's API: search, then write)
 
 PRUNE_SLACK = 0.01
 #: Above this many ranks a schedule without node symmetry (every rank simulated, e.g. a causal contiguous Mesh:
 #: 1024 ranks took 750 s) is left at its closed-form bound once another candidate has been simulated.
 FULL_SIM_MAX_RANKS = 256
-#: a schedule of this many ops is verified in a forked process while it is encoded (smaller: one after the other)
-FORK_WRITE_MIN_OPS = 50_000
 #: up to this many ranks the search simulates two candidates at a time (a forked process each second one)
 PAIR_MAX_RANKS = 256
 #: Above this many ranks, methods whose closed form builds the schedule are searched in zigzag only.
@@ -231,7 +228,7 @@ class _BranchAndBound:
         while k < len(cands):
             c = cands[k]
             if progress:
-                progress(k, len(cands), _label(c))
+                progress(k, len(cands), label(c))
             k += 1
             if not self._to_simulate(c):
                 continue
@@ -239,7 +236,7 @@ class _BranchAndBound:
             while pairs and k < len(cands):
                 d = cands[k]
                 if progress:
-                    progress(k, len(cands), _label(d))
+                    progress(k, len(cands), label(d))
                 k += 1
                 if self._to_simulate(d):
                     partner = d
@@ -284,8 +281,8 @@ class _BranchAndBound:
         total = c.predicted.total.peak_memory_total_bytes
         if total > self.memory_limit:
             self.skipped[_OVER[self.given]] += 1                 # the simulated total: wire images included
-            self.rejected.append(_over(c, total, self.memory_limit, "simulated"))
-            self.over.append((total, _label(c)))
+            self.rejected.append(over_memory(c, total, self.memory_limit, "simulated"))
+            self.over.append((total, label(c)))
             c.predicted, c.model_level = None, "over-memory"
             forget_built(c)
             return
@@ -313,13 +310,13 @@ def _within_memory(cands: list[Candidate], topo: Topology, limit: float, given: 
         peak = estimated_peak_bytes(c.timing)
         if peak > limit:
             skipped[_OVER[given]] += 1
-            rejected.append(_over(c, peak, limit, "estimated"))
+            rejected.append(over_memory(c, peak, limit, "estimated"))
             smallest = min(smallest or (peak, c), (peak, c), key=lambda x: x[0])
         else:
             keep.append(c)
     if cands and not keep:
         peak, c = smallest
-        raise _no_fit(limit, given, f"{fmt_bytes(peak)} ({_label(c)})")
+        raise _no_fit(limit, given, f"{fmt_bytes(peak)} ({label(c)})")
     return keep
 
 
@@ -331,10 +328,6 @@ def _no_fit(limit: float, given: bool, smallest: str) -> UserError:
                      f"the smallest needs {smallest}; add GPUs, or shorten --seq-len or --batch")
 
 
-def _over(c: Candidate, peak: float, limit: float, how: str) -> str:
-    return f"{_label(c)}: peak memory {fmt_bytes(peak)} ({how}: buffers, workspace, runtime) > {fmt_bytes(limit)}"
-
-
 def _rank_forward_only(cands: list[Candidate], topo: Topology, ccr: float | None) -> None:
     """Simulate forward-only candidates of a fwd+bwd search on their forward; ``bwd`` and totals null."""
     for c in cands:
@@ -342,78 +335,6 @@ def _rank_forward_only(cands: list[Candidate], topo: Topology, ccr: float | None
         c.predicted = c.predicted.forward_only()
         forget_built(c)
     cands.sort(key=lambda c: c.predicted.rank_s)
-
-
-def _label(c: Candidate) -> str:
-    knobs = ",".join(f"{k}={v}" for k, v in c.knobs.items() if v is not None)
-    return f"{c.algorithm} {c.workload.layout} {knobs}"
-
-
-def write_best(result: SearchResult, k: int, out_dir: str) -> None:
-    """Verify and write the ``k`` best schedules (``.json``, or ``.json.gz`` past 50k ops): each written
-    candidate's ``schedule_path`` set, each refused one in ``result.rejected``."""
-    apply_written(result, written_best(result, k, out_dir))
-
-
-def written_best(result: SearchResult, k: int, out_dir: str) -> tuple[dict[int, str], list[str]]:
-    """:func:`write_best`'s work, ``result`` left as it was (but for schedules built): ({index in
-    ``result.candidates``: path written}, messages for ``result.rejected``) — so it can run in a forked process.
-
-    Raises:
-        RuntimeError: a schedule fails verification (an internal error).
-    """
-    from pathlib import Path
-
-    from meshplan.cost.bounds import schedule_timing
-    from meshplan.plan.json.io import write_schedule
-
-    topo = result.topology
-    paths: dict[int, str] = {}
-    rejected: list[str] = []
-    for rank, c in enumerate(result.candidates[:k], start=1):
-        if c.schedule is None:
-            c.schedule = algorithms.get(c.algorithm).schedule(c.plan, topo)
-        if c.model_level != "simulated" and result.memory_limit is not None:    # its estimate fitted: check it
-            peak = max(t.peak_memory_total_bytes for t in schedule_timing(c.schedule, topo).values())
-            if peak > result.memory_limit:
-                rejected.append(f"not written: {_over(c, peak, result.memory_limit, 'its schedule')}")
-                continue
-        defaults = {k: kn.default for k, kn in algorithms.get(c.algorithm).knobs.items()}
-        knobs = "-".join(re.sub(r"[^A-Za-z0-9.]", "", str(v).replace("auto:", "")) for k, v in c.knobs.items()
-                         if v is not None and v != "auto" and v != defaults.get(k))
-        layout = "" if c.workload.layout == c.algorithm else f"-{c.workload.layout}"     # doc-place: its own
-        name = f"{rank:02d}-{c.algorithm}{layout}" + (f"-{knobs}" if knobs else "")
-        if c.scheduler and c.scheduler.get("kept") == "ilp":
-            name += "-cpsat"          # stream orders from CP-SAT, not the algorithm's own (its order knob)
-        target = Path(out_dir) / (name + (".json.gz" if len(c.schedule.ops) > 50_000 else ".json"))
-        staged = target.with_name(f".unverified-{target.name}")          # the same suffix: gzip or not
-        # verified in a forked process while it is encoded to a staging file (both cores), renamed into place
-        # once verified: the file never stands under its name unverified
-        try:
-            report, _ = alongside(lambda s=c.schedule: verify(s, topo.memory_bytes),
-                                  lambda s=c.schedule, to=staged: write_schedule(s, to),
-                                  fork=len(c.schedule.ops) >= FORK_WRITE_MIN_OPS)
-        except BaseException:
-            staged.unlink(missing_ok=True)
-            raise
-        if not report.ok:
-            staged.unlink(missing_ok=True)
-        if report.over_memory_only:    # a --memory-limit above it
-            rejected.append(f"not written: {_label(c)}: {report.violations[0]}")
-            continue
-        if not report.ok:
-            raise RuntimeError(f"internal error: the {c.algorithm} schedule fails verification: {report.violations[0]}")
-        os.replace(staged, target)
-        paths[rank - 1] = str(target)
-    return paths, rejected
-
-
-def apply_written(result: SearchResult, written: tuple[dict[int, str], list[str]]) -> None:
-    """Record :func:`written_best`'s outcome on ``result``."""
-    paths, rejected = written
-    for i, path in paths.items():
-        result.candidates[i].schedule_path = path
-    result.rejected.extend(rejected)
 
 
 def _documents(c: Candidate, topo: Topology) -> dict[str, Any] | None:

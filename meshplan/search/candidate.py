@@ -18,6 +18,7 @@ from meshplan.algorithms.ring import ring_ccr
 from meshplan.core.errors import SkipCandidate, UserError
 from meshplan.core.parallel import alongside as run_alongside
 from meshplan.core.parallel import can_fork
+from meshplan.core.units import fmt_bytes
 from meshplan.cost.metrics import KEYS, PassMetrics, Prediction, combine, imbalance, predicted
 from meshplan.cost.simulate import SimResult, simulate
 from meshplan.model.matrix import AttnMatrix
@@ -160,6 +161,17 @@ def make_candidates(jobs: list[tuple[str, Workload, dict[str, Any], AttnMatrix |
         alg, plan, w = p
         out.append(Candidate(alg.name, w, plan.knobs, n_ranks, plan=plan, timing=timing[i]))
     return out
+
+
+def label(c: Candidate) -> str:
+    """A candidate as the search's messages name it: algorithm, layout, knobs."""
+    knobs = ",".join(f"{k}={v}" for k, v in c.knobs.items() if v is not None)
+    return f"{c.algorithm} {c.workload.layout} {knobs}"
+
+
+def over_memory(c: Candidate, peak: float, limit: float, how: str) -> str:
+    """Why ``c`` is refused: its ``how`` peak over the limit (bytes per GPU)."""
+    return f"{label(c)}: peak memory {fmt_bytes(peak)} ({how}: buffers, workspace, runtime) > {fmt_bytes(limit)}"
 
 
 def forget_built(c: Candidate) -> None:

@@ -18,17 +18,10 @@ from meshplan.core.parallel import alongside, can_fork
 from meshplan.model.topology import Topology
 from meshplan.model.workload import Workload
 from meshplan.plan.job import JobShape
-from meshplan.search import (
-    PRUNE_SLACK,
-    SearchResult,
-    apply_written,
-    run_search,
-    search_json,
-    write_best,
-    written_best,
-)
+from meshplan.search import PRUNE_SLACK, SearchResult, run_search, search_json
 from meshplan.search.frameworks import FrameworkBest, framework_bests, frameworks_json
 from meshplan.search.inference import rule_report
+from meshplan.search.write import apply_written, write_best, written_best
 
 Progress = Callable[[int, "int | None", str], None]
 

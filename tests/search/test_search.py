@@ -221,7 +221,7 @@ def test_a_schedule_is_written_under_its_name_only_once_verified(fork, tmp_path,
     """write_best encodes each schedule to a staging file while it is verified (a forked process past 50K ops):
     verified, it is renamed into place, gzipped past 50K ops, nothing else left; refused by the verifier, nothing
     stands under any name."""
-    import meshplan.search as search
+    import meshplan.search.write as search
     from meshplan.plan.json.io import read_schedule
     from meshplan.plan.verify import verify
 
