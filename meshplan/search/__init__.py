@@ -47,7 +47,6 @@ from meshplan.search.candidate import (
     simulate_candidate,
 )
 from meshplan.search.ranking import not_proven, ranked, ring_reference
-from meshplan.search.write import write_best  # noqa: F401 (the package's API: search, then write)
 
 PRUNE_SLACK = 0.01
 #: Above this many ranks a schedule without node symmetry (every rank simulated, e.g. a causal contiguous Mesh:

@@ -126,8 +126,8 @@ def test_plans_are_held_to_the_device_memory_and_written_files_to_the_limit(tmp_
     from meshplan.cost.metrics import predicted
     from meshplan.cost.simulate import simulate
     from meshplan.plan.json.io import read_schedule
-    from meshplan.search import write_best
     from meshplan.search.frameworks import framework_bests
+    from meshplan.search.write import write_best
 
     topo = Topology.load("h100x8")
     with pytest.raises(UserError, match=r"^--gpus: no plan fits in the device's 80 GB; the smallest needs 1\d\d GB"):
