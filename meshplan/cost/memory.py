@@ -79,9 +79,18 @@ def closed_form_peak_bytes(spec: MemorySpec, plan, pass_: str, buffers_bytes: fl
     runtime's. An estimate: ``search`` checks simulated candidates on their simulated total, and the schedules
     it writes on their own."""
     w, m = plan.workload, plan.matrix
-    ok = m.permitted
-    ws = kernel_workspace_bytes(spec, w.dtype, pass_, w.batch, w.n_heads, w.head_dim, m.s_q[ok], m.s_kv[ok])
-    peak = float(buffers_bytes) + float(np.max(ws, initial=0.0)) + spec.transfer_bytes_per_byte * wire_bytes
+    c = spec.coefficients(w.dtype)
+    cq, ckv = ((c.fwd_q_bytes_per_elem, c.fwd_kv_bytes_per_elem) if pass_ == "fwd"
+               else (c.bwd_q_bytes_per_elem, c.bwd_kv_bytes_per_elem))
+    # the workspace grows with the block's shape: the largest block's, from the largest cq·s_q + ckv·s_kv over the
+    # permitted blocks, kept on the matrix (a search asks it for every Mesh plan of one matrix: N² each)
+    cache = m.__dict__.setdefault("_largest_shape", {})
+    if (cq, ckv) not in cache:
+        ok = m.permitted
+        cache[(cq, ckv)] = float(np.max(cq * m.s_q[ok] + ckv * m.s_kv[ok], initial=-1.0))
+    largest = cache[(cq, ckv)]
+    ws = c.fixed_bytes + w.batch * w.n_heads * w.head_dim * largest if largest >= 0 else 0.0
+    peak = float(buffers_bytes) + float(ws) + spec.transfer_bytes_per_byte * wire_bytes
     return spec.overhead_factor * peak + spec.runtime_bytes
 
 

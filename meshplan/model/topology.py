@@ -300,11 +300,37 @@ class Topology:
         return np.concatenate(pairs), np.concatenate(links)
 
     def link_loads(self, src, dst, size_bytes) -> np.ndarray:
-        """[n_links] bytes crossing every link when each (src, dst) pair moves ``size_bytes`` (vectorised)."""
+        """[n_links] bytes crossing every link when each (src, dst) pair moves ``size_bytes`` (vectorised).
+
+        Without listing every (pair, link) incidence: the bytes are first summed per (pair of local indices, node)
+        — a route is one template per local pair, shifted by the node — then each template's links take its
+        nodes' sums at once. Sums of whole bytes, so exact in any order."""
         src, dst, size = np.broadcast_arrays(np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64),
                                              np.asarray(size_bytes, dtype=np.float64))
-        pair, link = self.route_incidence(src, dst)
-        return np.bincount(link, weights=size.ravel()[pair], minlength=self.n_links)
+        src, dst, size = src.ravel(), dst.ravel(), size.ravel()
+        g, L, n_nodes = self.gpus_per_node, self.links_per_node, self.n_nodes
+        (ns, ls), (nd, ld) = np.divmod(src, g), np.divmod(dst, g)
+        moving = src != dst
+        same = moving & (ns == nd)
+        parts = [(same, ns, lambda k: self._template(*divmod(k, g)))]
+        if n_nodes > 1:
+            parts += [(moving & ~same, ns, lambda k: self._cross(*divmod(k, g))[0]),
+                      (moving & ~same, nd, lambda k: self._cross(*divmod(k, g))[1])]
+        loads = np.zeros(self.n_links)
+        key = ls * g + ld
+        for sel, node, template in parts:
+            idx = np.flatnonzero(sel)
+            if len(idx) == 0:
+                continue
+            per = np.bincount(key[idx] * n_nodes + node[idx], weights=size[idx], minlength=g * g * n_nodes)
+            per = per.reshape(g * g, n_nodes)
+            for k in np.flatnonzero(per.any(axis=1)).tolist():
+                tpl = template(k)
+                if len(tpl):
+                    nodes = np.flatnonzero(per[k])
+                    np.add.at(loads, (tpl[:, None] + nodes[None, :] * L).ravel(),
+                              np.broadcast_to(per[k, nodes], (len(tpl), len(nodes))).ravel())
+        return loads
 
     def route_bandwidth(self, src: int, dst: int) -> float:
         """Uncontended rate of one flow (bytes/s): the bottleneck capacity and per-flow caps on the route."""
