@@ -92,35 +92,58 @@ def _tensors_text(t: TensorTable) -> str:
         for i, (r, k, h0, h1, dt, sz, ro, ph, a) in enumerate(cols))
 
 
+#: ranks' ops are turned into text this many ops at a time (what the writer holds at once: ~0.5 KB an op)
+TEXT_BLOCK_OPS = 50_000
+
+
 def _ranks_text(sched: Schedule, matrix: AttnMatrix):
     o = sched.ops
     desc = _descriptors(sched, matrix)
-    deps, ins, outs = _rows(o.dep_ptr, o.deps), _rows(o.in_ptr, o.inputs), _rows(o.out_ptr, o.outputs)
-    qc, kc = _rows(o.qc_ptr, o.q_chunks), _rows(o.kvc_ptr, o.kv_chunks)
     names = [json.dumps(n) for n in sched.streams.names]
-    cols = zip(o.kind.tolist(), o.stream.tolist(), o.phase.tolist(), o.peer.tolist(), o.tensor.tolist(),
-               o.size_bytes.tolist(), o.dtype.tolist(), o.step.tolist(), o.h0.tolist(), o.h1.tolist(),
-               o.combine.tolist(), o.flops.tolist())
+    ptr = sched.rank_ptr.tolist()
+    r0 = 0
+    while r0 < sched.n_ranks:                 # whole ranks, about TEXT_BLOCK_OPS ops at a time
+        r1 = r0 + 1
+        while r1 < sched.n_ranks and ptr[r1 + 1] - ptr[r0] <= TEXT_BLOCK_OPS:
+            r1 += 1
+        ops = _ops_text(o, ptr[r0], ptr[r1], desc, names)
+        for r in range(r0, r1):
+            yield ("," if r else "") + f'{{"rank":{r},"ops":[{",".join(ops[ptr[r] - ptr[r0]:ptr[r + 1] - ptr[r0]])}]}}'
+        r0 = r1
+
+
+def _slice_rows(ptr: np.ndarray, values: np.ndarray, a: int, b: int) -> list[str]:
+    """:func:`_rows` of the CSR rows a..b−1."""
+    return _rows(ptr[a:b + 1] - ptr[a], values[ptr[a]:ptr[b]])
+
+
+def _ops_text(o, a: int, b: int, desc: dict, names: list[str]) -> list[str]:
+    """The JSON text of ops a..b−1 (ids are their indices)."""
+    deps, ins, outs = (_slice_rows(o.dep_ptr, o.deps, a, b), _slice_rows(o.in_ptr, o.inputs, a, b),
+                       _slice_rows(o.out_ptr, o.outputs, a, b))
+    qc, kc = _slice_rows(o.qc_ptr, o.q_chunks, a, b), _slice_rows(o.kvc_ptr, o.kv_chunks, a, b)
+    cols = zip(o.kind[a:b].tolist(), o.stream[a:b].tolist(), o.phase[a:b].tolist(), o.peer[a:b].tolist(),
+               o.tensor[a:b].tolist(), o.size_bytes[a:b].tolist(), o.dtype[a:b].tolist(), o.step[a:b].tolist(),
+               o.h0[a:b].tolist(), o.h1[a:b].tolist(), o.combine[a:b].tolist(), o.flops[a:b].tolist())
+    has_parts = (np.diff(o.in_ptr[a:b + 1]) > 0).tolist()
     ops = []
-    for i, (kind, st, ph, peer, ten, size, dt, step, h0, h1, comb, flops) in enumerate(cols):
-        base = f'{{"id":{i},"kind":"{OP_KINDS[kind]}","stream":{names[st]},"deps":{deps[i]},"pass":"{PASS_NAMES[ph]}"'
+    for k, (kind, st, ph, peer, ten, size, dt, step, h0, h1, comb, flops) in enumerate(cols):
+        i = a + k
+        base = f'{{"id":{i},"kind":"{OP_KINDS[kind]}","stream":{names[st]},"deps":{deps[k]},"pass":"{PASS_NAMES[ph]}"'
         if kind in (1, 2):
-            parts = f',"parts":{ins[i]}' if kind == 1 and o.in_ptr[i + 1] > o.in_ptr[i] else ""
+            parts = f',"parts":{ins[k]}' if kind == 1 and has_parts[k] else ""
             ops.append(f'{base},"peer":{peer},"tensor":{ten}{parts},"size_bytes":{size},"dtype":"{DTYPES[dt]}",'
                        f'"step":{step if step >= 0 else "null"}}}')
         elif kind == 0:
             rows, cols_, mask = desc[i]
-            ops.append(f'{base},"q_chunks":{qc[i]},"kv_chunks":{kc[i]},"heads":[{h0},{h1}],"q_rows":{rows},'
-                       f'"kv_cols":{cols_},"mask":"{mask}","inputs":{ins[i]},"outputs":{outs[i]},'
+            ops.append(f'{base},"q_chunks":{qc[k]},"kv_chunks":{kc[k]},"heads":[{h0},{h1}],"q_rows":{rows},'
+                       f'"kv_cols":{cols_},"mask":"{mask}","inputs":{ins[k]},"outputs":{outs[k]},'
                        f'"combine":"{COMBINES[comb]}","flops":{flops!r}}}')
         elif kind in (3, 4):
-            ops.append(f'{base},"inputs":{ins[i]},"outputs":{outs[i]},"size_bytes":{size}}}')
+            ops.append(f'{base},"inputs":{ins[k]},"outputs":{outs[k]},"size_bytes":{size}}}')
         else:
             ops.append(base + "}")
-    ptr = sched.rank_ptr.tolist()
-    for r in range(sched.n_ranks):
-        yield ("," if r else "") + f'{{"rank":{r},"ops":[{",".join(ops[ptr[r]:ptr[r + 1]])}]}}'
-        ops[ptr[r]:ptr[r + 1]] = [None] * (ptr[r + 1] - ptr[r])   # release the rank's text once written
+    return ops
 
 
 def _descriptors(sched: Schedule, m: AttnMatrix) -> dict[int, tuple]:
