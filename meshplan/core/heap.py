@@ -52,3 +52,16 @@ def keep_freed_memory() -> bool:
                                                  (M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES),
                                                  (M_TOP_PAD, TOP_PAD_BYTES)))
     return _done
+
+
+def release_freed_memory() -> None:
+    """Hand the heap's free pages back to the kernel now (glibc's ``malloc_trim``; a no-op elsewhere): before a
+    process forks workers that would otherwise count the retained pages in their resident memory too."""
+    if not _done:
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

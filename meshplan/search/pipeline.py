@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from meshplan.core.heap import release_freed_memory
 from meshplan.core.parallel import alongside, can_fork
 from meshplan.model.topology import Topology
 from meshplan.model.workload import Workload
@@ -128,6 +129,7 @@ def run_pipeline(request: SearchRequest, progress: Progress | None = None) -> Se
     bests_of = lambda: framework_bests(result, list(req.algos) if req.algos else None, req.filters)  # noqa: E731
     written = None
     if early:                                               # the write beside the frameworks: both cores
+        release_freed_memory()                              # the search's freed pages: not into the forks
         written, bests = alongside(lambda: written_best(result, req.write, req.out_dir), bests_of)
     else:
         bests = bests_of()
