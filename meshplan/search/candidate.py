@@ -115,6 +115,9 @@ def plan_candidate(name: str, workload: Workload, topo: Topology, n_ranks: int, 
 
 #: closed forms that build a schedule cost ~0.1–1 s each from this many ranks: worth a second process
 PARALLEL_MIN_RANKS = 64
+#: from this many ranks the schedule-free closed forms cost ~0.1 s each too (Mesh: ~90 plans at 1024 ranks), and
+#: are halved between the two processes where no schedule-building one is (those are not enumerated up there)
+LIGHT_SPLIT_MIN_RANKS = 512
 
 
 def make_candidates(jobs: list[tuple[str, Workload, dict[str, Any], AttnMatrix | None]], topo: Topology,
@@ -123,7 +126,9 @@ def make_candidates(jobs: list[tuple[str, Workload, dict[str, Any], AttnMatrix |
     gives its :class:`SkipCandidate`. From :data:`PARALLEL_MIN_RANKS` ranks the closed forms that build a schedule
     (``BuiltTiming``: up to a second each at 256 ranks) are shared between this process and a forked one
     (:func:`meshplan.core.parallel.alongside`; in turn where fork is not offered), halved by count; the
-    schedule-free closed forms (~1/50 of one each) stay here and count against this process's half.
+    schedule-free closed forms (~1/50 of one each) stay here and count against this process's half. Where none
+    builds a schedule, from :data:`LIGHT_SPLIT_MIN_RANKS` ranks, the forked process takes the second half of the
+    schedule-free ones.
 
     Raises:
         UserError: bad knob values or an impossible workload.
@@ -138,11 +143,14 @@ def make_candidates(jobs: list[tuple[str, Workload, dict[str, Any], AttnMatrix |
             planned.append(skip)
     todo = [i for i, p in enumerate(planned) if not isinstance(p, SkipCandidate)]
     heavy = [i for i in todo if isinstance(planned[i][0], BuiltTiming)]
+    light = [i for i in todo if i not in set(heavy)]
     side: list[int] = []
     if n_ranks >= PARALLEL_MIN_RANKS and len(heavy) >= 2 and can_fork():
-        light_cost = 0.02 * (len(todo) - len(heavy))          # the schedule-free closed forms, kept here
+        light_cost = 0.02 * len(light)                         # the schedule-free closed forms, kept here
         k = min(len(heavy) - 1, round((len(heavy) + light_cost) / 2))
         side = sorted((heavy[0::2] + heavy[1::2])[:k])         # every other first: each method on both sides
+    elif n_ranks >= LIGHT_SPLIT_MIN_RANKS and len(light) >= 8 and can_fork():
+        side = light[len(light) // 2:]                         # a contiguous half: its plans share their caches
     mine = sorted(set(todo) - set(side))
 
     def timings(idx: list[int]) -> list[dict[str, PassTiming]]:

@@ -245,3 +245,24 @@ def test_a_schedule_is_written_under_its_name_only_once_verified(fork, tmp_path,
     with pytest.raises(RuntimeError, match="a planted violation"):
         search.write_best(result, 1, str(out))
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_schedule_free_closed_forms_halved_between_processes_land_on_their_own_candidates(monkeypatch):
+    """Where no closed form builds a schedule (above 256 ranks: Mesh, Ring), from LIGHT_SPLIT_MIN_RANKS ranks
+    the forked process takes the second half: every candidate gets the timing it gets alone, in order."""
+    import meshplan.search.candidate as cand
+    from meshplan.search.candidate import make_candidate, make_candidates
+
+    monkeypatch.setenv("MESHPLAN_FORK", "1")
+    monkeypatch.setattr(cand, "LIGHT_SPLIT_MIN_RANKS", 16)
+    monkeypatch.setattr(cand, "PARALLEL_MIN_RANKS", 16)
+    topo = Topology.load("h100x16", gpus=16)
+    w = resolve(seq_len="16K", model="llama3-8b")
+    jobs = [("mesh", w, {"tile": t, "mapping": "row-major"}, None) for t in ("1x16", "2x8", "4x4", "8x2", "16x1")]
+    jobs += [("ring", w, {}, None), ("pass-q", w, {}, None), ("ring", w.with_(layout="contiguous"), {}, None)]
+    made = make_candidates(jobs, topo, 16)
+    for (name, wl, knobs, _), got in zip(jobs, made):
+        alone = make_candidate(name, wl, topo, 16, knobs)
+        assert (got.algorithm, got.knobs, got.workload.layout) == (alone.algorithm, alone.knobs, alone.workload.layout)
+        assert {k: (t.bound_s, t.estimate_s) for k, t in got.timing.items()} == \
+            {k: (t.bound_s, t.estimate_s) for k, t in alone.timing.items()}
