@@ -193,8 +193,9 @@ class DocPlaceTiles:
     split over g members: member k holds pieces k and 2g − 1 − k, so with x1_k, x2_k a quantity of member k's first
     and second piece, block (k, k') holds the rectangles a1_k·b1_k' (k' < k) + a2_k·b1_k' + a2_k·b2_k' (k' > k) —
     rows a and key tiles b — and the diagonal the squares: O(g²) per document, against (2g)² segments summed;
-    documents split over the same members summed as matrix products. Split groups share no rank
-    (:mod:`meshplan.algorithms.docplace.placement`), so a block lies in at most one group."""
+    documents split over the same members summed as matrix products. Groups of different members may overlap (a
+    document placed over part of another's ranks): each group goes to the first *layer* whose chunks it leaves
+    free, and a block sums its groups over the layers (one layer in the common case)."""
 
     def __init__(self, w, n: int, tq: int, tk: int) -> None:
         p = doc_place.pieces(w.doc_ranks, w.mask.doc_lens, w.mask.doc_real_lens())
@@ -215,8 +216,7 @@ class DocPlaceTiles:
             g = (e - a) // 2
             r = real[a:e]
             groups.setdefault((int(chunk[a]), g), []).append(np.stack([r[:g], r[2 * g - 1 - np.arange(g)]]))
-        self.group = np.full(n, -1)                                  # chunk -> its group, its member index
-        self.member = np.zeros(n, dtype=np.int64)
+        self.layers: list[tuple[np.ndarray, np.ndarray]] = []      # per layer: chunk -> its group, member index
         self.size, self.offset, work, count = [], [], [], []
         at = 0
         for gi, ((c0, g), docs) in enumerate(groups.items()):
@@ -235,7 +235,12 @@ class DocPlaceTiles:
                                       np.ceil(r2 / tk))).ravel())
             live1, live2 = (r1 > 0).astype(np.float64), (r2 > 0).astype(np.float64)
             count.append(rects(live1, live2, live1, live2).ravel())
-            self.group[c0:c0 + 2 * g:2], self.member[c0:c0 + 2 * g:2] = gi, k       # member k's chunk: c0 + 2k
+            members = slice(c0, c0 + 2 * g, 2)                                     # member k's chunk: c0 + 2k
+            layer = next((lay for lay in self.layers if (lay[0][members] < 0).all()), None)
+            if layer is None:
+                layer = (np.full(n, -1), np.zeros(n, dtype=np.int64))
+                self.layers.append(layer)
+            layer[0][members], layer[1][members] = gi, k
             self.size.append(g)
             self.offset.append(at)
             at += g * g
@@ -248,13 +253,14 @@ class DocPlaceTiles:
         qi, kj = np.asarray(qi, dtype=np.int64), np.asarray(kj, dtype=np.int64)
         on_diag = qi == kj
         out = [np.where(on_diag, d[qi], 0.0) for d in self.diag]
-        gq = self.group[qi]
-        same = np.flatnonzero((gq >= 0) & (gq == self.group[kj]))
-        if len(same):
-            g = gq[same]
-            idx = self.offset[g] + self.member[qi[same]] * self.size[g] + self.member[kj[same]]
-            out[0][same] += self.work[idx]
-            out[2][same] += self.count[idx]
+        for group, member in self.layers:
+            gq = group[qi]
+            same = np.flatnonzero((gq >= 0) & (gq == group[kj]))
+            if len(same):
+                g = gq[same]
+                idx = self.offset[g] + member[qi[same]] * self.size[g] + member[kj[same]]
+                out[0][same] += self.work[idx]
+                out[2][same] += self.count[idx]
         return BlockTiles(*out)
 
     def dense(self) -> BlockTiles:
