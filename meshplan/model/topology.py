@@ -270,12 +270,10 @@ class Topology:
                     x_lat[a, b], x_bw[a, b] = stats(np.concatenate(self._cross(a, b)))
         return {"lat": lat, "bw": bw, "x_lat": x_lat, "x_bw": x_bw}
 
-    def route_incidence(self, src, dst) -> tuple[np.ndarray, np.ndarray]:
-        """(pair index, link id) for every link on every (src, dst) device pair's route (:meth:`route`, a link
-        on a route twice listed twice), vectorised: one template per pair of local indices, shifted per node."""
-        src, dst = np.broadcast_arrays(np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64))
-        src, dst = src.ravel(), dst.ravel()
-        g, L = self.gpus_per_node, self.links_per_node
+    def _route_parts(self, src: np.ndarray, dst: np.ndarray):
+        """(local pair key ls·g + ld per pair, [(pairs selected, the node a template shifts by, template of a key)]):
+        routes inside a node, and a cross-node route's source and destination sides."""
+        g = self.gpus_per_node
         (ns, ls), (nd, ld) = np.divmod(src, g), np.divmod(dst, g)
         moving = src != dst
         same = moving & (ns == nd)
@@ -283,7 +281,14 @@ class Topology:
         if self.n_nodes > 1:
             parts += [(moving & ~same, ns, lambda k: self._cross(*divmod(k, g))[0]),
                       (moving & ~same, nd, lambda k: self._cross(*divmod(k, g))[1])]
-        key = ls * g + ld
+        return ls * g + ld, parts
+
+    def route_incidence(self, src, dst) -> tuple[np.ndarray, np.ndarray]:
+        """(pair index, link id) for every link on every (src, dst) device pair's route (:meth:`route`, a link
+        on a route twice listed twice), vectorised: one template per pair of local indices, shifted per node."""
+        src, dst = np.broadcast_arrays(np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64))
+        key, parts = self._route_parts(src.ravel(), dst.ravel())
+        L = self.links_per_node
         pairs, links = [np.zeros(0, dtype=np.int64)], [np.zeros(0, dtype=np.int64)]
         for sel, node, template in parts:
             idx = np.flatnonzero(sel)
@@ -307,17 +312,10 @@ class Topology:
         nodes' sums at once. Sums of whole bytes, so exact in any order."""
         src, dst, size = np.broadcast_arrays(np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64),
                                              np.asarray(size_bytes, dtype=np.float64))
-        src, dst, size = src.ravel(), dst.ravel(), size.ravel()
+        size = size.ravel()
+        key, parts = self._route_parts(src.ravel(), dst.ravel())
         g, L, n_nodes = self.gpus_per_node, self.links_per_node, self.n_nodes
-        (ns, ls), (nd, ld) = np.divmod(src, g), np.divmod(dst, g)
-        moving = src != dst
-        same = moving & (ns == nd)
-        parts = [(same, ns, lambda k: self._template(*divmod(k, g)))]
-        if n_nodes > 1:
-            parts += [(moving & ~same, ns, lambda k: self._cross(*divmod(k, g))[0]),
-                      (moving & ~same, nd, lambda k: self._cross(*divmod(k, g))[1])]
         loads = np.zeros(self.n_links)
-        key = ls * g + ld
         for sel, node, template in parts:
             idx = np.flatnonzero(sel)
             if len(idx) == 0:

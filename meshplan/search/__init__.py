@@ -216,12 +216,12 @@ class _BranchAndBound:
         return c.bound_s > self.best * (1 - self.prune_slack) * (1 + 1e-12)
 
     def visit_all(self, cands: list[Candidate], progress: Callable[[int, int, str], None] | None = None) -> None:
-        """Visit the candidates in order (:meth:`visit`). Up to :data:`PAIR_MAX_RANKS` ranks, two at a time: each
-        candidate to simulate is simulated together with the next one that the best so far does not prune
-        (:func:`~meshplan.search.candidate.simulate_both`: both cores where fork is offered, else one after the
-        other — the same answer), and both are recorded in order. So the second may be simulated where visiting one
-        by one would have left it at a bound the first's time beats: one more simulated row, never one fewer, and
-        a pick at least as fast."""
+        """Visit the candidates in order: tighten each bound, leave it at its closed form or simulate it. Up to
+        :data:`PAIR_MAX_RANKS` ranks, two at a time: each candidate to simulate is simulated together with the
+        next one that the best so far does not prune (:func:`~meshplan.search.candidate.simulate_both`: both
+        cores where fork is offered, else one after the other — the same answer), and both are recorded in
+        order. So the second may be simulated where visiting one by one would have left it at a bound the
+        first's time beats: one more simulated row, never one fewer, and a pick at least as fast."""
         pairs = self.n <= PAIR_MAX_RANKS      # in pairs where fork is not offered too: the same answer everywhere
         k = 0
         while k < len(cands):
@@ -247,13 +247,6 @@ class _BranchAndBound:
             self._record(c)
             if partner is not None:
                 self._record(partner)
-
-    def visit(self, c: Candidate) -> None:
-        """Tighten the bound, then leave ``c`` at its closed form (pruned, or no node symmetry at scale) or simulate
-        it (rejected when its simulated total is over the memory limit); keeps the leader."""
-        if self._to_simulate(c):
-            simulate_candidate(c, self.topo, self.ccr)
-            self._record(c)
 
     def _to_simulate(self, c: Candidate) -> bool:
         """Tighten ``c``'s bound; False (``c`` left at its closed form) when the best so far prunes it or, above

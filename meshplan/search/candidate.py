@@ -143,7 +143,7 @@ def make_candidates(jobs: list[tuple[str, Workload, dict[str, Any], AttnMatrix |
             planned.append(skip)
     todo = [i for i, p in enumerate(planned) if not isinstance(p, SkipCandidate)]
     heavy = [i for i in todo if isinstance(planned[i][0], BuiltTiming)]
-    light = [i for i in todo if i not in set(heavy)]
+    light = sorted(set(todo) - set(heavy))
     side: list[int] = []
     if n_ranks >= PARALLEL_MIN_RANKS and len(heavy) >= 2 and can_fork():
         light_cost = 0.02 * len(light)                         # the schedule-free closed forms, kept here
