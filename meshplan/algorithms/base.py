@@ -166,10 +166,13 @@ class BuiltTiming(Algorithm):
     ``schedule`` builds once per plan (``plan.extra["schedule"]``); ``timing`` builds a throw-away copy, so
     a search holding many candidates holds none of their schedules. Building costs about 20 s and 3 GB at
     1024 ranks, so search enumerates these methods up to ``search_max_ranks`` ranks (``simulate --algo``
-    takes any N).
+    takes any N) — above it, those with a schedule-free bound (``schedule_free``) too, by that bound.
     """
 
     search_max_ranks = 256
+    #: the method has a closed form that needs no schedule (:meth:`schedule_free_timing`): taken above
+    #: ``search_max_ranks`` ranks, where search then enumerates it too and simulates it only while nothing else is
+    schedule_free = False
     #: above this many ranks search enumerates one variant of each (the zigzag layout, the default knobs that
     #: only reorder a schedule): each bound builds a schedule of up to seconds
     search_variants_max_ranks = 64
@@ -188,10 +191,21 @@ class BuiltTiming(Algorithm):
             sched = plan.extra["schedule"] = self.build(plan, topo)
         return sched
 
+    def schedule_free_timing(self, plan: Plan, topo: Topology) -> dict[str, PassTiming]:
+        """A lower bound per pass from the plan alone (methods with ``schedule_free``)."""
+        raise NotImplementedError
+
+    def builds_to_time(self, n_ranks: int) -> bool:
+        """Whether :meth:`timing` builds the schedule at ``n_ranks`` ranks (no schedule-free form taken there)."""
+        return not (self.schedule_free and n_ranks > self.search_max_ranks)
+
     def timing(self, plan: Plan, topo: Topology) -> dict[str, PassTiming]:
         """The built schedule's closed form (uncontended evaluation, busiest link; the contended estimate where
-        ``contended_estimate``)."""
+        ``contended_estimate``); above ``search_max_ranks`` ranks, without a schedule built, the schedule-free
+        bound where the method has one."""
         cached = plan.extra.get("schedule")
+        if cached is None and not self.builds_to_time(plan.n_ranks):
+            return self.schedule_free_timing(plan, topo)
         return schedule_timing(cached if cached is not None else self.build(plan, topo), topo,
                                contended=self.contended_estimate)
 

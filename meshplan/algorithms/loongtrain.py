@@ -22,6 +22,7 @@ from meshplan.algorithms.base import Knob, last_compute_op, positive_int_or_auto
 from meshplan.algorithms.headsplit import Grid
 from meshplan.algorithms.rotate import RingSpec, rotate_backward, rotate_forward_merge
 from meshplan.algorithms.ulysses import USP
+from meshplan.algorithms.usp_timing import double_ring_hops, headsplit_timing
 from meshplan.core.errors import UserError
 
 
@@ -38,6 +39,10 @@ class LoongTrain(USP):
         "rank_order": USP.knobs["rank_order"],
         "dkv_dtype": USP.knobs["dkv_dtype"],
     }
+
+    def schedule_free_timing(self, plan, topo):
+        """USP's schedule-free bound over the double ring's transfers (:mod:`meshplan.algorithms.usp_timing`)."""
+        return headsplit_timing(plan, topo, double_ring_hops)
 
     def degree(self, workload, topo, n, knobs) -> int:
         """u: the knob (``auto``: USP's choice)."""

@@ -33,6 +33,7 @@ from meshplan.algorithms.base import (
     Algorithm,
     BuiltTiming,
     Knob,
+    PassTiming,
     last_compute_op,
     new_builder,
     positive_int_or_auto,
@@ -49,6 +50,7 @@ from meshplan.algorithms.headsplit import (
     valid_degrees,
 )
 from meshplan.algorithms.rotate import RingSpec, rotate_backward, rotate_forward_merge
+from meshplan.algorithms.usp_timing import usp_timing
 from meshplan.core.errors import SkipCandidate, UserError
 from meshplan.model.matrix import attn_matrix
 from meshplan.model.topology import Topology
@@ -196,6 +198,11 @@ class USP(BuiltTiming):
             first_deps=got)
 
     # ------------------------------------------------------------------ timing
+    schedule_free = True
+
+    def schedule_free_timing(self, plan: Plan, topo: Topology) -> dict[str, PassTiming]:
+        """The plan's lower bound without its schedule (:mod:`meshplan.algorithms.usp_timing`)."""
+        return usp_timing(plan, topo)
 
 
 class Ulysses(USP):

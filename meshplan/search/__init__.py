@@ -6,7 +6,8 @@ simulated makespan, so it cannot beat the pick by more than ``prune_slack`` (def
 pick exactly the best of all candidates). Combinations a method cannot do are skipped and counted with
 the reason. Above ``FULL_SIM_MAX_RANKS`` ranks a candidate whose schedule has no node symmetry is not
 simulated once another has been (it stays at its bound, counted in ``counts.not_simulated``): the simulator
-would run every rank's program, minutes at 1024 ranks.
+would run every rank's program, minutes at 1024 ranks. Likewise above a method's ``search_max_ranks`` (256) a
+candidate timed by its schedule-free bound (USP, Ulysses, LoongTrain) is not built once another has been simulated.
 
 Modules, in pipeline order: this one (:func:`run_search`), :mod:`candidate` (one candidate:
 plan, closed form, simulation), :mod:`ranking` (the table's order, Ring's reference row, what keeps the pick
@@ -93,7 +94,7 @@ def enumerate_candidates(base: Workload, topo: Topology, n: int, algos: list[str
             continue
         alg = algorithms.REGISTRY[name]
         limit = getattr(alg, "search_max_ranks", None)
-        if limit is not None and n > limit and not (algos and name in algos):
+        if limit is not None and n > limit and not (algos and name in algos) and alg.builds_to_time(n):
             skipped[f"not enumerated above {limit} ranks (name it in --algos)"] += 1
             continue
         foreign = [k for k in filters if k not in alg.knobs]
@@ -258,6 +259,12 @@ class _BranchAndBound:
         if self.beaten(c):
             c.predicted = closed_form_predicted(c, self.ccr)
             forget_built(c)
+            return False
+        alg = algorithms.get(c.algorithm)
+        if self.leader is not None and not getattr(alg, "builds_to_time", lambda n: True)(self.n):
+            c.predicted = closed_form_predicted(c, self.ccr)
+            c.not_simulated = f"its schedule is not built above {alg.search_max_ranks} ranks (seconds and GBs a plan)"
+            self.unsimulated[f"schedule not built above {alg.search_max_ranks} ranks (simulate it alone)"] += 1
             return False
         if self.n > FULL_SIM_MAX_RANKS and self.leader is not None and not reduces(c, self.topo):
             c.predicted = closed_form_predicted(c, self.ccr)

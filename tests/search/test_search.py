@@ -266,3 +266,25 @@ def test_schedule_free_closed_forms_halved_between_processes_land_on_their_own_c
         assert (got.algorithm, got.knobs, got.workload.layout) == (alone.algorithm, alone.knobs, alone.workload.layout)
         assert {k: (t.bound_s, t.estimate_s) for k, t in got.timing.items()} == \
             {k: (t.bound_s, t.estimate_s) for k, t in alone.timing.items()}
+
+
+def test_above_the_build_limit_usp_is_ranked_by_its_schedule_free_bound(monkeypatch):
+    """With USP's build limit lowered to 8 ranks, a 16-rank search enumerates USP and LoongTrain from their
+    schedule-free bounds (meshplan/algorithms/usp_timing.py) without building a schedule; once another candidate is
+    simulated, one whose bound could still beat it is left at its bound with the reason, never silently dropped."""
+    import meshplan.search as search
+    from meshplan.algorithms.ulysses import USP
+
+    topo = Topology.load("h100x16", gpus=16)
+    w = resolve(seq_len="32K", heads=8, kv_heads=2, head_dim=64)
+    monkeypatch.setattr(USP, "search_max_ranks", 8)
+    result = search.run_search(w, topo, 16, algos=None, filters={}, prune_slack=0.0)
+    free = [c for c in result.candidates if c.algorithm in ("usp", "loongtrain")]
+    assert {c.algorithm for c in free} == {"usp", "loongtrain"}
+    best = min(c.predicted.makespan_s for c in result.candidates if c.model_level == "simulated")
+    for c in free:
+        if c.model_level == "simulated":
+            continue
+        assert "schedule" not in c.plan.extra
+        assert c.bound_s > best or c.not_simulated == "its schedule is not built above 8 ranks (seconds and GBs a plan)"
+    assert result.counts["enumerated"] == result.counts["pruned"] + result.counts["simulated"]

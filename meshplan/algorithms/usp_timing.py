@@ -1,0 +1,197 @@
+"""Schedule-free closed form of USP and Ulysses: a lower bound from the plan alone, for large N.
+
+USP's closed form below ``search_max_ranks`` is its built schedule's (:class:`~meshplan.algorithms.base.BuiltTiming`);
+building it costs ~20 s and ~3 GB at 1024 ranks, so above that the search takes this bound instead. Every term is
+one a schedule of :mod:`meshplan.algorithms.ulysses` must pay, so it never exceeds the simulated makespan:
+
+* a dependency chain on each rank: the scatter all-to-all (its batch cannot end before its slowest piece arrives
+  alone, ``alpha + bytes / bw`` on its route) then the rank's kernels back to back (each block's FLOPs at the
+  kernel table's monotone envelope for an op over u × u chunks, one launch per op, each op's combine into the fp32
+  accumulators, backward the additions of the dK/dV partials the ring brings), or its
+  R − 1 ring hops in sequence (each at least its slowest piece's time alone: a hop moves the group's u chunks as u
+  transfers in one batch), whichever ends later; then the gather
+  all-to-all's slowest piece (backward: the dQ gather, then the dK/dV gather, on one stream);
+* the busiest link: every transfer's bytes summed on the links of its route (``Topology.link_loads``), divided
+  by the link's capacity — a node's network aggregate included, which is what decides USP across many nodes;
+* a compute pool's (CPU ranks on few cores): Σ kernel time / the pool's cores.
+
+Bytes per rank are exact (the module docstring of :mod:`meshplan.algorithms.ulysses` gives the formulas);
+``tests/algorithms/test_usp_timing.py`` checks them and the bound against the built schedule and the simulator.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from meshplan.algorithms.base import PassTiming
+from meshplan.algorithms.headsplit import Grid
+from meshplan.cost.bounds import pool_bound
+from meshplan.cost.cost import CostModel
+from meshplan.cost.memory import closed_form_peak_bytes
+from meshplan.model.matrix import KV_KINDS
+from meshplan.model.topology import Topology
+from meshplan.plan.plan import Plan
+from meshplan.plan.schedule import tensor_bytes
+
+
+class _Pairs:
+    """Transfers of one family (src rank, dst rank, bytes each) and what they cost alone."""
+
+    def __init__(self, plan: Plan, topo: Topology, src: np.ndarray, dst: np.ndarray) -> None:
+        dev = plan.device_of_rank
+        self.src, self.dst, self.n = src, dst, plan.n_ranks
+        self.lat, self.bw = topo.pair_stats(dev[src], dev[dst])
+        self.cross = ~topo.same_node(dev[src], dev[dst])
+        self.loads_per_byte = topo.link_loads(dev[src], dev[dst], 1.0) if len(src) else 0.0
+
+    def slowest_in(self, nbytes: float) -> np.ndarray:
+        """[n] the slowest piece of ``nbytes`` into each rank, each alone on its route."""
+        out = np.zeros(self.n)
+        np.maximum.at(out, self.dst, np.where(np.isfinite(self.bw), self.lat + nbytes / self.bw, 0.0))
+        return out
+
+    def into(self, values: np.ndarray | float) -> np.ndarray:
+        """[n] ``values`` per transfer summed on its receiving rank."""
+        return np.bincount(self.dst, weights=np.broadcast_to(values, self.dst.shape), minlength=self.n)
+
+
+def usp_timing(plan: Plan, topo: Topology) -> dict[str, PassTiming]:
+    """PassTiming per pass of a USP (or Ulysses, R = 1) plan, without building its schedule; every makespan a lower
+    bound of the simulated one (``estimate_s`` None: no estimate, the bound orders the search)."""
+    return headsplit_timing(plan, topo, _ring_hops)
+
+
+def headsplit_timing(plan: Plan, topo: Topology, ring_hops) -> dict[str, PassTiming]:
+    """PassTiming per pass of a plan on the Ulysses grid whose KV groups travel as ``ring_hops(plan, topo, grid,
+    pass_, sizes)`` says: (the families of transfers [(pairs, bytes each, count)], [n] the hops' chain on each rank,
+    the backward's tail: the least time from a rank's last kernel until its dK/dV partial is home).
+    ``sizes``: {"kv": one chunk's KV for a head range, "dkv": its partial dK/dV on the wire}."""
+    grid: Grid = plan.extra["grid"]
+    w, m, n, u, R = plan.workload, plan.matrix, plan.n_ranks, grid.u, grid.R
+    hq = w.n_heads // u
+    r = np.arange(n)
+    members = [(r, grid.rank_of[grid.g_of, (grid.p_of + d) % u]) for d in range(1, u)]
+    a2a = _Pairs(plan, topo, np.concatenate([s for s, _ in members]) if members else r[:0],
+                 np.concatenate([t for _, t in members]) if members else r[:0])
+    c_q, c_kv = m.chunk_tokens("q"), m.chunk_tokens("kv")
+    piece = lambda kind, dtype=w.dtype: float(tensor_bytes(w, kind, c_kv if kind in KV_KINDS else c_q, hq, dtype))  # noqa: E731
+    sizes = {"kv": piece("kv"), "dkv": piece("dkv", plan.knobs.get("dkv_dtype", "fp32"))}
+    out = {}
+    for pass_ in w.pass_list:
+        compute = _rank_compute(plan, topo, grid, pass_)
+        if pass_ == "fwd":
+            scatter, slowest, gathers = piece("q") + piece("kv"), max(piece("q"), piece("kv")), [piece("out")]
+        else:
+            scatter, slowest, gathers = piece("dout"), piece("dout"), [piece("dq"), piece("dkv")]
+        hops, kv_chain, tail = ring_hops(plan, topo, grid, pass_, sizes) if R > 1 else ([], np.zeros(n), 0.0)
+        # the chain: the scatter's slowest piece then the kernels, or the KV hops in sequence (counted from the
+        # pass's start), whichever ends later; then each gather's slowest piece (backward: the dK/dV gather after
+        # the dQ gather and after the last partial came home)
+        first = a2a.slowest_in(slowest) if u > 1 else np.zeros(n)
+        ends = [a2a.slowest_in(b) for b in gathers] if u > 1 else [np.zeros(n)] * len(gathers)
+        last = ends[0] if pass_ == "fwd" else np.maximum(ends[0], tail) + ends[1]
+        chain = np.maximum(first + compute, kv_chain) + last
+        moved = [(a2a, scatter, 1), *[(a2a, b, 1) for b in gathers]] if u > 1 else []
+        moved += hops
+        loads = sum((f.loads_per_byte * (b * k) for f, b, k in moved), np.zeros(topo.n_links))
+        recv = sum((f.into(b * k) for f, b, k in moved), np.zeros(n))
+        cross = sum((f.into(np.where(f.cross, b * k, 0.0)) for f, b, k in moved), np.zeros(n))
+        comm = sum((f.into((f.lat + b / f.bw) * k) for f, b, k in moved), np.zeros(n))
+        link = float((loads / topo.link_capacity).max(initial=0.0))
+        makespan = float(chain.max())
+        crit = int(np.argmax(chain))
+        group_kv = u * sizes["kv"]
+        peak = _buffers(plan, grid, pass_, piece, group_kv)
+        out[pass_] = PassTiming(
+            makespan_s=makespan, bound_s=max(makespan, link, pool_bound(topo, compute)),
+            compute_s=float(compute[crit]), comm_s=float(comm[crit]), recv_bytes_max=float(recv.max()),
+            inter_node_bytes_max=float(cross.max()), flops_total=float(m.flops(pass_).sum()),
+            recv_bytes_total=float(recv.sum()), peak_memory_bytes=peak,
+            peak_memory_total_bytes=closed_form_peak_bytes(topo.memory_model, plan, pass_, peak,
+                                                           2 * group_kv if R > 1 else scatter * (u - 1)))
+    return out
+
+
+def _ring_hops(plan: Plan, topo: Topology, grid: Grid, pass_: str, sizes: dict):
+    """USP's ring over the R groups: R − 1 KV hops from the previous group's rank (each the group's u chunks, as u
+    transfers in one batch: the chain counts one chunk's time per hop); backward, the dK/dV partials ride along
+    (R hops, or R − 1 with ``dkv_hops`` n-1)."""
+    R, u = grid.R, grid.u
+    ring = _Pairs(plan, topo, grid.rank_of[(grid.g_of - 1) % R, grid.p_of], np.arange(grid.n))
+    hops = [(ring, u * sizes["kv"], R - 1)]
+    if pass_ == "bwd":
+        hops.append((ring, u * sizes["dkv"], R if plan.knobs.get("dkv_hops", "n") == "n" else R - 1))
+    # hops n: the last kernel's partial makes one more hop, home
+    tail = float(ring.slowest_in(sizes["dkv"]).min()) if plan.knobs.get("dkv_hops", "n") == "n" else 0.0
+    return hops, ring.slowest_in(sizes["kv"]) * (R - 1), tail
+
+
+def double_ring_hops(plan: Plan, topo: Topology, grid: Grid, pass_: str, sizes: dict):
+    """LoongTrain's double ring (:mod:`meshplan.algorithms.loongtrain`): windows of W groups; in each of the n_win
+    outer steps an inner ring of W − 1 KV hops inside the window, and one hop from the previous window's rank at the
+    same position (on its own stream, beside the inner ring). Backward: W dK/dV hops a step on the inner ring
+    (none when W = 1) and each outer step's dK/dV sum sent home from the other windows. The chain: the inner hops
+    in sequence, or the outer ones, whichever is longer."""
+    W = plan.extra["inner_ring"]
+    n_win, u, r = grid.R // W, grid.u, np.arange(grid.n)
+    a, pos = grid.g_of // W, grid.g_of % W
+    inner = _Pairs(plan, topo, grid.rank_of[a * W + (pos - 1) % W, grid.p_of], r) if W > 1 else None
+    outer = _Pairs(plan, topo, grid.rank_of[((a - 1) % n_win) * W + pos, grid.p_of], r) if n_win > 1 else None
+    hops, chain, tail = [], np.zeros(grid.n), 0.0
+    if inner is not None:
+        hops.append((inner, u * sizes["kv"], n_win * (W - 1)))
+        chain = inner.slowest_in(sizes["kv"]) * (n_win * (W - 1))
+        if pass_ == "bwd":
+            hops.append((inner, u * sizes["dkv"], n_win * W))
+            tail = float(inner.slowest_in(sizes["dkv"]).min())    # the last partial's hop home in its window
+    if outer is not None:
+        hops.append((outer, u * sizes["kv"], n_win - 1))
+        chain = np.maximum(chain, outer.slowest_in(sizes["kv"]) * (n_win - 1))
+        if pass_ == "bwd":                       # the sums come home from every other window once
+            src = np.concatenate([grid.rank_of[((a + o) % n_win) * W + pos, grid.p_of] for o in range(1, n_win)])
+            home = _Pairs(plan, topo, src, np.tile(r, n_win - 1))
+            hops.append((home, u * sizes["dkv"], 1))
+            tail += float(home.slowest_in(sizes["dkv"]).min())     # then the last outer step's sum goes home
+    return hops, chain, tail
+
+
+def _rank_compute(plan: Plan, topo: Topology, grid: Grid, pass_: str) -> np.ndarray:
+    """[n] each rank's kernels back to back: its group's query chunks against every KV group, its head range, each
+    block at the envelope efficiency of an op over u × u chunks (N × N for Ulysses), one launch per op, and the
+    combines into its accumulators (the CPU executor's input staging left out: a bound, 10% under it there)."""
+    m, u, R = plan.matrix, grid.u, grid.R
+    cost = CostModel(topo)
+    launch = cost.kernel.launch_s
+    blocks = np.where(m.permitted, cost.matrix_block_times(m, pass_, (u, u), envelope=True) - launch, 0.0)
+    order = grid.groups.ravel()                                   # chunks group by group
+    by_group = blocks[np.ix_(order, order)].reshape(R, u, R, u).sum(axis=(1, 3))     # [R, R]
+    ops = (m.permitted[np.ix_(order, order)].reshape(R, u, R, u).any(axis=(1, 3))).sum(axis=1)
+    # every op folds its result into the rank's fp32 accumulators (3 x their bytes at the merge rate): the
+    # forward's u output pieces (LSE merge), the backward's u dQ pieces; backward, each of the R − 1 dK/dV partials
+    # that arrive on the ring is added to the rank's own, chunk by chunk (u accumulate ops)
+    w, hq = plan.workload, plan.workload.n_heads // u
+    acc = u * tensor_bytes(w, "out" if pass_ == "fwd" else "dq", m.chunk_tokens("q"), hq, "fp32")
+    factor = cost.kernel.merge_factor(w.dtype) if pass_ == "fwd" else 1.0
+    per_group = by_group.sum(axis=1) / u + launch * ops + ops * factor * 3 * acc / cost.merge_rate
+    if pass_ == "bwd" and R > 1:
+        part = tensor_bytes(w, "dkv", m.chunk_tokens("kv"), hq, "fp32")
+        wire = tensor_bytes(w, "dkv", m.chunk_tokens("kv"), hq, plan.knobs.get("dkv_dtype", "fp32"))
+        per_group = per_group + (R - 1) * u * float(cost.merge_time_s(2 * part + wire))
+    return per_group[grid.g_of]
+
+
+def _buffers(plan: Plan, grid: Grid, pass_: str, piece, group_kv: float) -> float:
+    """Buffer bytes a rank holds at its peak (an estimate; search checks simulated candidates on their simulated
+    total): its own chunk's inputs, the group's pieces for its heads, the KV group in hand and in flight, the fp32
+    accumulators. Within 25% of the built schedule's peak under balanced layouts (zigzag, or a full mask: what
+    search enumerates above 64 ranks); under a causal mask with contiguous chunks a rank with little work holds the
+    groups passing through longer (LoongTrain: up to 2x this)."""
+    u, w = grid.u, plan.workload
+    own = u * (piece("q") + piece("kv"))                            # its chunk, every head (the scatter's pieces)
+    held = u * (piece("q") + piece("kv"))                            # the group's chunks for its heads
+    flight = 2 * group_kv if grid.R > 1 else 0.0
+    acc = u * piece("out", "fp32")
+    if pass_ == "bwd":
+        acc += u * (piece("out") + piece("dout") + piece("dq", "fp32")) \
+            + float(tensor_bytes(w, "dkv", u * plan.matrix.chunk_tokens("kv"), w.n_heads // u, "fp32"))
+    return own + held + flight + acc
