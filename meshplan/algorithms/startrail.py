@@ -23,12 +23,14 @@ from meshplan.algorithms.base import (
     DTYPE_KNOB,
     BuiltTiming,
     Knob,
+    PassTiming,
     last_compute_op,
     new_builder,
     positive_int_or_auto,
     topology_record,
 )
 from meshplan.algorithms.rotate import RingSpec, rotate_backward, rotate_forward_merge
+from meshplan.algorithms.startrail_timing import startrail_timing
 from meshplan.core.errors import SkipCandidate, UserError
 from meshplan.model.matrix import attn_matrix
 from meshplan.model.topology import Topology
@@ -48,6 +50,12 @@ class StarTrail(BuiltTiming):
         "dq_dtype": DTYPE_KNOB("dq_dtype", "fp32", "dtype of partial dQ on the wire"),
         "dkv_dtype": DTYPE_KNOB("dkv_dtype", "fp32", "dtype of partial dK/dV on the wire"),
     }
+
+    schedule_free = True
+
+    def schedule_free_timing(self, plan: Plan, topo: Topology) -> dict[str, PassTiming]:
+        """The plan's lower bound without its schedule (:mod:`meshplan.algorithms.startrail_timing`)."""
+        return startrail_timing(plan, topo)
 
     def check(self, workload, topo, n_ranks, knobs) -> None:
         """C must divide N, and C² too (equal sub-rings)."""

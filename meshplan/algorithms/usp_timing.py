@@ -1,4 +1,4 @@
-"""Schedule-free closed form of USP and Ulysses: a lower bound from the plan alone, for large N.
+"""Schedule-free closed form of USP, Ulysses and LoongTrain: a lower bound from the plan alone, for large N.
 
 USP's closed form below ``search_max_ranks`` is its built schedule's (:class:`~meshplan.algorithms.base.BuiltTiming`);
 building it costs ~20 s and ~3 GB at 1024 ranks, so above that the search takes this bound instead. Every term is
@@ -16,7 +16,7 @@ one a schedule of :mod:`meshplan.algorithms.ulysses` must pay, so it never excee
 * a compute pool's (CPU ranks on few cores): Σ kernel time / the pool's cores.
 
 Bytes per rank are exact (the module docstring of :mod:`meshplan.algorithms.ulysses` gives the formulas);
-``tests/algorithms/test_usp_timing.py`` checks them and the bound against the built schedule and the simulator.
+``tests/algorithms/test_free_timing.py`` checks them and the bound against the built schedule and the simulator.
 """
 
 from __future__ import annotations
@@ -24,35 +24,13 @@ from __future__ import annotations
 import numpy as np
 
 from meshplan.algorithms.base import PassTiming
+from meshplan.algorithms.free_timing import Transfers, pass_timing
 from meshplan.algorithms.headsplit import Grid
-from meshplan.cost.bounds import pool_bound
 from meshplan.cost.cost import CostModel
-from meshplan.cost.memory import closed_form_peak_bytes
 from meshplan.model.matrix import KV_KINDS
 from meshplan.model.topology import Topology
 from meshplan.plan.plan import Plan
 from meshplan.plan.schedule import tensor_bytes
-
-
-class _Pairs:
-    """Transfers of one family (src rank, dst rank, bytes each) and what they cost alone."""
-
-    def __init__(self, plan: Plan, topo: Topology, src: np.ndarray, dst: np.ndarray) -> None:
-        dev = plan.device_of_rank
-        self.src, self.dst, self.n = src, dst, plan.n_ranks
-        self.lat, self.bw = topo.pair_stats(dev[src], dev[dst])
-        self.cross = ~topo.same_node(dev[src], dev[dst])
-        self.loads_per_byte = topo.link_loads(dev[src], dev[dst], 1.0) if len(src) else 0.0
-
-    def slowest_in(self, nbytes: float) -> np.ndarray:
-        """[n] the slowest piece of ``nbytes`` into each rank, each alone on its route."""
-        out = np.zeros(self.n)
-        np.maximum.at(out, self.dst, np.where(np.isfinite(self.bw), self.lat + nbytes / self.bw, 0.0))
-        return out
-
-    def into(self, values: np.ndarray | float) -> np.ndarray:
-        """[n] ``values`` per transfer summed on its receiving rank."""
-        return np.bincount(self.dst, weights=np.broadcast_to(values, self.dst.shape), minlength=self.n)
 
 
 def usp_timing(plan: Plan, topo: Topology) -> dict[str, PassTiming]:
@@ -71,8 +49,8 @@ def headsplit_timing(plan: Plan, topo: Topology, ring_hops) -> dict[str, PassTim
     hq = w.n_heads // u
     r = np.arange(n)
     members = [(r, grid.rank_of[grid.g_of, (grid.p_of + d) % u]) for d in range(1, u)]
-    a2a = _Pairs(plan, topo, np.concatenate([s for s, _ in members]) if members else r[:0],
-                 np.concatenate([t for _, t in members]) if members else r[:0])
+    a2a = Transfers(plan, topo, np.concatenate([s for s, _ in members]) if members else r[:0],
+                    np.concatenate([t for _, t in members]) if members else r[:0])
     c_q, c_kv = m.chunk_tokens("q"), m.chunk_tokens("kv")
     piece = lambda kind, dtype=w.dtype: float(tensor_bytes(w, kind, c_kv if kind in KV_KINDS else c_q, hq, dtype))  # noqa: E731
     sizes = {"kv": piece("kv"), "dkv": piece("dkv", plan.knobs.get("dkv_dtype", "fp32"))}
@@ -92,23 +70,10 @@ def headsplit_timing(plan: Plan, topo: Topology, ring_hops) -> dict[str, PassTim
         last = ends[0] if pass_ == "fwd" else np.maximum(ends[0], tail) + ends[1]
         chain = np.maximum(first + compute, kv_chain) + last
         moved = [(a2a, scatter, 1), *[(a2a, b, 1) for b in gathers]] if u > 1 else []
-        moved += hops
-        loads = sum((f.loads_per_byte * (b * k) for f, b, k in moved), np.zeros(topo.n_links))
-        recv = sum((f.into(b * k) for f, b, k in moved), np.zeros(n))
-        cross = sum((f.into(np.where(f.cross, b * k, 0.0)) for f, b, k in moved), np.zeros(n))
-        comm = sum((f.into((f.lat + b / f.bw) * k) for f, b, k in moved), np.zeros(n))
-        link = float((loads / topo.link_capacity).max(initial=0.0))
-        makespan = float(chain.max())
-        crit = int(np.argmax(chain))
         group_kv = u * sizes["kv"]
-        peak = _buffers(plan, grid, pass_, piece, group_kv)
-        out[pass_] = PassTiming(
-            makespan_s=makespan, bound_s=max(makespan, link, pool_bound(topo, compute)),
-            compute_s=float(compute[crit]), comm_s=float(comm[crit]), recv_bytes_max=float(recv.max()),
-            inter_node_bytes_max=float(cross.max()), flops_total=float(m.flops(pass_).sum()),
-            recv_bytes_total=float(recv.sum()), peak_memory_bytes=peak,
-            peak_memory_total_bytes=closed_form_peak_bytes(topo.memory_model, plan, pass_, peak,
-                                                           2 * group_kv if R > 1 else scatter * (u - 1)))
+        out[pass_] = pass_timing(plan, topo, pass_, compute, chain, moved + hops,
+                                 _buffers(plan, grid, pass_, piece, group_kv),
+                                 2 * group_kv if R > 1 else scatter * (u - 1))
     return out
 
 
@@ -117,7 +82,7 @@ def _ring_hops(plan: Plan, topo: Topology, grid: Grid, pass_: str, sizes: dict):
     transfers in one batch: the chain counts one chunk's time per hop); backward, the dK/dV partials ride along
     (R hops, or R − 1 with ``dkv_hops`` n-1)."""
     R, u = grid.R, grid.u
-    ring = _Pairs(plan, topo, grid.rank_of[(grid.g_of - 1) % R, grid.p_of], np.arange(grid.n))
+    ring = Transfers(plan, topo, grid.rank_of[(grid.g_of - 1) % R, grid.p_of], np.arange(grid.n))
     hops = [(ring, u * sizes["kv"], R - 1)]
     if pass_ == "bwd":
         hops.append((ring, u * sizes["dkv"], R if plan.knobs.get("dkv_hops", "n") == "n" else R - 1))
@@ -135,8 +100,8 @@ def double_ring_hops(plan: Plan, topo: Topology, grid: Grid, pass_: str, sizes: 
     W = plan.extra["inner_ring"]
     n_win, u, r = grid.R // W, grid.u, np.arange(grid.n)
     a, pos = grid.g_of // W, grid.g_of % W
-    inner = _Pairs(plan, topo, grid.rank_of[a * W + (pos - 1) % W, grid.p_of], r) if W > 1 else None
-    outer = _Pairs(plan, topo, grid.rank_of[((a - 1) % n_win) * W + pos, grid.p_of], r) if n_win > 1 else None
+    inner = Transfers(plan, topo, grid.rank_of[a * W + (pos - 1) % W, grid.p_of], r) if W > 1 else None
+    outer = Transfers(plan, topo, grid.rank_of[((a - 1) % n_win) * W + pos, grid.p_of], r) if n_win > 1 else None
     hops, chain, tail = [], np.zeros(grid.n), 0.0
     if inner is not None:
         hops.append((inner, u * sizes["kv"], n_win * (W - 1)))
@@ -149,7 +114,7 @@ def double_ring_hops(plan: Plan, topo: Topology, grid: Grid, pass_: str, sizes: 
         chain = np.maximum(chain, outer.slowest_in(sizes["kv"]) * (n_win - 1))
         if pass_ == "bwd":                       # the sums come home from every other window once
             src = np.concatenate([grid.rank_of[((a + o) % n_win) * W + pos, grid.p_of] for o in range(1, n_win)])
-            home = _Pairs(plan, topo, src, np.tile(r, n_win - 1))
+            home = Transfers(plan, topo, src, np.tile(r, n_win - 1))
             hops.append((home, u * sizes["dkv"], 1))
             tail += float(home.slowest_in(sizes["dkv"]).min())     # then the last outer step's sum goes home
     return hops, chain, tail

@@ -73,11 +73,13 @@ def kernel_workspace_bytes(spec: MemorySpec, dtype: str, pass_: str, batch: int,
     return c.fixed_bytes + batch * heads * head_dim * (cq * s_q + ckv * s_kv)
 
 
-def closed_form_peak_bytes(spec: MemorySpec, plan, pass_: str, buffers_bytes: float, wire_bytes: float) -> float:
+def closed_form_peak_bytes(spec: MemorySpec, plan, pass_: str, buffers_bytes: float, wire_bytes: float,
+                           op_chunks: int = 1) -> float:
     """The memory-model peak of a closed form (Ring, pass-Q and Mesh timings, which run one block per op): its
     buffer peak + the largest block's kernel workspace + the wire images of ``wire_bytes`` in flight + the
-    runtime's. An estimate: ``search`` checks simulated candidates on their simulated total, and the schedules
-    it writes on their own."""
+    runtime's. ``op_chunks``: ops span that many chunks a side at every head (StarTrail's C × C), so the
+    workspace's token terms scale by it. An estimate: ``search`` checks simulated candidates on their simulated
+    total, and the schedules it writes on their own."""
     w, m = plan.workload, plan.matrix
     c = spec.coefficients(w.dtype)
     cq, ckv = ((c.fwd_q_bytes_per_elem, c.fwd_kv_bytes_per_elem) if pass_ == "fwd"
@@ -89,7 +91,7 @@ def closed_form_peak_bytes(spec: MemorySpec, plan, pass_: str, buffers_bytes: fl
         ok = m.permitted
         cache[(cq, ckv)] = float(np.max(cq * m.s_q[ok] + ckv * m.s_kv[ok], initial=-1.0))
     largest = cache[(cq, ckv)]
-    ws = c.fixed_bytes + w.batch * w.n_heads * w.head_dim * largest if largest >= 0 else 0.0
+    ws = c.fixed_bytes + w.batch * w.n_heads * w.head_dim * largest * op_chunks if largest >= 0 else 0.0
     peak = float(buffers_bytes) + float(ws) + spec.transfer_bytes_per_byte * wire_bytes
     return spec.overhead_factor * peak + spec.runtime_bytes
 

@@ -35,6 +35,11 @@ class Plan:
     device_of_rank: np.ndarray
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # rank ids fit in int32: half the memory of an [N, N] owner array (8 MB at 1024 ranks, a search holds ~100)
+        if self.owner.dtype == np.int64 and self.n_ranks < 2**31:
+            object.__setattr__(self, "owner", self.owner.astype(np.int32))
+
     @property
     def workload(self):
         """The workload the matrix describes."""

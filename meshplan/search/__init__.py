@@ -95,6 +95,13 @@ def enumerate_candidates(base: Workload, topo: Topology, n: int, algos: list[str
         alg = algorithms.REGISTRY[name]
         limit = getattr(alg, "search_max_ranks", None)
         if limit is not None and n > limit and not (algos and name in algos) and alg.builds_to_time(n):
+            try:                                    # a method that cannot run here at all says why (TASP: N ≤ 20)
+                alg.check(base.with_(passes="fwd") if alg.forward_only else base, topo, n, alg.normalize({}))
+            except SkipCandidate as skip:
+                skipped[skip.reason] += 1
+                continue
+            except UserError:
+                pass
             skipped[f"not enumerated above {limit} ranks (name it in --algos)"] += 1
             continue
         foreign = [k for k in filters if k not in alg.knobs]

@@ -288,3 +288,19 @@ def test_above_the_build_limit_usp_is_ranked_by_its_schedule_free_bound(monkeypa
         assert "schedule" not in c.plan.extra
         assert c.bound_s > best or c.not_simulated == "its schedule is not built above 8 ranks (seconds and GBs a plan)"
     assert result.counts["enumerated"] == result.counts["pruned"] + result.counts["simulated"]
+
+
+def test_above_the_build_limit_every_method_is_enumerated_or_says_why(monkeypatch):
+    """With the build limit lowered to 8 ranks for every method that builds its schedule, a 24-rank enumeration
+    times StarTrail, USP, LoongTrain and the CHARM+ family by their schedule-free bounds (no schedule built) and
+    skips TASP for the reason it has at 24 ranks (no decomposition shipped), not for the limit."""
+    from meshplan.algorithms.base import BuiltTiming
+
+    monkeypatch.setattr(BuiltTiming, "search_max_ranks", 8)
+    topo = Topology.load("h100x32", gpus=24)
+    w = resolve(seq_len="48K", heads=8, kv_heads=2, head_dim=64)
+    cands, skipped = enumerate_candidates(w, topo, 24, None, {}, False)
+    names = {c.algorithm for c in cands}
+    assert {"usp", "loongtrain", "startrail", "ring", "mesh"} <= names
+    assert all("schedule" not in c.plan.extra for c in cands)
+    assert skipped["not implemented for N"] == 1 and not any("not enumerated" in k for k in skipped)

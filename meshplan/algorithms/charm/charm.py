@@ -26,9 +26,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from meshplan.algorithms.base import DTYPE_KNOB, BuiltTiming, Knob, new_builder, positive_int_or_auto, topology_record
+from meshplan.algorithms.base import (
+    DTYPE_KNOB,
+    BuiltTiming,
+    Knob,
+    PassTiming,
+    new_builder,
+    positive_int_or_auto,
+    topology_record,
+)
 from meshplan.algorithms.charm.build import Lowering
 from meshplan.algorithms.charm.lists import domain_size, power_of_two
+from meshplan.algorithms.charm.timing import charm_timing
 from meshplan.core.errors import SkipCandidate, UserError
 from meshplan.model.matrix import attn_matrix
 from meshplan.model.topology import Topology
@@ -52,6 +61,12 @@ class Merge(BuiltTiming):
     mechanism = "merge"
     summary = "CHARM+ merge communication: KV swapped with log2(N) levels of XOR partners"
     knobs = dict(COMMON)
+
+    schedule_free = True
+
+    def schedule_free_timing(self, plan: Plan, topo: Topology) -> dict[str, PassTiming]:
+        """The plan's lower bound without its schedule (:mod:`meshplan.algorithms.charm.timing`)."""
+        return charm_timing(plan, topo, self.mechanism)
 
     def domain(self, workload, topo: Topology, n: int, knobs: dict, device_of_rank) -> int:
         """Ranks per domain: all N."""
