@@ -42,7 +42,8 @@ def usp_timing(plan: Plan, topo: Topology) -> dict[str, PassTiming]:
 def headsplit_timing(plan: Plan, topo: Topology, ring_hops) -> dict[str, PassTiming]:
     """PassTiming per pass of a plan on the Ulysses grid whose KV groups travel as ``ring_hops(plan, topo, grid,
     pass_, sizes)`` says: (the families of transfers [(pairs, bytes each, count)], [n] the hops' chain on each rank,
-    the backward's tail: the least time from a rank's last kernel until its dK/dV partial is home).
+    the backward's tail: the least time from a rank's last kernel until its dK/dV partial is home, the KV groups a
+    rank holds at once besides its own)).
     ``sizes``: {"kv": one chunk's KV for a head range, "dkv": its partial dK/dV on the wire}."""
     grid: Grid = plan.extra["grid"]
     w, m, n, u, R = plan.workload, plan.matrix, plan.n_ranks, grid.u, grid.R
@@ -61,7 +62,7 @@ def headsplit_timing(plan: Plan, topo: Topology, ring_hops) -> dict[str, PassTim
             scatter, slowest, gathers = piece("q") + piece("kv"), max(piece("q"), piece("kv")), [piece("out")]
         else:
             scatter, slowest, gathers = piece("dout"), piece("dout"), [piece("dq"), piece("dkv")]
-        hops, kv_chain, tail = ring_hops(plan, topo, grid, pass_, sizes) if R > 1 else ([], np.zeros(n), 0.0)
+        hops, kv_chain, tail, held = ring_hops(plan, topo, grid, pass_, sizes) if R > 1 else ([], np.zeros(n), 0.0, 0)
         # the chain: the scatter's slowest piece then the kernels, or the KV hops in sequence (counted from the
         # pass's start), whichever ends later; then each gather's slowest piece (backward: the dK/dV gather after
         # the dQ gather and after the last partial came home)
@@ -72,7 +73,7 @@ def headsplit_timing(plan: Plan, topo: Topology, ring_hops) -> dict[str, PassTim
         moved = [(a2a, scatter, 1), *[(a2a, b, 1) for b in gathers]] if u > 1 else []
         group_kv = u * sizes["kv"]
         out[pass_] = pass_timing(plan, topo, pass_, compute, chain, moved + hops,
-                                 _buffers(plan, grid, pass_, piece, group_kv),
+                                 _buffers(plan, grid, pass_, piece, group_kv, held),
                                  2 * group_kv if R > 1 else scatter * (u - 1))
     return out
 
@@ -88,7 +89,7 @@ def _ring_hops(plan: Plan, topo: Topology, grid: Grid, pass_: str, sizes: dict):
         hops.append((ring, u * sizes["dkv"], R if plan.knobs.get("dkv_hops", "n") == "n" else R - 1))
     # hops n: the last kernel's partial makes one more hop, home
     tail = float(ring.slowest_in(sizes["dkv"]).min()) if plan.knobs.get("dkv_hops", "n") == "n" else 0.0
-    return hops, ring.slowest_in(sizes["kv"]) * (R - 1), tail
+    return hops, ring.slowest_in(sizes["kv"]) * (R - 1), tail, 2     # double-buffered: the next group lands
 
 
 def double_ring_hops(plan: Plan, topo: Topology, grid: Grid, pass_: str, sizes: dict):
@@ -96,7 +97,8 @@ def double_ring_hops(plan: Plan, topo: Topology, grid: Grid, pass_: str, sizes: 
     outer steps an inner ring of W − 1 KV hops inside the window, and one hop from the previous window's rank at the
     same position (on its own stream, beside the inner ring). Backward: W dK/dV hops a step on the inner ring
     (none when W = 1) and each outer step's dK/dV sum sent home from the other windows. The chain: the inner hops
-    in sequence, or the outer ones, whichever is longer."""
+    in sequence, or the outer ones, whichever is longer. Memory: the outer ring's transfers wait for no kernel, so a
+    rank can hold every outer group that has arrived (up to n_win − 1) beside the inner ring's two."""
     W = plan.extra["inner_ring"]
     n_win, u, r = grid.R // W, grid.u, np.arange(grid.n)
     a, pos = grid.g_of // W, grid.g_of % W
@@ -117,7 +119,7 @@ def double_ring_hops(plan: Plan, topo: Topology, grid: Grid, pass_: str, sizes: 
             home = Transfers(plan, topo, src, np.tile(r, n_win - 1))
             hops.append((home, u * sizes["dkv"], 1))
             tail += float(home.slowest_in(sizes["dkv"]).min())     # then the last outer step's sum goes home
-    return hops, chain, tail
+    return hops, chain, tail, 2 + n_win - 1
 
 
 def _rank_compute(plan: Plan, topo: Topology, grid: Grid, pass_: str) -> np.ndarray:
@@ -145,7 +147,7 @@ def _rank_compute(plan: Plan, topo: Topology, grid: Grid, pass_: str) -> np.ndar
     return per_group[grid.g_of]
 
 
-def _buffers(plan: Plan, grid: Grid, pass_: str, piece, group_kv: float) -> float:
+def _buffers(plan: Plan, grid: Grid, pass_: str, piece, group_kv: float, groups_held: int) -> float:
     """Buffer bytes a rank holds at its peak (an estimate; search checks simulated candidates on their simulated
     total): its own chunk's inputs, the group's pieces for its heads, the KV group in hand and in flight, the fp32
     accumulators. Within 25% of the built schedule's peak under balanced layouts (zigzag, or a full mask: what
@@ -154,7 +156,7 @@ def _buffers(plan: Plan, grid: Grid, pass_: str, piece, group_kv: float) -> floa
     u, w = grid.u, plan.workload
     own = u * (piece("q") + piece("kv"))                            # its chunk, every head (the scatter's pieces)
     held = u * (piece("q") + piece("kv"))                            # the group's chunks for its heads
-    flight = 2 * group_kv if grid.R > 1 else 0.0
+    flight = groups_held * group_kv
     acc = u * piece("out", "fp32")
     if pass_ == "bwd":
         acc += u * (piece("out") + piece("dout") + piece("dq", "fp32")) \

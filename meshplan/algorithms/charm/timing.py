@@ -9,7 +9,8 @@ the computing rank's KV chunk; across domains each rank sends its Q to its count
 domains, which returns the slot's accumulated partial. The kernels: every block the plan gives the rank, at the
 kernel table's envelope for the largest op the lowering forms (a level's Q-peer slots against one KV chunk, or the
 pipeline's slots against a level's KV-peer chunks), a launch per op, and the folds of the partials returned to it.
-The chain is the kernels alone; across many
+The memory estimate is 0.7-1.0 of the built schedule's peak (merge's forward up to 2x: it counts every fetched KV
+as held to the end). The chain is the kernels alone; across many
 nodes the busiest link (a node's network aggregate: the foreign Q and its partials, or merge's all-pairs KV)
 decides. The kernels, folds and combines are counted at their least (an op's combine as one accumulator's): the
 bound is 5-15% under the built schedule's uncontended form at 8-32 ranks.
@@ -81,7 +82,9 @@ def charm_timing(plan: Plan, topo: Topology, mechanism: str) -> dict[str, PassTi
             compute = compute + kv_pairs.into(1.0) * float(CostModel(topo).merge_time_s(2 * size("dkv", "fp32")
                                                                                          + dkv_wire))
         p_kv = float(np.bincount(kv_pairs.dst, minlength=n).max(initial=0))
-        buffers = q + kv + acc + p_kv * kv + span[0] * (q + acc) + (q + acc if m > 1 else 0.0) \
+        # the foreign Qs are all posted at the start and wait for no kernel: each may land, with its accumulator;
+        # the own Q's partials coming home from the other domains are folded only at the pass's end
+        buffers = q + kv + acc + p_kv * kv + span[0] * (q + acc) + (m - 1) * (q + acc + part) \
             + (0.0 if fwd else (1 + p_kv) * size("dkv", "fp32"))
         out[pass_] = pass_timing(plan, topo, pass_, compute, compute, moved, buffers, 2 * max(span[0] * q, kv))
     return out
