@@ -13,6 +13,8 @@ level 3 KV {4, 5}, Q {6, 7}).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from meshplan.core.errors import SkipCandidate, UserError
@@ -25,8 +27,15 @@ def levels(p: int) -> list[list[int]]:
     return [list(range(1 << (i - 1), 1 << i)) for i in range(1, p.bit_length())]
 
 
+@functools.lru_cache(maxsize=8)
 def roles(p: int, mechanism: str) -> np.ndarray:
-    """[p, p] role[l, j] of offset j for local rank l: KV or Q (0 for j = 0). ``mechanism``: merge | rmplus."""
+    """[p, p] role[l, j] of offset j for local rank l: KV or Q (0 for j = 0). ``mechanism``: merge | rmplus.
+    Read-only (cached: a 1024-rank domain's RM+ lists take 0.5 s)."""
+    if mechanism == "merge":                              # every partner a KV-peer
+        out = np.full((p, p), KV, dtype=np.int8)
+        out[:, 0] = 0
+        out.flags.writeable = False
+        return out
     out = np.zeros((p, p), dtype=np.int8)
     for x in range(p):
         g3 = sorted({x, x ^ 1}) if p > 1 else [x]
@@ -46,6 +55,7 @@ def roles(p: int, mechanism: str) -> np.ndarray:
             for y in q_peers:
                 out[x, x ^ y] = Q
             g3 = sorted(set(g3) | set(group))
+    out.flags.writeable = False
     return out
 
 
