@@ -126,3 +126,83 @@ def test_mesh_multi_chunk_descriptors_round_trip(tmp_path, layout, tile):
     for op in multi[:50]:
         ref = plan.matrix.op_descriptor(op["q_chunks"], op["kv_chunks"])
         assert (op["q_rows"], op["kv_cols"], op["mask"]) == (ref["q_rows"], ref["kv_cols"], ref["mask"])
+
+
+def _parts_equal_whole(path):
+    """The file read a part at a time (read_parts) and read whole (read_document + from_json): every array equal."""
+    from meshplan.plan.json.io import _read_raw, from_json, read_document
+    from meshplan.plan.json.read_parts import read_in_parts
+
+    parts = read_in_parts([_read_raw(Path(path))])
+    assert parts is not None
+    whole = from_json(read_document(path)[0])
+    for f in OP_FIELDS + ("flops", "in_ptr", "out_ptr", "qc_ptr", "kvc_ptr"):
+        assert np.array_equal(getattr(parts.ops, f), getattr(whole.ops, f)), f
+    for f in TENSOR_FIELDS:
+        assert np.array_equal(getattr(parts.tensors, f), getattr(whole.tensors, f)), f
+    assert parts.workload == whole.workload and parts.knobs == whole.knobs
+    return parts
+
+
+@pytest.mark.parametrize("name,knobs,kw", [
+    ("ring", None, {}), ("usp", {"ulysses_degree": "2"}, {}), ("mesh", {"tile": "2x2"}, {"layout": "striped"}),
+    ("charm", {"domains": "2"}, {}), ("startrail", None, {"mask": "docs:3000,5192"}),
+])
+def test_a_file_meshplan_wrote_is_read_a_part_at_a_time(tmp_path, name, knobs, kw, monkeypatch):
+    """What meshplan writes is read rank by rank and tensors in batches (the whole-document reader never runs)
+    into exactly the arrays the whole-document reader makes, FLOPs included."""
+    import meshplan.plan.json.io as io
+    import meshplan.plan.json.read_parts as rp
+
+    s = build(name, knobs, **kw)
+    path = write_schedule(s, tmp_path / "s.json.gz")
+    monkeypatch.setattr(rp, "TENSOR_BATCH_BYTES", 2000)               # several batches
+    monkeypatch.setattr(rp, "FORK_MIN_BYTES", 0 if name in ("usp", "mesh") else 1 << 40)     # forked, or not
+    back = _parts_equal_whole(path)
+    np.testing.assert_allclose(back.ops.flops, s.ops.flops, rtol=1e-12)
+
+    def whole(*a):
+        raise AssertionError("read whole")
+
+    monkeypatch.setattr(io, "_validate", whole)
+    assert len(read_schedule(path).ops) == len(s.ops)
+
+
+def test_a_file_laid_out_otherwise_is_read_whole(tmp_path):
+    """Indented JSON, op ids renumbered: not meshplan's layout, read whole, the same schedule."""
+    s = build("ring", passes="fwd")
+    d = to_json_dict(s)
+    ids = {op["id"]: 10 * op["id"] + 7 for r in d["ranks"] for op in r["ops"]}
+    for r in d["ranks"]:
+        for op in r["ops"]:
+            op["id"], op["deps"] = ids[op["id"]], [ids[x] for x in op["deps"]]
+    for t in d["tensors"]:
+        t["alloc_op"] = None if t["alloc_op"] is None else ids[t["alloc_op"]]
+        t["free_after"] = [ids[x] for x in t["free_after"]]
+    p = tmp_path / "pretty.json"
+    p.write_text(json.dumps(d, indent=1))
+    back = read_schedule(p)
+    for f in OP_FIELDS:
+        assert np.array_equal(getattr(s.ops, f), getattr(back.ops, f)), f
+    for f in TENSOR_FIELDS:
+        assert np.array_equal(getattr(s.tensors, f), getattr(back.tensors, f)), f
+    compact = tmp_path / "compact.json"                   # renumbered but compact: read a part at a time
+    compact.write_text(json.dumps(d, separators=(",", ":")))
+    assert np.array_equal(_parts_equal_whole(compact).ops.deps, s.ops.deps)
+
+
+@pytest.mark.parametrize("edit,field", [
+    (lambda d: d["ranks"][2]["ops"][3].update(peer="x"), "ranks.2.ops.3"),
+    (lambda d: d["ranks"][1]["ops"][0].update(stream="nope"), "stream"),
+    (lambda d: d["tensors"][5].update(size_bytes=-1), "tensors.5.size_bytes"),
+    (lambda d: d["ranks"].pop(), "ranks"),
+    (lambda d: d["ranks"][3].update(rank=2), "ranks"),
+])
+def test_a_bad_part_is_reported_as_the_whole_file_would_be(tmp_path, edit, field):
+    d = to_json_dict(build("ring", passes="fwd"))
+    edit(d)
+    p = tmp_path / "bad.json"
+    p.write_text(json.dumps(d, separators=(",", ":")))
+    with pytest.raises(UserError) as err:
+        read_schedule(p)
+    assert field in str(err.value) and "\n" not in str(err.value)

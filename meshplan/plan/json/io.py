@@ -1,8 +1,9 @@
 """Read and write Schedule JSON (``.json``, or ``.json.gz`` when the name says so).
 
 Writes are atomic (a temporary file renamed into place), so a failed or interrupted write leaves no
-half-written schedule. Reading checks ``schema_version`` before anything else, then validates the whole
-file with the pydantic models of :mod:`meshplan.plan.json.format`, then builds the compact in-memory form.
+half-written schedule. Reading checks ``schema_version`` before anything else, then validates the file with the
+pydantic models of :mod:`meshplan.plan.json.format` (a file as meshplan writes it a part at a time:
+:mod:`meshplan.plan.json.read_parts`), then builds the compact in-memory form.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import numpy as np
 from meshplan.core.errors import UserError
 from meshplan.core.fileio import write_atomic
 from meshplan.model.matrix import AttnMatrix, attn_matrix
-from meshplan.model.workload import Mask, Workload
 from meshplan.plan.json.format import SEMANTICS, ScheduleJSON
 from meshplan.plan.schedule import (
     COMBINES,
@@ -33,7 +33,6 @@ from meshplan.plan.schedule import (
     SCHEMA_VERSION,
     TENSOR_KIND_NAMES,
     Schedule,
-    Streams,
     TensorTable,
 )
 
@@ -218,12 +217,23 @@ def write_schedule(sched: Schedule, path: str | Path) -> Path:
 
 
 def read_schedule(path: str | Path) -> Schedule:
-    """Read, validate and convert a schedule file.
+    """Read, validate and convert a schedule file: a file as meshplan writes it a part at a time (the frame, the
+    tensors in batches, each rank's ops: :mod:`meshplan.plan.json.read_parts`), each part validated by the same
+    pydantic models and converted before the next, so no more than one part's objects exist at once; any other
+    file, or one a part of which does not validate, whole (:func:`read_document`, whose errors name the field).
 
     Raises:
         UserError: unreadable file, another schema version, or a file that does not validate.
     """
-    doc, _ = read_document(path)
+    from meshplan.plan.json.read_parts import read_in_parts
+
+    path = Path(path)
+    holder = [_read_raw(path)]
+    with no_gc():
+        sched = read_in_parts(holder)
+    if sched is not None:
+        return sched
+    doc = _validate(holder[0] if holder else _read_raw(path), path)
     with no_gc():
         return from_json(doc)
 
@@ -235,6 +245,16 @@ def read_document(path: str | Path) -> tuple[ScheduleJSON, bytes]:
         UserError: unreadable file, another schema version, or a file that does not validate.
     """
     path = Path(path)
+    raw = _read_raw(path)
+    return _validate(raw, path), raw
+
+
+def _read_raw(path: Path) -> bytes:
+    """The file's (decompressed) bytes, once its ``schema_version`` is this meshplan's.
+
+    Raises:
+        UserError: unreadable, a measurement, or another schema version.
+    """
     try:
         raw = path.read_bytes()
         if raw[:2] == b"\x1f\x8b":
@@ -250,10 +270,19 @@ def read_document(path: str | Path) -> tuple[ScheduleJSON, bytes]:
     if version != SCHEMA_VERSION:
         raise UserError(f"{path.name}: schema_version", f"is {version!r}, this meshplan reads {SCHEMA_VERSION!r}",
                         "regenerate the schedule with this version (meshplan simulate --out / search --write)")
+    return raw
+
+
+def _validate(raw: bytes, path: Path) -> ScheduleJSON:
+    """The whole document validated by the pydantic models.
+
+    Raises:
+        UserError: the first validation error, naming its field.
+    """
     from pydantic import ValidationError
     try:
         with no_gc():
-            doc = ScheduleJSON.model_validate_json(raw)
+            return ScheduleJSON.model_validate_json(raw)
     except ValidationError as err:
         first = err.errors(include_url=False)[0]
         if first["type"] == "json_invalid":         # cut short (an interrupted copy) or not JSON at all
@@ -263,7 +292,6 @@ def read_document(path: str | Path) -> tuple[ScheduleJSON, bytes]:
         loc = ".".join(str(p) for p in first["loc"])
         raise UserError(f"{path.name}: {loc}" if loc else path.name, first["msg"],
                         "fix the file or regenerate it") from None
-    return doc, raw
 
 
 def _schema_version(raw: bytes):
@@ -290,27 +318,13 @@ def no_gc():
 
 def from_json(doc: ScheduleJSON) -> Schedule:
     """Build the compact Schedule from a validated document."""
-    wl = doc.workload
-    w = Workload(batch=wl.batch, seq_len=wl.seq_len, n_heads=wl.n_heads, n_kv_heads=wl.n_kv_heads,
-                 head_dim=wl.head_dim, dtype=wl.dtype, mask=Mask.parse(wl.mask, "workload.mask"), layout=wl.layout,
-                 passes=wl.passes, valid_len=wl.valid_len, model=wl.model, prefix_len=wl.prefix_len,
-                 doc_layout=wl.doc_layout, doc_ranks=tuple(tuple(x) for x in wl.doc_ranks))
-    m = AttnMatrix(w, doc.n_chunks)
-    if [r.rank for r in doc.ranks] != list(range(doc.n_ranks)) or len(doc.device_of_rank) != doc.n_ranks:
-        raise UserError("ranks", f"must list ranks 0..{doc.n_ranks - 1} in order, with a device for each",
-                        "fix the file or regenerate it")
-    streams = Streams()
-    for s in doc.streams:
-        streams.names.append(s.name)
-        streams.kinds.append(s.kind)
-        streams.communicator.append(-1 if s.communicator is None else s.communicator)
+    from meshplan.plan.json.frame import assemble, check_ranks, frame
+    w, m, streams = frame(doc)
+    check_ranks(doc, [r.rank for r in doc.ranks])
     from meshplan.plan.json.to_arrays import op_table, tensor_table
     ops = op_table(doc, streams, m, w)
     tensors = tensor_table(doc, ops.id_map)
-    del ops.id_map
-    return Schedule(algorithm=doc.algorithm, knobs=doc.knobs, workload=w, n_ranks=doc.n_ranks, n_chunks=doc.n_chunks,
-                    device_of_rank=np.asarray(doc.device_of_rank), topology=doc.topology.model_dump(), streams=streams,
-                    ops=ops, tensors=tensors)
+    return assemble(doc, w, streams, ops, tensors)
 
 
 def schema() -> dict[str, Any]:
