@@ -48,10 +48,23 @@ def count_pairs(q_start, q_count, k_start, k_count, stride, lo, hi) -> np.ndarra
     qs, cq, ks, ckv, s = (np.asarray(v, dtype=np.int64) for v in (q_start, q_count, k_start, k_count, stride))
     lo, hi = np.asarray(lo, dtype=np.int64), np.asarray(hi, dtype=np.int64)
     delta = qs - ks
-    d_lo = np.maximum(_ceil_div(lo - delta, s), -ckv)       # smallest allowed a − b
-    d_hi = np.minimum((hi - delta - 1) // s, cq)            # largest allowed a − b
-    n = _pairs_delta_le(d_hi, cq, ckv) - _pairs_delta_le(d_lo - 1, cq, ckv)
-    return np.where((cq > 0) & (ckv > 0) & (d_hi >= d_lo), n, 0)
+    if (s == 1).all():                                      # contiguous runs (no stride): no division
+        d_lo, d_hi = np.maximum(lo - delta, -ckv), np.minimum(hi - delta - 1, cq)
+    else:
+        d_lo = np.maximum(_ceil_div(lo - delta, s), -ckv)   # smallest allowed a − b
+        d_hi = np.minimum((hi - delta - 1) // s, cq)        # largest allowed a − b
+    d_lo, d_hi, cq, ckv = np.broadcast_arrays(d_lo, d_hi, cq, ckv)
+    some = (cq > 0) & (ckv > 0) & (d_hi >= d_lo)
+    # the band holds every (a, b) — a − b runs from −(ckv − 1) to cq − 1 — or none: most blocks of a matrix; the
+    # capped-triangle sums only for the others (the diagonal's): the same integers, a fraction of the work
+    whole = some & (d_lo <= 1 - ckv) & (d_hi >= cq - 1)
+    out = np.where(whole, cq * ckv, 0)
+    part = np.flatnonzero(some & ~whole)
+    if len(part):
+        pq, pk = cq.ravel()[part], ckv.ravel()[part]
+        out.ravel()[part] = _pairs_delta_le(d_hi.ravel()[part], pq, pk) \
+            - _pairs_delta_le(d_lo.ravel()[part] - 1, pq, pk)
+    return out
 
 
 def restrict(start, stride, count, lo, hi):
