@@ -179,6 +179,10 @@ class BuiltTiming(Algorithm):
     #: the closed form also carries the contended estimate (``estimate_s``, :mod:`meshplan.cost.estimate`): for
     #: methods planned where simulating costs too much (``plan_batch``)
     contended_estimate = False
+    #: in a search, from this many ranks a method with ``schedule_free`` starts from that bound (a plan marked
+    #: ``extra["lazy"]``): its schedule is built only for a candidate the bound does not prune (:meth:`refine`,
+    #: the built form) and for one that is simulated. None: never (a schedule-free bound looser than the built one)
+    lazy_from: int | None = 128
 
     def build(self, plan: Plan, topo: Topology) -> Schedule:
         """Lower a plan to ops (the subclass's work)."""
@@ -199,15 +203,27 @@ class BuiltTiming(Algorithm):
         """Whether :meth:`timing` builds the schedule at ``n_ranks`` ranks (no schedule-free form taken there)."""
         return not (self.schedule_free and n_ranks > self.search_max_ranks)
 
+    def lazy(self, n_ranks: int) -> bool:
+        """Whether a search starts this method's candidates at ``n_ranks`` ranks from the schedule-free bound."""
+        return self.schedule_free and self.lazy_from is not None and n_ranks >= self.lazy_from
+
     def timing(self, plan: Plan, topo: Topology) -> dict[str, PassTiming]:
         """The built schedule's closed form (uncontended evaluation, busiest link; the contended estimate where
-        ``contended_estimate``); above ``search_max_ranks`` ranks, without a schedule built, the schedule-free
-        bound where the method has one."""
+        ``contended_estimate``); without a schedule built, above ``search_max_ranks`` ranks or for a plan marked
+        ``lazy``, the schedule-free bound where the method has one."""
         cached = plan.extra.get("schedule")
-        if cached is None and not self.builds_to_time(plan.n_ranks):
+        free = not self.builds_to_time(plan.n_ranks) or (self.schedule_free and plan.extra.get("lazy"))
+        if cached is None and free:
             return self.schedule_free_timing(plan, topo)
         return schedule_timing(cached if cached is not None else self.build(plan, topo), topo,
                                contended=self.contended_estimate)
+
+    def refine(self, plan: Plan, topo: Topology) -> dict[str, PassTiming] | None:
+        """For a ``lazy`` plan up to ``search_max_ranks`` ranks, the built schedule's closed form (the schedule kept
+        on the plan for its simulation); else None."""
+        if not plan.extra.get("lazy") or plan.n_ranks > self.search_max_ranks:
+            return None
+        return schedule_timing(self.schedule(plan, topo), topo, contended=self.contended_estimate)
 
 
 def new_builder(alg: Algorithm, plan: Plan, topo: Topology) -> ScheduleBuilder:

@@ -142,7 +142,12 @@ def make_candidates(jobs: list[tuple[str, Workload, dict[str, Any], AttnMatrix |
         except SkipCandidate as skip:
             planned.append(skip)
     todo = [i for i, p in enumerate(planned) if not isinstance(p, SkipCandidate)]
-    heavy = [i for i in todo if isinstance(planned[i][0], BuiltTiming) and planned[i][0].builds_to_time(n_ranks)]
+    for i in todo:                       # start from the schedule-free bound; built when the search must (refine)
+        alg = planned[i][0]
+        if isinstance(alg, BuiltTiming) and alg.lazy(n_ranks):
+            planned[i][1].extra["lazy"] = True
+    heavy = [i for i in todo if isinstance(planned[i][0], BuiltTiming) and planned[i][0].builds_to_time(n_ranks)
+             and not planned[i][1].extra.get("lazy")]
     light = sorted(set(todo) - set(heavy))
     side: list[int] = []
     if n_ranks >= PARALLEL_MIN_RANKS and len(heavy) >= 2 and can_fork():

@@ -304,3 +304,24 @@ def test_above_the_build_limit_every_method_is_enumerated_or_says_why(monkeypatc
     assert {"usp", "loongtrain", "startrail", "ring", "mesh"} <= names
     assert all("schedule" not in c.plan.extra for c in cands)
     assert skipped["not implemented for N"] == 1 and not any("not enumerated" in k for k in skipped)
+
+
+def test_lazy_closed_forms_give_the_same_pick(monkeypatch):
+    """Starting the methods that build their schedule from their schedule-free bounds (lazy, from 128 ranks in a
+    search; lowered here to 8) builds only the candidates the bound does not prune (refined to the built form) or
+    that are simulated, and picks the same plan with the same simulated time as building every one."""
+    from meshplan.algorithms.base import BuiltTiming
+    from meshplan.algorithms.loongtrain import LoongTrain
+
+    topo = Topology.load("h100x16", gpus=16)
+    w = resolve(seq_len="32K", heads=8, kv_heads=2, head_dim=64)
+    monkeypatch.setattr(BuiltTiming, "lazy_from", None)
+    eager = run_search(w, topo, 16, algos=["usp", "startrail", "charm", "ring"], prune_slack=0.0)
+    monkeypatch.setattr(BuiltTiming, "lazy_from", 8)
+    monkeypatch.setattr(LoongTrain, "lazy_from", None)
+    lazy = run_search(w, topo, 16, algos=["usp", "startrail", "charm", "ring"], prune_slack=0.0)
+    pick = lambda r: (r.candidates[0].algorithm, r.candidates[0].knobs, r.candidates[0].predicted.makespan_s)  # noqa: E731
+    assert pick(lazy) == pick(eager)
+    lazy_rows = [c for c in lazy.candidates if c.plan is not None and c.plan.extra.get("lazy")]
+    assert lazy_rows and all("schedule" not in c.plan.extra for c in lazy_rows if c.model_level != "simulated")
+    assert lazy.counts["enumerated"] == eager.counts["enumerated"]
