@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from meshplan.cost.memory import model_peak_bytes
+from meshplan.cost.memory import model_total_bytes, op_workspace_bytes
 from meshplan.cost.simulate import SimResult
 from meshplan.model.topology import Topology
-from meshplan.plan.dataflow import peak_memory
+from meshplan.plan.dataflow import peak_memories
 from meshplan.plan.schedule import BUSY_KINDS, COMPUTE, PASS_NAMES, RECV, SEND, Schedule
 
 KEYS = ("makespan_s", "compute_s", "exposed_comm_s", "comm_busy_s", "comm_bytes_per_gpu_max",
@@ -150,14 +150,16 @@ def pass_metrics(sched: Schedule, topo: Topology, sim: SimResult, phase: int) ->
     flops_rank = np.bincount(o.rank[work], weights=o.flops[work], minlength=sched.n_ranks)
     flops = float(flops_rank.sum())
     makespan = sim.pass_makespan[phase]
+    # the buffers' peak and the memory model's (with each op's workspace) from one sort of the events
+    buffers, with_workspace = peak_memories(sched, phase, start, end, op_workspace_bytes(sched, topo.memory_model))
     return PassMetrics(
         makespan_s=makespan, compute_s=compute_s, exposed_comm_s=max(makespan - compute_s, 0.0),
         comm_busy_s=comm_s, comm_bytes_per_gpu_max=float(by_rank.max()),
         inter_node_bytes_per_gpu_max=float(cross_rank.max()),
         compute_to_comm=compute_s / comm_s if comm_s > 0 else None,
         bytes_per_flop=float(by_rank.sum()) / flops if flops else None,
-        peak_memory_bytes=float(peak_memory(sched, phase, start, end).max()),
-        peak_memory_total_bytes=model_peak_bytes(sched, topo.memory_model, phase, start, end),
+        peak_memory_bytes=float(buffers.max()),
+        peak_memory_total_bytes=model_total_bytes(topo.memory_model, float(with_workspace.max(initial=0.0))),
         work_imbalance=imbalance(flops_rank), recv_bytes_by_rank=by_rank, cross_bytes_by_rank=cross_rank,
         flops=flops, flops_by_rank=flops_rank)
 
