@@ -115,9 +115,10 @@ def plan_candidate(name: str, workload: Workload, topo: Topology, n_ranks: int, 
 
 #: closed forms that build a schedule cost ~0.1–1 s each from this many ranks: worth a second process
 PARALLEL_MIN_RANKS = 64
-#: from this many ranks the schedule-free closed forms cost ~0.1 s each too (Mesh: ~90 plans at 1024 ranks), and
-#: are halved between the two processes where no schedule-building one is (those are not enumerated up there)
-LIGHT_SPLIT_MIN_RANKS = 512
+#: from this many ranks the schedule-free closed forms cost ~0.02-0.1 s each too (Mesh: ~70-90 plans), and are
+#: halved between the two processes where none builds a schedule (from 128 ranks the search starts the methods that
+#: build from their schedule-free bounds: ``BuiltTiming.lazy``)
+LIGHT_SPLIT_MIN_RANKS = 128
 
 
 def make_candidates(jobs: list[tuple[str, Workload, dict[str, Any], AttnMatrix | None]], topo: Topology,
