@@ -180,8 +180,9 @@ class BuiltTiming(Algorithm):
     #: methods planned where simulating costs too much (``plan_batch``)
     contended_estimate = False
     #: in a search, from this many ranks a method with ``schedule_free`` starts from that bound (a plan marked
-    #: ``extra["lazy"]``): its schedule is built only for a candidate the bound does not prune (:meth:`refine`,
-    #: the built form) and for one that is simulated. None: never (a schedule-free bound looser than the built one)
+    #: ``extra["lazy"]``): its schedule is built only for a candidate the bound does not prune, to simulate it (the
+    #: bound is within 0.1% of the built form's there, so a refinement would prune nothing more). None: never (a
+    #: schedule-free bound looser than the built one)
     lazy_from: int | None = 128
 
     def build(self, plan: Plan, topo: Topology) -> Schedule:
@@ -217,13 +218,6 @@ class BuiltTiming(Algorithm):
             return self.schedule_free_timing(plan, topo)
         return schedule_timing(cached if cached is not None else self.build(plan, topo), topo,
                                contended=self.contended_estimate)
-
-    def refine(self, plan: Plan, topo: Topology) -> dict[str, PassTiming] | None:
-        """For a ``lazy`` plan up to ``search_max_ranks`` ranks, the built schedule's closed form (the schedule kept
-        on the plan for its simulation); else None."""
-        if not plan.extra.get("lazy") or plan.n_ranks > self.search_max_ranks:
-            return None
-        return schedule_timing(self.schedule(plan, topo), topo, contended=self.contended_estimate)
 
 
 def new_builder(alg: Algorithm, plan: Plan, topo: Topology) -> ScheduleBuilder:

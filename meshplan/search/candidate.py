@@ -143,7 +143,7 @@ def make_candidates(jobs: list[tuple[str, Workload, dict[str, Any], AttnMatrix |
         except SkipCandidate as skip:
             planned.append(skip)
     todo = [i for i, p in enumerate(planned) if not isinstance(p, SkipCandidate)]
-    for i in todo:                       # start from the schedule-free bound; built when the search must (refine)
+    for i in todo:                       # start from the schedule-free bound; built when the search simulates it
         alg = planned[i][0]
         if isinstance(alg, BuiltTiming) and alg.lazy(n_ranks):
             planned[i][1].extra["lazy"] = True

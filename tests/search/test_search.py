@@ -308,8 +308,8 @@ def test_above_the_build_limit_every_method_is_enumerated_or_says_why(monkeypatc
 
 def test_lazy_closed_forms_give_the_same_pick(monkeypatch):
     """Starting the methods that build their schedule from their schedule-free bounds (lazy, from 128 ranks in a
-    search; lowered here to 8) builds only the candidates the bound does not prune (refined to the built form) or
-    that are simulated, and picks the same plan with the same simulated time as building every one."""
+    search; lowered here to 8) builds only the candidates it simulates (those the bound does not prune), and picks
+    the same plan with the same simulated time as building every one."""
     from meshplan.algorithms.base import BuiltTiming
     from meshplan.algorithms.loongtrain import LoongTrain
 
