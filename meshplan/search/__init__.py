@@ -93,16 +93,9 @@ def enumerate_candidates(base: Workload, topo: Topology, n: int, algos: list[str
             skipped["not implemented yet"] += 1
             continue
         alg = algorithms.REGISTRY[name]
-        limit = getattr(alg, "search_max_ranks", None)
-        if limit is not None and n > limit and not (algos and name in algos) and alg.builds_to_time(n):
-            try:                                    # a method that cannot run here at all says why (TASP: N ≤ 20)
-                alg.check(base.with_(passes="fwd") if alg.forward_only else base, topo, n, alg.normalize({}))
-            except SkipCandidate as skip:
-                skipped[skip.reason] += 1
-                continue
-            except UserError:
-                pass
-            skipped[f"not enumerated above {limit} ranks (name it in --algos)"] += 1
+        beyond = None if algos and name in algos else _beyond_limit(alg, base, topo, n)
+        if beyond:
+            skipped[beyond] += 1
             continue
         foreign = [k for k in filters if k not in alg.knobs]
         if foreign:
@@ -139,6 +132,22 @@ def enumerate_candidates(base: Workload, topo: Topology, n: int, algos: list[str
         c.forward_only = fwd_only
         cands.append(c)
     return cands, skipped
+
+
+def _beyond_limit(alg, base: Workload, topo: Topology, n: int) -> str | None:
+    """Why the search does not enumerate ``alg`` at ``n`` ranks unless named in --algos: its closed form builds a
+    schedule and ``n`` is above its ``search_max_ranks`` (a method that cannot run there at all says why instead,
+    TASP's N ≤ 20); None when it is enumerated."""
+    limit = getattr(alg, "search_max_ranks", None)
+    if limit is None or n <= limit or not alg.builds_to_time(n):
+        return None
+    try:
+        alg.check(base.with_(passes="fwd") if alg.forward_only else base, topo, n, alg.normalize({}))
+    except SkipCandidate as skip:
+        return skip.reason
+    except UserError:
+        pass
+    return f"not enumerated above {limit} ranks (name it in --algos)"
 
 
 def same_computation(a, b) -> bool:

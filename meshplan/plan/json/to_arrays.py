@@ -143,22 +143,19 @@ class OpColumns:
             cat[k] = np.concatenate([p.pop(k) for p in parts])
         ids = cat.pop("id")
         n = len(ids)
-        if np.array_equal(ids, np.arange(n)):            # what meshplan writes: ids are the indices
-            id_map = None
-        else:
-            order = np.argsort(ids, kind="stable")
-            if n and (np.diff(ids[order]) == 0).any():
-                raise _fail("ranks[*].ops[*].id", "op ids must be unique")
-            id_map = (ids, order)
+        id_map = _IdMap(ids)
         a = {k: v for k, v in cat.items() if not k.startswith("n_") and k not in _LISTS}
         for name in _LISTS:
             a[_PTRS[name]] = csr_ptr(cat["n_" + name])
             a[name] = cat[name]
-        a["deps"] = _index_of(a["deps"], id_map, n)
+        missing = ~id_map.present(a["deps"])
+        if missing.any():
+            raise _fail("deps", f"op id {int(a['deps'][np.argmax(missing)])} does not exist")
+        a["deps"] = id_map.index(a["deps"])
         a["flops"] = np.zeros(n)
         table = OpTable(**a)
         self._flops(table, m)
-        table.id_map = _IdMap(ids) if id_map is not None else _IdMap(None, n)
+        table.id_map = id_map
         return table
 
     def _flops(self, o: OpTable, m: AttnMatrix) -> None:
@@ -229,10 +226,8 @@ class TensorColumns:
         self.parts = []
         free_owner = np.repeat(np.arange(len(a["rank"])), a["free_n"])
         given = a["alloc_given"].astype(bool)
-        alloc_ok = ~given | (np.array([x in id_map for x in a["alloc_op"].tolist()], dtype=bool) if id_map.n_custom
-                             else (a["alloc_op"] >= 0) & (a["alloc_op"] < id_map.n))
-        free_ok = np.array([f in id_map for f in a["free_after"].tolist()], dtype=bool) if id_map.n_custom \
-            else (a["free_after"] >= 0) & (a["free_after"] < id_map.n)
+        alloc_ok = ~given | id_map.present(a["alloc_op"])
+        free_ok = id_map.present(a["free_after"])
         bad = np.flatnonzero(~alloc_ok | (np.bincount(free_owner, weights=~free_ok, minlength=len(alloc_ok)) > 0))
         if len(bad):
             raise _fail(f"tensors[{bad[0]}]", "alloc_op/free_after name an op that does not exist")
@@ -252,51 +247,33 @@ class TensorColumns:
 
 
 class _IdMap:
-    """JSON op id -> index: the identity when the file's ids are 0, 1, 2, … in order (what meshplan writes)."""
+    """JSON op ids -> indices, vectorised: the identity when the ids are 0, 1, 2, … in order (what meshplan writes),
+    else through their sorted order.
 
-    def __init__(self, ids: np.ndarray | None, n: int = 0) -> None:
-        self._ids = ids
-        self._order = None if ids is None else np.argsort(ids, kind="stable")
-        self.n = n if ids is None else len(ids)
+    Raises:
+        UserError: (on construction) ids that are not unique.
+    """
 
-    @property
-    def n_custom(self) -> bool:
-        """Whether the ids are other than 0..n−1 in order."""
-        return self._ids is not None
+    def __init__(self, ids: np.ndarray) -> None:
+        self.n = len(ids)
+        self._sorted = self._order = None
+        if not np.array_equal(ids, np.arange(self.n)):
+            self._order = np.argsort(ids, kind="stable")
+            self._sorted = ids[self._order]
+            if self.n and (np.diff(self._sorted) == 0).any():
+                raise _fail("ranks[*].ops[*].id", "op ids must be unique")
 
-    def __contains__(self, key) -> bool:
-        if self._ids is None:
-            return 0 <= key < self.n
-        pos = int(np.searchsorted(self._ids[self._order], key))
-        return pos < self.n and int(self._ids[self._order][pos]) == key
-
-    def __getitem__(self, key) -> int:
-        if key not in self:
-            raise KeyError(key)
-        return key if self._ids is None else int(self._order[np.searchsorted(self._ids[self._order], key)])
+    def present(self, values: np.ndarray) -> np.ndarray:
+        """[k] whether each id names an op."""
+        values = np.asarray(values, dtype=np.int64)
+        if self._sorted is None:
+            return (values >= 0) & (values < self.n)
+        pos = np.minimum(np.searchsorted(self._sorted, values), self.n - 1)     # n > 0: no ids are 0..n-1 here
+        return self._sorted[pos] == values
 
     def index(self, values: np.ndarray) -> np.ndarray:
         """The indices of ids ``values`` (every one present)."""
         values = np.asarray(values, dtype=np.int64)
-        if self._ids is None or not len(values):
+        if self._sorted is None or not len(values):
             return values
-        return self._order[np.searchsorted(self._ids[self._order], values)]
-
-
-def _index_of(values: np.ndarray, id_map, n: int) -> np.ndarray:
-    """Map op ids to indices (``id_map``: None for ids 0..n−1 in order, else (ids, their argsort)).
-
-    Raises:
-        UserError: an id that names no op.
-    """
-    if id_map is None:
-        bad = (values < 0) | (values >= n)
-        if bad.any():
-            raise _fail("deps", f"op id {int(values[np.argmax(bad)])} does not exist")
-        return values
-    ids, order = id_map
-    pos = np.searchsorted(ids[order], values)
-    bad = (pos >= len(ids)) | (ids[order][np.minimum(pos, len(ids) - 1)] != values)
-    if bad.any():
-        raise _fail("deps", f"op id {int(values[np.argmax(bad)])} does not exist")
-    return order[pos]
+        return self._order[np.searchsorted(self._sorted, values)]
