@@ -43,7 +43,8 @@ def headsplit_timing(plan: Plan, topo: Topology, ring_hops) -> dict[str, PassTim
     """PassTiming per pass of a plan on the Ulysses grid whose KV groups travel as ``ring_hops(plan, topo, grid,
     pass_, sizes)`` says: (the families of transfers [(pairs, bytes each, count)], [n] the hops' chain on each rank,
     the backward's tail: the least time from a rank's last kernel until its dK/dV partial is home, the KV groups a
-    rank holds at once besides its own)).
+    rank holds at once besides its own, [n] the least time its compute stream waits for transfers beside its
+    kernels)).
     ``sizes``: {"kv": one chunk's KV for a head range, "dkv": its partial dK/dV on the wire}."""
     grid: Grid = plan.extra["grid"]
     w, m, n, u, R = plan.workload, plan.matrix, plan.n_ranks, grid.u, grid.R
@@ -62,14 +63,15 @@ def headsplit_timing(plan: Plan, topo: Topology, ring_hops) -> dict[str, PassTim
             scatter, slowest, gathers = piece("q") + piece("kv"), max(piece("q"), piece("kv")), [piece("out")]
         else:
             scatter, slowest, gathers = piece("dout"), piece("dout"), [piece("dq"), piece("dkv")]
-        hops, kv_chain, tail, held = ring_hops(plan, topo, grid, pass_, sizes) if R > 1 else ([], np.zeros(n), 0.0, 0)
+        hops, kv_chain, tail, held, wait = ring_hops(plan, topo, grid, pass_, sizes) if R > 1 \
+            else ([], np.zeros(n), 0.0, 0, 0.0)
         # the chain: the scatter's slowest piece then the kernels, or the KV hops in sequence (counted from the
         # pass's start), whichever ends later; then each gather's slowest piece (backward: the dK/dV gather after
         # the dQ gather and after the last partial came home)
         first = a2a.slowest_in(slowest) if u > 1 else np.zeros(n)
         ends = [a2a.slowest_in(b) for b in gathers] if u > 1 else [np.zeros(n)] * len(gathers)
         last = ends[0] if pass_ == "fwd" else np.maximum(ends[0], tail) + ends[1]
-        chain = np.maximum(first + compute, kv_chain) + last
+        chain = np.maximum(first + compute + wait, kv_chain) + last
         moved = [(a2a, scatter, 1), *[(a2a, b, 1) for b in gathers]] if u > 1 else []
         group_kv = u * sizes["kv"]
         out[pass_] = pass_timing(plan, topo, pass_, compute, chain, moved + hops,
@@ -89,7 +91,7 @@ def _ring_hops(plan: Plan, topo: Topology, grid: Grid, pass_: str, sizes: dict):
         hops.append((ring, u * sizes["dkv"], R if plan.knobs.get("dkv_hops", "n") == "n" else R - 1))
     # hops n: the last kernel's partial makes one more hop, home
     tail = float(ring.slowest_in(sizes["dkv"]).min()) if plan.knobs.get("dkv_hops", "n") == "n" else 0.0
-    return hops, ring.slowest_in(sizes["kv"]) * (R - 1), tail, 2     # double-buffered: the next group lands
+    return hops, ring.slowest_in(sizes["kv"]) * (R - 1), tail, 2, 0.0     # double-buffered: the next group lands
 
 
 def double_ring_hops(plan: Plan, topo: Topology, grid: Grid, pass_: str, sizes: dict):
@@ -111,6 +113,7 @@ def double_ring_hops(plan: Plan, topo: Topology, grid: Grid, pass_: str, sizes: 
         if pass_ == "bwd":
             hops.append((inner, u * sizes["dkv"], n_win * W))
             tail = float(inner.slowest_in(sizes["dkv"]).min())    # the last partial's hop home in its window
+    wait = 0.0
     if outer is not None:
         hops.append((outer, u * sizes["kv"], n_win - 1))
         chain = np.maximum(chain, outer.slowest_in(sizes["kv"]) * (n_win - 1))
@@ -118,8 +121,35 @@ def double_ring_hops(plan: Plan, topo: Topology, grid: Grid, pass_: str, sizes: 
             src = np.concatenate([grid.rank_of[((a + o) % n_win) * W + pos, grid.p_of] for o in range(1, n_win)])
             home = Transfers(plan, topo, src, np.tile(r, n_win - 1))
             hops.append((home, u * sizes["dkv"], 1))
-            tail += float(home.slowest_in(sizes["dkv"]).min())     # then the last outer step's sum goes home
-    return hops, chain, tail, 2 + n_win - 1
+            wait = _sums_home_wait(plan, topo, grid, home, sizes["dkv"], tail, W, n_win)
+            tail = 0.0                           # the last sum's arrival is in the wait
+    return hops, chain, tail, 2 + n_win - 1, wait
+
+
+def _sums_home_wait(plan: Plan, topo: Topology, grid: Grid, home: Transfers, dkv: float, inner_hop: float, W: int,
+                    n_win: int) -> np.ndarray:
+    """[n] the least time LoongTrain's backward compute stream waits on each rank for the dK/dV sums coming home.
+
+    After outer step o ≥ 1, each rank's program adds the sum of the group it held at step o, sent by the rank x of
+    window a + o at its position; x sends it once its own step o is done (its kernels, then the partial's last inner
+    hop), so the rank's next kernels start no sooner than that arrival. A recurrence over the outer steps on lower
+    bounds of every rank's progress (its step's kernels: its query group against the step's window of KV groups,
+    with their launches and combines): e(o) = w(o − 1) + C(o), w(o) = max(e(o), e_x(o) + hop + sum's time alone)."""
+    per_op, per_block = _group_ops(plan, topo, grid, "bwd")
+    R = grid.R
+    g = np.arange(R)
+    step = (g[:, None] // W - g[None, :] // W) % n_win          # [R, R] the outer step group g meets KV group j
+    steps = np.zeros((R, n_win))
+    np.add.at(steps, (np.broadcast_to(g[:, None], (R, R)), step), per_block)
+    steps = steps[grid.g_of]                                       # [n, n_win]
+    n = grid.n
+    alone = home.alone(dkv)
+    end = steps[:, 0]
+    for o in range(1, n_win):
+        sl = slice((o - 1) * n, o * n)                             # home's transfers of step o, in rank order
+        end = end + steps[:, o]
+        end = np.maximum(end, end[home.src[sl]] + inner_hop + alone[sl])
+    return end - steps.sum(axis=1)
 
 
 def _rank_compute(plan: Plan, topo: Topology, grid: Grid, pass_: str) -> np.ndarray:
@@ -128,23 +158,33 @@ def _rank_compute(plan: Plan, topo: Topology, grid: Grid, pass_: str) -> np.ndar
     combines into its accumulators (the CPU executor's input staging left out: a bound, 10% under it there)."""
     m, u, R = plan.matrix, grid.u, grid.R
     cost = CostModel(topo)
-    launch = cost.kernel.launch_s
-    blocks = np.where(m.permitted, cost.matrix_block_times(m, pass_, (u, u), envelope=True) - launch, 0.0)
-    order = grid.groups.ravel()                                   # chunks group by group
-    by_group = blocks[np.ix_(order, order)].reshape(R, u, R, u).sum(axis=(1, 3))     # [R, R]
-    ops = (m.permitted[np.ix_(order, order)].reshape(R, u, R, u).any(axis=(1, 3))).sum(axis=1)
-    # every op folds its result into the rank's fp32 accumulators (3 x their bytes at the merge rate): the
-    # forward's u output pieces (LSE merge), the backward's u dQ pieces; backward, each of the R − 1 dK/dV partials
-    # that arrive on the ring is added to the rank's own, chunk by chunk (u accumulate ops)
-    w, hq = plan.workload, plan.workload.n_heads // u
-    acc = u * tensor_bytes(w, "out" if pass_ == "fwd" else "dq", m.chunk_tokens("q"), hq, "fp32")
-    factor = cost.kernel.merge_factor(w.dtype) if pass_ == "fwd" else 1.0
-    per_group = by_group.sum(axis=1) / u + launch * ops + ops * factor * 3 * acc / cost.merge_rate
-    if pass_ == "bwd" and R > 1:
+    per_op, per_block = _group_ops(plan, topo, grid, pass_)
+    per_group = per_block.sum(axis=1)
+    if pass_ == "bwd" and R > 1:        # each of the R − 1 dK/dV partials the ring brings, added chunk by chunk
+        w, hq = plan.workload, plan.workload.n_heads // u
         part = tensor_bytes(w, "dkv", m.chunk_tokens("kv"), hq, "fp32")
         wire = tensor_bytes(w, "dkv", m.chunk_tokens("kv"), hq, plan.knobs.get("dkv_dtype", "fp32"))
         per_group = per_group + (R - 1) * u * float(cost.merge_time_s(2 * part + wire))
     return per_group[grid.g_of]
+
+
+def _group_ops(plan: Plan, topo: Topology, grid: Grid, pass_: str) -> tuple[float, np.ndarray]:
+    """(the launch and combine of one op, [R, R] the op of query group g against KV group j on a rank of group g:
+    its blocks' kernel terms for the rank's heads plus that, 0 where no pair is permitted). Every op folds its result
+    into the rank's fp32 accumulators, 3 x their bytes at the merge rate: the forward's u output pieces (LSE merge),
+    the backward's u dQ pieces."""
+    m, u, R = plan.matrix, grid.u, grid.R
+    cost = CostModel(topo)
+    launch = cost.kernel.launch_s
+    blocks = np.where(m.permitted, cost.matrix_block_times(m, pass_, (u, u), envelope=True) - launch, 0.0)
+    order = grid.groups.ravel()                                   # chunks group by group
+    by_group = blocks[np.ix_(order, order)].reshape(R, u, R, u).sum(axis=(1, 3)) / u     # h/u of the FLOPs
+    has = m.permitted[np.ix_(order, order)].reshape(R, u, R, u).any(axis=(1, 3))
+    w, hq = plan.workload, plan.workload.n_heads // u
+    acc = u * tensor_bytes(w, "out" if pass_ == "fwd" else "dq", m.chunk_tokens("q"), hq, "fp32")
+    factor = cost.kernel.merge_factor(w.dtype) if pass_ == "fwd" else 1.0
+    per_op = launch + factor * 3 * acc / cost.merge_rate
+    return per_op, np.where(has, by_group + per_op, 0.0)
 
 
 def _buffers(plan: Plan, grid: Grid, pass_: str, piece, group_kv: float, groups_held: int) -> float:

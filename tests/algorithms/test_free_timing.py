@@ -56,7 +56,8 @@ def test_schedule_free_bound_against_the_built_schedule_and_the_simulator(topo_n
         assert f.flops_total == pytest.approx(b.flops_total, rel=1e-12)
         assert f.bound_s <= s * (1 + 1e-9)                  # a lower bound of the simulated makespan
         # as tight as the built schedule's uncontended form, within 5% (10%: on CPU the executor's input staging is
-        # left out; the double ring's start-up waits are not in its chain; CHARM+'s combines are counted at least)
+        # left out; LoongTrain's causal contiguous backward waits longer for its dK/dV sums than its recurrence
+        # counts; CHARM+'s combines are counted at their least)
         loose = topo_name == "cpu-local" or name in ("loongtrain", "charm", "merge", "rmplus")
         assert f.bound_s >= (0.9 if loose else 0.95) * b.bound_s
         if layout == "zigzag" or mask == "full":        # balanced: what search enumerates above 64 ranks
