@@ -263,7 +263,9 @@ def print_frameworks(frameworks: list[dict[str, Any]], console: Console) -> None
         table.add_column(col, justify=just, overflow="fold", no_wrap=col in ("time", "vs best"))
     for f in frameworks:
         if f["settings"] is None:
-            table.add_row(f["framework"], f"not expressible: {f['reason']}", "-", "-")
+            waiting = len(f.get("not_evaluated", []))      # settings it can run, left untimed at this size
+            table.add_row(f["framework"], f"not evaluated at this size: {waiting} setting{'s' * (waiting > 1)} it "
+                          "can run (--json lists them)" if waiting else f"not expressible: {f['reason']}", "-", "-")
             continue
         table.add_row(f["framework"], plan_text(f), fmt_seconds(f["time_s"]),
                       fmt_or_dash(f["vs_best"], lambda x: f"{x:.2f}x"))
@@ -278,8 +280,8 @@ def print_frameworks(frameworks: list[dict[str, Any]], console: Console) -> None
             console.print(f"the best plan in {f['framework']}: {f['expresses_best']}")
     left = sum(len(f.get("not_evaluated", [])) for f in frameworks)
     if left:
-        console.print(f"{left} framework settings the search does not list were not evaluated at this size (--json "
-                      "lists them, each with the simulate command that times it)")
+        console.print(f"{left} framework settings were not evaluated at this size (--json lists them, each with "
+                      "why and the simulate command that times it)")
     faster = [f for f in frameworks if f["settings"] is not None and f["vs_best"] is not None and f["vs_best"] < 1]
     lossy = [f for f in faster if (f.get("knobs") or {}).get("dkv_dtype") not in (None, "fp32")]
     for f in lossy:
