@@ -134,28 +134,38 @@ def _evaluate(fb: FrameworkBest, entries: list, result: SearchResult, listed: di
                                          f"not list it); time it: {_simulate_command(ch, result)}"))
                 continue
             built += 1
-        try:
-            cand = copy.copy(c) if c is not None else make_candidate(ch.algorithm, w.with_(layout=ch.layout), topo,
-                                                                     n, ch.knobs)
+        try:                    # a method whose closed form builds its schedule keeps it for the simulation
+            cand = copy.copy(c) if c is not None else make_candidate(
+                ch.algorithm, w.with_(layout=ch.layout), topo, n, ch.knobs,
+                keep_schedule=isinstance(algorithms.get(ch.algorithm), BuiltTiming))
         except (SkipCandidate, UserError) as e:
             fb.refused.append((s.cli(), getattr(e, "detail", "") or str(e)))
             continue
         if _too_big(fb, s, estimated_peak_bytes(cand.timing), result.memory_limit):
+            if c is None:
+                _forget(cand)
             continue
-        staged.append((cand.bound_s, s, ch, k, cand))
-    for bound, s, ch, k, cand in sorted(staged, key=lambda e: e[0]):
+        staged.append((cand.bound_s, s, ch, k, cand, c is None))
+    for bound, s, ch, k, cand, made in sorted(staged, key=lambda e: e[0]):
         if bound > best_t * (1 - slack) * (1 + 1e-12):
+            if made:
+                _forget(cand)
             continue
         if k not in times:
             simulate_candidate(cand, topo, result.ring_ccr)
             fb.simulated += 1
-            if cand.plan is not None:
-                cand.plan.extra.pop("schedule", None)
+            _forget(cand)
             if _too_big(fb, s, cand.predicted.total.peak_memory_total_bytes, result.memory_limit):
                 continue
             times[k] = cand.predicted.makespan_s
         if times[k] < best_t:
             best_t = _keep(fb, s, ch, times[k], k in listed)
+
+
+def _forget(cand: Candidate) -> None:
+    """Drop the schedule a candidate's plan holds (its numbers stay)."""
+    if cand.plan is not None:
+        cand.plan.extra.pop("schedule", None)
 
 
 def _too_big(fb: FrameworkBest, s, peak: float, limit: float | None) -> bool:
