@@ -49,6 +49,7 @@ class Candidate:
     job: dict[str, Any] | None = None     # search --tp/--dp: {alone_s, together_s} of the whole job
     documents: dict[str, Any] | None = None   # docs masks: what the documents cost it, kept when the schedule goes
     not_simulated: str | None = None   # why the search left it at its bound although the bound could beat the pick
+    unproven_estimate_s: float | None = None   # such a candidate's contended estimate (ranking.estimate_unproven)
 
     @property
     def bound_s(self) -> float:

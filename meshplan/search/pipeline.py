@@ -22,6 +22,7 @@ from meshplan.plan.job import JobShape
 from meshplan.search import PRUNE_SLACK, SearchResult, run_search, search_json
 from meshplan.search.frameworks import FrameworkBest, framework_bests, frameworks_json
 from meshplan.search.inference import rule_report
+from meshplan.search.ranking import estimate_unproven
 from meshplan.search.write import apply_written, write_best, written_best
 
 Progress = Callable[[int, "int | None", str], None]
@@ -126,7 +127,11 @@ def run_pipeline(request: SearchRequest, progress: Progress | None = None) -> Se
         return SearchReport(req, result, [])
     early = req.write > 0 and _writes_now(req, result) and can_fork()
     say(0, None, "the frameworks' settings" + (f"; verifying and writing {req.write} schedule(s)" if early else ""))
-    bests_of = lambda: framework_bests(result, list(req.algos) if req.algos else None, req.filters)  # noqa: E731
+    def bests_of():
+        bests = framework_bests(result, list(req.algos) if req.algos else None, req.filters)
+        estimate_unproven(result)          # what an unproven pick's rivals would likely take (seconds each)
+        return bests
+
     written = None
     if early:                                               # the write beside the frameworks: both cores
         release_freed_memory()                              # the search's freed pages: not into the forks

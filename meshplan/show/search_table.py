@@ -100,9 +100,11 @@ def _print_notes(body: dict[str, Any], console: Console) -> None:
         console.print(_doc_legend(body["candidates"]))
     for u in body.get("not_proven", []):
         best = fmt_seconds(body["candidates"][0]["predicted"]["makespan_s"])
+        guess = (f"; its contended estimate (the simulator's sharing rules without its event loop) is "
+                 f"{fmt_seconds(u['estimate_s'])}") if u.get("estimate_s") is not None else ""
         console.print(f"not proven best: #{u['rank']} ({u['algorithm']}) has a lower bound of "
-                      f"{fmt_seconds(u['bound_s'])}, below #1's {best}, and was not simulated ({u['reason']}); "
-                      "time it alone:")
+                      f"{fmt_seconds(u['bound_s'])}, below #1's {best}, and was not simulated ({u['reason']})"
+                      f"{guess}; time it alone:")
         for line in command_lines(u["simulate"], console.width):
             console.print(line, soft_wrap=True, markup=False, highlight=False)
     for line in (_lead_text(body["candidates"]), _vs_ring_text(body), *why_lines(body)):
