@@ -159,6 +159,10 @@ class Algorithm:
         """A tighter closed form, if the algorithm has one (may build the schedule); None otherwise."""
         return None
 
+    def search_may_build(self, n_ranks: int) -> bool:
+        """Whether a search may build this method's schedule at ``n_ranks`` ranks to simulate or estimate it."""
+        return True
+
 
 class BuiltTiming(Algorithm):
     """Algorithms whose closed form is the built schedule's (:func:`~meshplan.cost.bounds.schedule_timing`).
@@ -203,6 +207,10 @@ class BuiltTiming(Algorithm):
     def builds_to_time(self, n_ranks: int) -> bool:
         """Whether :meth:`timing` builds the schedule at ``n_ranks`` ranks (no schedule-free form taken there)."""
         return not (self.schedule_free and n_ranks > self.search_max_ranks)
+
+    def search_may_build(self, n_ranks: int) -> bool:
+        """Not above ``search_max_ranks`` where the closed form is schedule-free (seconds and GBs a plan)."""
+        return self.builds_to_time(n_ranks)
 
     def lazy(self, n_ranks: int) -> bool:
         """Whether a search starts this method's candidates at ``n_ranks`` ranks from the schedule-free bound."""

@@ -75,6 +75,15 @@ def pass_timing(plan: Plan, topo: Topology, pass_: str, compute: np.ndarray, cha
                                                        op_chunks))
 
 
+def op_overhead_s(topo: Topology, plan: Plan, pass_: str, acc_bytes: float) -> float:
+    """What an attention op costs beside its blocks' kernel terms: a launch, and the combine of its result into
+    fp32 accumulators of ``acc_bytes`` — 3 x those bytes at the merge rate (the forward's LSE merge at the kernel
+    table's merge factor), as :meth:`meshplan.cost.cost.CostModel.op_durations` prices it."""
+    cost = CostModel(topo)
+    factor = cost.kernel.merge_factor(plan.workload.dtype) if pass_ == "fwd" else 1.0
+    return cost.kernel.launch_s + factor * 3 * acc_bytes / cost.merge_rate
+
+
 def owner_compute(plan: Plan, topo: Topology, pass_: str,
                   kernel_chunks: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
     """([n] each rank's kernel time over the blocks the plan gives it, launches left out, [n] the least number of

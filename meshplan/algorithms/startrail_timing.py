@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from meshplan.algorithms.base import PassTiming
-from meshplan.algorithms.free_timing import Transfers, owner_compute, pass_timing
+from meshplan.algorithms.free_timing import Transfers, op_overhead_s, owner_compute, pass_timing
 from meshplan.cost.cost import CostModel
 from meshplan.model.topology import Topology
 from meshplan.plan.plan import Plan
@@ -74,8 +74,7 @@ def _compute(plan: Plan, topo: Topology, pass_: str, C: int, L: int) -> np.ndarr
     cost = CostModel(topo)
     kernels, ops = owner_compute(plan, topo, pass_, (C, C))
     acc = C * tensor_bytes(w, "out" if pass_ == "fwd" else "dq", m.chunk_tokens("q"), w.n_heads, "fp32")
-    factor = cost.kernel.merge_factor(w.dtype) if pass_ == "fwd" else 1.0
-    total = kernels + ops * (cost.kernel.launch_s + factor * 3 * acc / cost.merge_rate)
+    total = kernels + ops * op_overhead_s(topo, plan, pass_, acc)
     if pass_ == "bwd" and L > 1:
         part = tensor_bytes(w, "dkv", m.chunk_tokens("kv"), w.n_heads, "fp32")
         wire = tensor_bytes(w, "dkv", m.chunk_tokens("kv"), w.n_heads, plan.knobs["dkv_dtype"])

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from meshplan.algorithms.base import PassTiming
-from meshplan.algorithms.free_timing import Transfers, pass_timing
+from meshplan.algorithms.free_timing import Transfers, op_overhead_s, pass_timing
 from meshplan.algorithms.headsplit import Grid
 from meshplan.cost.cost import CostModel
 from meshplan.model.matrix import KV_KINDS
@@ -181,9 +181,8 @@ def _group_ops(plan: Plan, topo: Topology, grid: Grid, pass_: str) -> tuple[floa
     by_group = blocks[np.ix_(order, order)].reshape(R, u, R, u).sum(axis=(1, 3)) / u     # h/u of the FLOPs
     has = m.permitted[np.ix_(order, order)].reshape(R, u, R, u).any(axis=(1, 3))
     w, hq = plan.workload, plan.workload.n_heads // u
-    acc = u * tensor_bytes(w, "out" if pass_ == "fwd" else "dq", m.chunk_tokens("q"), hq, "fp32")
-    factor = cost.kernel.merge_factor(w.dtype) if pass_ == "fwd" else 1.0
-    per_op = launch + factor * 3 * acc / cost.merge_rate
+    per_op = op_overhead_s(topo, plan, pass_, u * tensor_bytes(w, "out" if pass_ == "fwd" else "dq",
+                                                                m.chunk_tokens("q"), hq, "fp32"))
     return per_op, np.where(has, by_group + per_op, 0.0)
 
 

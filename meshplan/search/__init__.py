@@ -277,7 +277,7 @@ class _BranchAndBound:
             forget_built(c)
             return False
         alg = algorithms.get(c.algorithm)
-        if self.leader is not None and not getattr(alg, "builds_to_time", lambda n: True)(self.n):
+        if self.leader is not None and not alg.search_may_build(self.n):
             c.predicted = closed_form_predicted(c, self.ccr)
             c.not_simulated = f"its schedule is not built above {alg.search_max_ranks} ranks (seconds and GBs a plan)"
             self.unsimulated[f"schedule not built above {alg.search_max_ranks} ranks (simulate it alone)"] += 1

@@ -59,13 +59,17 @@ class Candidate:
     @property
     def estimate_s(self) -> float:
         """Closed-form guess of the total makespan (orders the search; not a bound)."""
-        return sum(max(t.estimate_s if t.estimate_s is not None else t.makespan_s, t.bound_s)
-                   for t in self.timing.values())
+        return timing_estimate_s(self.timing)
 
     @property
     def makespan_s(self) -> float:
         """Best known total makespan: simulated, else the bound."""
         return self.predicted.rank_s if self.predicted is not None else self.bound_s
+
+
+def timing_estimate_s(timing: dict[str, PassTiming]) -> float:
+    """The total of a closed form's best guess per pass: its estimate where it has one, never below its bound."""
+    return sum(max(t.estimate_s if t.estimate_s is not None else t.makespan_s, t.bound_s) for t in timing.values())
 
 
 #: schedules of fewer ops run ``alongside`` in a thread: forking costs ~10 ms, more than it saves there

@@ -7,7 +7,14 @@ from __future__ import annotations
 from typing import Any
 
 from meshplan.model.topology import Topology
-from meshplan.search.candidate import Candidate, forget_built, simulate_both, simulate_candidate, simulate_command
+from meshplan.search.candidate import (
+    Candidate,
+    forget_built,
+    simulate_both,
+    simulate_candidate,
+    simulate_command,
+    timing_estimate_s,
+)
 
 #: Ring settings simulated at most to find its best for the reference row
 REFERENCE_SIMULATIONS = 4
@@ -91,11 +98,10 @@ def estimate_unproven(result) -> None:
 
     for _, c in _unproven(result):
         alg = algorithms.get(c.algorithm)
-        if not getattr(alg, "builds_to_time", lambda n: True)(c.n_ranks) or c.plan is None:
+        if not alg.search_may_build(c.n_ranks) or c.plan is None:
             continue
         plan = alg.variants(c.plan, result.topology)[0]
         timing = schedule_timing(alg.schedule(plan, result.topology), result.topology, contended=True)
-        c.unproven_estimate_s = sum(max(t.estimate_s if t.estimate_s is not None else t.makespan_s, t.bound_s)
-                                    for t in timing.values())
+        c.unproven_estimate_s = timing_estimate_s(timing)
         forget_built(c)
         plan.extra.pop("schedule", None)

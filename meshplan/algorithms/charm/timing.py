@@ -22,7 +22,7 @@ import numpy as np
 
 from meshplan.algorithms.base import PassTiming
 from meshplan.algorithms.charm.lists import KV, Q, levels, roles
-from meshplan.algorithms.free_timing import Transfers, owner_compute, pass_timing
+from meshplan.algorithms.free_timing import Transfers, op_overhead_s, owner_compute, pass_timing
 from meshplan.cost.cost import CostModel
 from meshplan.model.topology import Topology
 from meshplan.plan.plan import Plan
@@ -97,9 +97,7 @@ def _compute(plan: Plan, topo: Topology, pass_: str, span: tuple[int, int], acc:
     its fp32 accumulator, 2 · ``acc`` + ``part`` bytes touched at the merge rate."""
     cost = CostModel(topo)
     kernels, ops = owner_compute(plan, topo, pass_, span)
-    factor = cost.kernel.merge_factor(plan.workload.dtype) if pass_ == "fwd" else 1.0
-    per_op = cost.kernel.launch_s + factor * 3 * acc / cost.merge_rate
-    return kernels + ops * per_op + folds * float(cost.merge_time_s(2 * acc + part))
+    return kernels + ops * op_overhead_s(topo, plan, pass_, acc) + folds * float(cost.merge_time_s(2 * acc + part))
 
 
 def _cat(parts: list[np.ndarray]) -> np.ndarray:
