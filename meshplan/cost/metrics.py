@@ -78,6 +78,7 @@ class PassMetrics:
     work_imbalance: float | None
     recv_bytes_by_rank: np.ndarray = field(repr=False, compare=False)
     cross_bytes_by_rank: np.ndarray = field(repr=False, compare=False)
+    recv_bytes: float        # bytes received, summed over every rank (bytes_per_flop's numerator)
     flops: float
     flops_by_rank: np.ndarray = field(repr=False, compare=False)
 
@@ -161,7 +162,7 @@ def pass_metrics(sched: Schedule, topo: Topology, sim: SimResult, phase: int) ->
         peak_memory_bytes=float(buffers.max()),
         peak_memory_total_bytes=model_total_bytes(topo.memory_model, float(with_workspace.max(initial=0.0))),
         work_imbalance=imbalance(flops_rank), recv_bytes_by_rank=by_rank, cross_bytes_by_rank=cross_rank,
-        flops=flops, flops_by_rank=flops_rank)
+        recv_bytes=float(by_rank.sum()), flops=flops, flops_by_rank=flops_rank)
 
 
 def predicted(sched: Schedule, topo: Topology, sim: SimResult, ring_ccr: float | None) -> Prediction:
@@ -178,14 +179,15 @@ def combine(parts: dict[str, PassMetrics], ring_ccr: float | None) -> Prediction
     recv = sum(p.recv_bytes_by_rank for p in ps)
     cross = sum(p.cross_bytes_by_rank for p in ps)
     flops = sum(p.flops for p in ps)
+    recv_bytes = sum(p.recv_bytes for p in ps)     # not Σ recv: a closed form's arrays hold its busiest rank only
     by_rank = sum(p.flops_by_rank for p in ps)
     times = {k: sum(getattr(p, k) for p in ps) for k in ("makespan_s", "compute_s", "exposed_comm_s", "comm_busy_s")}
     total = PassMetrics(
         **times, comm_bytes_per_gpu_max=float(np.max(recv)), inter_node_bytes_per_gpu_max=float(np.max(cross)),
         compute_to_comm=times["compute_s"] / times["comm_busy_s"] if times["comm_busy_s"] else None,
-        bytes_per_flop=float(np.sum(recv)) / flops if flops else None,
+        bytes_per_flop=recv_bytes / flops if flops else None,
         peak_memory_bytes=max(p.peak_memory_bytes for p in ps),
         peak_memory_total_bytes=max(p.peak_memory_total_bytes for p in ps),
-        work_imbalance=imbalance(by_rank), recv_bytes_by_rank=recv, cross_bytes_by_rank=cross, flops=flops,
-        flops_by_rank=by_rank)
+        work_imbalance=imbalance(by_rank), recv_bytes_by_rank=recv, cross_bytes_by_rank=cross,
+        recv_bytes=recv_bytes, flops=flops, flops_by_rank=by_rank)
     return Prediction(parts, total, ring_ccr)

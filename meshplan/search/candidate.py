@@ -311,7 +311,8 @@ def closed_form_predicted(cand: Candidate, ccr: float | None, estimate: bool = F
             else t.peak_memory_total_bytes,
             work_imbalance=None if by_rank is None else imbalance(by_rank),
             recv_bytes_by_rank=np.array([t.recv_bytes_max]), cross_bytes_by_rank=np.array([t.inter_node_bytes_max]),
-            flops=t.flops_total, flops_by_rank=np.zeros(cand.n_ranks) if by_rank is None else by_rank)
+            recv_bytes=t.recv_bytes_total, flops=t.flops_total,
+            flops_by_rank=np.zeros(cand.n_ranks) if by_rank is None else by_rank)
     return combine(parts, ccr)
 
 

@@ -329,3 +329,18 @@ def test_lazy_closed_forms_give_the_same_pick(monkeypatch):
     lazy_rows = [c for c in lazy.candidates if c.plan is not None and c.plan.extra.get("lazy")]
     assert lazy_rows and all("schedule" not in c.plan.extra for c in lazy_rows if c.model_level != "simulated")
     assert lazy.counts["enumerated"] == eager.counts["enumerated"]
+
+
+@pytest.mark.parametrize("algo", ["ring", "mesh", "usp"])
+def test_closed_form_bytes_per_flop_is_the_simulated_one(algo):
+    """A closed form receives the same bytes as its schedule, so its total bytes per FLOP (fwd and bwd folded)
+    equals the simulation's: the total's numerator is every rank's bytes, not the busiest rank's."""
+    from meshplan.search.candidate import closed_form_predicted, make_candidate
+    topo = Topology.load("h100x16", gpus=16)
+    w = resolve(seq_len="64K", heads=8, kv_heads=2, head_dim=64)
+    cand = make_candidate(algo, w, topo, 16, {})
+    closed = closed_form_predicted(cand, None)
+    sim = simulate_candidate(cand, topo, None).predicted
+    for part in ("fwd", "bwd"):
+        assert closed.passes[part].bytes_per_flop == pytest.approx(sim.passes[part].bytes_per_flop, rel=1e-9)
+    assert closed.total.bytes_per_flop == pytest.approx(sim.total.bytes_per_flop, rel=1e-9)
