@@ -6,8 +6,9 @@ simulated makespan, so it cannot beat the pick by more than ``prune_slack`` (def
 pick exactly the best of all candidates). Combinations a method cannot do are skipped and counted with
 the reason. Above ``FULL_SIM_MAX_RANKS`` ranks a candidate whose schedule has no node symmetry is not
 simulated once another has been (it stays at its bound, counted in ``counts.not_simulated``): the simulator
-would run every rank's program, minutes at 1024 ranks. Likewise above a method's ``search_max_ranks`` (256) a
-candidate timed by its schedule-free bound (USP, Ulysses, LoongTrain) is not built once another has been simulated.
+would run every rank's program, minutes at 1024 ranks. Above a method's ``search_max_ranks`` (256) a candidate timed
+by its schedule-free bound (USP, Ulysses, LoongTrain, StarTrail, CHARM+) is never built, so never simulated (nor
+written): its schedule alone takes GBs; ``meshplan simulate --algo`` times it (and ``--out`` writes it).
 
 Modules, in pipeline order: this one (:func:`run_search`), :mod:`candidate` (one candidate:
 plan, closed form, simulation), :mod:`ranking` (the table's order, Ring's reference row, what keeps the pick
@@ -277,7 +278,7 @@ class _BranchAndBound:
             forget_built(c)
             return False
         alg = algorithms.get(c.algorithm)
-        if self.leader is not None and not alg.search_may_build(self.n):
+        if not alg.search_may_build(self.n):       # not even the first: 17 GB and 90 s for USP at 2048 ranks
             c.predicted = closed_form_predicted(c, self.ccr)
             c.not_simulated = f"its schedule is not built above {alg.search_max_ranks} ranks (seconds and GBs a plan)"
             self.unsimulated[f"schedule not built above {alg.search_max_ranks} ranks (simulate it alone)"] += 1

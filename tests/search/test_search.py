@@ -344,3 +344,32 @@ def test_closed_form_bytes_per_flop_is_the_simulated_one(algo):
     for part in ("fwd", "bwd"):
         assert closed.passes[part].bytes_per_flop == pytest.approx(sim.passes[part].bytes_per_flop, rel=1e-9)
     assert closed.total.bytes_per_flop == pytest.approx(sim.total.bytes_per_flop, rel=1e-9)
+
+
+def test_above_the_build_limit_nothing_is_built_not_even_the_first(monkeypatch, tmp_path):
+    """A search of only schedule-free methods above their build limit (lowered to 8 ranks here; 256 shipped: a
+    2048-rank USP schedule took 17 GB) builds no schedule, not even to have a first simulated row: every candidate
+    stays at its bound with the reason, and the write names the command that writes the best one alone — which
+    writes a schedule that validates."""
+    from typer.testing import CliRunner
+
+    from meshplan.algorithms.ulysses import USP
+    from meshplan.cli.app import app
+    from meshplan.search.pipeline import SearchRequest, run_pipeline
+
+    monkeypatch.setattr(USP, "search_max_ranks", 8)
+    topo = Topology.load("h100x16", gpus=16)
+    w = resolve(seq_len="32K", heads=8, kv_heads=2, head_dim=64)
+    report = run_pipeline(SearchRequest(workload=w, topology=topo, gpus=16, algos=("usp",), write=1,
+                                        out_dir=str(tmp_path)))
+    result = report.result
+    assert result.counts["simulated"] == 0 and result.candidates
+    assert all(c.model_level == "closed-form" and "schedule" not in c.plan.extra for c in result.candidates)
+    assert not list(tmp_path.iterdir())
+    [msg] = [r for r in result.rejected if r.startswith("not written: #1 usp")]
+    command = msg.split("write it alone: meshplan ", 1)[1].split()
+    written = command[command.index("--out") + 1]
+    assert written.startswith(str(tmp_path / "01-usp-zigzag")) and written.endswith(".json.gz")
+    done = CliRunner().invoke(app, command)
+    assert done.exit_code == 0, done.output
+    assert CliRunner().invoke(app, ["validate", written]).exit_code == 0
