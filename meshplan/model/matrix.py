@@ -311,8 +311,7 @@ def _merge(ranges: list[list[int]]) -> list[list[int]]:
 
 
 @functools.lru_cache(maxsize=16)
-@functools.lru_cache(maxsize=2)
 def attn_matrix(workload: Workload, n: int) -> AttnMatrix:
-    """A cached AttnMatrix (workloads are frozen, so equal workloads share one): the last two asked for are kept
-    (a schedule read and then verified counts its 1024-chunk matrix once, 0.75-2.5 s)."""
+    """A cached AttnMatrix (workloads are frozen, so equal workloads share one): the last 16 asked for are kept
+    (a search's layouts; a schedule read and then verified counts its 1024-chunk matrix once, 0.75-2.5 s)."""
     return AttnMatrix(workload, n)
