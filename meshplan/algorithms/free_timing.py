@@ -6,9 +6,10 @@ in :mod:`meshplan.algorithms.charm.timing`).
 A method lists its transfers as families (:class:`Transfers`: who sends to whom, with the bytes each moves and how
 many times) and a dependency chain per rank; :func:`pass_timing` makes the PassTiming: makespan = the chain (a lower
 bound: every term is a wait the schedule must have), bound = the larger of it, the busiest link's bytes / capacity
-(every transfer on its route, a node's network aggregate included) and a compute pool's. The kernels come from the
-plan's block owners at the kernel table's monotone envelope (:func:`owner_compute`), so they never exceed what the
-built schedule's ops cost.
+(every transfer on its route, a node's network aggregate included), a compute pool's and each rank's kernels slowed
+by the overlap rule while its transfers are active (:class:`~meshplan.cost.bounds.OverlapTable`). The kernels come
+from the plan's block owners at the kernel table's monotone envelope (:func:`owner_compute`), so they never exceed
+what the built schedule's ops cost.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from meshplan.algorithms.base import PassTiming
-from meshplan.cost.bounds import pool_bound
+from meshplan.cost.bounds import OverlapTable, incidence_part, pool_bound
 from meshplan.cost.cost import CostModel
 from meshplan.cost.memory import closed_form_peak_bytes
 from meshplan.model.topology import Topology
@@ -33,6 +34,7 @@ class Transfers:
         self.lat, self.bw = topo.pair_stats(dev[src], dev[dst])
         self.cross = ~topo.same_node(dev[src], dev[dst])
         self.loads_per_byte = topo.link_loads(dev[src], dev[dst], 1.0) if len(src) else 0.0
+        self.incidence = incidence_part(topo, src, dst, dev[src], dev[dst])    # for the overlap bound
 
     def alone(self, nbytes: float) -> np.ndarray:
         """[k] each transfer's time alone on its route with ``nbytes``."""
@@ -66,8 +68,9 @@ def pass_timing(plan: Plan, topo: Topology, pass_: str, compute: np.ndarray, cha
     link = float((loads / topo.link_capacity).max(initial=0.0))
     makespan = float(chain.max(initial=0.0))
     crit = int(np.argmax(chain))
+    overlap = OverlapTable(topo, n, [f.incidence for f, _, _ in moved]).bound(compute, [b * k for _, b, k in moved])
     return PassTiming(
-        makespan_s=makespan, bound_s=max(makespan, link, pool_bound(topo, compute)),
+        makespan_s=makespan, bound_s=max(makespan, link, pool_bound(topo, compute), float(overlap.max(initial=0.0))),
         compute_s=float(compute[crit]), comm_s=float(comm[crit]), recv_bytes_max=float(recv.max()),
         inter_node_bytes_max=float(cross.max()), flops_total=float(plan.matrix.flops(pass_).sum()),
         recv_bytes_total=float(recv.sum()), peak_memory_bytes=buffers_bytes,

@@ -131,4 +131,4 @@ class PassQ(Algorithm):
         loads = rot.hop_loads(q, n - 1) + topo.link_loads(dev[src], dev[dst], part)
         comm = (n - 1) * rot.hop(q) + np.bincount(dst, weights=lat + part / bw, minlength=n)
         peak = q + kv + acc + min(n - 1, 2) * q + 2 * (n - 1) * part
-        return rot.timing("fwd", end, d.sum(axis=1) + merges, comm, recv, cross, loads, peak)
+        return rot.timing("fwd", end, d.sum(axis=1) + merges, comm, recv, cross, loads, peak, (n - 1) * q)

@@ -93,7 +93,8 @@ class Ring(Algorithm):
             recv = np.full(n, (n - 1) * kv)
             peak = q + kv + acc + min(n - 1, 2) * kv
             out["fwd"] = rot.timing("fwd", end, d.sum(axis=1), (n - 1) * rot.hop(kv), recv,
-                                    np.where(rot.hop_cross, recv, 0.0), rot.hop_loads(kv, n - 1), peak)
+                                    np.where(rot.hop_cross, recv, 0.0), rot.hop_loads(kv, n - 1), peak,
+                                    (n - 1) * kv)
         if "bwd" in w.pass_list:
             static = q + kv + size_of(plan, "out", w.dtype) + size_of(plan, "dout", w.dtype)
             out["bwd"] = backward(rot, "kv", "dkv", plan.knobs["dkv_dtype"], plan.knobs["dkv_hops"],

@@ -5,7 +5,8 @@ recv) with every transfer at its route's uncontended rate, ``T = alpha_sw + Σ h
 and no overlap penalty, vectorised over ranks step by step. Contention and overlap only lengthen ops,
 and the semantics are monotone, so this is a lower bound on the simulated makespan; with no shared link
 and κ = 0 it equals the simulation (tests check both). ``bound_s`` adds the busiest link's bytes /
-capacity. Bytes per rank follow the module docstrings of ``ring`` and ``pass-q``.
+capacity and the busiest rank's kernels slowed by the overlap rule while its hops are active. Bytes per rank
+follow the module docstrings of ``ring`` and ``pass-q``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from meshplan.algorithms.base import PassTiming
-from meshplan.cost.bounds import pool_bound
+from meshplan.cost.bounds import OverlapTable, incidence_part, pool_bound
 from meshplan.cost.cost import CostModel
 from meshplan.cost.memory import closed_form_peak_bytes
 from meshplan.model.topology import Topology
@@ -41,6 +42,7 @@ class Rotation:
         dev = plan.device_of_rank
         self.hop_lat, self.hop_bw = topo.pair_stats(dev[(np.arange(n) - 1) % n], dev)
         self.hop_cross = ~topo.same_node(dev[(np.arange(n) - 1) % n], dev)
+        self._overlap: OverlapTable | None = None
 
     def blocks(self, pass_: str, combine_bytes: float) -> np.ndarray:
         """[n, n] duration of each rank's block at each step (0 where empty), with its combine cost."""
@@ -81,12 +83,24 @@ class Rotation:
         dev = self.plan.device_of_rank
         return self.topo.link_loads(dev[(np.arange(self.n) - 1) % self.n], dev, size * count)
 
-    def timing(self, pass_: str, makespan, compute, comm, recv, cross, loads, peak) -> PassTiming:
-        """Assemble a PassTiming (critical rank = the one that ends last)."""
+    def overlap_bound(self, compute: np.ndarray, hop_bytes: float) -> float:
+        """The busiest rank's kernels slowed by the overlap rule while its hops (``hop_bytes`` each way over the pass)
+        are active (:class:`~meshplan.cost.bounds.OverlapTable`)."""
+        if self._overlap is None:
+            dev, dst = self.plan.device_of_rank, np.arange(self.n)
+            src = (dst - 1) % self.n
+            self._overlap = OverlapTable(self.topo, self.n, [incidence_part(self.topo, src, dst, dev[src], dev[dst])])
+        return float(self._overlap.bound(compute, [hop_bytes]).max(initial=0.0))
+
+    def timing(self, pass_: str, makespan, compute, comm, recv, cross, loads, peak,
+               hop_bytes: float = 0.0) -> PassTiming:
+        """Assemble a PassTiming (critical rank = the one that ends last); ``hop_bytes``: what each hop moves over
+        the pass, for the overlap bound."""
         crit = int(np.argmax(makespan))
         flops = float(self.plan.matrix.flops(pass_).sum())
         return PassTiming(makespan_s=float(makespan[crit]),
-                          bound_s=max(float(makespan[crit]), self.link_bound(loads), pool_bound(self.topo, compute)),
+                          bound_s=max(float(makespan[crit]), self.link_bound(loads), pool_bound(self.topo, compute),
+                                      self.overlap_bound(compute, hop_bytes)),
                           compute_s=float(compute[crit]), comm_s=float(comm[crit]), recv_bytes_max=float(recv.max()),
                           inter_node_bytes_max=float(cross.max()), flops_total=flops,
                           recv_bytes_total=float(recv.sum()), peak_memory_bytes=float(peak),
@@ -154,4 +168,5 @@ def backward(rot: Rotation, travel_kind: str, grad_kind: str, grad_dtype: str, h
     loads = rot.hop_loads(travel, n - 1) + (rot.hop_loads(wire, n_grad) if n > 1 else 0.0)
     extra = 2 * travel + 2 * part + wire + (part if hops == "n-1" else 0.0)
     peak = static_bytes + local_fp32 + (extra if n > 1 else part)
-    return rot.timing("bwd", end, comp_sum, comm_sum + (n - 1) * hop_t, recv, cross, loads, peak)
+    return rot.timing("bwd", end, comp_sum, comm_sum + (n - 1) * hop_t, recv, cross, loads, peak,
+                      (n - 1) * travel + (n_grad * wire if n > 1 else 0.0))
