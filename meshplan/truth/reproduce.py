@@ -32,9 +32,22 @@ ABLATION_TOPOLOGY = {("l20", 4): "l20x8", ("l20", 8): "l20x8", ("h20", 4): "h20x
                      ("h20", 16): "h20x16"}
 
 
-def _workload(row, passes: str, batch: int | None = None):
-    return resolve(model="charm-h100", batch=batch or row.B, seq_len=row.S, mask="full", layout="contiguous",
-                   passes=passes)
+def _workload(row, passes: str, batch: int | None = None, unit: int = 1):
+    """The row's workload; ``unit``: a granularity the method needs, the sequence padded up to a multiple of it with
+    the padding masked out (``valid_len`` = the row's S)."""
+    padded = -(-row.S // unit) * unit
+    return resolve(model="charm-h100", batch=batch or row.B, seq_len=padded, mask="full", layout="contiguous",
+                   passes=passes, valid_len=row.S if padded != row.S else None)
+
+
+def tasp_unit(topo: Topology, gpus: int) -> int:
+    """TASP's token granularity on ``gpus`` ranks: N · f, f its rings (node-aware on two nodes: 8). Its code cuts a
+    KV chunk into f pieces with ``torch.chunk`` (uneven where S / (N·f) is not whole); meshplan's chunks are equal,
+    so a row is padded to the next multiple with the padding masked (at most N·f − 1 tokens: 1.9% at S = 6720)."""
+    from meshplan.algorithms import get
+
+    tasp = get("tasp")
+    return gpus * tasp.cycles(topo, gpus, tasp.normalize({}))[1].shape[0]
 
 
 def predict_rows(rows: list[H100Row], topo: Topology, methods=METHODS,
@@ -46,9 +59,9 @@ def predict_rows(rows: list[H100Row], topo: Topology, methods=METHODS,
     knobs = {"charm": {} if query_order is None else {"query_order": query_order}}
     out = []
     for row in rows:
-        w = _workload(row, row.pass_name)
         for m in methods:
             if row.measured_ms(m) is not None:
+                w = _workload(row, row.pass_name, unit=tasp_unit(topo, row.gpus) if m == "tasp" else 1)
                 out.append((row, m, predict(m, w, topo, row.gpus, knobs.get(m, {})).predicted.makespan_s))
     return out
 

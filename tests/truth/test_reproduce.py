@@ -114,6 +114,9 @@ def test_shipped_parameters_give_the_fitted_errors_and_meet_ring_target(fresh_fi
         assert shipped["summary"][m]["mape_pct"] == pytest.approx(fresh_fit["summary"][m]["mape_pct"], abs=0.5)
         assert shipped["summary"][m]["rows"] == 50          # 54 rows less the 4 declared
     assert shipped["summary"]["ring"]["mape_pct"] <= 10.0   # docs/cost-model.md target
+    assert shipped["summary"]["charm"]["mape_pct"] <= 10.0
+    # TASP: no parameter of its own; the node-aware rings are the mechanism (issue 27's target: forward ≤ 25%)
+    assert shipped["summary"]["tasp"]["rows"] == 25 and shipped["summary"]["tasp"]["mape_pct"] <= 25.0
     # declared rows are listed but never counted
     declared = [r for r in shipped["rows"] if r["declared"]]
     assert {r["row"] for r in declared} == {f"{p} B={b} S={s}" for p, b, s in DECLARED}
@@ -146,3 +149,17 @@ def test_charm_memory_bad_file(tmp_path):
     bad.write_text("B,S,heads,ring_MB\n16,1024,32,2179\n")
     res = CliRunner().invoke(app, ["reproduce", "charm-memory", "--data", str(bad)])
     assert res.exit_code == 2 and "charm_MB" in res.output and "Traceback" not in res.output
+
+
+def test_tasp_rows_are_padded_to_its_granularity_with_the_padding_masked():
+    """On two h100x16 nodes TASP cuts KV into 8 pieces (node-aware rings): a published S = 6720 (not a multiple of
+    16 · 8) is predicted at 6784 tokens with 6720 valid — within 1% of the bytes, no padding computed."""
+    from meshplan.truth.published import load_rows
+    from meshplan.truth.reproduce import _workload, tasp_unit
+
+    topo = Topology.load("h100x16", gpus=16)
+    assert tasp_unit(topo, 16) == 128
+    row = next(r for r in load_rows("charm-h100") if r.S == 6720)
+    w = _workload(row, "fwd", unit=128)
+    assert (w.seq_len, w.n_valid) == (6784, 6720)
+    assert _workload(row, "fwd").seq_len == 6720
