@@ -17,7 +17,7 @@ when the workload has a backward. Read from the frameworks' code:
   ``dkv_dtype`` = the input dtype; *a2a* is Ulysses, which asserts that the query and the KV heads divide
   by the CP size (no KV replication); *a2a+p2p* is USP with Ulysses groups inside (``rank_order =
   ulysses-first``) and p2p's ring; *all_gather* gathers KV before attention — meshplan has no all-gather-KV
-  algorithm (``tasp`` decomposes that all-gather into N−1 rings, forward only), so it is not expressible.
+  algorithm (``tasp`` decomposes that all-gather into concurrent rings, forward only), so it is not expressible.
 - **yunchang** (``set_seq_parallel_pg(ulysses_degree, ring_degree, rank, world_size, use_ulysses_low=True)``,
   ``LongContextAttention(ring_impl_type=basic|zigzag|strip)``): USP; ``use_ulysses_low=True`` puts a Ulysses
   group on consecutive ranks (``rank_order = ulysses-first``), False the ring group (``ring-first``);
@@ -43,7 +43,7 @@ from meshplan.algorithms.headsplit import head_degree_problem
 from meshplan.model.workload import Workload
 
 BWD_KNOBS = ("dkv_dtype", "dkv_hops")
-ALL_GATHER = "meshplan has no all-gather-KV algorithm (tasp decomposes that all-gather into N−1 rings, forward only)"
+ALL_GATHER = "meshplan has no all-gather-KV algorithm (tasp decomposes that all-gather into concurrent rings, forward only)"
 
 
 class NotExpressible(Exception):
