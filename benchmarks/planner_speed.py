@@ -75,7 +75,7 @@ def main() -> None:
     out.update(in_process(repeat))
     out["cli_simulate_256_s"], _ = wall([exe, "simulate", "--algo", "ring", "--gpus", "256", "--topo", "h100x32",
                                          "--json"], repeat)
-    for gpus, rep in (("256", repeat), ("1024", 1)):
+    for gpus, rep in (("256", repeat), ("1024", repeat)):
         with tempfile.TemporaryDirectory() as tmp:
             out[f"cli_search_{gpus}_s"], out[f"search_{gpus}_peak_rss_MB"] = wall(
                 [exe, "search", "--gpus", gpus, "--topo", "h100x32.yaml"], rep, cwd=tmp)
