@@ -43,7 +43,8 @@ from meshplan.algorithms.headsplit import head_degree_problem
 from meshplan.model.workload import Workload
 
 BWD_KNOBS = ("dkv_dtype", "dkv_hops")
-ALL_GATHER = "meshplan has no all-gather-KV algorithm (tasp decomposes that all-gather into concurrent rings, forward only)"
+ALL_GATHER = ("meshplan has no all-gather-KV algorithm (tasp decomposes that all-gather into concurrent rings, "
+              "forward only)")
 
 
 class NotExpressible(Exception):

@@ -69,7 +69,8 @@ def test_charm_reproduction(tmp_path, monkeypatch):
     abl = reproduce_ablation()
     assert (r["ablation_directions_right"], r["ablation_directions_total"]) == \
         (abl["directions_right"], abl["directions_total"])
-    assert r["tasp_cross_chunks_per_gpu"] == pytest.approx(8.0, rel=1e-6)   # 8 of 15 pieces cross nodes
+    assert r["tasp_cross_chunks_per_gpu"] == pytest.approx(15 / 8, rel=1e-6)      # node-aware: 15 pieces of KV/8
+    assert r["tasp_flat_cross_chunks_per_gpu"] == pytest.approx(8.0, rel=1e-6)    # flat: 8 of 15 chunks cross
 
 
 @pytest.mark.timeout(600)
