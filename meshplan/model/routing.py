@@ -227,14 +227,14 @@ class Routing:
                 order = np.argsort(local_pair, kind="stable")
                 bounds = np.flatnonzero(np.r_[True, local_pair[order][1:] != local_pair[order][:-1], True])
                 for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
-                    rows = held[order[lo:hi]]
+                    rows, ranks = held[order[lo:hi]], rank[order[lo:hi]]
                     a, b = divmod(int(local_pair[order[lo]]), g)
                     whole = self._template(a, b) if same else np.concatenate(self._cross(a, b))
                     mine = self._template(a, b) if same else self._cross(a, b)[side]
                     if len(mine) == 0:
                         continue
                     kap = float(kappa[self.link_class[whole]].max())
-                    keys.append(((rows // (g * g)) * L)[:, None] + mine[None, :])
+                    keys.append((ranks * L)[:, None] + mine[None, :])
                     secs.append(sums[rows][:, None] / self.link_capacity[mine][None, :])
                     kaps.append(np.full(len(rows) * len(mine), kap))
         return (np.concatenate([k.ravel() for k in keys]), np.concatenate([x.ravel() for x in secs]),
