@@ -54,7 +54,7 @@ def written_best(result: SearchResult, k: int, out_dir: str) -> tuple[dict[int, 
                             f"--out {Path(out_dir) / _stem(rank, c)}.json.gz")
             continue
         if c.schedule is None:
-            c.schedule = algorithms.get(c.algorithm).schedule(c.plan, topo)
+            c.schedule = alg.schedule(c.plan, topo)
         if c.model_level != "simulated" and result.memory_limit is not None:    # its estimate fitted: check it
             peak = max(t.peak_memory_total_bytes for t in schedule_timing(c.schedule, topo).values())
             if peak > result.memory_limit:
