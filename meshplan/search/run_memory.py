@@ -1,5 +1,5 @@
 """Will a run fit this host? The memory the run's ranks will hold against the memory the host has, before any
-rank starts (``meshplan run``).
+rank starts (``meshplan run``). And will a search (:func:`check_search_fits`)?
 
 A run that does not fit is ended by the kernel's out-of-memory killer minutes later with no reason given (16
 CPU ranks of a 1M-token plan on a 24 GB host). So before spawning, ``meshplan run`` adds up what each rank holds:
@@ -21,6 +21,8 @@ checked here).
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from meshplan.core.errors import UserError
 from meshplan.core.units import fmt_bytes
@@ -133,3 +135,43 @@ def _smaller(sched, topo, host, gathers: bool) -> str | None:
                     f"--algo {sched.algorithm} --gpus {sched.n_ranks} --topo {planned_on.name} {flags} --out "
                     "smaller.json && meshplan run smaller.json")
     return None
+
+
+#: A search holds N x N arrays per block (attention matrices per layout, the plans' block owners, block times at
+#: kernel growths): peak resident bytes of ``meshplan search --topo h100x32.yaml`` (1M tokens, defaults) were
+#: 1.91 GB at 1024 GPUs and 7.16 GB at 2048 — SEARCH_BASE_BYTES + 1670 bytes a block; with only the methods planned
+#: in the zigzag layout alone (:data:`ZIGZAG_ONLY`) 1.42 GB at 2048 and 5.44 GB at 4096 — about 320 a block.
+SEARCH_BASE_BYTES = 0.16e9
+SEARCH_BYTES_PER_BLOCK = {"layouts": 1670.0, "zigzag": 320.0}
+#: the methods a search plans in every layout (each layout's matrix and plans held at once)
+EVERY_LAYOUT = ("ring", "pass-q", "mesh")
+ZIGZAG_ONLY = ("usp", "ulysses", "startrail", "loongtrain", "merge", "rmplus", "charm")
+
+
+def search_bytes(n_ranks: int, algos) -> float:
+    """Peak resident bytes a search over ``n_ranks`` ranks is expected to hold (:data:`SEARCH_BYTES_PER_BLOCK`):
+    the every-layout rate when ``algos`` (None: every method) names Ring, pass-Q or Mesh, else the zigzag one."""
+    every = algos is None or any(a in EVERY_LAYOUT for a in algos)
+    return SEARCH_BASE_BYTES + SEARCH_BYTES_PER_BLOCK["layouts" if every else "zigzag"] * float(n_ranks) ** 2
+
+
+def check_search_fits(n_ranks: int, algos, available_bytes: float | None, flag: str = "--gpus") -> None:
+    """Refuse (UserError, before anything is planned) a search whose N x N arrays would take more than
+    :data:`HOST_SHARE` of the host's available memory — the kernel would otherwise end it minutes later, unexplained
+    (4096 GPUs: ~28 GB). The fix names the largest power of two of GPUs whose search fits, and the zigzag-only
+    methods where those fit at this size. Nothing is checked where the available memory cannot be read."""
+    need = search_bytes(n_ranks, algos)
+    if available_bytes is None or need <= HOST_SHARE * available_bytes:
+        return
+    rate = SEARCH_BYTES_PER_BLOCK["layouts" if need > search_bytes(n_ranks, ZIGZAG_ONLY) else "zigzag"]
+    fits = ((HOST_SHARE * available_bytes - SEARCH_BASE_BYTES) / rate) ** 0.5
+    most = 2 ** int(np.log2(fits)) if fits >= 8 else 0          # a power of two: a size that was measured
+    fixes = [f"search at most {most} GPUs on this host"] if most >= 8 else []
+    light = search_bytes(n_ranks, ZIGZAG_ONLY)
+    if need > light and light <= HOST_SHARE * available_bytes:
+        fixes.append(f"search only the methods planned in one layout: --algos {','.join(ZIGZAG_ONLY)} "
+                     f"(about {fmt_bytes(light)})")
+    fixes.append("or run it on a host with more memory")
+    raise UserError(flag, f"a search over {n_ranks} GPUs holds about {fmt_bytes(need)} of N x N block arrays "
+                    f"(attention matrices, plans' block owners: {rate:.0f} bytes a block, measured), this host has "
+                    f"{fmt_bytes(available_bytes)} available; nothing was planned", "; ".join(fixes))

@@ -106,3 +106,25 @@ def test_a_rank_killed_by_the_system_is_reported_as_such():
 
     with pytest.raises(RunFailed, match=r"^rank 1 was killed by the system \(SIGKILL\), likely out of memory"):
         spawn_ranks(exec_cases.killed_by_the_system, 2, None)
+
+
+def test_a_search_whose_block_arrays_exceed_the_host_is_refused_before_planning(monkeypatch, tmp_path):
+    """4096 GPUs on a 24 GB host: ~28 GB of N x N arrays (it used to be killed by the system after minutes). One line
+    with the numbers, exit 2, nothing written; the fix names a size that fits (a measured power of two) and the
+    methods planned in one layout, whose estimate fits."""
+    from meshplan.search.run_memory import ZIGZAG_ONLY, check_search_fits, search_bytes
+
+    with pytest.raises(UserError) as err:
+        check_search_fits(4096, None, 24e9)
+    msg = str(err.value)
+    assert "4096 GPUs" in msg and "at most 2048 GPUs" in msg and f"--algos {','.join(ZIGZAG_ONLY)}" in msg
+    assert search_bytes(2048, None) <= HOST_SHARE * 24e9 and search_bytes(4096, ZIGZAG_ONLY) <= HOST_SHARE * 24e9
+    check_search_fits(4096, ZIGZAG_ONLY, 24e9)                # the suggested methods pass
+    check_search_fits(256, None, 24e9)
+    check_search_fits(4096, None, None)                       # unknown memory: nothing refused
+    monkeypatch.setattr("meshplan.executor.host.available_memory_bytes", lambda: 24e9)
+    monkeypatch.chdir(tmp_path)
+    done = run(["search", "--gpus", "4096", "--topo", "h100x32.yaml"])
+    assert done.exit_code == 2
+    one_line_error(done, "--gpus")
+    assert list(tmp_path.iterdir()) == []
