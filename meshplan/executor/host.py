@@ -6,7 +6,6 @@ measurement) so a comparison can say when the prediction came from another host'
 
 from __future__ import annotations
 
-import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,41 +49,8 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def available_memory_bytes() -> float | None:
-    """Memory the host can give new processes without swapping (``MemAvailable`` of ``/proc/meminfo``, bytes);
-    else free pages (``sysconf``); None when neither can be read."""
-    got = _proc_kib("/proc/meminfo", "MemAvailable:")
-    if got is not None:
-        return got
-    try:
-        return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def resident_bytes() -> float:
-    """This process's resident set now (``VmRSS``, bytes); its peak (``ru_maxrss``) where that cannot be read."""
-    got = _proc_kib("/proc/self/status", "VmRSS:")
-    if got is not None:
-        return got
-    import resource
-    import sys
-    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024))
-
-
 def free_gpu_bytes(devices: list[int]) -> float | None:
     """The least free memory among these CUDA devices (bytes), None without them."""
     if not devices or not torch.cuda.is_available():
         return None
     return float(min(torch.cuda.mem_get_info(d)[0] for d in devices))
-
-
-def _proc_kib(path: str, key: str) -> float | None:
-    """Bytes of a ``key: N kB`` line of a /proc file, None where it cannot be read (not Linux)."""
-    try:
-        for line in Path(path).read_text().splitlines():
-            if line.startswith(key):
-                return float(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None

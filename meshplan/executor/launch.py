@@ -20,7 +20,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from meshplan.core.errors import UserError
-from meshplan.executor.host import HostMemory, available_memory_bytes, free_gpu_bytes, resident_bytes
+from meshplan.core.host import available_memory_bytes, resident_bytes
+from meshplan.executor.host import HostMemory, free_gpu_bytes
 from meshplan.executor.program import Program, check_world, load_program, sequential_ok
 from meshplan.executor.sample import check_mode
 from meshplan.executor.worker import RunConfig, rank_main

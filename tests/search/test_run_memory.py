@@ -122,9 +122,22 @@ def test_a_search_whose_block_arrays_exceed_the_host_is_refused_before_planning(
     check_search_fits(4096, ZIGZAG_ONLY, 24e9)                # the suggested methods pass
     check_search_fits(256, None, 24e9)
     check_search_fits(4096, None, None)                       # unknown memory: nothing refused
-    monkeypatch.setattr("meshplan.executor.host.available_memory_bytes", lambda: 24e9)
+    monkeypatch.setattr("meshplan.core.host.available_memory_bytes", lambda: 24e9)
     monkeypatch.chdir(tmp_path)
     done = run(["search", "--gpus", "4096", "--topo", "h100x32.yaml"])
     assert done.exit_code == 2
     one_line_error(done, "--gpus")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_search_needs_no_torch(tmp_path):
+    """The search (its memory check included) runs with torch made unimportable: planning never loads it (0.7 s
+    and ~180 MB of the main job when it did)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['torch'] = None; from meshplan.cli.app import main; "
+            f"main(['search', '--gpus', '8', '--topo', 'h100x8', '--seq-len', '16K', '--out', {str(tmp_path)!r}])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert list(tmp_path.glob("01-*.json*"))
