@@ -210,6 +210,10 @@ class Schedule:
     tensors: TensorTable
     symmetries: list = field(default_factory=list)  # rank permutations the algorithm declares (not in files)
     rank_ptr: np.ndarray = field(init=False)
+    #: results derived from the (unchanging) ops by a cost model, keyed by what they depend on
+    #: (:meth:`meshplan.cost.cost.CostModel.op_durations`: a search prices one schedule for its bound, its
+    #: symmetry check and its simulation)
+    memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.rank_ptr = csr_ptr(np.bincount(self.ops.rank, minlength=self.n_ranks))
