@@ -43,7 +43,8 @@ def _workload(row, passes: str, batch: int | None = None, unit: int = 1):
 def tasp_unit(topo: Topology, gpus: int) -> int:
     """TASP's token granularity on ``gpus`` ranks: N · f, f its rings (node-aware on two nodes: 8). Its code cuts a
     KV chunk into f pieces with ``torch.chunk`` (uneven where S / (N·f) is not whole); meshplan's chunks are equal,
-    so a row is padded to the next multiple with the padding masked (at most N·f − 1 tokens: 1.9% at S = 6720)."""
+    so a row is padded to the next multiple with the padding masked (at most N·f − 1 tokens: 2.9% at S = 3360,
+    0.95% at S = 6720)."""
     from meshplan.algorithms import get
 
     tasp = get("tasp")
