@@ -150,9 +150,6 @@ def search(gpus: o.GpusNeeded = None, topo: o.TopoNeeded = None, model: o.Model 
         shape, base, job_topo = job_setup(gpus, topo, base, tp, dp, rank_order, scheduler, map_search)
         job = JobRerank(shape, job_topo)
     names = tuple(a.strip() for a in algos.split(",")) if algos else None
-    from meshplan.core.host import available_memory_bytes
-    from meshplan.search.run_memory import check_search_fits
-    check_search_fits(gpus, names, available_memory_bytes())
     request = SearchRequest(
         base, topology, gpus, algos=names,
         filters=o.knobs(tile, mapping, partial_dtype, dkv_dtype, ulysses_degree, inner_ring, team_size, domains, knob),

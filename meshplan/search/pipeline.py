@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from meshplan.core import host
 from meshplan.core.heap import release_freed_memory
 from meshplan.core.parallel import alongside, can_fork
 from meshplan.model.topology import Topology
@@ -23,6 +24,7 @@ from meshplan.search import PRUNE_SLACK, SearchResult, run_search, search_json
 from meshplan.search.frameworks import FrameworkBest, framework_bests, frameworks_json
 from meshplan.search.inference import rule_report
 from meshplan.search.ranking import estimate_unproven
+from meshplan.search.run_memory import check_search_fits
 from meshplan.search.write import apply_written, write_best, written_best
 
 Progress = Callable[[int, "int | None", str], None]
@@ -116,10 +118,13 @@ def run_pipeline(request: SearchRequest, progress: Progress | None = None) -> Se
     """Run every step of the request (module docstring) and report.
 
     Raises:
-        UserError: no plan fits the memory limit; bad request values the steps check (CP-SAT, sensitivity).
+        UserError: no plan fits the memory limit; the search's block arrays would not fit this host
+            (:func:`~meshplan.search.run_memory.check_search_fits`); bad request values the steps check (CP-SAT,
+            sensitivity).
     """
     say = progress or (lambda done, total, label: None)
     req = request
+    check_search_fits(req.gpus, req.algos, host.available_memory_bytes())     # before anything is planned
     result = run_search(req.workload, req.topology, req.gpus, algos=list(req.algos) if req.algos else None,
                         filters=req.filters, layout_pinned=req.layout_pinned, memory_limit=req.memory_limit_bytes,
                         prune_slack=req.prune_slack, progress=say)

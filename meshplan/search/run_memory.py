@@ -22,8 +22,6 @@ checked here).
 
 from __future__ import annotations
 
-import numpy as np
-
 from meshplan.core.errors import UserError
 from meshplan.core.units import fmt_bytes
 
@@ -148,11 +146,15 @@ EVERY_LAYOUT = ("ring", "pass-q", "mesh")
 ZIGZAG_ONLY = ("usp", "ulysses", "startrail", "loongtrain", "merge", "rmplus", "charm")
 
 
-def search_bytes(n_ranks: int, algos) -> float:
-    """Peak resident bytes a search over ``n_ranks`` ranks is expected to hold (:data:`SEARCH_BYTES_PER_BLOCK`):
-    the every-layout rate when ``algos`` (None: every method) names Ring, pass-Q or Mesh, else the zigzag one."""
+def _bytes_per_block(algos) -> float:
+    """The every-layout rate when ``algos`` (None: every method) names Ring, pass-Q or Mesh, else the zigzag one."""
     every = algos is None or any(a in EVERY_LAYOUT for a in algos)
-    return SEARCH_BASE_BYTES + SEARCH_BYTES_PER_BLOCK["layouts" if every else "zigzag"] * float(n_ranks) ** 2
+    return SEARCH_BYTES_PER_BLOCK["layouts" if every else "zigzag"]
+
+
+def search_bytes(n_ranks: int, algos) -> float:
+    """Peak resident bytes a search over ``n_ranks`` ranks is expected to hold (:data:`SEARCH_BYTES_PER_BLOCK`)."""
+    return SEARCH_BASE_BYTES + _bytes_per_block(algos) * float(n_ranks) ** 2
 
 
 def check_search_fits(n_ranks: int, algos, available_bytes: float | None, flag: str = "--gpus") -> None:
@@ -163,9 +165,9 @@ def check_search_fits(n_ranks: int, algos, available_bytes: float | None, flag: 
     need = search_bytes(n_ranks, algos)
     if available_bytes is None or need <= HOST_SHARE * available_bytes:
         return
-    rate = SEARCH_BYTES_PER_BLOCK["layouts" if need > search_bytes(n_ranks, ZIGZAG_ONLY) else "zigzag"]
-    fits = ((HOST_SHARE * available_bytes - SEARCH_BASE_BYTES) / rate) ** 0.5
-    most = 2 ** int(np.log2(fits)) if fits >= 8 else 0          # a power of two: a size that was measured
+    rate = _bytes_per_block(algos)
+    fits = int(((HOST_SHARE * available_bytes - SEARCH_BASE_BYTES) / rate) ** 0.5)
+    most = 1 << (fits.bit_length() - 1) if fits >= 8 else 0     # a power of two: a size that was measured
     fixes = [f"search at most {most} GPUs on this host"] if most >= 8 else []
     light = search_bytes(n_ranks, ZIGZAG_ONLY)
     if need > light and light <= HOST_SHARE * available_bytes:
