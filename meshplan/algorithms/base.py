@@ -185,9 +185,11 @@ class BuiltTiming(Algorithm):
     contended_estimate = False
     #: in a search, from this many ranks a method with ``schedule_free`` starts from that bound (a plan marked
     #: ``extra["lazy"]``): its schedule is built only for a candidate the bound does not prune, to simulate it (the
-    #: bound is within 0.1% of the built form's there, so a refinement would prune nothing more). None: never (a
-    #: schedule-free bound looser than the built one)
+    #: bound is within 0.1% of the built form's there, so a refinement would prune nothing more). None: never
     lazy_from: int | None = 128
+    #: the schedule-free bound is looser than the built form: a lazy plan the bound does not prune is refined by its
+    #: built form (:meth:`refine`) before the search decides to simulate it
+    lazy_refines = False
 
     def build(self, plan: Plan, topo: Topology) -> Schedule:
         """Lower a plan to ops (the subclass's work)."""
@@ -215,6 +217,13 @@ class BuiltTiming(Algorithm):
     def lazy(self, n_ranks: int) -> bool:
         """Whether a search starts this method's candidates at ``n_ranks`` ranks from the schedule-free bound."""
         return self.schedule_free and self.lazy_from is not None and n_ranks >= self.lazy_from
+
+    def refine(self, plan: Plan, topo: Topology) -> dict[str, PassTiming] | None:
+        """A lazy plan's built closed form where the schedule-free bound is looser (``lazy_refines``; the schedule is
+        kept on the plan for the simulation); None otherwise."""
+        if not (self.lazy_refines and plan.extra.get("lazy")):
+            return None
+        return schedule_timing(self.schedule(plan, topo), topo, contended=self.contended_estimate)
 
     def timing(self, plan: Plan, topo: Topology) -> dict[str, PassTiming]:
         """The built schedule's closed form (uncontended evaluation, busiest link; the contended estimate where

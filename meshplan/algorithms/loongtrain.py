@@ -40,7 +40,7 @@ class LoongTrain(USP):
         "dkv_dtype": USP.knobs["dkv_dtype"],
     }
 
-    lazy_from = None       # its schedule-free bound is 2.5% (zigzag) to 10% (causal contiguous) under the built one
+    lazy_refines = True    # its schedule-free bound is 2.5% (zigzag) to 10% (causal contiguous) under the built one
 
     def schedule_free_timing(self, plan, topo):
         """USP's schedule-free bound over the double ring's transfers (:mod:`meshplan.algorithms.usp_timing`)."""

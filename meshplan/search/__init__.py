@@ -45,10 +45,11 @@ from meshplan.search.candidate import (
     make_candidates,
     over_memory,
     reduces,
+    simulate_beside,
     simulate_both,
     simulate_candidate,
 )
-from meshplan.search.ranking import not_proven, ranked, ring_reference
+from meshplan.search.ranking import not_proven, ranked, reference_head, ring_reference
 
 PRUNE_SLACK = 0.01
 #: Above this many ranks a schedule without node symmetry (every rank simulated, e.g. a causal contiguous Mesh:
@@ -194,7 +195,11 @@ def run_search(base: Workload, topo: Topology, n: int, *, algos: list[str] | Non
     cands = [c for c in cands if not c.forward_only]
     cands.sort(key=lambda c: (c.estimate_s, c.bound_s))   # likely winners first: pruning bites early
     bnb = _BranchAndBound(topo, n, ccr, memory_limit, given, prune_slack, skipped, rejected)
-    bnb.visit_all(cands, progress)
+    head = reference_head(cands, n, FULL_SIM_MAX_RANKS)       # Ring's first two: simulated whatever the search finds
+    simulate_beside(head, topo, ccr, lambda: bnb.visit_all(cands, progress))
+    for c in head:
+        if id(c) not in bnb.recorded:                            # simulated beside: recorded as the search would
+            bnb.record(c)
     reference = ring_reference(cands, topo, n, ccr, prune_slack, FULL_SIM_MAX_RANKS)
     builds.clear()
     cands = [c for c in cands if c.model_level != "over-memory"]
@@ -228,6 +233,7 @@ class _BranchAndBound:
     leader: Candidate | None = None
     unsimulated: Counter = field(default_factory=Counter)
     over: list[tuple[float, str]] = field(default_factory=list)
+    recorded: set[int] = field(default_factory=set)          # id() of every candidate simulated and recorded
 
     def beaten(self, c: Candidate) -> bool:
         """Its lower bound exceeds (1 − prune_slack) x the best simulated makespan."""
@@ -262,15 +268,15 @@ class _BranchAndBound:
                 simulate_candidate(c, self.topo, self.ccr)
             else:
                 simulate_both(c, partner, self.topo, self.ccr)
-            self._record(c)
+            self.record(c)
             if partner is not None:
-                self._record(partner)
+                self.record(partner)
 
     def _to_simulate(self, c: Candidate) -> bool:
         """Tighten ``c``'s bound; False (``c`` left at its closed form) when the best so far prunes it or, above
         :data:`FULL_SIM_MAX_RANKS` ranks, when its schedule has no node symmetry and a leader exists."""
-        if not self.beaten(c):
-            tighter = algorithms.get(c.algorithm).refine(c.plan, self.topo)
+        if self.best < float("inf") and not self.beaten(c):   # with nothing simulated yet no bound prunes:
+            tighter = algorithms.get(c.algorithm).refine(c.plan, self.topo)   # (1024 ranks: 2.4 s a Mesh)
             if tighter is not None:
                 c.timing = tighter
         if self.beaten(c):
@@ -291,9 +297,10 @@ class _BranchAndBound:
             return False
         return True
 
-    def _record(self, c: Candidate) -> None:
+    def record(self, c: Candidate) -> None:
         """A simulated candidate: rejected when its simulated total is over the memory limit, else the leader if
         fastest so far (only the leader keeps its schedule)."""
+        self.recorded.add(id(c))
         total = c.predicted.total.peak_memory_total_bytes
         if total > self.memory_limit:
             self.skipped[_OVER[self.given]] += 1                 # the simulated total: wire images included

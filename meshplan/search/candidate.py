@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -26,6 +26,8 @@ from meshplan.model.topology import Topology
 from meshplan.model.workload import Workload
 from meshplan.plan.plan import Plan
 from meshplan.plan.schedule import Schedule
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -255,21 +257,37 @@ def _keep_variant(cand: Candidate, plan: Plan) -> None:
 
 def simulate_both(first: Candidate, second: Candidate, topo: Topology, ccr: float | None) -> None:
     """:func:`simulate_candidate` of two candidates at once, ``second`` in a forked process
-    (:func:`meshplan.core.parallel.alongside`; in turn where fork is not offered). ``second`` comes back without
-    its schedule (rebuilt where needed: written, improved); its simulation's timeline comes back."""
+    (:func:`simulate_beside`; in turn where fork is not offered). ``second`` comes back without its schedule
+    (rebuilt where needed: written, improved); its simulation's timeline comes back."""
+    simulate_beside([second], topo, ccr, lambda: simulate_candidate(first, topo, ccr))
+
+
+def simulate_beside(cands: list[Candidate], topo: Topology, ccr: float | None, main: Callable[[], T]) -> T:
+    """``main()``'s result, with ``cands`` simulated one after the other in a forked process meanwhile
+    (:func:`meshplan.core.parallel.alongside`; after ``main`` where fork is not offered: the same answer). Each
+    comes back as :func:`simulate_candidate` leaves it but without its schedule (rebuilt where needed: written,
+    improved); its simulation's timeline comes back. A candidate ``main`` simulated itself meanwhile keeps its own
+    (the same) result."""
+    if not cands:
+        return main()
     if not can_fork():
-        simulate_candidate(first, topo, ccr)
-        simulate_candidate(second, topo, ccr)
-        return
+        out = main()
+        for c in cands:
+            if c.model_level != "simulated":
+                simulate_candidate(c, topo, ccr)
+        return out
 
     def side():
-        kept = _simulate(second, topo, ccr)
-        return kept, second.predicted, second.documents, second.sim
+        return [(_simulate(c, topo, ccr), c.predicted, c.documents, c.sim) for c in cands]
 
-    (kept, pred, docs, sim), _ = run_alongside(side, lambda: simulate_candidate(first, topo, ccr))
-    if kept:
-        _keep_variant(second, algorithms.get(second.algorithm).variants(second.plan, topo)[kept])
-    second.predicted, second.model_level, second.documents, second.sim = pred, "simulated", docs, sim
+    got, out = run_alongside(side, main)
+    for c, (kept, pred, docs, sim) in zip(cands, got):
+        if c.model_level == "simulated":
+            continue
+        if kept:
+            _keep_variant(c, algorithms.get(c.algorithm).variants(c.plan, topo)[kept])
+        c.predicted, c.model_level, c.documents, c.sim = pred, "simulated", docs, sim
+    return out
 
 
 def reduces(cand: Candidate, topo: Topology) -> bool:

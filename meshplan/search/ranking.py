@@ -42,8 +42,7 @@ def ring_reference(cands: list[Candidate], topo: Topology, n: int, ccr: float | 
     (:func:`~meshplan.search.candidate.simulate_both`; up to ``REFERENCE_SIMULATIONS``, and up to ``max_ranks``
     ranks: above, its bound stands) until no bound is more than the prune slack under the best simulated. None
     when Ring is not among the candidates (``--algos`` without it, or it cannot run)."""
-    ring = [c for c in cands if c.algorithm == "ring" and c.model_level not in ("over-memory",)
-            and not c.forward_only]
+    ring = _ring_rows(cands)
     if not ring:
         return None
     order = sorted(ring, key=lambda c: c.bound_s)[:REFERENCE_SIMULATIONS]
@@ -63,6 +62,17 @@ def ring_reference(cands: list[Candidate], topo: Topology, n: int, ccr: float | 
     lower = [r for r in ring if r.model_level != "simulated"
              and (best is None or r.bound_s < time_of(best) * (1 - prune_slack))]
     return min(lower, key=time_of) if lower else best       # a bound well below the best simulated stays shown
+
+
+def reference_head(cands: list[Candidate], n: int, max_ranks: int) -> list[Candidate]:
+    """The Ring settings :func:`ring_reference` simulates first whatever the search finds (its two lowest bounds, up
+    to ``max_ranks`` ranks; none above): the search simulates them beside its branch and bound, on the core its
+    single simulations and bound refinements leave idle."""
+    return sorted(_ring_rows(cands), key=lambda c: c.bound_s)[:2] if n <= max_ranks else []
+
+
+def _ring_rows(cands: list[Candidate]) -> list[Candidate]:
+    return [c for c in cands if c.algorithm == "ring" and c.model_level != "over-memory" and not c.forward_only]
 
 
 def not_proven(result) -> list[dict[str, Any]]:

@@ -207,7 +207,8 @@ def test_closed_forms_shared_with_a_forked_process_land_on_their_own_candidates(
 
 def test_simulating_two_at_a_time_forked_or_not_gives_the_same_answer(monkeypatch):
     """The branch and bound in pairs simulates the same candidates to the same times and kept variants, and picks
-    the same plan, whether the second of each pair runs in a forked process or after the first here."""
+    the same plan, whether the second of each pair runs in a forked process or after the first here; so are Ring's
+    first two settings, simulated beside the branch and bound, and the reference row they give."""
     topo = Topology.load("h100x16", gpus=16)
     w = resolve(seq_len="32K", model="llama3-8b")
     runs = {}
@@ -218,7 +219,10 @@ def test_simulating_two_at_a_time_forked_or_not_gives_the_same_answer(monkeypatc
                       c.predicted.makespan_s for c in res.candidates if c.model_level == "simulated"}
         runs[fork + "pick"] = (res.candidates[0].algorithm, res.candidates[0].knobs,
                                res.candidates[0].predicted.makespan_s)
-    assert runs["0pick"] == runs["1pick"]
+        ref = res.reference
+        runs[fork + "ref"] = (ref.workload.layout, ref.knobs, ref.model_level, ref.predicted.makespan_s)
+    assert runs["0pick"] == runs["1pick"] and runs["0ref"] == runs["1ref"]
+    assert runs["1ref"][2] == "simulated"
     assert runs["0"] == runs["1"] and len(runs["1"]) > 4
 
 
