@@ -80,19 +80,23 @@ FORK_MIN_OPS = 50_000
 
 def make_candidate(name: str, workload: Workload, topo: Topology, n_ranks: int, knobs: dict[str, Any],
                    matrix: AttnMatrix | None = None, builds: BuildCache | None = None,
-                   keep_schedule: bool = False, alongside: Callable[[Schedule], Any] | None = None) -> Candidate:
+                   keep_schedule: bool = False, alongside: Callable[[Schedule], Any] | None = None,
+                   lazy: bool = False) -> Candidate:
     """Normalise knobs, check, plan, and compute the closed-form timing. ``builds``: the caller's cache of
     schedule builds shared between its plans (a search run's), attached to the plan. ``keep_schedule``: build the
     schedule first and keep it on the plan, so a closed form that needs it (and a later simulation) reuse that
     one build — for a caller about to simulate anyway (``plan_batch``). ``alongside``: with ``keep_schedule``, a
     function of the schedule (``plan_batch``: the verifier) run beside the closed form, in a forked process
     (:func:`meshplan.core.parallel.alongside`: both cores); its result is kept in ``plan.extra["alongside"]``
-    (its exception re-raised here).
+    (its exception re-raised here). ``lazy``: a method that starts a search's plans from its schedule-free bound
+    at ``n_ranks`` (``BuiltTiming.lazy``) starts this one so too, its schedule built only when simulated.
 
     Raises:
         UserError: bad knob values or an impossible workload; SkipCandidate: the method cannot do this.
     """
     alg, plan, workload = plan_candidate(name, workload, topo, n_ranks, knobs, matrix, builds)
+    if lazy and _lazy(alg, n_ranks):
+        plan.extra["lazy"], keep_schedule = True, False
     if keep_schedule:
         sched = alg.schedule(plan, topo)
     if keep_schedule and alongside is not None:
@@ -151,8 +155,7 @@ def make_candidates(jobs: list[tuple[str, Workload, dict[str, Any], AttnMatrix |
             planned.append(skip)
     todo = [i for i, p in enumerate(planned) if not isinstance(p, SkipCandidate)]
     for i in todo:                       # start from the schedule-free bound; built when the search simulates it
-        alg = planned[i][0]
-        if isinstance(alg, BuiltTiming) and alg.lazy(n_ranks):
+        if _lazy(planned[i][0], n_ranks):
             planned[i][1].extra["lazy"] = True
     heavy = [i for i in todo if isinstance(planned[i][0], BuiltTiming) and planned[i][0].builds_to_time(n_ranks)
              and not planned[i][1].extra.get("lazy")]
@@ -182,6 +185,13 @@ def make_candidates(jobs: list[tuple[str, Workload, dict[str, Any], AttnMatrix |
         alg, plan, w = p
         out.append(Candidate(alg.name, w, plan.knobs, n_ranks, plan=plan, timing=timing[i]))
     return out
+
+
+def _lazy(alg, n_ranks: int) -> bool:
+    """Whether a search starts ``alg``'s plans at ``n_ranks`` ranks from the schedule-free bound."""
+    from meshplan.algorithms.base import BuiltTiming
+
+    return isinstance(alg, BuiltTiming) and alg.lazy(n_ranks)
 
 
 def label(c: Candidate) -> str:

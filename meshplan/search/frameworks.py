@@ -3,7 +3,9 @@ the simulator.
 
 Every setting a framework offers is mapped to its plan. A plan the search simulated keeps its time; any other is
 planned (its closed-form bound) and simulated unless that bound is above the framework's best so far by more
-than the search's prune slack — so a framework's best is exact up to that slack, as the search's pick is.
+than the search's prune slack — so a framework's best is exact up to that slack, as the search's pick is. Where
+the search starts a method from its schedule-free bound (USP, Ulysses, LoongTrain from 128 ranks), so do these
+plans: a schedule is built only to be simulated (LoongTrain's built form refines its bound first, as in the search).
 The search's ``--algos``, ``--layout`` and knob filters apply to the frameworks' plans too.
 
 Up to ``FULL_RANKS`` ranks every setting is evaluated so. Above (a schedule takes up to seconds to build and
@@ -134,10 +136,10 @@ def _evaluate(fb: FrameworkBest, entries: list, result: SearchResult, listed: di
                                          f"not list it); time it: {_simulate_command(ch, result)}"))
                 continue
             built += 1
-        try:                    # a method whose closed form builds its schedule keeps it for the simulation
-            cand = copy.copy(c) if c is not None else make_candidate(
+        try:    # a method whose closed form builds its schedule keeps it for the simulation; from the search's
+            cand = copy.copy(c) if c is not None else make_candidate(        # lazy size, its schedule-free bound
                 ch.algorithm, w.with_(layout=ch.layout), topo, n, ch.knobs,
-                keep_schedule=isinstance(algorithms.get(ch.algorithm), BuiltTiming))
+                keep_schedule=isinstance(algorithms.get(ch.algorithm), BuiltTiming), lazy=True)
         except (SkipCandidate, UserError) as e:
             fb.refused.append((s.cli(), getattr(e, "detail", "") or str(e)))
             continue
@@ -147,6 +149,11 @@ def _evaluate(fb: FrameworkBest, entries: list, result: SearchResult, listed: di
             continue
         staged.append((cand.bound_s, s, ch, k, cand, c is None))
     for bound, s, ch, k, cand, made in sorted(staged, key=lambda e: e[0]):
+        if k not in times and bound <= best_t * (1 - slack) * (1 + 1e-12) < float("inf"):
+            tighter = algorithms.get(cand.algorithm).refine(cand.plan, topo)     # as the search: a lazy
+            if tighter is not None:                                              # LoongTrain's built form
+                cand.timing = tighter
+                bound = cand.bound_s
         if bound > best_t * (1 - slack) * (1 + 1e-12):
             if made:
                 _forget(cand)
