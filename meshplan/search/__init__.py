@@ -49,7 +49,7 @@ from meshplan.search.candidate import (
     simulate_both,
     simulate_candidate,
 )
-from meshplan.search.ranking import not_proven, ranked, reference_head, ring_reference
+from meshplan.search.ranking import not_proven, ranked, reference_simulations, ring_reference
 
 PRUNE_SLACK = 0.01
 #: Above this many ranks a schedule without node symmetry (every rank simulated, e.g. a causal contiguous Mesh:
@@ -195,11 +195,12 @@ def run_search(base: Workload, topo: Topology, n: int, *, algos: list[str] | Non
     cands = [c for c in cands if not c.forward_only]
     cands.sort(key=lambda c: (c.estimate_s, c.bound_s))   # likely winners first: pruning bites early
     bnb = _BranchAndBound(topo, n, ccr, memory_limit, given, prune_slack, skipped, rejected)
-    head = reference_head(cands, n, FULL_SIM_MAX_RANKS)       # Ring's first two: simulated whatever the search finds
-    simulate_beside(head, topo, ccr, lambda: bnb.visit_all(cands, progress))
-    for c in head:
-        if id(c) not in bnb.recorded:                            # simulated beside: recorded as the search would
-            bnb.record(c)
+    # Ring's settings for the reference row, simulated in another process beside the branch and bound (both cores)
+    _, beside = simulate_beside(cands, lambda sim: reference_simulations(
+        cands, n, prune_slack, FULL_SIM_MAX_RANKS, lambda todo: sim(todo[0])), topo, ccr,
+        lambda: bnb.visit_all(cands, progress))
+    for c in beside:
+        bnb.record(c)                                            # as the search records what it simulates
     reference = ring_reference(cands, topo, n, ccr, prune_slack, FULL_SIM_MAX_RANKS)
     builds.clear()
     cands = [c for c in cands if c.model_level != "over-memory"]
@@ -233,7 +234,6 @@ class _BranchAndBound:
     leader: Candidate | None = None
     unsimulated: Counter = field(default_factory=Counter)
     over: list[tuple[float, str]] = field(default_factory=list)
-    recorded: set[int] = field(default_factory=set)          # id() of every candidate simulated and recorded
 
     def beaten(self, c: Candidate) -> bool:
         """Its lower bound exceeds (1 − prune_slack) x the best simulated makespan."""
@@ -300,7 +300,6 @@ class _BranchAndBound:
     def record(self, c: Candidate) -> None:
         """A simulated candidate: rejected when its simulated total is over the memory limit, else the leader if
         fastest so far (only the leader keeps its schedule)."""
-        self.recorded.add(id(c))
         total = c.predicted.total.peak_memory_total_bytes
         if total > self.memory_limit:
             self.skipped[_OVER[self.given]] += 1                 # the simulated total: wire images included

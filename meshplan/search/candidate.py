@@ -269,35 +269,51 @@ def simulate_both(first: Candidate, second: Candidate, topo: Topology, ccr: floa
     """:func:`simulate_candidate` of two candidates at once, ``second`` in a forked process
     (:func:`simulate_beside`; in turn where fork is not offered). ``second`` comes back without its schedule
     (rebuilt where needed: written, improved); its simulation's timeline comes back."""
-    simulate_beside([second], topo, ccr, lambda: simulate_candidate(first, topo, ccr))
+    simulate_beside([second], lambda simulate: simulate(second), topo, ccr,
+                    lambda: simulate_candidate(first, topo, ccr))
 
 
-def simulate_beside(cands: list[Candidate], topo: Topology, ccr: float | None, main: Callable[[], T]) -> T:
-    """``main()``'s result, with ``cands`` simulated one after the other in a forked process meanwhile
-    (:func:`meshplan.core.parallel.alongside`; after ``main`` where fork is not offered: the same answer). Each
-    comes back as :func:`simulate_candidate` leaves it but without its schedule (rebuilt where needed: written,
-    improved); its simulation's timeline comes back. A candidate ``main`` simulated itself meanwhile keeps its own
-    (the same) result."""
-    if not cands:
-        return main()
+def simulate_beside(pool: list[Candidate], run: Callable[[Callable[[Candidate], None]], Any], topo: Topology,
+                    ccr: float | None, main: Callable[[], T]) -> tuple[T, list[Candidate]]:
+    """(``main()``'s result, the candidates simulated beside it): ``run(simulate)``, which simulates candidates of
+    ``pool`` one after the other by calling ``simulate(c)`` (and may choose the next by the results so far), runs in
+    a forked process while ``main`` runs here (:func:`meshplan.core.parallel.alongside`; after ``main``, here, where
+    fork is not offered: the same answer). Each comes back as :func:`simulate_candidate` leaves it but without its
+    schedule (rebuilt where needed: written, improved); its simulation's timeline comes back. A candidate ``main``
+    simulated itself meanwhile keeps its own (the same) result and is not among those returned."""
     if not can_fork():
         out = main()
-        for c in cands:
+        done: list[Candidate] = []
+
+        def simulate_here(c: Candidate) -> None:
             if c.model_level != "simulated":
                 simulate_candidate(c, topo, ccr)
-        return out
+                done.append(c)
+        run(simulate_here)
+        return out, done
+
+    where = {id(c): i for i, c in enumerate(pool)}
 
     def side():
-        return [(_simulate(c, topo, ccr), c.predicted, c.documents, c.sim) for c in cands]
+        got = []
+
+        def simulate_there(c: Candidate) -> None:
+            got.append((where[id(c)], _simulate(c, topo, ccr), c.predicted, c.documents, c.sim))
+            forget_built(c)                       # this process's copy: its timeline already listed
+        run(simulate_there)
+        return got
 
     got, out = run_alongside(side, main)
-    for c, (kept, pred, docs, sim) in zip(cands, got):
+    done = []
+    for i, kept, pred, docs, sim in got:
+        c = pool[i]
         if c.model_level == "simulated":
             continue
         if kept:
             _keep_variant(c, algorithms.get(c.algorithm).variants(c.plan, topo)[kept])
         c.predicted, c.model_level, c.documents, c.sim = pred, "simulated", docs, sim
-    return out
+        done.append(c)
+    return out, done
 
 
 def reduces(cand: Candidate, topo: Topology) -> bool:

@@ -4,6 +4,7 @@ the best (:func:`not_proven`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from meshplan.model.topology import Topology
@@ -38,25 +39,22 @@ def ranked(cands: list[Candidate]) -> list[Candidate]:
 
 def ring_reference(cands: list[Candidate], topo: Topology, n: int, ccr: float | None, prune_slack: float,
                    max_ranks: int) -> Candidate | None:
-    """Ring's best setting, the row every user knows: its candidates simulated in bound order, two at a time
-    (:func:`~meshplan.search.candidate.simulate_both`; up to ``REFERENCE_SIMULATIONS``, and up to ``max_ranks``
-    ranks: above, its bound stands) until no bound is more than the prune slack under the best simulated. None
-    when Ring is not among the candidates (``--algos`` without it, or it cannot run)."""
-    ring = _ring_rows(cands)
-    if not ring:
-        return None
-    order = sorted(ring, key=lambda c: c.bound_s)[:REFERENCE_SIMULATIONS]
-    while n <= max_ranks:                     # above: its schedule alone takes GBs (8 GB at 1024 ranks, 1M tokens)
-        best = min((time_of(r) for r in ring if r.model_level == "simulated"), default=float("inf"))
-        todo = [c for c in order if c.model_level != "simulated" and c.bound_s < best * (1 - prune_slack)][:2]
-        if not todo:                                                # no bound beats the best: as the search prunes
-            break
+    """Ring's best setting, the row every user knows: :func:`reference_simulations`, two at a time
+    (:func:`~meshplan.search.candidate.simulate_both`), then the fastest simulated setting — or an unsimulated one
+    whose bound is more than the prune slack under it (above ``max_ranks``: the best bound). None when Ring is not
+    among the candidates (``--algos`` without it, or it cannot run)."""
+    def simulate(todo: list[Candidate]) -> None:
         if len(todo) == 2:                                          # both cores
             simulate_both(*todo, topo, ccr)
         else:
             simulate_candidate(todo[0], topo, ccr)
         for c in todo:
             forget_built(c)
+
+    reference_simulations(cands, n, prune_slack, max_ranks, simulate, batch=2)
+    ring = _ring_rows(cands)
+    if not ring:
+        return None
     sim = [r for r in ring if r.model_level == "simulated"]
     best = min(sim, key=time_of) if sim else None
     lower = [r for r in ring if r.model_level != "simulated"
@@ -64,11 +62,23 @@ def ring_reference(cands: list[Candidate], topo: Topology, n: int, ccr: float | 
     return min(lower, key=time_of) if lower else best       # a bound well below the best simulated stays shown
 
 
-def reference_head(cands: list[Candidate], n: int, max_ranks: int) -> list[Candidate]:
-    """The Ring settings :func:`ring_reference` simulates first whatever the search finds (its two lowest bounds, up
-    to ``max_ranks`` ranks; none above): the search simulates them beside its branch and bound, on the core its
-    single simulations and bound refinements leave idle."""
-    return sorted(_ring_rows(cands), key=lambda c: c.bound_s)[:2] if n <= max_ranks else []
+def reference_simulations(cands: list[Candidate], n: int, prune_slack: float, max_ranks: int,
+                          simulate: Callable[[list[Candidate]], Any], batch: int = 1) -> None:
+    """Simulate Ring's settings for the reference row: in bound order, up to ``REFERENCE_SIMULATIONS`` and up to
+    ``max_ranks`` ranks (above, its bounds stand: a schedule alone takes GBs, 8 GB at 1024 ranks and 1M tokens),
+    until no bound is more than the prune slack under the best simulated — as the search prunes. ``simulate(todo)``
+    simulates up to ``batch`` of them at a time. A search runs this beside its branch and bound, one at a time in
+    another process (:func:`~meshplan.search.candidate.simulate_beside`); :func:`ring_reference` then simulates
+    any left (one the branch and bound found over the memory limit no longer counts)."""
+    order = sorted(_ring_rows(cands), key=lambda c: c.bound_s)[:REFERENCE_SIMULATIONS]
+    while n <= max_ranks:
+        ring = _ring_rows(cands)
+        best = min((time_of(r) for r in ring if r.model_level == "simulated"), default=float("inf"))
+        todo = [c for c in order if c.model_level not in ("simulated", "over-memory")
+                and c.bound_s < best * (1 - prune_slack)][:batch]
+        if not todo:                                                # no bound beats the best: as the search prunes
+            break
+        simulate(todo)
 
 
 def _ring_rows(cands: list[Candidate]) -> list[Candidate]:
