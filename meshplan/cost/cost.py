@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from meshplan.core.arrays import unique_rows
 from meshplan.core.csr import csr_sum
 from meshplan.core.units import DTYPE_BYTES
 from meshplan.cost.doc_kernels import DocKernels, many_covers, priced_by_cover
@@ -58,16 +59,18 @@ def _runs_by_block(sched: Schedule, m, ops: np.ndarray) -> np.ndarray:
         counts = ch.count * ch.holds_q[None, :] if query else ch.count
         return [(int(a), int(b), int(c)) for i in chunks for a, b, c in zip(ch.start[i], ch.stride[i], counts[i])]
 
-    if plain:               # plain Python on lists: ~10⁴ ops at 256 ranks, mostly a few chunks each
-        residue, qs, ks = ch.start[:, 0].tolist(), o.q_chunks.tolist(), o.kv_chunks.tolist()
-        qp, kp = o.qc_ptr.tolist(), o.kvc_ptr.tolist()
-        for k, op in enumerate(ops.tolist()):
-            a, b = [residue[i] for i in qs[qp[op]:qp[op + 1]]], [residue[j] for j in ks[kp[op]:kp[op + 1]]]
-            lo = min(a)
-            key = (tuple(sorted((x - lo) % n for x in a)), tuple(sorted((x - lo) % n for x in b)))  # a common shift
-            if key not in seen:
-                seen[key] = striped_runs_by_block(*key)
-            out[k] = seen[key]
+    if plain:    # by the chunks' residues up to a common shift: ops of one shape at once (0.3M ops at 1024 ranks)
+        residue = ch.start[:, 0].astype(np.int64)
+        n_q, n_kv = np.diff(o.qc_ptr)[ops], np.diff(o.kvc_ptr)[ops]
+        for a, b in sorted(set(zip(n_q.tolist(), n_kv.tolist()))):
+            sel = np.flatnonzero((n_q == a) & (n_kv == b))
+            g = ops[sel]
+            rq = residue[o.q_chunks[o.qc_ptr[g][:, None] + np.arange(a)]]             # [ops, a]
+            rk = residue[o.kv_chunks[o.kvc_ptr[g][:, None] + np.arange(b)]]           # [ops, b]
+            lo = rq.min(axis=1, keepdims=True)
+            first, inv = unique_rows(np.hstack([np.sort((rq - lo) % n, axis=1), np.sort((rk - lo) % n, axis=1)]))
+            runs = np.array([striped_runs_by_block(tuple(k[:a]), tuple(k[a:])) for k in first.tolist()], dtype=bool)
+            out[sel] = runs[inv]
         return out
     for k, op in enumerate(ops):
         qc, kc = o.q_chunks[o.qc_ptr[op]:o.qc_ptr[op + 1]], o.kv_chunks[o.kvc_ptr[op]:o.kvc_ptr[op + 1]]

@@ -196,7 +196,8 @@ def run_search(base: Workload, topo: Topology, n: int, *, algos: list[str] | Non
     cands.sort(key=lambda c: (c.estimate_s, c.bound_s))   # likely winners first: pruning bites early
     bnb = _BranchAndBound(topo, n, ccr, memory_limit, given, prune_slack, skipped, rejected)
     # Ring's settings for the reference row, simulated in another process beside the branch and bound (both cores)
-    _, beside = simulate_beside(cands, lambda sim: reference_simulations(
+    pool = [c for c in cands if c.algorithm == "ring"] if n <= FULL_SIM_MAX_RANKS else []   # above: bounds stand
+    _, beside = simulate_beside(pool, lambda sim: reference_simulations(
         cands, n, prune_slack, FULL_SIM_MAX_RANKS, lambda todo: sim(todo[0])), topo, ccr,
         lambda: bnb.visit_all(cands, progress))
     for c in beside:

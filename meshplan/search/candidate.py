@@ -281,6 +281,8 @@ def simulate_beside(pool: list[Candidate], run: Callable[[Callable[[Candidate], 
     fork is not offered: the same answer). Each comes back as :func:`simulate_candidate` leaves it but without its
     schedule (rebuilt where needed: written, improved); its simulation's timeline comes back. A candidate ``main``
     simulated itself meanwhile keeps its own (the same) result and is not among those returned."""
+    if not pool:
+        return main(), []
     if not can_fork():
         out = main()
         done: list[Candidate] = []
