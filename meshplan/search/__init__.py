@@ -274,10 +274,11 @@ class _BranchAndBound:
                 self.record(partner)
 
     def _to_simulate(self, c: Candidate) -> bool:
-        """Tighten ``c``'s bound; False (``c`` left at its closed form) when the best so far prunes it or, above
-        :data:`FULL_SIM_MAX_RANKS` ranks, when its schedule has no node symmetry and a leader exists."""
-        if self.best < float("inf") and not self.beaten(c):   # with nothing simulated yet no bound prunes:
-            tighter = algorithms.get(c.algorithm).refine(c.plan, self.topo)   # (1024 ranks: 2.4 s a Mesh)
+        """Tighten ``c``'s bound (once something is simulated); False (``c`` left at its closed form) when the best
+        so far prunes it or, above :data:`FULL_SIM_MAX_RANKS` ranks, when its schedule has no node symmetry and a
+        leader exists."""
+        if self.best < float("inf") and not self.beaten(c):   # refined only once a bound can prune (something
+            tighter = algorithms.get(c.algorithm).refine(c.plan, self.topo)   # simulated): 2.4 s a 1024-rank Mesh
             if tighter is not None:
                 c.timing = tighter
         if self.beaten(c):
