@@ -93,6 +93,18 @@ def test_garbage_file(tmp_path):
         read_schedule(p)
 
 
+def test_gzip_compressed_in_batches_beside_the_text_is_the_plain_file(tmp_path, monkeypatch):
+    """The .gz writer hands the text to a compressing thread a batch at a time: batches smaller than one rank's
+    text (every piece its own batch) and larger than the file give the plain file's bytes."""
+    import meshplan.plan.json.io as io
+
+    s = build("ring")
+    plain = write_schedule(s, tmp_path / "s.json").read_bytes()
+    for batch in (1, 1 << 30):
+        monkeypatch.setattr(io, "COMPRESS_BATCH_BYTES", batch)
+        assert gzip.decompress(write_schedule(s, tmp_path / f"s{batch}.json.gz").read_bytes()) == plain
+
+
 def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
     s = build("ring", passes="fwd")
     import meshplan.plan.json.io as io
