@@ -10,13 +10,13 @@ would run every rank's program, minutes at 1024 ranks. Above a method's ``search
 by its schedule-free bound (USP, Ulysses, LoongTrain, StarTrail, CHARM+) is never built, so never simulated (nor
 written): its schedule alone takes GBs; ``meshplan simulate --algo`` times it (and ``--out`` writes it).
 
-Modules, in pipeline order: this one (:func:`run_search`), :mod:`candidate` (one candidate:
-plan, closed form, simulation), :mod:`ranking` (the table's order, Ring's reference row, what keeps the pick
-unproven), :mod:`pipeline` (the whole search the CLI runs, as one call: a ``SearchRequest``
-in, a ``SearchReport`` out), :mod:`framework_settings` and :mod:`frameworks` (Megatron-LM/TE, yunchang and
-torchtitan settings), :mod:`improve`, :mod:`mapping` and :mod:`ilp` (CP-SAT orders, placement search),
-:mod:`sensitivity`, :mod:`job_rerank` (ranking by a TP x CP x DP job's time), :mod:`inference` (the KV-cache
-rule), :mod:`run_memory` (will a run fit this host), :mod:`write` (verify and write the best schedules).
+Modules, in pipeline order: this one (:func:`run_search`), :mod:`candidate` (one candidate: plan, closed form,
+simulation), :mod:`beside` (simulations in a forked process beside other work), :mod:`ranking` (the table's order,
+Ring's reference row, what keeps the pick unproven), :mod:`pipeline` (the whole search the CLI runs, as one call: a
+``SearchRequest`` in, a ``SearchReport`` out), :mod:`framework_settings` and :mod:`frameworks` (Megatron-LM/TE,
+yunchang and torchtitan settings), :mod:`improve`, :mod:`mapping` and :mod:`ilp` (CP-SAT orders, placement search),
+:mod:`sensitivity`, :mod:`job_rerank` (ranking by a TP x CP x DP job's time), :mod:`inference` (the KV-cache rule),
+:mod:`run_memory` (will a run fit this host), :mod:`write` (verify and write the best schedules).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from meshplan.cost.memory import estimated_peak_bytes
 from meshplan.model.matrix import attn_matrix
 from meshplan.model.topology import Topology
 from meshplan.model.workload import LAYOUTS, Workload
+from meshplan.search.beside import simulate_beside, simulate_both
 from meshplan.search.candidate import (
     Candidate,
     closed_form_predicted,
@@ -45,8 +46,6 @@ from meshplan.search.candidate import (
     make_candidates,
     over_memory,
     reduces,
-    simulate_beside,
-    simulate_both,
     simulate_candidate,
 )
 from meshplan.search.ranking import not_proven, ranked, reference_simulations, ring_reference
@@ -243,7 +242,7 @@ class _BranchAndBound:
     def visit_all(self, cands: list[Candidate], progress: Callable[[int, int, str], None] | None = None) -> None:
         """Visit the candidates in order: tighten each bound, leave it at its closed form or simulate it. Up to
         :data:`PAIR_MAX_RANKS` ranks, two at a time: each candidate to simulate is simulated together with the
-        next one that the best so far does not prune (:func:`~meshplan.search.candidate.simulate_both`: both
+        next one that the best so far does not prune (:func:`~meshplan.search.beside.simulate_both`: both
         cores where fork is offered, else one after the other — the same answer), and both are recorded in
         order. So the second may be simulated where visiting one by one would have left it at a bound the
         first's time beats: one more simulated row, never one fewer, and a pick at least as fast."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
@@ -26,8 +26,6 @@ from meshplan.model.topology import Topology
 from meshplan.model.workload import Workload
 from meshplan.plan.plan import Plan
 from meshplan.plan.schedule import Schedule
-
-T = TypeVar("T")
 
 
 @dataclass
@@ -235,11 +233,11 @@ def simulate_candidate(cand: Candidate, topo: Topology, ccr: float | None) -> Ca
     When the algorithm offers variants (Mesh's fetch orders), each is simulated and the fastest is kept;
     ``knobs`` then name the one kept (e.g. ``order: "auto:kv-first"``).
     """
-    _simulate(cand, topo, ccr)
+    simulate_variants(cand, topo, ccr)
     return cand
 
 
-def _simulate(cand: Candidate, topo: Topology, ccr: float | None) -> int:
+def simulate_variants(cand: Candidate, topo: Topology, ccr: float | None) -> int:
     """:func:`simulate_candidate`; returns the index of the variant kept."""
     alg = algorithms.get(cand.algorithm)
     best = None
@@ -251,7 +249,7 @@ def _simulate(cand: Candidate, topo: Topology, ccr: float | None) -> int:
         if best is None or total < best[0]:
             best = (total, k, plan, sched, sim)
     _, kept, plan, cand.schedule, cand.sim = best
-    _keep_variant(cand, plan)
+    keep_variant(cand, plan)
     cand.predicted, cand.model_level = predicted(cand.schedule, topo, cand.sim, ccr), "simulated"
     if cand.workload.mask.kind == "docs":             # while the schedule is at hand (a search drops it later)
         from meshplan.cost.doc_kernels import document_stats
@@ -259,63 +257,11 @@ def _simulate(cand: Candidate, topo: Topology, ccr: float | None) -> int:
     return kept
 
 
-def _keep_variant(cand: Candidate, plan: Plan) -> None:
+def keep_variant(cand: Candidate, plan: Plan) -> None:
+    """Record that ``cand``'s simulation kept the variant ``plan`` (its knobs name it: ``order: auto:kv-first``)."""
     if plan is not cand.plan:
         cand.plan = plan
         cand.knobs = plan.knobs | {"order": f"auto:{plan.knobs['order']}"}
-
-
-def simulate_both(first: Candidate, second: Candidate, topo: Topology, ccr: float | None) -> None:
-    """:func:`simulate_candidate` of two candidates at once, ``second`` in a forked process
-    (:func:`simulate_beside`; in turn where fork is not offered). ``second`` comes back without its schedule
-    (rebuilt where needed: written, improved); its simulation's timeline comes back."""
-    simulate_beside([second], lambda simulate: simulate(second), topo, ccr,
-                    lambda: simulate_candidate(first, topo, ccr))
-
-
-def simulate_beside(pool: list[Candidate], run: Callable[[Callable[[Candidate], None]], Any], topo: Topology,
-                    ccr: float | None, main: Callable[[], T]) -> tuple[T, list[Candidate]]:
-    """(``main()``'s result, the candidates simulated beside it): ``run(simulate)``, which simulates candidates of
-    ``pool`` one after the other by calling ``simulate(c)`` (and may choose the next by the results so far), runs in
-    a forked process while ``main`` runs here (:func:`meshplan.core.parallel.alongside`; after ``main``, here, where
-    fork is not offered: the same answer). Each comes back as :func:`simulate_candidate` leaves it but without its
-    schedule (rebuilt where needed: written, improved); its simulation's timeline comes back. A candidate ``main``
-    simulated itself meanwhile keeps its own (the same) result and is not among those returned."""
-    if not pool:
-        return main(), []
-    if not can_fork():
-        out = main()
-        done: list[Candidate] = []
-
-        def simulate_here(c: Candidate) -> None:
-            if c.model_level != "simulated":
-                simulate_candidate(c, topo, ccr)
-                done.append(c)
-        run(simulate_here)
-        return out, done
-
-    where = {id(c): i for i, c in enumerate(pool)}
-
-    def side():
-        got = []
-
-        def simulate_there(c: Candidate) -> None:
-            got.append((where[id(c)], _simulate(c, topo, ccr), c.predicted, c.documents, c.sim))
-            forget_built(c)                       # this process's copy: its timeline already listed
-        run(simulate_there)
-        return got
-
-    got, out = run_alongside(side, main)
-    done = []
-    for i, kept, pred, docs, sim in got:
-        c = pool[i]
-        if c.model_level == "simulated":
-            continue
-        if kept:
-            _keep_variant(c, algorithms.get(c.algorithm).variants(c.plan, topo)[kept])
-        c.predicted, c.model_level, c.documents, c.sim = pred, "simulated", docs, sim
-        done.append(c)
-    return out, done
 
 
 def reduces(cand: Candidate, topo: Topology) -> bool:

@@ -8,10 +8,10 @@ from collections.abc import Callable
 from typing import Any
 
 from meshplan.model.topology import Topology
+from meshplan.search.beside import simulate_both
 from meshplan.search.candidate import (
     Candidate,
     forget_built,
-    simulate_both,
     simulate_candidate,
     simulate_command,
     timing_estimate_s,
@@ -40,7 +40,7 @@ def ranked(cands: list[Candidate]) -> list[Candidate]:
 def ring_reference(cands: list[Candidate], topo: Topology, n: int, ccr: float | None, prune_slack: float,
                    max_ranks: int) -> Candidate | None:
     """Ring's best setting, the row every user knows: :func:`reference_simulations`, two at a time
-    (:func:`~meshplan.search.candidate.simulate_both`), then the fastest simulated setting — or an unsimulated one
+    (:func:`~meshplan.search.beside.simulate_both`), then the fastest simulated setting — or an unsimulated one
     whose bound is more than the prune slack under it (above ``max_ranks``: the best bound). None when Ring is not
     among the candidates (``--algos`` without it, or it cannot run)."""
     def simulate(todo: list[Candidate]) -> None:
@@ -68,7 +68,7 @@ def reference_simulations(cands: list[Candidate], n: int, prune_slack: float, ma
     ``max_ranks`` ranks (above, its bounds stand: a schedule alone takes GBs, 8 GB at 1024 ranks and 1M tokens),
     until no bound is more than the prune slack under the best simulated — as the search prunes. ``simulate(todo)``
     simulates up to ``batch`` of them at a time. A search runs this beside its branch and bound, one at a time in
-    another process (:func:`~meshplan.search.candidate.simulate_beside`); :func:`ring_reference` then simulates
+    another process (:func:`~meshplan.search.beside.simulate_beside`); :func:`ring_reference` then simulates
     any left (one the branch and bound found over the memory limit no longer counts)."""
     order = sorted(_ring_rows(cands), key=lambda c: c.bound_s)[:REFERENCE_SIMULATIONS]
     while n <= max_ranks:
