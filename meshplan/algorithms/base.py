@@ -163,6 +163,11 @@ class Algorithm:
         """Whether a search may build this method's schedule at ``n_ranks`` ranks to simulate or estimate it."""
         return True
 
+    def lazy(self, n_ranks: int) -> bool:
+        """Whether a search starts this method's plans at ``n_ranks`` ranks from a schedule-free bound and builds a
+        schedule only to simulate (:class:`BuiltTiming`); False: its closed form needs no schedule anyway."""
+        return False
+
 
 class BuiltTiming(Algorithm):
     """Algorithms whose closed form is the built schedule's (:func:`~meshplan.cost.bounds.schedule_timing`).

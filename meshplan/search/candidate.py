@@ -93,7 +93,7 @@ def make_candidate(name: str, workload: Workload, topo: Topology, n_ranks: int, 
         UserError: bad knob values or an impossible workload; SkipCandidate: the method cannot do this.
     """
     alg, plan, workload = plan_candidate(name, workload, topo, n_ranks, knobs, matrix, builds)
-    if lazy and _lazy(alg, n_ranks):
+    if lazy and alg.lazy(n_ranks):
         plan.extra["lazy"], keep_schedule = True, False
     if keep_schedule:
         sched = alg.schedule(plan, topo)
@@ -153,7 +153,7 @@ def make_candidates(jobs: list[tuple[str, Workload, dict[str, Any], AttnMatrix |
             planned.append(skip)
     todo = [i for i, p in enumerate(planned) if not isinstance(p, SkipCandidate)]
     for i in todo:                       # start from the schedule-free bound; built when the search simulates it
-        if _lazy(planned[i][0], n_ranks):
+        if planned[i][0].lazy(n_ranks):
             planned[i][1].extra["lazy"] = True
     heavy = [i for i in todo if isinstance(planned[i][0], BuiltTiming) and planned[i][0].builds_to_time(n_ranks)
              and not planned[i][1].extra.get("lazy")]
@@ -183,13 +183,6 @@ def make_candidates(jobs: list[tuple[str, Workload, dict[str, Any], AttnMatrix |
         alg, plan, w = p
         out.append(Candidate(alg.name, w, plan.knobs, n_ranks, plan=plan, timing=timing[i]))
     return out
-
-
-def _lazy(alg, n_ranks: int) -> bool:
-    """Whether a search starts ``alg``'s plans at ``n_ranks`` ranks from the schedule-free bound."""
-    from meshplan.algorithms.base import BuiltTiming
-
-    return isinstance(alg, BuiltTiming) and alg.lazy(n_ranks)
 
 
 def label(c: Candidate) -> str:
