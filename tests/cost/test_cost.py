@@ -86,3 +86,28 @@ def test_published_gpu_tables_do_not_stage():
 
     for name in ("h100x16", "h100x32", "dgx-h100", "l20x8", "a100x8"):
         assert not Topology.load(name).kernel.spec.stage_inputs, name
+
+
+def test_striped_ops_run_block_by_block_as_the_block_mask_says():
+    """The striped shortcut of the pricing (residues up to a common shift, hashed a shape at a time) flags exactly
+    the multi-chunk compute ops that the block mask's own test runs block by block, op by op (a 64-rank Mesh)."""
+    from meshplan.algorithms import get
+    from meshplan.cost.cost import _runs_by_block
+    from meshplan.model.blockmask import PERIODS, runs_by_block
+    from meshplan.model.matrix import attn_matrix
+    from meshplan.model.topology import Topology
+    from meshplan.model.workload import resolve
+
+    topo, n = Topology.load("h100x32", gpus=64), 64
+    w = resolve(layout="striped", seq_len=str(64 * 4 * PERIODS))
+    mesh = get("mesh")
+    plan = mesh.variants(mesh.plan(w, topo, n, mesh.normalize({"tile": "8x8", "mapping": "row-major"})), topo)[0]
+    s = mesh.schedule(plan, topo)
+    o, ch = s.ops, attn_matrix(w, n).chunks
+    assert ch.count.shape[1] == 1 and (ch.stride == n).all() and (ch.count >= PERIODS).all()   # the shortcut's case
+    ops = np.flatnonzero(o.kind == 0)
+    got = _runs_by_block(s, attn_matrix(w, n), ops)
+    seg = lambda chunks, q: [(int(ch.start[i, 0]), int(ch.stride[i, 0]), int(ch.count[i, 0])) for i in chunks]  # noqa: E731
+    want = [runs_by_block(w.mask, seg(o.q_chunks[o.qc_ptr[k]:o.qc_ptr[k + 1]], True),
+                          seg(o.kv_chunks[o.kvc_ptr[k]:o.kvc_ptr[k + 1]], False)) for k in ops.tolist()]
+    assert got.tolist() == want and 0 < got.sum() < len(ops)
