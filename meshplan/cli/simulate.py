@@ -111,7 +111,7 @@ def validate_file(path, topo, as_json: bool) -> int:
 
     sched = read_schedule(path)
     memory = Topology.load(topo, sched.topology.get("devices")).memory_bytes if topo else None
-    report = verify(sched, memory)
+    report = verify(sched, memory, both_cores=True)
     body = {"valid": report.ok, "violations": report.violations, "counts": report.counts,
             "peak_memory_bytes": report.peak_memory_bytes, "ops": len(sched.ops), "ranks": sched.n_ranks}
     if as_json:

@@ -171,3 +171,26 @@ def test_head_ranges_of_ops_over_the_same_chunks_must_tile_the_heads():
     wide = usp()
     wide.ops.h0[comp[0]] -= 1                                # reaches into the previous member's heads
     assert any("computed twice" in v for v in verify(wide).violations)
+
+
+@pytest.mark.parametrize("fork", ["1", "0"])
+def test_both_passes_checked_at_once_give_the_same_report(fork, monkeypatch):
+    """verify(both_cores=True) checks the forward in a forked process (a thread without fork): the same
+    violations in the same order, counts and peak — for a valid schedule, one with a hazard in both passes and one
+    over a memory limit in both."""
+    import meshplan.plan.verify as v
+
+    monkeypatch.setenv("MESHPLAN_FORK", fork)
+    monkeypatch.setattr(v, "PHASES_FORK_MIN_OPS", 0)
+    hazard = build()
+    o = hazard.ops
+    owner = np.repeat(np.arange(len(o)), np.diff(o.dep_ptr))
+    keep = o.kind[owner] != COMPUTE
+    o.deps, o.dep_ptr = o.deps[keep], csr_ptr(np.bincount(owner[keep], minlength=len(o)))
+    for s, memory in ((build(), None), (hazard, None), (build(), 1e3)):
+        one, two = verify(s, memory), verify(s, memory, both_cores=True)
+        assert (one.violations, one.counts, one.peak_memory_bytes) == (two.violations, two.counts,
+                                                                        two.peak_memory_bytes)
+        assert two.ok == (memory is None and s is not hazard)
+        if memory is not None:                                    # one memory line from each pass, fwd first
+            assert [x.split(" in ")[-1][:3] for x in two.violations if "GB of buffers" in x] == ["fwd", "bwd"]
