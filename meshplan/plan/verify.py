@@ -109,8 +109,7 @@ def verify(sched: Schedule, memory_bytes: float | None = None, op_seconds: np.nd
     passes = list(sched.passes)
     check = lambda phase: _pass_checks(sched, phase, partner, dur, tr, memory_bytes)  # noqa: E731
     if both_cores and len(passes) == 2 and n >= PHASES_FORK_MIN_OPS:
-        first, second = alongside(lambda: check(passes[0]), lambda: check(passes[1]))
-        found = [first, second]
+        found = list(alongside(lambda: check(passes[0]), lambda: check(passes[1])))
     else:
         found = [check(phase) for phase in passes]
     for adds, peak in found:

@@ -46,9 +46,10 @@ from meshplan.search.candidate import (
     make_candidates,
     over_memory,
     reduces,
+    refine_bound,
     simulate_candidate,
 )
-from meshplan.search.ranking import not_proven, ranked, reference_simulations, ring_reference
+from meshplan.search.ranking import not_proven, ranked, reference_simulations, ring_reference, ring_rows
 
 PRUNE_SLACK = 0.01
 #: Above this many ranks a schedule without node symmetry (every rank simulated, e.g. a causal contiguous Mesh:
@@ -195,7 +196,7 @@ def run_search(base: Workload, topo: Topology, n: int, *, algos: list[str] | Non
     cands.sort(key=lambda c: (c.estimate_s, c.bound_s))   # likely winners first: pruning bites early
     bnb = _BranchAndBound(topo, n, ccr, memory_limit, given, prune_slack, skipped, rejected)
     # Ring's settings for the reference row, simulated in another process beside the branch and bound (both cores)
-    pool = [c for c in cands if c.algorithm == "ring"] if n <= FULL_SIM_MAX_RANKS else []   # above: bounds stand
+    pool = ring_rows(cands) if n <= FULL_SIM_MAX_RANKS else []         # above: Ring's bounds stand
     _, beside = simulate_beside(pool, lambda sim: reference_simulations(
         cands, n, prune_slack, FULL_SIM_MAX_RANKS, lambda todo: sim(todo[0])), topo, ccr,
         lambda: bnb.visit_all(cands, progress))
@@ -276,10 +277,8 @@ class _BranchAndBound:
         """Tighten ``c``'s bound (once something is simulated); False (``c`` left at its closed form) when the best
         so far prunes it or, above :data:`FULL_SIM_MAX_RANKS` ranks, when its schedule has no node symmetry and a
         leader exists."""
-        if self.best < float("inf") and not self.beaten(c):   # refined only once a bound can prune (something
-            tighter = algorithms.get(c.algorithm).refine(c.plan, self.topo)   # simulated): 2.4 s a 1024-rank Mesh
-            if tighter is not None:
-                c.timing = tighter
+        if self.best < float("inf") and not self.beaten(c):   # only once a bound can prune (something simulated)
+            refine_bound(c, self.topo)
         if self.beaten(c):
             c.predicted = closed_form_predicted(c, self.ccr)
             forget_built(c)

@@ -185,6 +185,16 @@ def make_candidates(jobs: list[tuple[str, Workload, dict[str, Any], AttnMatrix |
     return out
 
 
+def refine_bound(c: Candidate, topo: Topology) -> float:
+    """``c``'s bound after its method's tighter closed form (:meth:`~meshplan.algorithms.base.Algorithm.refine`:
+    Mesh's and a lazy LoongTrain's built forms) where it has one; the caller asks only when the tighter bound could
+    prune it (it may build the schedule: 2.4 s a 1024-rank Mesh)."""
+    tighter = algorithms.get(c.algorithm).refine(c.plan, topo)
+    if tighter is not None:
+        c.timing = tighter
+    return c.bound_s
+
+
 def label(c: Candidate) -> str:
     """A candidate as the search's messages name it: algorithm, layout, knobs."""
     knobs = ",".join(f"{k}={v}" for k, v in c.knobs.items() if v is not None)

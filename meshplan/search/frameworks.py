@@ -30,7 +30,7 @@ from meshplan.core.errors import SkipCandidate, UserError
 from meshplan.core.units import fmt_bytes
 from meshplan.cost.memory import estimated_peak_bytes
 from meshplan.search import FULL_SIM_MAX_RANKS, SearchResult
-from meshplan.search.candidate import Candidate, make_candidate, simulate_candidate
+from meshplan.search.candidate import Candidate, make_candidate, refine_bound, simulate_candidate
 from meshplan.search.framework_settings import BWD_KNOBS, FRAMEWORKS, Choice, NotExpressible, express
 
 #: Every setting a framework offers is evaluated up to this many ranks.
@@ -150,10 +150,7 @@ def _evaluate(fb: FrameworkBest, entries: list, result: SearchResult, listed: di
         staged.append((cand.bound_s, s, ch, k, cand, c is None))
     for bound, s, ch, k, cand, made in sorted(staged, key=lambda e: e[0]):
         if k not in times and bound <= best_t * (1 - slack) * (1 + 1e-12) < float("inf"):
-            tighter = algorithms.get(cand.algorithm).refine(cand.plan, topo)     # as the search: a lazy
-            if tighter is not None:                                              # LoongTrain's built form
-                cand.timing = tighter
-                bound = cand.bound_s
+            bound = refine_bound(cand, topo)                       # as the search: once a bound can prune
         if bound > best_t * (1 - slack) * (1 + 1e-12):
             if made:
                 _forget(cand)

@@ -52,7 +52,7 @@ def ring_reference(cands: list[Candidate], topo: Topology, n: int, ccr: float | 
             forget_built(c)
 
     reference_simulations(cands, n, prune_slack, max_ranks, simulate, batch=2)
-    ring = _ring_rows(cands)
+    ring = ring_rows(cands)
     if not ring:
         return None
     sim = [r for r in ring if r.model_level == "simulated"]
@@ -70,9 +70,9 @@ def reference_simulations(cands: list[Candidate], n: int, prune_slack: float, ma
     simulates up to ``batch`` of them at a time. A search runs this beside its branch and bound, one at a time in
     another process (:func:`~meshplan.search.beside.simulate_beside`); :func:`ring_reference` then simulates
     any left (one the branch and bound found over the memory limit no longer counts)."""
-    order = sorted(_ring_rows(cands), key=lambda c: c.bound_s)[:REFERENCE_SIMULATIONS]
+    order = sorted(ring_rows(cands), key=lambda c: c.bound_s)[:REFERENCE_SIMULATIONS]
     while n <= max_ranks:
-        ring = _ring_rows(cands)
+        ring = ring_rows(cands)
         best = min((time_of(r) for r in ring if r.model_level == "simulated"), default=float("inf"))
         todo = [c for c in order if c.model_level not in ("simulated", "over-memory")
                 and c.bound_s < best * (1 - prune_slack)][:batch]
@@ -81,7 +81,8 @@ def reference_simulations(cands: list[Candidate], n: int, prune_slack: float, ma
         simulate(todo)
 
 
-def _ring_rows(cands: list[Candidate]) -> list[Candidate]:
+def ring_rows(cands: list[Candidate]) -> list[Candidate]:
+    """Ring's settings that can be the reference row: not over the memory limit, not forward-only."""
     return [c for c in cands if c.algorithm == "ring" and c.model_level != "over-memory" and not c.forward_only]
 
 
