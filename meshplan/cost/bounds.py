@@ -19,7 +19,8 @@ from meshplan.cost.estimate import contended_evaluation
 from meshplan.cost.memory import model_total_bytes, op_workspace_bytes
 from meshplan.cost.symmetry import find_reduction, identity
 from meshplan.model.topology import Topology
-from meshplan.plan.dataflow import build_items, evaluate, peak_memories
+from meshplan.plan.dataflow import build_items, evaluate
+from meshplan.plan.peaks import peak_memories
 from meshplan.plan.schedule import BUSY_KINDS, COMPUTE, PASS_NAMES, RECV, SEND, Schedule
 
 
@@ -158,7 +159,8 @@ def schedule_timing(sched: Schedule, topo: Topology, contended: bool = False) ->
         if not ev.complete:
             raise RuntimeError("the schedule deadlocks (run meshplan validate)")
         mine = in_pass & (o.rank == crit)
-        buffers, with_workspace = peak_memories(sched, phase, start, end, workspace)
+        buffers, with_workspace = peak_memories(sched, phase, start, end, workspace,
+                                                 red.rep_op if red.n_reps < sched.n_ranks else None)
         out[PASS_NAMES[phase]] = PassTiming(
             makespan_s=makespan,
             bound_s=max(makespan, pooled, float((loads / topo.link_capacity).max(initial=0.0)),

@@ -1,6 +1,6 @@
 """The memory model: a rank's peak memory = its live buffers + the workspace of the ops running + the runtime's own.
 
-The schedule's buffers (:func:`meshplan.plan.dataflow.peak_memory`) are a lower bound: the kernels, merges and
+The schedule's buffers (:func:`meshplan.plan.peaks.peak_memory`) are a lower bound: the kernels, merges and
 transfers of an op take transient memory while they run (upcasts, kernel outputs before they are merged,
 wire images), and a pass's runtime takes some of its own. The model adds, per op and for the time it runs
 (``[start, end)`` of the execution):
@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from meshplan.model.memory_spec import MemorySpec
-from meshplan.plan.dataflow import peak_memory
+from meshplan.plan.peaks import peak_memory
 from meshplan.plan.schedule import COMPUTE, KIND, RECV, SEND, Schedule
 
 

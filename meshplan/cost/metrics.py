@@ -30,7 +30,7 @@ import numpy as np
 from meshplan.cost.memory import model_total_bytes, op_workspace_bytes
 from meshplan.cost.simulate import SimResult
 from meshplan.model.topology import Topology
-from meshplan.plan.dataflow import peak_memories
+from meshplan.plan.peaks import peak_memories
 from meshplan.plan.schedule import BUSY_KINDS, COMPUTE, PASS_NAMES, RECV, SEND, Schedule
 
 KEYS = ("makespan_s", "compute_s", "exposed_comm_s", "comm_busy_s", "comm_bytes_per_gpu_max",
@@ -152,7 +152,8 @@ def pass_metrics(sched: Schedule, topo: Topology, sim: SimResult, phase: int) ->
     flops = float(flops_rank.sum())
     makespan = sim.pass_makespan[phase]
     # the buffers' peak and the memory model's (with each op's workspace) from one sort of the events
-    buffers, with_workspace = peak_memories(sched, phase, start, end, op_workspace_bytes(sched, topo.memory_model))
+    buffers, with_workspace = peak_memories(sched, phase, start, end, op_workspace_bytes(sched, topo.memory_model),
+                                             sim.rep_op)
     return PassMetrics(
         makespan_s=makespan, compute_s=compute_s, exposed_comm_s=max(makespan - compute_s, 0.0),
         comm_busy_s=comm_s, comm_bytes_per_gpu_max=float(by_rank.max()),

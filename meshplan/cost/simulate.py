@@ -50,6 +50,7 @@ class SimResult:
     wall_s: float
     durations: np.ndarray
     exact: bool = True     # False: approximate symmetry reduction (orbit-max durations), see meshplan.cost.symmetry
+    rep_op: np.ndarray | None = None   # each op's representative's (the reduction; None: every rank simulated)
 
 
 def simulate(sched: Schedule, topo: Topology, *, reduce: bool = True, exact: bool = False) -> SimResult:
@@ -88,7 +89,8 @@ def simulate(sched: Schedule, topo: Topology, *, reduce: bool = True, exact: boo
         start[ops], end[ops] = s_item[rep_item] + clock, e_item[rep_item] + clock
         makespan[phase], offset[phase] = float(np.max(e_item, initial=0.0)), clock
         clock += makespan[phase]
-    return SimResult(start, end, makespan, offset, red.n_reps, events, time.perf_counter() - t0, durations, red.exact)
+    return SimResult(start, end, makespan, offset, red.n_reps, events, time.perf_counter() - t0, durations, red.exact,
+                     red.rep_op if red.n_reps < sched.n_ranks else None)
 
 
 class _Engine:

@@ -33,8 +33,9 @@ import numpy as np
 from meshplan.core.parallel import alongside
 from meshplan.model.matrix import AttnMatrix, attn_matrix
 from meshplan.plan.contents import check_contents
-from meshplan.plan.dataflow import build_items, evaluate, peak_memory
+from meshplan.plan.dataflow import build_items, evaluate
 from meshplan.plan.hazards import check_hazards
+from meshplan.plan.peaks import peak_memory
 from meshplan.plan.schedule import (
     COMPUTE,
     DTYPES,

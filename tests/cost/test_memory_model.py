@@ -16,7 +16,7 @@ from meshplan.cost.memory import kernel_workspace_bytes, op_workspace_bytes
 from meshplan.model.memory_spec import MemorySpec, OpCoefficients
 from meshplan.model.topology import Topology
 from meshplan.model.workload import resolve
-from meshplan.plan.dataflow import peak_memory
+from meshplan.plan.peaks import peak_memory
 from meshplan.plan.schedule import COMPUTE, KIND, RECV, SEND
 from meshplan.search import run_search
 from meshplan.search.candidate import predict
