@@ -268,7 +268,7 @@ class _BranchAndBound:
             if partner is None:
                 simulate_candidate(c, self.topo, self.ccr)
             else:
-                simulate_both(c, partner, self.topo, self.ccr)
+                simulate_both(c, partner, self.topo, self.ccr, keep_below=self.best)
             self.record(c)
             if partner is not None:
                 self.record(partner)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from meshplan.core.errors import SkipCandidate
@@ -224,6 +225,28 @@ def test_simulating_two_at_a_time_forked_or_not_gives_the_same_answer(monkeypatc
     assert runs["0pick"] == runs["1pick"] and runs["0ref"] == runs["1ref"]
     assert runs["1ref"][2] == "simulated"
     assert runs["0"] == runs["1"] and len(runs["1"]) > 4
+
+
+def test_a_pair_simulated_beside_brings_back_the_second_schedule_only_under_the_best(monkeypatch):
+    """simulate_both's second candidate, simulated in a forked process, comes back with its schedule — the one of
+    the variant it kept, equal to a fresh build — when its time is under ``keep_below`` (the branch and bound's best:
+    its schedule is written without a rebuild), and without it otherwise."""
+    from meshplan import algorithms
+    from meshplan.search.beside import simulate_both
+    from meshplan.search.candidate import make_candidate
+
+    monkeypatch.setenv("MESHPLAN_FORK", "1")
+    topo = Topology.load("h100x16", gpus=16)
+    w = resolve(seq_len="32K", model="llama3-8b")
+    for keep_below, kept in ((float("inf"), True), (0.0, False)):
+        first, second = (make_candidate(name, w, topo, 16, {}) for name in ("ring", "mesh"))
+        simulate_both(first, second, topo, None, keep_below=keep_below)
+        assert second.model_level == "simulated" and (second.schedule is not None) == kept
+        if kept:
+            fresh = algorithms.get("mesh").schedule(second.plan, topo)
+            assert second.knobs["order"].startswith("auto:")          # the variant kept: its schedule came back
+            for name in ("rank", "kind", "peer", "size_bytes", "deps", "flops"):
+                np.testing.assert_array_equal(getattr(second.schedule.ops, name), getattr(fresh.ops, name))
 
 
 @pytest.mark.parametrize("fork", ["1", "0"])
