@@ -133,24 +133,33 @@ class Mesh(Algorithm):
         ``JUDGE_ORDERS_UP_TO`` ranks (where every build costs seconds) the one-rank model's pick stands."""
         if plan.knobs["order"] != "auto":
             return [plan]
+        return [alt for alt, _ in self._variant_tiles(plan, topo, _pass_costs(plan, topo))]
+
+    def _variant_tiles(self, plan: Plan, topo: Topology,
+                       costs: dict[str, TileCosts]) -> list[tuple[Plan, dict[str, TilePlan]]]:
+        """:meth:`variants`, each with its tile plan per pass (``costs``: :func:`_pass_costs` of ``plan``, the same
+        for every variant: an order changes no fetch, block or return)."""
+        passes = plan.workload.pass_list
+        if plan.knobs["order"] != "auto":
+            return [(plan, {p: self.tile_plan(plan, topo, p, costs[p]) for p in passes})]
+        orders = ORDERS[1:]
         if plan.n_ranks > JUDGE_ORDERS_UP_TO:
-            pick = self.tile_plan(plan, topo, plan.workload.pass_list[0]).name
-            alt = dataclasses.replace(plan, knobs=plan.knobs | {"order": pick}, extra=dict(plan.extra))
-            alt.extra.pop("schedule", None)
-            return [alt]
+            orders = (self.tile_plan(plan, topo, passes[0], costs[passes[0]]).name,)
         out, seen = [], set()
-        for order in ORDERS[1:]:
+        for order in orders:
             alt = dataclasses.replace(plan, knobs=plan.knobs | {"order": order}, extra=dict(plan.extra))
             alt.extra.pop("schedule", None)
-            key = tuple(self.tile_plan(alt, topo, p).order for p in plan.workload.pass_list)
+            tiles = {p: self.tile_plan(alt, topo, p, costs[p]) for p in passes}
+            key = tuple(t.order for t in tiles.values())
             if key not in seen:
                 seen.add(key)
-                out.append(alt)
+                out.append((alt, tiles))
         return out
 
-    def tile_plan(self, plan: Plan, topo: Topology, pass_: str) -> TilePlan:
-        """The in-tile order for a pass, from the uncontended costs of this workload on this topology."""
-        costs = _tile_costs(plan, topo, pass_)
+    def tile_plan(self, plan: Plan, topo: Topology, pass_: str, costs: TileCosts | None = None) -> TilePlan:
+        """The in-tile order for a pass, from the uncontended costs of this workload on this topology (``costs``:
+        :func:`_tile_costs` of this plan and pass, when the caller has them)."""
+        costs = _tile_costs(plan, topo, pass_) if costs is None else costs
         return plan_order(plan.extra["grid"].a, plan.extra["grid"].b, costs, plan.knobs["order"],
                           own_last=pass_ == "fwd")
 
@@ -208,14 +217,14 @@ class Mesh(Algorithm):
     # ------------------------------------------------------------------ timing
     def timing(self, plan: Plan, topo: Topology) -> dict[str, PassTiming]:
         """Schedule-free bounds: each rank's blocks and each link's bytes (:mod:`meshplan.algorithms.mesh.timing`)."""
+        costs = _pass_costs(plan, topo)
+        alts = self._variant_tiles(plan, topo, costs)
         out = {}
         for p in plan.workload.pass_list:
-            costs = _tile_costs(plan, topo, p)
             timings = []
-            for alt in self.variants(plan, topo):      # a bound must hold for whichever variant is kept
-                tile = self.tile_plan(alt, topo, p)
-                t = cheap_timing(alt, topo, p, tile)
-                t.estimate_s = max(t.bound_s, streams_estimate(tile, costs, plan.knobs["inflight"]))
+            for alt, tiles in alts:                    # a bound must hold for whichever variant is kept
+                t = cheap_timing(alt, topo, p, tiles[p])
+                t.estimate_s = max(t.bound_s, streams_estimate(tiles[p], costs[p], plan.knobs["inflight"]))
                 timings.append(t)
             out[p] = min(timings, key=lambda t: t.bound_s)
             out[p].estimate_s = min(t.estimate_s for t in timings)
@@ -316,6 +325,11 @@ def _comm_estimate(grid: Grid, workload: Workload, topo: Topology, knobs) -> flo
     t = float(np.max(lat + (s["q"] + s["o"]) / bw, axis=1).sum()) if grid.a > 1 else 0.0
     lat, bw = topo.pair_stats(dev[grid.col_peer(g, np.arange(1, grid.b)[:, None])], dev[g])
     return t + (float(np.max(lat + s["kv"] / bw, axis=1).sum()) if grid.b > 1 else 0.0)
+
+
+def _pass_costs(plan: Plan, topo: Topology) -> dict[str, TileCosts]:
+    """:func:`_tile_costs` of every pass of the plan."""
+    return {p: _tile_costs(plan, topo, p) for p in plan.workload.pass_list}
 
 
 def _tile_costs(plan: Plan, topo: Topology, pass_: str) -> TileCosts:
