@@ -174,9 +174,9 @@ def program_of(sched) -> Program:
     Raises:
         UserError: the schedule fails the verifier or its sizes do not match its workload.
     """
-    from meshplan.plan.json.io import no_gc, to_json_text
+    from meshplan.plan.json.io import no_gc, to_json_bytes
 
-    raw = to_json_text(sched).encode()
+    raw = to_json_bytes(sched)
     with no_gc():
         doc = ScheduleJSON.model_validate_json(raw)
     return _indexed(doc, raw, sched, f"the {sched.algorithm} schedule")

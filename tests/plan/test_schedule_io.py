@@ -110,7 +110,7 @@ def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
     import meshplan.plan.json.io as io
 
     def boom(_):
-        yield '{"schema_version":'        # part of the file is written, then the disk fills up
+        yield b'{"schema_version":'       # part of the file is written, then the disk fills up
         raise RuntimeError("disk full")
     monkeypatch.setattr(io, "json_chunks", boom)
     for name in ("s.json", "s.json.gz"):

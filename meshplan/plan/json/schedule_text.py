@@ -1,0 +1,210 @@
+"""The Schedule JSON text as meshplan writes it: compact (no spaces), keys in the contract's order, the header,
+then ``"tensors"``, then ``"ranks"`` one object per rank — the layout :mod:`meshplan.plan.json.read_parts` reads a
+part at a time. Tensors and ops are laid out column by column (:class:`~meshplan.plan.json.text_rows.Rows`): no
+Python code per op.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from meshplan.model.matrix import AttnMatrix, attn_matrix
+from meshplan.plan.json.format import SEMANTICS
+from meshplan.plan.json.text_rows import Rows
+from meshplan.plan.schedule import (
+    COMBINES,
+    DTYPES,
+    MASKS,
+    OP_KINDS,
+    PASS_NAMES,
+    ROLES,
+    SCHEMA_VERSION,
+    TENSOR_KIND_NAMES,
+    Schedule,
+    TensorTable,
+)
+
+#: ranks' ops are laid out this many ops at a time (what the writer holds at once: ~0.3 KB an op)
+TEXT_BLOCK_OPS = 100_000
+
+
+def json_chunks(sched: Schedule):
+    """The JSON text (UTF-8 bytes) in pieces (header, tensors, then ranks a block at a time), so big files stream to
+    disk."""
+    w = sched.workload
+    matrix = attn_matrix(w, sched.n_chunks)
+    head = {
+        "schema_version": SCHEMA_VERSION, "semantics": SEMANTICS, "algorithm": sched.algorithm,
+        "knobs": sched.knobs, "workload": w.to_dict() | {"permutation": {"name": w.layout, "seed": 0}},
+        "topology": sched.topology, "n_ranks": sched.n_ranks, "n_chunks": sched.n_chunks,
+        "device_of_rank": sched.device_of_rank.tolist(),
+        "streams": [{"name": n, "kind": k, "communicator": c if c >= 0 else None}
+                    for n, k, c in zip(sched.streams.names, sched.streams.kinds, sched.streams.communicator)],
+        "chunks": [{"id": i, "segments": [list(s) for s in matrix.chunks.segments(i)]} for i in range(sched.n_chunks)],
+    }
+    yield (json.dumps(head, separators=(",", ":"))[:-1] + ',"tensors":[').encode()
+    yield _tensors_text(sched.tensors)
+    yield b'],"ranks":['
+    yield from _ranks_text(sched, matrix)
+    yield b"]}"
+
+
+
+def _tensors_text(t: TensorTable) -> bytes:
+    """Every tensor's object, comma-separated."""
+    n = len(t.rank)
+    if n == 0:
+        return b""
+    r = Rows(n).text('{"id":').ints(np.arange(n)).text(',"rank":').ints(t.rank).text(',"kind":"')
+    r.choice(t.kind, list(TENSOR_KIND_NAMES)).text('","chunks":').int_lists(t.chunk_ptr, t.chunks)
+    r.text(',"heads":[').ints(t.h0).text(",").ints(t.h1).text('],"dtype":"').choice(t.dtype, list(DTYPES))
+    r.text('","size_bytes":').ints(t.size_bytes).text(',"role":"').choice(t.role, list(ROLES))
+    r.text('","pass":"').choice(t.phase, list(PASS_NAMES)).text('","alloc_op":')
+    r.ints(t.alloc_op, null_below_zero=True).text(',"free_after":').int_lists(t.free_ptr, t.free_after).text("}")
+    r.text(",", np.arange(n) < n - 1)
+    return r.render()[0].tobytes()
+
+
+def _ranks_text(sched: Schedule, matrix: AttnMatrix):
+    """Each rank's ``{"rank":K,"ops":[...]}``, comma-separated, ranks laid out ~:data:`TEXT_BLOCK_OPS` ops at a
+    time."""
+    o = sched.ops
+    compute = _compute_text(sched, matrix)
+    names = [json.dumps(n) for n in sched.streams.names]
+    ptr = sched.rank_ptr.tolist()
+    r0 = 0
+    while r0 < sched.n_ranks:                 # whole ranks, about TEXT_BLOCK_OPS ops at a time
+        r1 = r0 + 1
+        while r1 < sched.n_ranks and ptr[r1 + 1] - ptr[r0] <= TEXT_BLOCK_OPS:
+            r1 += 1
+        text, offsets = _ops_rows(o, ptr[r0], ptr[r1], compute, names).render()
+        raw, at = text.tobytes(), offsets.tolist()
+        for r in range(r0, r1):
+            a, b = at[ptr[r] - ptr[r0]], at[ptr[r + 1] - ptr[r0]]
+            yield b"".join(((b"," if r else b"") + b'{"rank":%d,"ops":[' % r, raw[a:b - 1] if b > a else b"", b"]}"))
+        r0 = r1
+
+
+def _slice(ptr: np.ndarray, a: int, b: int) -> np.ndarray:
+    """The CSR pointers of rows a..b−1, from 0."""
+    return ptr[a:b + 1] - ptr[a]
+
+
+def _ops_rows(o, a: int, b: int, compute: tuple, names: list[str]) -> Rows:
+    """The ops a..b−1 (ids are their indices), each followed by a comma (the caller drops each rank's last)."""
+    kind = o.kind[a:b]
+    n = b - a
+    sl = slice(a, b)
+    r = Rows(n).text('{"id":').ints(np.arange(a, b)).text(',"kind":"').choice(kind, list(OP_KINDS))
+    r.text('","stream":').choice(o.stream[sl], names).text(',"deps":')
+    r.int_lists(_slice(o.dep_ptr, a, b), o.deps[o.dep_ptr[a]:o.dep_ptr[b]])
+    r.text(',"pass":"').choice(o.phase[sl], list(PASS_NAMES)).text('"')
+    ins = (_slice(o.in_ptr, a, b), o.inputs[o.in_ptr[a]:o.in_ptr[b]])
+    outs = (_slice(o.out_ptr, a, b), o.outputs[o.out_ptr[a]:o.out_ptr[b]])
+    comm = (kind == 1) | (kind == 2)
+    r.text(',"peer":', comm).ints(o.peer[sl], comm).text(',"tensor":', comm).ints(o.tensor[sl], comm)
+    parts = (kind == 1) & (np.diff(ins[0]) > 0)
+    r.text(',"parts":', parts).int_lists(*ins, parts)
+    r.text(',"size_bytes":', comm).ints(o.size_bytes[sl], comm).text(',"dtype":"', comm)
+    r.choice(o.dtype[sl], list(DTYPES), comm).text('","step":', comm).ints(o.step[sl], comm, null_below_zero=True)
+    work = kind == 0
+    if work.any():
+        rows_code, cols_code, mask_code, flops_code, tables = compute
+        at = np.flatnonzero(work) + a                            # ops of this block that compute
+        r.text(',"q_chunks":', work).int_lists(_slice(o.qc_ptr, a, b), o.q_chunks[o.qc_ptr[a]:o.qc_ptr[b]], work)
+        r.text(',"kv_chunks":', work).int_lists(_slice(o.kvc_ptr, a, b), o.kv_chunks[o.kvc_ptr[a]:o.kvc_ptr[b]], work)
+        r.text(',"heads":[', work).ints(o.h0[sl], work).text(",", work).ints(o.h1[sl], work)
+        r.text('],"q_rows":', work)
+        full = np.zeros(n, dtype=np.int64)
+        for codes, table, before in ((rows_code, tables[0], None), (cols_code, tables[1], ',"kv_cols":'),
+                                     (mask_code, list(MASKS), ',"mask":"')):
+            if before:
+                r.text(before, work)
+            full[work] = codes[at]
+            r.choice(full, table, work)
+        r.text('","inputs":', work).int_lists(*ins, work).text(',"outputs":', work).int_lists(*outs, work)
+        r.text(',"combine":"', work).choice(o.combine[sl], list(COMBINES), work).text('","flops":', work)
+        full[work] = flops_code[at]
+        r.choice(full, tables[2], work)
+    fold = (kind == 3) | (kind == 4)
+    r.text(',"inputs":', fold).int_lists(*ins, fold).text(',"outputs":', fold).int_lists(*outs, fold)
+    r.text(',"size_bytes":', fold).ints(o.size_bytes[sl], fold)
+    r.text("},")
+    return r
+
+
+def _compute_text(sched: Schedule, m: AttnMatrix) -> tuple:
+    """Per op ([n_ops], only compute ops' entries used): codes of its ``q_rows`` text, ``kv_cols`` text, mask and
+    ``flops`` text, and the tables (q_rows texts, kv_cols texts, flops texts) the codes index."""
+    o = sched.ops
+    n = len(o)
+    rows_code, cols_code, mask_code, flops_code = (np.zeros(n, dtype=np.int64) for _ in range(4))
+    texts: dict[str, int] = {}
+    for op, (rows, cols, mask) in _descriptors(sched, m).items():
+        rows_code[op] = texts.setdefault(rows, len(texts))
+        cols_code[op] = texts.setdefault(cols, len(texts))
+        mask_code[op] = MASKS.index(mask)
+    table = list(texts)
+    work = np.flatnonzero(o.kind == 0)
+    values, inverse = np.unique(o.flops[work], return_inverse=True)
+    flops_code[work] = inverse.ravel()
+    return rows_code, cols_code, mask_code, flops_code, (table, table, [repr(v) for v in values.tolist()])
+
+
+def _descriptors(sched: Schedule, m: AttnMatrix) -> dict[int, tuple]:
+    """q_rows, kv_cols and mask of every compute op (cached by block pattern and chunk shape)."""
+    o = sched.ops
+    allc = np.flatnonzero(o.kind == 0)
+    single = (np.diff(o.qc_ptr)[allc] == 1) & (np.diff(o.kvc_ptr)[allc] == 1)
+    out = _multi_descriptors(sched, m, allc[~single])
+    comp = allc[single]
+    qi, kj = o.q_chunks[o.qc_ptr[comp]], o.kv_chunks[o.kvc_ptr[comp]]
+    shape = np.stack([m.valid_first, m.valid_count, m.chunks.count], axis=1).reshape(m.n, -1)
+    _, cls = np.unique(shape, axis=0, return_inverse=True)
+    bits = 1 << np.arange(m.q_involved.shape[2], dtype=np.int64)
+    qpat, kpat = (m.q_involved[qi, kj] * bits).sum(axis=1), (m.kv_involved[qi, kj] * bits).sum(axis=1)
+    masks = np.where(m.elementwise[qi, kj] | (o.mask[comp] > 0), o.mask[comp], 0)
+    cache: dict[tuple, list] = {}
+    for op, i, j, qp, kp, ci, cj, mk in zip(comp.tolist(), qi.tolist(), kj.tolist(), qpat.tolist(), kpat.tolist(),
+                                            cls.ravel()[qi].tolist(), cls.ravel()[kj].tolist(), masks.tolist()):
+        rk, ck = (0, qp, ci), (1, kp, cj)
+        if rk not in cache:
+            cache[rk] = json.dumps(m.local_ranges(i, m.q_involved[i, j], query=True), separators=(",", ":"))
+        if ck not in cache:
+            cache[ck] = json.dumps(m.local_ranges(j, m.kv_involved[i, j]), separators=(",", ":"))
+        out[op] = (cache[rk], cache[ck], MASKS[mk])
+    return out
+
+
+def _multi_descriptors(sched: Schedule, m: AttnMatrix, ops: np.ndarray) -> dict[int, tuple]:
+    """Descriptors of ops over several chunks, computed once per distinct (segments, chunk shapes) pattern."""
+    o, out = sched.ops, {}
+    if not len(ops):
+        return out
+    shape = np.stack([m.valid_first, m.valid_count, m.chunks.count], axis=1).reshape(m.n, -1)
+    _, cls = np.unique(shape, axis=0, return_inverse=True)
+    cls = cls.ravel()
+    nq, nk = np.diff(o.qc_ptr)[ops], np.diff(o.kvc_ptr)[ops]
+    cache: dict[tuple, tuple] = {}
+    for mq, mk in set(zip(nq.tolist(), nk.tolist())):
+        sel = ops[(nq == mq) & (nk == mk)]
+        qi = o.q_chunks[o.qc_ptr[sel][:, None] + np.arange(mq)]
+        kj = o.kv_chunks[o.kvc_ptr[sel][:, None] + np.arange(mk)]
+        blocks = (qi[:, :, None], kj[:, None, :])
+        qinv, kinv = m.q_involved[blocks].any(axis=2), m.kv_involved[blocks].any(axis=1)
+        elem = m.elementwise[blocks].any(axis=(1, 2)) | (m.pairs[blocks] == 0).any(axis=(1, 2))
+        sig = np.concatenate([qinv.reshape(len(sel), -1), kinv.reshape(len(sel), -1), cls[qi], cls[kj],
+                              m.elementwise[blocks].reshape(len(sel), -1), elem[:, None]], axis=1).astype(np.int64)
+        for row, op in zip(sig, sel.tolist()):
+            key = (mq, mk, row.tobytes())
+            if key not in cache:
+                d = m.op_descriptor(o.q_chunks[o.qc_ptr[op]:o.qc_ptr[op + 1]].tolist(),
+                                    o.kv_chunks[o.kvc_ptr[op]:o.kvc_ptr[op + 1]].tolist())
+                cache[key] = (json.dumps(d["q_rows"], separators=(",", ":")),
+                              json.dumps(d["kv_cols"], separators=(",", ":")), d["mask"])
+            out[op] = cache[key]
+    return out
+
+
