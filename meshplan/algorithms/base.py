@@ -159,6 +159,10 @@ class Algorithm:
         """A tighter closed form, if the algorithm has one (may build the schedule); None otherwise."""
         return None
 
+    def refines(self, plan: Plan) -> bool:
+        """Whether :meth:`refine` has a tighter closed form for this plan (False: it returns None)."""
+        return False
+
     def search_may_build(self, n_ranks: int) -> bool:
         """Whether a search may build this method's schedule at ``n_ranks`` ranks to simulate or estimate it."""
         return True
@@ -223,10 +227,14 @@ class BuiltTiming(Algorithm):
         """Whether a search starts this method's candidates at ``n_ranks`` ranks from the schedule-free bound."""
         return self.schedule_free and self.lazy_from is not None and n_ranks >= self.lazy_from
 
+    def refines(self, plan: Plan) -> bool:
+        """A lazy plan of a method whose schedule-free bound is looser (``lazy_refines``)."""
+        return bool(self.lazy_refines and plan.extra.get("lazy"))
+
     def refine(self, plan: Plan, topo: Topology) -> dict[str, PassTiming] | None:
         """A lazy plan's built closed form where the schedule-free bound is looser (``lazy_refines``; the schedule is
         kept on the plan for the simulation); None otherwise."""
-        if not (self.lazy_refines and plan.extra.get("lazy")):
+        if not self.refines(plan):
             return None
         return schedule_timing(self.schedule(plan, topo), topo, contended=self.contended_estimate)
 

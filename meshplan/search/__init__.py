@@ -32,6 +32,7 @@ from meshplan import algorithms
 from meshplan.algorithms.base import BuildCache
 from meshplan.algorithms.ring import ring_ccr
 from meshplan.core.errors import SkipCandidate, UserError
+from meshplan.core.parallel import alongside
 from meshplan.core.units import fmt_bytes
 from meshplan.cost.memory import estimated_peak_bytes
 from meshplan.model.matrix import attn_matrix
@@ -235,6 +236,8 @@ class _BranchAndBound:
     leader: Candidate | None = None
     unsimulated: Counter = field(default_factory=Counter)
     over: list[tuple[float, str]] = field(default_factory=list)
+    refined: set[int] = field(default_factory=set)          # ids of the candidates whose bound is tightened
+    symmetric: dict[int, bool] = field(default_factory=dict)   # id -> reduces(), found where it was refined
 
     def beaten(self, c: Candidate) -> bool:
         """Its lower bound exceeds (1 − prune_slack) x the best simulated makespan."""
@@ -246,7 +249,8 @@ class _BranchAndBound:
         next one that the best so far does not prune (:func:`~meshplan.search.beside.simulate_both`: both
         cores where fork is offered, else one after the other — the same answer), and both are recorded in
         order. So the second may be simulated where visiting one by one would have left it at a bound the
-        first's time beats: one more simulated row, never one fewer, and a pick at least as fast."""
+        first's time beats: one more simulated row, never one fewer, and a pick at least as fast. Above, one at a
+        time, each beside the refinement of the next (:meth:`_visit_beside_refinement`)."""
         pairs = self.n <= PAIR_MAX_RANKS      # in pairs where fork is not offered too: the same answer everywhere
         k = 0
         while k < len(cands):
@@ -254,6 +258,9 @@ class _BranchAndBound:
             if progress:
                 progress(k, len(cands), label(c))
             k += 1
+            if not pairs:
+                self._visit_beside_refinement(c, cands[k:])
+                continue
             if not self._to_simulate(c):
                 continue
             partner = None
@@ -273,12 +280,60 @@ class _BranchAndBound:
             if partner is not None:
                 self.record(partner)
 
+    def _visit_beside_refinement(self, c: Candidate, upcoming: list[Candidate]) -> None:
+        """Visit ``c`` (tighten, simulate or leave it) while a forked process tightens the bound of the next
+        candidate that ``c``'s likely time would not prune (:meth:`_refine_next`) and, above
+        :data:`FULL_SIM_MAX_RANKS` ranks, finds whether its schedule has node symmetry while it is built: above
+        :data:`PAIR_MAX_RANKS` ranks the search runs one thing at a time and a Mesh refinement builds a 0.75M-op
+        schedule (~2–3 s at 1024 ranks), so the other core takes it. Where fork is not offered, the same work runs
+        in a thread: the same answer."""
+        d = None if self.beaten(c) else self._refine_next(c, upcoming)      # c beaten: no work here to pair with
+        if d is None:
+            if self._to_simulate(c):
+                simulate_candidate(c, self.topo, self.ccr)
+                self.record(c)
+            return
+
+        def refine_there() -> tuple[Any, bool | None]:
+            tighter = algorithms.get(d.algorithm).refine(d.plan, self.topo)
+            return tighter, (reduces(d, self.topo) if self.n > FULL_SIM_MAX_RANKS else None)   # its build at hand
+
+        def here() -> bool:
+            if self._to_simulate(c):
+                simulate_candidate(c, self.topo, self.ccr)
+                return True
+            return False
+
+        (tighter, symmetric), simulated = alongside(refine_there, here)
+        self.refined.add(id(d))
+        if tighter is not None:
+            d.timing = tighter
+        if symmetric is not None:
+            self.symmetric[id(d)] = symmetric
+        if simulated:
+            self.record(c)
+
+    def _refine_next(self, c: Candidate, upcoming: list[Candidate]) -> Candidate | None:
+        """The first of ``upcoming`` whose bound neither the best so far nor ``c``'s likely time (its estimate, at least
+        its bound) prunes, if it is not refined yet, has a tighter form and its method builds at this size (a
+        refinement may build the schedule); None otherwise."""
+        likely = min(self.best, max(c.estimate_s, c.bound_s))
+        for d in upcoming:
+            if d.bound_s > likely * (1 - self.prune_slack) * (1 + 1e-12):
+                continue
+            alg = algorithms.get(d.algorithm)
+            if id(d) in self.refined or not alg.refines(d.plan) or not alg.search_may_build(self.n):
+                return None
+            return d
+        return None
+
     def _to_simulate(self, c: Candidate) -> bool:
         """Tighten ``c``'s bound (once something is simulated); False (``c`` left at its closed form) when the best
         so far prunes it or, above :data:`FULL_SIM_MAX_RANKS` ranks, when its schedule has no node symmetry and a
         leader exists."""
-        if self.best < float("inf") and not self.beaten(c):   # only once a bound can prune (something simulated)
+        if self.best < float("inf") and not self.beaten(c) and id(c) not in self.refined:   # once a bound can prune
             refine_bound(c, self.topo)
+            self.refined.add(id(c))
         if self.beaten(c):
             c.predicted = closed_form_predicted(c, self.ccr)
             forget_built(c)
@@ -289,13 +344,18 @@ class _BranchAndBound:
             c.not_simulated = f"its schedule is not built above {alg.search_max_ranks} ranks (seconds and GBs a plan)"
             self.unsimulated[f"schedule not built above {alg.search_max_ranks} ranks (simulate it alone)"] += 1
             return False
-        if self.n > FULL_SIM_MAX_RANKS and self.leader is not None and not reduces(c, self.topo):
+        if self.n > FULL_SIM_MAX_RANKS and self.leader is not None and not self._reduces(c):
             c.predicted = closed_form_predicted(c, self.ccr)
             c.not_simulated = f"no node symmetry above {FULL_SIM_MAX_RANKS} ranks: simulating it runs every rank"
             self.unsimulated[f"no node symmetry above {FULL_SIM_MAX_RANKS} ranks (simulate it alone)"] += 1
             forget_built(c)
             return False
         return True
+
+    def _reduces(self, c: Candidate) -> bool:
+        """:func:`~meshplan.search.candidate.reduces`, or what the process that refined ``c`` found."""
+        known = self.symmetric.get(id(c))
+        return reduces(c, self.topo) if known is None else known
 
     def record(self, c: Candidate) -> None:
         """A simulated candidate: rejected when its simulated total is over the memory limit, else the leader if

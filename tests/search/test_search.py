@@ -227,6 +227,40 @@ def test_simulating_two_at_a_time_forked_or_not_gives_the_same_answer(monkeypatc
     assert runs["0"] == runs["1"] and len(runs["1"]) > 4
 
 
+@pytest.mark.parametrize("full_sim_max", [256, 8])
+def test_one_at_a_time_beside_the_next_refinement_forked_or_not_gives_the_same_answer(monkeypatch, full_sim_max):
+    """Above PAIR_MAX_RANKS the branch and bound visits one candidate at a time while the next one's bound is
+    tightened in a forked process (and, above FULL_SIM_MAX_RANKS, its node symmetry found there): the same
+    candidates simulated to the same times, the same bounds, the same pick and the same unsimulated ones as when
+    that work runs in a thread here; and Mesh bounds are tightened (refined) as when visiting in turn."""
+    import meshplan.search as search
+
+    monkeypatch.setattr(search, "PAIR_MAX_RANKS", 8)
+    monkeypatch.setattr(search, "FULL_SIM_MAX_RANKS", full_sim_max)
+    topo = Topology.load("h100x16", gpus=16)
+    w = resolve(seq_len="32K", model="llama3-8b")
+    runs = {}
+    for fork in ("0", "1"):
+        monkeypatch.setenv("MESHPLAN_FORK", fork)
+        res = run_search(w, topo, 16, algos=["mesh", "usp", "ring"])
+        runs[fork] = [(c.algorithm, c.workload.layout, repr(c.knobs), c.model_level, c.bound_s,
+                       c.predicted.makespan_s if c.predicted else None, c.not_simulated) for c in res.candidates]
+    assert runs["0"] == runs["1"]
+    assert sum(r[3] == "simulated" for r in runs["1"]) >= 2
+    if full_sim_max == 8:
+        assert any(r[6] for r in runs["1"])           # a causal contiguous Mesh: no node symmetry, left unsimulated
+    # against visiting in turn (nothing refined ahead): the same simulations and pick; a bound only ever tighter
+    monkeypatch.setattr(search._BranchAndBound, "_refine_next", lambda self, c, upcoming: None)
+    res = run_search(w, topo, 16, algos=["mesh", "usp", "ring"])
+    alone = {r[:3]: r for r in ([(c.algorithm, c.workload.layout, repr(c.knobs), c.model_level, c.bound_s,
+                                  c.predicted.makespan_s if c.predicted else None, c.not_simulated)
+                                 for c in res.candidates])}
+    assert runs["1"][0] == alone[runs["1"][0][:3]]
+    for r in runs["1"]:
+        a = alone[r[:3]]
+        assert r[3] == a[3] and (r[5] == a[5] or r[3] != "simulated") and r[4] >= a[4] * (1 - 1e-12)
+
+
 def test_a_pair_simulated_beside_brings_back_the_second_schedule_only_under_the_best(monkeypatch):
     """simulate_both's second candidate, simulated in a forked process, comes back with its schedule — the one of
     the variant it kept, equal to a fresh build — when its time is under ``keep_below`` (the branch and bound's best:

@@ -4,12 +4,13 @@
 no more than one part's objects exist at once (a 1024-rank schedule: 0.9M ops and 0.36M tensors, 4.7 GB of objects
 read whole), and two processes share the parts of a large file.
 
-The parts are found by the writer's compact layout (:func:`meshplan.plan.json.schedule_text.json_chunks`): ``,"tensors":[``
-then ``],"ranks":[`` then one ``{"rank":K,...}`` object per rank, the file ending ``]}``. A JSON string cannot hold
-an unescaped quote, so ``{"rank":`` and ``},{"id":`` only occur there as the starts of those objects; each part is
-still validated whole as its model, and the frame, the ``[`` … ``]`` around the batches and the ``,`` between the
-ranks are checked, so the parts make up exactly the file. Anything else (a file formatted otherwise, a part that
-does not validate, a check a part fails) returns None: the caller reads the file whole, whose errors name the field.
+The parts are found by the writer's compact layout (:func:`meshplan.plan.json.schedule_text.json_chunks`):
+``,"tensors":[`` then ``],"ranks":[`` then one ``{"rank":K,...}`` object per rank, the file ending ``]}``. A JSON
+string cannot hold an unescaped quote, so ``{"rank":`` and ``},{"id":`` only occur there as the starts of those
+objects; each part is still validated whole as its model, and the frame, the ``[`` … ``]`` around the batches and
+the ``,`` between the ranks are checked, so the parts make up exactly the file. Anything else (a file formatted
+otherwise, a part that does not validate, a check a part fails) returns None: the caller reads the file whole, whose
+errors name the field.
 """
 
 from __future__ import annotations
