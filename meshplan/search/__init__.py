@@ -32,7 +32,7 @@ from meshplan import algorithms
 from meshplan.algorithms.base import BuildCache
 from meshplan.algorithms.ring import ring_ccr
 from meshplan.core.errors import SkipCandidate, UserError
-from meshplan.core.parallel import alongside
+from meshplan.core.parallel import alongside, can_fork
 from meshplan.core.units import fmt_bytes
 from meshplan.cost.memory import estimated_peak_bytes
 from meshplan.model.matrix import attn_matrix
@@ -285,8 +285,8 @@ class _BranchAndBound:
         candidate that ``c``'s likely time would not prune (:meth:`_refine_next`) and, above
         :data:`FULL_SIM_MAX_RANKS` ranks, finds whether its schedule has node symmetry while it is built: above
         :data:`PAIR_MAX_RANKS` ranks the search runs one thing at a time and a Mesh refinement builds a 0.75M-op
-        schedule (~2–3 s at 1024 ranks), so the other core takes it. Where fork is not offered, the same work runs
-        in a thread: the same answer."""
+        schedule (~2–3 s at 1024 ranks), so the other core takes it. Where fork is not offered, the two run in turn:
+        the same answer."""
         d = None if self.beaten(c) else self._refine_next(c, upcoming)      # c beaten: no work here to pair with
         if d is None:
             if self._to_simulate(c):
@@ -304,7 +304,10 @@ class _BranchAndBound:
                 return True
             return False
 
-        (tighter, symmetric), simulated = alongside(refine_there, here)
+        if can_fork():
+            (tighter, symmetric), simulated = alongside(refine_there, here)
+        else:                          # in turn: a thread would share the build cache and the plans' with this one
+            (tighter, symmetric), simulated = refine_there(), here()
         self.refined.add(id(d))
         if tighter is not None:
             d.timing = tighter

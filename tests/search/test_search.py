@@ -232,7 +232,7 @@ def test_one_at_a_time_beside_the_next_refinement_forked_or_not_gives_the_same_a
     """Above PAIR_MAX_RANKS the branch and bound visits one candidate at a time while the next one's bound is
     tightened in a forked process (and, above FULL_SIM_MAX_RANKS, its node symmetry found there): the same
     candidates simulated to the same times, the same bounds, the same pick and the same unsimulated ones as when
-    that work runs in a thread here; and Mesh bounds are tightened (refined) as when visiting in turn."""
+    the two run in turn (no fork); and against visiting with nothing refined ahead, the same simulations and pick."""
     import meshplan.search as search
 
     monkeypatch.setattr(search, "PAIR_MAX_RANKS", 8)
