@@ -27,6 +27,7 @@ def run_command(schedule: str, nproc, backend, iters, warmup, check, serialize, 
     for flag, name in ((out, "--out"), (trace, "--trace")):
         if flag is not None and not flag.endswith(".json"):
             raise UserError(name, f"{flag!r} is not a .json name", "name the file *.json")
+    _runs_here(schedule, backend)
     if iters < 1 or warmup < 0 or timeout_s <= 0:
         raise UserError("--iters/--warmup/--timeout-s", "need iters ≥ 1, warmup ≥ 0, timeout > 0", "fix the value")
     if dump_dir is not None and Path(dump_dir).exists() and not Path(dump_dir).is_dir():
@@ -53,6 +54,33 @@ def run_command(schedule: str, nproc, backend, iters, warmup, check, serialize, 
         print_run(meas, cmp, out_console())
     _say_implausible(cmp)
     return 1 if meas.numerics.passed is False or (cmp or {}).get("implausible") else 0
+
+
+def _runs_here(schedule: str, backend: str) -> None:
+    """Refuse at once what cannot start here: no torch (``run`` needs the ``exec`` extra), or a schedule of more CPU
+    ranks than this host spawns — read from the file's header before the whole file is read and checked (seconds
+    and GBs at 256 ranks), and before the memory check that would name its topology's limits.
+
+    Raises:
+        UserError: one line, the fix.
+    """
+    import importlib.util
+    import os
+
+    from meshplan.plan.json.io import schedule_ranks
+    from meshplan.search.run_memory import cpu_max_ranks, cpu_ranks_error
+
+    if importlib.util.find_spec("torch") is None:
+        raise UserError("meshplan run", "needs torch, which this environment lacks",
+                        "pip install -c constraints.txt -e '.[exec]' (CPU ranks), or '.[gpu]' on a GPU host")
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return                                       # one rank of a torchrun job: the job is the cluster's
+    import torch
+
+    cpu = backend == "gloo" or (backend == "auto" and not torch.cuda.is_available())
+    n = schedule_ranks(schedule) if cpu else None
+    if n is not None and n > cpu_max_ranks():
+        raise cpu_ranks_error(Path(schedule).name, n)
 
 
 def _say_implausible(cmp: dict[str, Any] | None) -> None:

@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from meshplan.core.errors import UserError
+from meshplan.show.console import out_console
 
 
 def _log(message: str) -> None:
@@ -116,14 +117,17 @@ def validate_file(path, topo, as_json: bool) -> int:
             "peak_memory_bytes": report.peak_memory_bytes, "ops": len(sched.ops), "ranks": sched.n_ranks}
     if as_json:
         sys.stdout.write(json.dumps(body, indent=1) + "\n")
-    elif report.ok:
+        return 0 if report.ok else 1
+    say = out_console()              # wrapped at the terminal's width (100 columns piped)
+    if report.ok:
         peak = report.peak_memory_bytes / 1e9
-        sys.stdout.write(f"valid: {len(sched.ops)} ops on {sched.n_ranks} ranks; every permitted block once, no "
-                         f"padding computed, transfers matched and batched in one order, no hazard, no deadlock; "
-                         f"peak buffers {peak:.3g} GB per rank\n")
+        say.print(f"valid: {len(sched.ops)} ops on {sched.n_ranks} ranks; every permitted block once, no padding "
+                  f"computed, transfers matched and batched in one order, no hazard, no deadlock; peak buffers "
+                  f"{peak:.3g} GB per rank", markup=False, highlight=False)
     else:
-        sys.stdout.write(f"invalid: {sum(report.counts.values())} violation(s)\n")
-        sys.stdout.write("".join(f"  {v}\n" for v in report.violations))
+        say.print(f"invalid: {sum(report.counts.values())} violation(s)", markup=False, highlight=False)
+        for v in report.violations:
+            say.print(f"  {v}", markup=False, highlight=False)
     return 0 if report.ok else 1
 
 

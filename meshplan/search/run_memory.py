@@ -42,11 +42,31 @@ def rank_peak_bytes(sched, topo) -> float:
     return max(peaks, default=0.0)
 
 
+def cpu_max_ranks() -> int:
+    """The most CPU ranks ``meshplan run`` spawns on one host (``cpu-local``'s ``max_ranks``)."""
+    from meshplan.model.topo_files import find_topology, parse_topology
+    path, text = find_topology("cpu-local")
+    return int(parse_topology(text, path).node.max_ranks)
+
+
+def cpu_ranks_error(name: str, n_ranks: int) -> UserError:
+    """Why a schedule of ``n_ranks`` cannot run as CPU ranks spawned here, and where it can."""
+    most = cpu_max_ranks()
+    return UserError(name, f"has {n_ranks} ranks; this host spawns at most {most} CPU ranks (cpu-local)",
+                     f"run it on its cluster, one rank per GPU under torchrun (torchrun --nnodes N --nproc-per-node G "
+                     f"-m meshplan run {name}; docs/running.md), or plan {most} ranks or fewer for a CPU run")
+
+
 def run_topology(sched, gpu: bool):
     """The topology whose device the ranks run on: ``cpu-local`` with the schedule's ranks for CPU ranks, else the
-    schedule's own."""
+    schedule's own.
+
+    Raises:
+        UserError: more CPU ranks than this host spawns (:func:`cpu_ranks_error`)."""
     from meshplan.model.topology import Topology
     if not gpu:
+        if sched.n_ranks > cpu_max_ranks():
+            raise cpu_ranks_error("the schedule", sched.n_ranks)
         return Topology.load("cpu-local", sched.n_ranks)
     return Topology.load(sched.topology.get("name"), sched.topology.get("devices"))
 

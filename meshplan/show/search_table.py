@@ -107,7 +107,7 @@ def _print_notes(body: dict[str, Any], console: Console) -> None:
                       f"{guess}; time it alone:")
         for line in command_lines(u["simulate"], console.width):
             console.print(line, soft_wrap=True, markup=False, highlight=False)
-    for line in (_lead_text(body["candidates"]), _vs_ring_text(body), *why_lines(body)):
+    for line in (_lead_text(body["candidates"], body["n_ranks"]), _vs_ring_text(body), *why_lines(body)):
         if line:
             console.print(line)
     for i, c in enumerate(body["candidates"], start=1):
@@ -167,10 +167,11 @@ def _doc_text(d: dict[str, Any] | None) -> str:
 NEAR_TIE = 0.03      # predicted margins below this are near-ties: the CPU validation's error is several times it
 
 
-def _lead_text(candidates: list[dict[str, Any]]) -> str | None:
+def _lead_text(candidates: list[dict[str, Any]], n_ranks: int) -> str | None:
     """How far #1 (simulated) leads #2 — at least that far when #2 was left at its closed-form lower bound — and a
     near-tie warning under :data:`NEAR_TIE`: a margin smaller than the model's error does not say which is
-    faster. None without a simulated #1 and a #2."""
+    faster, so run both — here as CPU ranks up to this host's limit, else on the cluster. None without a simulated
+    #1 and a #2."""
     if len(candidates) < 2 or candidates[0]["model_level"] != "simulated":
         return None
     a, b = (c["predicted"]["makespan_s"] for c in candidates[:2])
@@ -183,8 +184,11 @@ def _lead_text(candidates: list[dict[str, Any]]) -> str | None:
     text = (f"#1 leads #2 by {'at least ' if bound else ''}{gap:.1%} (predicted"
             f"{'; #2 at its closed-form lower bound' if bound else ''})")
     if gap < NEAR_TIE:
-        text += (f"; under {NEAR_TIE:.0%} that is a near-tie, closer than the model's error (docs/accuracy.md): "
-                 "run both (meshplan search --write 2, then meshplan run) to pick")
+        from meshplan.search.run_memory import cpu_max_ranks
+        runs = "then meshplan run each" if n_ranks <= cpu_max_ranks() else \
+            "then run each on the cluster under torchrun: docs/running.md"
+        text += (f"; {'proven only that far: ' if bound else ''}under {NEAR_TIE:.0%} that is a near-tie, closer than "
+                 f"the model's error (docs/accuracy.md): run both (meshplan search --write 2, {runs}) to pick")
     return text
 
 

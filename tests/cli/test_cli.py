@@ -35,14 +35,17 @@ def test_simulate_human_table_on_stdout():
     assert r.exit_code == 0 and "makespan" in r.stdout and "bytes received" in r.stdout
 
 
-def test_simulate_writes_and_reads_back(tmp_path):
+def test_simulate_writes_and_reads_back(tmp_path, monkeypatch):
+    monkeypatch.delenv("COLUMNS", raising=False)                    # piped output: 100 columns
     out, trace = tmp_path / "r.json", tmp_path / "r.trace.json"
     r = run("simulate", "--algo", "ring", "--gpus", 4, "--topo", "h100x8", "--seq-len", "16K", "--out", out,
             "--trace", trace, "--json")
     assert r.exit_code == 0, r.stderr
     first = json.loads(r.stdout)["predicted"]["makespan_s"]
     assert "traceEvents" in json.loads(trace.read_text())
-    assert run("validate", out).exit_code == 0
+    valid = run("validate", out)
+    assert valid.exit_code == 0 and "no deadlock" in " ".join(valid.stdout.split())
+    assert max(map(len, valid.stdout.splitlines())) <= 100         # piped: wrapped at 100 columns, not 170
     again = run("simulate", out, "--json")
     assert again.exit_code == 0, again.stderr
     assert json.loads(again.stdout)["predicted"]["makespan_s"] == pytest.approx(first)
@@ -85,18 +88,22 @@ def test_search_flags_a_near_tie_at_the_top():
             "ring,merge,rmplus", "--write", 0)
     cands = json.loads(run(*args, "--json").stdout)["candidates"]
     a, b = (c["predicted"]["makespan_s"] for c in cands[:2])
-    text = _lead_text(cands)
+    text = _lead_text(cands, 4)
     at_least = "at least " if cands[1]["model_level"] != "simulated" else ""
     assert text.startswith(f"#1 leads #2 by {at_least}{(b - a) / a:.1%}")
     assert ("near-tie" in text) == ((b - a) / a < NEAR_TIE)
     same = {**cands[0]}
-    assert _lead_text([cands[0], same]).startswith("#1 leads #2 by 0.0% (predicted)")
-    assert "near-tie" in _lead_text([cands[0], same])
+    assert _lead_text([cands[0], same], 4).startswith("#1 leads #2 by 0.0% (predicted)")
+    assert "near-tie" in _lead_text([cands[0], same], 4)
+    # the way to run both: CPU ranks here up to cpu-local's 64, else on the cluster (a 256-rank run cannot start here)
+    assert "then meshplan run each)" in _lead_text([cands[0], same], 64)
+    cluster = _lead_text([cands[0], same], 256)
+    assert "torchrun" in cluster and "meshplan run each" not in cluster
     far = {**cands[0], "predicted": {**cands[0]["predicted"], "makespan_s": 2 * a}}
-    assert _lead_text([cands[0], far]) == "#1 leads #2 by 100.0% (predicted)"
+    assert _lead_text([cands[0], far], 4) == "#1 leads #2 by 100.0% (predicted)"
     bounded = {**far, "model_level": "closed-form"}
-    assert _lead_text([cands[0], bounded]).startswith("#1 leads #2 by at least 100.0%")
-    assert _lead_text(cands[:1]) is None and _lead_text([bounded, cands[0]]) is None
+    assert _lead_text([cands[0], bounded], 4).startswith("#1 leads #2 by at least 100.0%")
+    assert _lead_text(cands[:1], 4) is None and _lead_text([bounded, cands[0]], 4) is None
     shown = run(*args)
     assert shown.exit_code == 0 and "#1 leads #2 by" in shown.stdout
 

@@ -74,6 +74,35 @@ def test_world_size_and_backend_are_checked_first(ring2):
     one_line_error(run("run", ring2, "--dump", ring2), "--dump", "not a folder")    # refused before running
 
 
+def test_a_schedule_of_more_ranks_than_this_host_spawns_is_refused_at_once(tmp_path, monkeypatch):
+    """A 72-rank schedule run as CPU ranks: refused from the file's header (exit 2, one line naming the file, the
+    limit and torchrun), before the whole file is read and checked (seconds and GBs at 256 ranks) or its memory
+    checked — not with the topology's ``--gpus``."""
+    import meshplan.executor.launch as launch
+    from meshplan.algorithms import get
+    from meshplan.model.topology import Topology
+    from meshplan.model.workload import resolve
+    from meshplan.plan.json.io import write_schedule
+
+    topo = Topology.load("h100x32", gpus=72)
+    alg = get("ring")
+    path = write_schedule(alg.schedule(alg.plan(resolve(seq_len=4608), topo, 72, alg.normalize({})), topo),
+                          tmp_path / "ring72.json")
+    monkeypatch.setattr(launch, "load_program", lambda path: pytest.fail("read whole before the refusal"))
+    result = run("run", path, "--backend", "gloo")
+    one_line_error(result, "ring72.json", "72 ranks", "at most 64 CPU ranks", "torchrun")
+    assert "--gpus" not in result.stderr
+
+
+def test_run_without_torch_is_one_line(ring2, monkeypatch):
+    """Installed without the exec extra: one line naming what to install (no ModuleNotFoundError traceback)."""
+    import importlib.util
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else find(name, *a))
+    one_line_error(run("run", ring2), "needs torch", "[exec]")
+
+
 @pytest.mark.heavy
 def test_a_lost_message_times_out_naming_rank_op_and_peer(ring2, tmp_path):
     """Rank 0's first send is never posted (fault injection): rank 1's recv times out; the job stops."""

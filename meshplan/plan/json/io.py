@@ -149,6 +149,19 @@ def _validate(raw: bytes, path: Path) -> ScheduleJSON:
                         "fix the file or regenerate it") from None
 
 
+def schedule_ranks(path: str | Path) -> int | None:
+    """The ``n_ranks`` a schedule file's header states, read without validating the rest (None when the header does
+    not give it where meshplan writes it); a check before the whole file is read, not a substitute for it.
+
+    Raises:
+        UserError: unreadable file, a measurement, or another schema version.
+    """
+    raw = _read_raw(Path(path))
+    head = raw[:max(raw.find(b'"tensors"'), 0)]
+    m = re.search(rb'"n_ranks"\s*:\s*(\d+)', head)
+    return int(m.group(1)) if m else None
+
+
 def _schema_version(raw: bytes):
     """The file's ``schema_version``, read before validating the rest (ValueError if not JSON)."""
     m = re.match(rb'\s*\{\s*"schema_version"\s*:\s*("(?:[^"\\]|\\.)*"|[-0-9.]+|null|true|false)', raw)
