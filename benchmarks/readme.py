@@ -72,7 +72,8 @@ def block_main_job(r) -> str:
             f"`COLUMNS=100`, `--top 6`):\n\n```\n{out}\n```\n\n"
             f"- **{best['algorithm']} wins here**: {ms(best['makespan_s'])} predicted, against "
             f"{ms(ring['makespan_s'])} for the best Ring ({ring['makespan_s'] / best['makespan_s']:.2f}x), "
-            f"{best['bytes_GB']:.2f} GB received per GPU against Ring's {ring['bytes_GB']:.2f} GB.\n")
+            f"{best['cross_GB']:.2f} GB across nodes per GPU (the table's inter-node column) against Ring's "
+            f"{ring['cross_GB']:.2f} GB.\n")
 
 
 def block_cli_examples(r) -> str:
@@ -631,7 +632,8 @@ def run_cli() -> None:
         res = json.loads(_cli(MAIN_JOB + ["--json", "--write", "0"], d)["stdout"])
         ring = json.loads(_cli(MAIN_JOB + ["--json", "--write", "0", "--algos", "ring"], d)["stdout"])
         pick = lambda c: {"algorithm": c["algorithm"], "makespan_s": c["predicted"]["makespan_s"],  # noqa: E731
-                          "bytes_GB": c["predicted"]["comm_bytes_per_gpu_max"] / 1e9}
+                          "bytes_GB": c["predicted"]["comm_bytes_per_gpu_max"] / 1e9,
+                          "cross_GB": c["predicted"]["inter_node_bytes_per_gpu_max"] / 1e9}
         body["main_best"], body["main_ring"] = pick(res["candidates"][0]), pick(ring["candidates"][0])
         written = sorted(Path(d, "schedules").glob("01-*"))
         body["simulate"] = _cli(CLI_EXAMPLES["simulate"], d)
