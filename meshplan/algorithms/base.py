@@ -228,8 +228,9 @@ class BuiltTiming(Algorithm):
         return self.schedule_free and self.lazy_from is not None and n_ranks >= self.lazy_from
 
     def refines(self, plan: Plan) -> bool:
-        """A lazy plan of a method whose schedule-free bound is looser (``lazy_refines``)."""
-        return bool(self.lazy_refines and plan.extra.get("lazy"))
+        """A lazy plan of a method whose schedule-free bound is looser (``lazy_refines``), at a size a search may
+        build (above ``search_max_ranks`` the refinement would build the schedule the search never builds there)."""
+        return bool(self.lazy_refines and plan.extra.get("lazy") and self.search_may_build(plan.n_ranks))
 
     def refine(self, plan: Plan, topo: Topology) -> dict[str, PassTiming] | None:
         """A lazy plan's built closed form where the schedule-free bound is looser (``lazy_refines``; the schedule is

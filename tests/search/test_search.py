@@ -394,6 +394,27 @@ def test_lazy_closed_forms_give_the_same_pick(monkeypatch):
     assert lazy.counts["enumerated"] == eager.counts["enumerated"]
 
 
+def test_a_lazy_plan_above_the_build_limit_is_not_refined(monkeypatch):
+    """A lazy LoongTrain plan refines by its built form (its schedule-free bound is up to 10% looser) — but not
+    above search_max_ranks (lowered here to 16), where a search never builds it: a refinement there would build
+    the schedule (GBs at 1024 ranks). Below, it refines."""
+    from meshplan.algorithms import get
+    from meshplan.algorithms.loongtrain import LoongTrain
+    from meshplan.search.candidate import make_candidate, refine_bound
+
+    alg = get("loongtrain")
+    topo = Topology.load("h100x32", gpus=32)
+    w = resolve(seq_len="32K", heads=8, kv_heads=2, head_dim=64)
+    monkeypatch.setattr(LoongTrain, "lazy_from", 8)
+    below = make_candidate("loongtrain", w, topo, 32, {}, lazy=True)
+    assert alg.refines(below.plan) and refine_bound(below, topo) >= below.bound_s
+    monkeypatch.setattr(LoongTrain, "search_max_ranks", 16)
+    above = make_candidate("loongtrain", w, topo, 32, {}, lazy=True)
+    monkeypatch.setattr(LoongTrain, "build", lambda self, plan, topo: pytest.fail("built above the limit"))
+    before = above.bound_s
+    assert not alg.refines(above.plan) and refine_bound(above, topo) == before
+
+
 @pytest.mark.parametrize("algo", ["ring", "mesh", "usp"])
 def test_closed_form_bytes_per_flop_is_the_simulated_one(algo):
     """A closed form receives the same bytes as its schedule, so its total bytes per FLOP (fwd and bwd folded)
