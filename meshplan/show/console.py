@@ -26,6 +26,34 @@ def out_width() -> int | None:
 
 
 def out_console() -> Console:
-    """A rich console on stdout at :func:`out_width`."""
+    """A rich console on stdout at :func:`out_width`; piped, without the spaces rich leaves at the end of a wrapped
+    line or pads a table's title with (:class:`_Trimmed`)."""
     from rich.console import Console
-    return Console(width=out_width())
+    width = out_width()
+    return Console(width=width) if width is None else Console(width=width, file=_Trimmed(sys.stdout))
+
+
+class _Trimmed:
+    """A text stream that writes whole lines to ``out`` with their trailing spaces dropped."""
+
+    def __init__(self, out) -> None:
+        self.out, self.pending = out, ""
+
+    def write(self, text: str) -> int:
+        lines = (self.pending + text).split("\n")
+        self.pending = lines.pop()
+        if lines:
+            self.out.write("".join(line.rstrip(" ") + "\n" for line in lines))
+        return len(text)
+
+    def flush(self) -> None:
+        if self.pending:
+            self.out.write(self.pending)
+            self.pending = ""
+        self.out.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+    def fileno(self) -> int:
+        return self.out.fileno()

@@ -108,6 +108,28 @@ def test_piped_output_defaults_to_100_columns(monkeypatch):
     assert out_width() == 132
 
 
+def test_piped_output_has_no_trailing_spaces(monkeypatch, capsys):
+    """Piped, the console drops the spaces rich leaves where it wraps a line and pads a table's title with; a line
+    printed in pieces still comes out whole."""
+    from rich.table import Table
+
+    from meshplan.show.console import out_console
+    monkeypatch.setenv("COLUMNS", "60")
+    say = out_console()
+    say.print("word " * 40, markup=False)
+    table = Table(title="a title narrower than its table")
+    table.add_column("a column with a long header")
+    table.add_column("another one")
+    say.print(table)
+    say.file.write("a line written ")
+    say.file.write("in two pieces\n")
+    say.file.flush()
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert len(lines) > 6 and not any(line.endswith(" ") for line in lines) and max(map(len, lines)) <= 60
+    assert "a line written in two pieces" in lines and "word word" in lines[0]
+
+
 def test_ring_is_the_reference_row(search_body):
     """Ring's best setting, simulated, is in --json as ``reference`` (one of the candidates) and in the table, and
     the pick's lead over it is said; no Ring candidate simulated faster than it."""
