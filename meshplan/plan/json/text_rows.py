@@ -11,7 +11,6 @@ import numpy as np
 
 _DIGITS = np.frombuffer(b"0123456789", dtype=np.uint8)
 _MAX_DIGITS = 19          # int64
-_POW10 = 10 ** np.arange(_MAX_DIGITS, dtype=np.int64)
 
 
 def _n_digits(v: np.ndarray) -> np.ndarray:
