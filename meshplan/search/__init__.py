@@ -11,8 +11,9 @@ by its schedule-free bound (USP, Ulysses, LoongTrain, StarTrail, CHARM+) is neve
 written): its schedule alone takes GBs; ``meshplan simulate --algo`` times it (and ``--out`` writes it).
 
 Modules, in pipeline order: this one (:func:`run_search`), :mod:`candidate` (one candidate: plan, closed form,
-simulation), :mod:`beside` (simulations in a forked process beside other work), :mod:`ranking` (the table's order,
-Ring's reference row, what keeps the pick unproven), :mod:`pipeline` (the whole search the CLI runs, as one call: a
+simulation), :mod:`branch_bound` (the search loop: tighten, prune or simulate each candidate), :mod:`beside`
+(simulations in a forked process beside other work), :mod:`ranking` (the table's order, Ring's reference row, what
+keeps the pick unproven), :mod:`pipeline` (the whole search the CLI runs, as one call: a
 ``SearchRequest`` in, a ``SearchReport`` out), :mod:`framework_settings` and :mod:`frameworks` (Megatron-LM/TE,
 yunchang and torchtitan settings), :mod:`improve`, :mod:`mapping` and :mod:`ilp` (CP-SAT orders, placement search),
 :mod:`sensitivity`, :mod:`job_rerank` (ranking by a TP x CP x DP job's time), :mod:`inference` (the KV-cache rule),
@@ -32,24 +33,14 @@ from meshplan import algorithms
 from meshplan.algorithms.base import BuildCache
 from meshplan.algorithms.ring import ring_ccr
 from meshplan.core.errors import SkipCandidate, UserError
-from meshplan.core.parallel import alongside, can_fork
 from meshplan.core.units import fmt_bytes
 from meshplan.cost.memory import estimated_peak_bytes
 from meshplan.model.matrix import attn_matrix
 from meshplan.model.topology import Topology
 from meshplan.model.workload import LAYOUTS, Workload
-from meshplan.search.beside import simulate_beside, simulate_both
-from meshplan.search.candidate import (
-    Candidate,
-    closed_form_predicted,
-    forget_built,
-    label,
-    make_candidates,
-    over_memory,
-    reduces,
-    refine_bound,
-    simulate_candidate,
-)
+from meshplan.search.beside import simulate_beside
+from meshplan.search.branch_bound import OVER_LIMIT, BranchAndBound
+from meshplan.search.candidate import Candidate, forget_built, label, make_candidates, over_memory, simulate_candidate
 from meshplan.search.ranking import not_proven, ranked, reference_simulations, ring_reference, ring_rows
 
 PRUNE_SLACK = 0.01
@@ -195,7 +186,8 @@ def run_search(base: Workload, topo: Topology, n: int, *, algos: list[str] | Non
     fwd_only = [c for c in cands if c.forward_only]       # listed after the others with bwd: null
     cands = [c for c in cands if not c.forward_only]
     cands.sort(key=lambda c: (c.estimate_s, c.bound_s))   # likely winners first: pruning bites early
-    bnb = _BranchAndBound(topo, n, ccr, memory_limit, given, prune_slack, skipped, rejected)
+    bnb = BranchAndBound(topo, n, ccr, memory_limit, given, prune_slack, skipped, rejected, FULL_SIM_MAX_RANKS,
+                         PAIR_MAX_RANKS)
     # Ring's settings for the reference row, simulated in another process beside the branch and bound (both cores)
     pool = ring_rows(cands) if n <= FULL_SIM_MAX_RANKS else []         # above: Ring's bounds stand
     _, beside = simulate_beside(pool, lambda sim: reference_simulations(
@@ -211,175 +203,11 @@ def run_search(base: Workload, topo: Topology, n: int, *, algos: list[str] | Non
         peak, label = min(bnb.over)
         raise _no_fit(memory_limit, given, f"{fmt_bytes(peak)} ({label}, simulated)")
     n_sim = sum(c.model_level == "simulated" for c in cands)
-    counts = {"enumerated": len(cands) + len(fwd_only) + skipped[_OVER[given]], "pruned": len(cands) - n_sim,
+    counts = {"enumerated": len(cands) + len(fwd_only) + skipped[OVER_LIMIT[given]], "pruned": len(cands) - n_sim,
               "simulated": n_sim + len(fwd_only), "skipped": dict(skipped), "not_simulated": dict(bnb.unsimulated),
               "prune_slack": prune_slack}
     return SearchResult(base, topo, n, ranked(cands + fwd_only), counts, time.perf_counter() - t0, ccr, rejected,
                         layout_pinned, memory_limit, reference)
-
-
-@dataclass
-class _BranchAndBound:
-    """The search loop's state over candidates visited best estimate first: the best simulated makespan so far
-    and its candidate (the only one whose simulation is kept), what was left unsimulated and why, and the
-    simulated totals over the memory limit."""
-
-    topo: Topology
-    n: int
-    ccr: float | None
-    memory_limit: float
-    given: bool
-    prune_slack: float
-    skipped: Counter
-    rejected: list[str]
-    best: float = float("inf")
-    leader: Candidate | None = None
-    unsimulated: Counter = field(default_factory=Counter)
-    over: list[tuple[float, str]] = field(default_factory=list)
-    refined: set[int] = field(default_factory=set)          # ids of the candidates whose bound is tightened
-    symmetric: dict[int, bool] = field(default_factory=dict)   # id -> reduces(), found where it was refined
-
-    def beaten(self, c: Candidate) -> bool:
-        """Its lower bound exceeds (1 − prune_slack) x the best simulated makespan."""
-        return c.bound_s > self.best * (1 - self.prune_slack) * (1 + 1e-12)
-
-    def visit_all(self, cands: list[Candidate], progress: Callable[[int, int, str], None] | None = None) -> None:
-        """Visit the candidates in order: tighten each bound, leave it at its closed form or simulate it. Up to
-        :data:`PAIR_MAX_RANKS` ranks, two at a time: each candidate to simulate is simulated together with the
-        next one that the best so far does not prune (:func:`~meshplan.search.beside.simulate_both`: both
-        cores where fork is offered, else one after the other — the same answer), and both are recorded in
-        order. So the second may be simulated where visiting one by one would have left it at a bound the
-        first's time beats: one more simulated row, never one fewer, and a pick at least as fast. Above, one at a
-        time, each beside the refinement of the next (:meth:`_visit_beside_refinement`)."""
-        pairs = self.n <= PAIR_MAX_RANKS      # in pairs where fork is not offered too: the same answer everywhere
-        k = 0
-        while k < len(cands):
-            c = cands[k]
-            if progress:
-                progress(k, len(cands), label(c))
-            k += 1
-            if not pairs:
-                self._visit_beside_refinement(c, cands[k:])
-                continue
-            if not self._to_simulate(c):
-                continue
-            partner = None
-            while pairs and k < len(cands):
-                d = cands[k]
-                if progress:
-                    progress(k, len(cands), label(d))
-                k += 1
-                if self._to_simulate(d):
-                    partner = d
-                    break
-            if partner is None:
-                simulate_candidate(c, self.topo, self.ccr)
-            else:
-                simulate_both(c, partner, self.topo, self.ccr, keep_below=self.best)
-            self.record(c)
-            if partner is not None:
-                self.record(partner)
-
-    def _visit_beside_refinement(self, c: Candidate, upcoming: list[Candidate]) -> None:
-        """Visit ``c`` (tighten, simulate or leave it) while a forked process tightens the bound of the next
-        candidate that ``c``'s likely time would not prune (:meth:`_refine_next`) and, above
-        :data:`FULL_SIM_MAX_RANKS` ranks, finds whether its schedule has node symmetry while it is built: above
-        :data:`PAIR_MAX_RANKS` ranks the search runs one thing at a time and a Mesh refinement builds a 0.75M-op
-        schedule (~2–3 s at 1024 ranks), so the other core takes it. Where fork is not offered, the two run in turn:
-        the same answer."""
-        d = None if self.beaten(c) else self._refine_next(c, upcoming)      # c beaten: no work here to pair with
-        if d is None:
-            if self._to_simulate(c):
-                simulate_candidate(c, self.topo, self.ccr)
-                self.record(c)
-            return
-
-        def refine_there() -> tuple[Any, bool | None]:
-            tighter = algorithms.get(d.algorithm).refine(d.plan, self.topo)
-            return tighter, (reduces(d, self.topo) if self.n > FULL_SIM_MAX_RANKS else None)   # its build at hand
-
-        def here() -> bool:
-            if self._to_simulate(c):
-                simulate_candidate(c, self.topo, self.ccr)
-                return True
-            return False
-
-        if can_fork():
-            (tighter, symmetric), simulated = alongside(refine_there, here)
-        else:                          # in turn: a thread would share the build cache and the plans' with this one
-            (tighter, symmetric), simulated = refine_there(), here()
-        self.refined.add(id(d))
-        if tighter is not None:
-            d.timing = tighter
-        if symmetric is not None:
-            self.symmetric[id(d)] = symmetric
-        if simulated:
-            self.record(c)
-
-    def _refine_next(self, c: Candidate, upcoming: list[Candidate]) -> Candidate | None:
-        """The first of ``upcoming`` whose bound neither the best so far nor ``c``'s likely time (its estimate, at least
-        its bound) prunes, if it is not refined yet, has a tighter form and its method builds at this size (a
-        refinement may build the schedule); None otherwise."""
-        likely = min(self.best, max(c.estimate_s, c.bound_s))
-        for d in upcoming:
-            if d.bound_s > likely * (1 - self.prune_slack) * (1 + 1e-12):
-                continue
-            alg = algorithms.get(d.algorithm)
-            if id(d) in self.refined or not alg.refines(d.plan) or not alg.search_may_build(self.n):
-                return None
-            return d
-        return None
-
-    def _to_simulate(self, c: Candidate) -> bool:
-        """Tighten ``c``'s bound (once something is simulated); False (``c`` left at its closed form) when the best
-        so far prunes it or, above :data:`FULL_SIM_MAX_RANKS` ranks, when its schedule has no node symmetry and a
-        leader exists."""
-        if self.best < float("inf") and not self.beaten(c) and id(c) not in self.refined:   # once a bound can prune
-            refine_bound(c, self.topo)
-            self.refined.add(id(c))
-        if self.beaten(c):
-            c.predicted = closed_form_predicted(c, self.ccr)
-            forget_built(c)
-            return False
-        alg = algorithms.get(c.algorithm)
-        if not alg.search_may_build(self.n):       # not even the first: 17 GB and 90 s for USP at 2048 ranks
-            c.predicted = closed_form_predicted(c, self.ccr)
-            c.not_simulated = f"its schedule is not built above {alg.search_max_ranks} ranks (seconds and GBs a plan)"
-            self.unsimulated[f"schedule not built above {alg.search_max_ranks} ranks (simulate it alone)"] += 1
-            return False
-        if self.n > FULL_SIM_MAX_RANKS and self.leader is not None and not self._reduces(c):
-            c.predicted = closed_form_predicted(c, self.ccr)
-            c.not_simulated = f"no node symmetry above {FULL_SIM_MAX_RANKS} ranks: simulating it runs every rank"
-            self.unsimulated[f"no node symmetry above {FULL_SIM_MAX_RANKS} ranks (simulate it alone)"] += 1
-            forget_built(c)
-            return False
-        return True
-
-    def _reduces(self, c: Candidate) -> bool:
-        """:func:`~meshplan.search.candidate.reduces`, or what the process that refined ``c`` found."""
-        known = self.symmetric.get(id(c))
-        return reduces(c, self.topo) if known is None else known
-
-    def record(self, c: Candidate) -> None:
-        """A simulated candidate: rejected when its simulated total is over the memory limit, else the leader if
-        fastest so far (only the leader keeps its schedule)."""
-        total = c.predicted.total.peak_memory_total_bytes
-        if total > self.memory_limit:
-            self.skipped[_OVER[self.given]] += 1                 # the simulated total: wire images included
-            self.rejected.append(over_memory(c, total, self.memory_limit, "simulated"))
-            self.over.append((total, label(c)))
-            c.predicted, c.model_level = None, "over-memory"
-            forget_built(c)
-            return
-        if c.predicted.makespan_s < self.best:
-            if self.leader is not None:
-                forget_built(self.leader)
-            self.best, self.leader = c.predicted.makespan_s, c
-        else:
-            forget_built(c)
-
-
-_OVER = {True: "over --memory-limit", False: "over the device's memory"}
 
 
 def _within_memory(cands: list[Candidate], topo: Topology, limit: float, given: bool, skipped: Counter,
@@ -394,7 +222,7 @@ def _within_memory(cands: list[Candidate], topo: Topology, limit: float, given: 
     for c in cands:
         peak = estimated_peak_bytes(c.timing)
         if peak > limit:
-            skipped[_OVER[given]] += 1
+            skipped[OVER_LIMIT[given]] += 1
             rejected.append(over_memory(c, peak, limit, "estimated"))
             smallest = min(smallest or (peak, c), (peak, c), key=lambda x: x[0])
         else:

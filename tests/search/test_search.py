@@ -234,6 +234,7 @@ def test_one_at_a_time_beside_the_next_refinement_forked_or_not_gives_the_same_a
     candidates simulated to the same times, the same bounds, the same pick and the same unsimulated ones as when
     the two run in turn (no fork); and against visiting with nothing refined ahead, the same simulations and pick."""
     import meshplan.search as search
+    from meshplan.search.branch_bound import BranchAndBound
 
     monkeypatch.setattr(search, "PAIR_MAX_RANKS", 8)
     monkeypatch.setattr(search, "FULL_SIM_MAX_RANKS", full_sim_max)
@@ -250,7 +251,7 @@ def test_one_at_a_time_beside_the_next_refinement_forked_or_not_gives_the_same_a
     if full_sim_max == 8:
         assert any(r[6] for r in runs["1"])           # a causal contiguous Mesh: no node symmetry, left unsimulated
     # against visiting in turn (nothing refined ahead): the same simulations and pick; a bound only ever tighter
-    monkeypatch.setattr(search._BranchAndBound, "_refine_next", lambda self, c, upcoming: None)
+    monkeypatch.setattr(BranchAndBound, "_refine_next", lambda self, c, upcoming: None)
     res = run_search(w, topo, 16, algos=["mesh", "usp", "ring"])
     alone = {r[:3]: r for r in ([(c.algorithm, c.workload.layout, repr(c.knobs), c.model_level, c.bound_s,
                                   c.predicted.makespan_s if c.predicted else None, c.not_simulated)
