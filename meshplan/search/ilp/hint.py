@@ -67,14 +67,10 @@ def greedy_solution(model) -> tuple[dict, int]:
 def _one_pass(model, p: int, items, barrier: int, xs: list[int], state: dict, value: dict) -> int:
     """List-schedule one pass from ``barrier``; fills ``value``; returns the pass's end."""
 
-    o, n, scale = model.sched.ops, items.n, state["scale"]
+    n = items.n
     after_end, after_start, remaining = _precedences(model, p, n)
     busy_rank = {i: r for r, its in model.busy.get(p, {}).items() for i in its}
-    xs_of = [[] for _ in range(n)]
-    for k in xs:
-        _, a, b, *_ = model.xinfo[k]
-        for item in {a, b}:
-            xs_of[item].append(k)
+    xs_of = _transfers_of(model, xs, n)
     open_x = [len(x) for x in xs_of]
     ready = [barrier] * n
     start, end, x_end = [None] * n, [None] * n, {}
@@ -109,16 +105,7 @@ def _one_pass(model, p: int, items, barrier: int, xs: list[int], state: dict, va
             if not xs_of[i]:
                 finish(i, t + 1)
             continue
-        members = items.members[items.member_ptr[i]:items.member_ptr[i + 1]]
-        d = max(int(model.dur[members[0]]), 1) if o.kind[members[0]] in BUSY else 1
-        profs = []
-        if i in busy_rank:
-            profs.append((state["rank"].setdefault(busy_rank[i], _Profile(1)), 0, d, 1))
-            if state["pool"] is not None:
-                profs.append((state["pool"], 0, d, scale))
-        t0 = _earliest(profs, t)
-        for prof, off, dd, q in profs:
-            prof.add(t0 + off, dd, q)
+        t0, d = _place_item(model, state, items, i, t, busy_rank.get(i))
         start[i] = t0
         release(after_start[i], t0)
         finish(i, t0 + d)
@@ -126,6 +113,33 @@ def _one_pass(model, p: int, items, barrier: int, xs: list[int], state: dict, va
         raise RuntimeError("internal error: the greedy order does not complete in the CP-SAT model")
     _store(model, p, start, end, x_end, value)
     return max(end, default=barrier)
+
+
+def _transfers_of(model, xs: list[int], n: int) -> list[list[int]]:
+    """Per item of the pass, the transfers (of ``xs``) it takes part in."""
+    xs_of: list[list[int]] = [[] for _ in range(n)]
+    for k in xs:
+        _, a, b, *_ = model.xinfo[k]
+        for item in {a, b}:
+            xs_of[item].append(k)
+    return xs_of
+
+
+def _place_item(model, state: dict, items, i: int, ready: int, rank: int | None) -> tuple[int, int]:
+    """(start, duration) of compute item ``i`` at the earliest time from ``ready`` its rank's compute (and the shared
+    pool, if any) has room for it, booked there; an item on no busy rank takes 1 from ``ready``."""
+    o = model.sched.ops
+    members = items.members[items.member_ptr[i]:items.member_ptr[i + 1]]
+    d = max(int(model.dur[members[0]]), 1) if o.kind[members[0]] in BUSY else 1
+    profs = []
+    if rank is not None:
+        profs.append((state["rank"].setdefault(rank, _Profile(1)), 0, d, 1))
+        if state["pool"] is not None:
+            profs.append((state["pool"], 0, d, state["scale"]))
+    t0 = _earliest(profs, ready)
+    for prof, off, dd, q in profs:
+        prof.add(t0 + off, dd, q)
+    return t0, d
 
 
 def _place_transfer(model, state: dict, k: int, ready: int, x_end: dict, value: dict) -> None:
