@@ -22,6 +22,8 @@ checked here).
 
 from __future__ import annotations
 
+import functools
+
 from meshplan.core.errors import UserError
 from meshplan.core.units import fmt_bytes
 
@@ -42,6 +44,7 @@ def rank_peak_bytes(sched, topo) -> float:
     return max(peaks, default=0.0)
 
 
+@functools.cache
 def cpu_max_ranks() -> int:
     """The most CPU ranks ``meshplan run`` spawns on one host (``cpu-local``'s ``max_ranks``)."""
     from meshplan.model.topo_files import find_topology, parse_topology
