@@ -111,23 +111,16 @@ def _ops_rows(o, a: int, b: int, compute: tuple, names: list[str]) -> Rows:
     r.choice(o.dtype[sl], list(DTYPES), comm).text('","step":', comm).ints(o.step[sl], comm, null_below_zero=True)
     work = kind == 0
     if work.any():
-        rows_code, cols_code, mask_code, flops_code, tables = compute
-        at = np.flatnonzero(work) + a                            # ops of this block that compute
+        rows_code, cols_code, mask_code, flops_code, (rows_cols, flops_text) = compute
         r.text(',"q_chunks":', work).int_lists(_slice(o.qc_ptr, a, b), o.q_chunks[o.qc_ptr[a]:o.qc_ptr[b]], work)
         r.text(',"kv_chunks":', work).int_lists(_slice(o.kvc_ptr, a, b), o.kv_chunks[o.kvc_ptr[a]:o.kvc_ptr[b]], work)
         r.text(',"heads":[', work).ints(o.h0[sl], work).text(",", work).ints(o.h1[sl], work)
-        r.text('],"q_rows":', work)
-        full = np.zeros(n, dtype=np.int64)
-        for codes, table, before in ((rows_code, tables[0], None), (cols_code, tables[1], ',"kv_cols":'),
-                                     (mask_code, list(MASKS), ',"mask":"')):
-            if before:
-                r.text(before, work)
-            full[work] = codes[at]
-            r.choice(full, table, work)
+        r.text('],"q_rows":', work).choice(rows_code[sl], rows_cols, work)
+        r.text(',"kv_cols":', work).choice(cols_code[sl], rows_cols, work)
+        r.text(',"mask":"', work).choice(mask_code[sl], list(MASKS), work)
         r.text('","inputs":', work).int_lists(*ins, work).text(',"outputs":', work).int_lists(*outs, work)
         r.text(',"combine":"', work).choice(o.combine[sl], list(COMBINES), work).text('","flops":', work)
-        full[work] = flops_code[at]
-        r.choice(full, tables[2], work)
+        r.choice(flops_code[sl], flops_text, work)
     fold = (kind == 3) | (kind == 4)
     r.text(',"inputs":', fold).int_lists(*ins, fold).text(',"outputs":', fold).int_lists(*outs, fold)
     r.text(',"size_bytes":', fold).ints(o.size_bytes[sl], fold)
@@ -137,7 +130,7 @@ def _ops_rows(o, a: int, b: int, compute: tuple, names: list[str]) -> Rows:
 
 def _compute_text(sched: Schedule, m: AttnMatrix) -> tuple:
     """Per op ([n_ops], only compute ops' entries used): codes of its ``q_rows`` text, ``kv_cols`` text, mask and
-    ``flops`` text, and the tables (q_rows texts, kv_cols texts, flops texts) the codes index."""
+    ``flops`` text, and the tables (the rows' and columns' texts, the flops texts) the codes index."""
     o = sched.ops
     n = len(o)
     rows_code, cols_code, mask_code, flops_code = (np.zeros(n, dtype=np.int64) for _ in range(4))
@@ -150,7 +143,7 @@ def _compute_text(sched: Schedule, m: AttnMatrix) -> tuple:
     work = np.flatnonzero(o.kind == 0)
     values, inverse = np.unique(o.flops[work], return_inverse=True)
     flops_code[work] = inverse.ravel()
-    return rows_code, cols_code, mask_code, flops_code, (table, table, [repr(v) for v in values.tolist()])
+    return rows_code, cols_code, mask_code, flops_code, (table, [repr(v) for v in values.tolist()])
 
 
 def _descriptors(sched: Schedule, m: AttnMatrix) -> dict[int, tuple]:
