@@ -34,55 +34,88 @@ _SCALARS = {  # op field -> (dtype, default)
 _LISTS = {"deps": "dep_ptr", "inputs": "in_ptr", "outputs": "out_ptr", "q_chunks": "qc_ptr", "kv_chunks": "kvc_ptr"}
 
 
-def _scalar(blocks: list[dict], name: str, dtype, default, lengths: list[int] | None = None) -> np.ndarray:
-    """One field of every block's ops, concatenated: a block holds a scalar (all its ops) or an array [k]."""
+#: a list field is assembled as a dense [ops, width] table (rows gathered in rank order at once) at width 1, and up
+#: to this width when at least half its slots are filled (measured: faster than CSR rows reordered there, slower
+#: beyond)
+DENSE_MAX_WIDTH = 2
+
+
+def _scalar(blocks: list[dict], name: str, dtype, default, lengths: list[int], starts: np.ndarray,
+            order: np.ndarray | None = None, block_of: np.ndarray | None = None) -> np.ndarray:
+    """One field of every block's ops, concatenated in block order — or, with ``order``, gathered in that order
+    (``block_of``: each position's block in that order, ``order``'s blocks: a field that is one scalar per block is
+    read from a table of the blocks, not repeated and then gathered). A block holds a scalar (all its ops) or an
+    array [k]; array blocks are copied into their slices, the scalars filled by one repeat (no array per block)."""
     values = [b.get(name, default) for b in blocks]
-    lengths = [len(b["rank"]) for b in blocks] if lengths is None else lengths
-    if not any(isinstance(v, (np.ndarray, list, tuple)) for v in values):
-        return np.repeat(np.asarray(values, dtype=dtype), lengths)
-    parts = [np.asarray(v, dtype=dtype) if isinstance(v, (np.ndarray, list, tuple)) and np.ndim(v) else
-             np.full(k, v, dtype=dtype) for v, k in zip(values, lengths)]
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+    arrays = [i for i, v in enumerate(values) if isinstance(v, (np.ndarray, list, tuple)) and np.ndim(v)]
+    if not arrays:
+        table = np.asarray(values, dtype=dtype)
+        return table[block_of] if block_of is not None else np.repeat(table, lengths)
+    for i in arrays:
+        values[i] = default
+    out = np.repeat(np.asarray(values, dtype=dtype), lengths)
+    for i in arrays:
+        out[starts[i]:starts[i + 1]] = blocks[i][name]
+    return out if order is None else out[order]
 
 
-def _ragged(blocks: list[dict], name: str, lengths: list[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Concatenate per-block [k, m] arrays (−1 = empty slot) into CSR (ptr, values): every block flattened and
-    joined once, each op's row counted by one reduction (no per-block masking)."""
-    lengths = [len(b["rank"]) for b in blocks] if lengths is None else lengths
+def _ragged(blocks: list[dict], name: str, lengths: list[int], starts: np.ndarray,
+            order: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Per-block [k, m] arrays (−1 = empty slot) as CSR (ptr, values), rows in block order or, with ``order``, in
+    that order. Up to :data:`DENSE_MAX_WIDTH` slots the blocks are copied into one [ops, width] table padded with −1
+    whose rows are gathered at once; wider, every block is flattened and joined once, each op's row counted by one
+    reduction, and the rows reordered as CSR."""
     flat, widths = [], []
     for b, k in zip(blocks, lengths):
         v = b.get(name)
         arr = np.zeros(0, dtype=np.int64) if v is None else np.asarray(v, dtype=np.int64).ravel()
         flat.append(arr)
         widths.append(len(arr) // k if k else 0)
-    n_ops = int(sum(lengths))
-    if not flat or n_ops == 0:
+    n_ops = int(starts[-1])
+    width = max(widths, default=0)
+    if n_ops == 0 or width == 0:
         return np.zeros(n_ops + 1, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    if width == 1 or (width <= DENSE_MAX_WIDTH and n_ops * width <= 2 * sum(len(a) for a in flat)):
+        dense = np.full((n_ops, width), -1, dtype=np.int64)
+        for i, (arr, w) in enumerate(zip(flat, widths)):
+            if w:
+                dense[starts[i]:starts[i + 1], :w] = arr.reshape(-1, w)
+        if order is not None:
+            dense = dense[order]
+        keep = dense >= 0
+        return csr_ptr(keep.sum(axis=1)), dense[keep]
     values = np.concatenate(flat)
-    width = np.repeat(np.asarray(widths, dtype=np.int64), lengths)              # [n_ops] slots per op
+    per_op = np.repeat(np.asarray(widths, dtype=np.int64), lengths)              # [n_ops] slots per op
     keep = values >= 0
-    row_end = np.cumsum(width)
+    row_end = np.cumsum(per_op)
     kept = np.concatenate([[0], np.cumsum(keep)])
-    counts = kept[row_end] - kept[row_end - width]
-    return csr_ptr(counts), values[keep]
+    ptr, values = csr_ptr(kept[row_end] - kept[row_end - per_op]), values[keep]
+    return (ptr, values) if order is None else csr_take(ptr, values, order)
+
+
+def _starts(lengths: list[int]) -> np.ndarray:
+    """[blocks + 1] where each block's ops (or tensors) begin in the concatenation."""
+    return csr_ptr(np.asarray(lengths, dtype=np.int64))
 
 
 def assemble(builder, topology: dict[str, Any]) -> Schedule:
     """Build the Schedule: stable-sort ops by rank, remap op ids in deps, allocs and frees."""
     blocks = builder._ops
     lengths = [len(b["rank"]) for b in blocks]
-    rank = _scalar(blocks, "rank", np.int64, 0, lengths)
+    starts = _starts(lengths)
+    rank = _scalar(blocks, "rank", np.int64, 0, lengths, starts)
     order = np.argsort(rank, kind="stable")
     new_id = np.empty(len(order), dtype=np.int64)
     new_id[order] = np.arange(len(order))
+    block_of = np.repeat(np.arange(len(blocks), dtype=np.int32), lengths)[order]
     fields: dict[str, np.ndarray] = {"rank": rank[order]}
     for name in ("kind", "stream", "phase"):
-        fields[name] = _scalar(blocks, name, np.int8 if name != "stream" else np.int16, 0, lengths)[order]
+        fields[name] = _scalar(blocks, name, np.int8 if name != "stream" else np.int16, 0, lengths, starts, order,
+                               block_of)
     for name, (dtype, default) in _SCALARS.items():
-        fields[name] = _scalar(blocks, name, dtype, default, lengths)[order]
+        fields[name] = _scalar(blocks, name, dtype, default, lengths, starts, order, block_of)
     for name, ptr_name in _LISTS.items():
-        ptr, values = _ragged(blocks, name, lengths)
-        ptr, values = csr_take(ptr, values, order)
+        ptr, values = _ragged(blocks, name, lengths, starts, order)
         fields[ptr_name], fields[name] = ptr, (new_id[values] if name == "deps" else values)
     ops = OpTable(**fields)
     tensors = _tensors(builder, new_id)
@@ -94,10 +127,11 @@ def assemble(builder, topology: dict[str, Any]) -> Schedule:
 def _tensors(builder, new_id: np.ndarray) -> TensorTable:
     blocks = builder._tensors
     n = builder._n_tensors
+    lengths = [len(b["rank"]) for b in blocks]
+    starts = _starts(lengths)
+    col = lambda key, dt: _scalar(blocks, key, dt, 0, lengths, starts)  # noqa: E731
     rank = np.concatenate([b["rank"] for b in blocks]) if blocks else np.zeros(0, dtype=np.int64)
-    rep = lambda key, dt: np.concatenate(  # noqa: E731
-        [np.full(len(b["rank"]), b[key], dtype=dt) for b in blocks]) if blocks else np.zeros(0, dtype=dt)
-    chunk_ptr, chunks = _ragged([dict(rank=b["rank"], c=b["chunks"]) for b in blocks], "c")
+    chunk_ptr, chunks = _ragged(blocks, "chunks", lengths, starts)
     alloc = np.full(n, -1, dtype=np.int64)
     for t, o in builder._alloc:
         alloc[t] = new_id[o]
@@ -108,10 +142,10 @@ def _tensors(builder, new_id: np.ndarray) -> TensorTable:
         free_ptr, free_after = csr_ptr(np.bincount(t, minlength=n)), o[srt]
     else:
         free_ptr, free_after = np.zeros(n + 1, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    return TensorTable(rank=rank, kind=rep("kind_code", np.int8),
-                       chunk_ptr=chunk_ptr, chunks=chunks, h0=rep("h0", np.int32), h1=rep("h1", np.int32),
-                       dtype=rep("dtype", np.int8), role=rep("role", np.int8), phase=rep("phase", np.int8),
-                       size_bytes=rep("size", np.int64), alloc_op=alloc, free_ptr=free_ptr, free_after=free_after)
+    return TensorTable(rank=rank, kind=col("kind_code", np.int8),
+                       chunk_ptr=chunk_ptr, chunks=chunks, h0=col("h0", np.int32), h1=col("h1", np.int32),
+                       dtype=col("dtype", np.int8), role=col("role", np.int8), phase=col("phase", np.int8),
+                       size_bytes=col("size", np.int64), alloc_op=alloc, free_ptr=free_ptr, free_after=free_after)
 
 
 class ScheduleBuilder:
@@ -134,6 +168,7 @@ class ScheduleBuilder:
         self._free: list[tuple[np.ndarray, np.ndarray]] = []
         self._alloc: list[tuple[np.ndarray, np.ndarray]] = []
         self._tensor_starts: list[int] = []
+        self._starts_array = np.zeros(0, dtype=np.int64)      # _tensor_starts as an array, for searchsorted
         self.phase = 0
 
     # ------------------------------------------------------------------ streams and tensors
@@ -260,7 +295,13 @@ class ScheduleBuilder:
     def _tokens(self, tids: np.ndarray):
         """Tokens of each tensor in ``tids``: an int when they agree, else an array (:func:`_one_or_each`)."""
         tids = np.asarray(tids, dtype=np.int64)
-        which = np.searchsorted(np.asarray(self._tensor_starts), tids, side="right") - 1
+        if len(self._starts_array) != len(self._tensor_starts):      # tensors added since: the array again
+            self._starts_array = np.asarray(self._tensor_starts, dtype=np.int64)
+        which = np.searchsorted(self._starts_array, tids, side="right") - 1
+        if len(which) and which.min() == which.max():        # one builder block (the usual case)
+            blk = self._tensors[int(which[0])]
+            return _one_or_each(np.asarray(self.m.tokens_of(blk["kind"], blk["chunks"][tids - blk["ids"][0]]),
+                                           dtype=np.int64).reshape(len(tids)))
         tokens = np.zeros(len(tids), dtype=np.int64)
         for b in np.unique(which).tolist():                  # one lookup per builder block they come from
             sel, blk = which == b, self._tensors[b]
