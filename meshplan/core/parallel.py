@@ -3,7 +3,9 @@
 numpy releases the GIL only inside its loops, so two threads of array code still run mostly one at a time; a
 forked child runs truly beside the parent and costs no copy (the parent's arrays are shared copy-on-write). Where
 ``fork`` is not offered (macOS and Windows start processes by ``spawn``), or ``MESHPLAN_FORK=0``, the side work runs
-in a thread instead. The child only computes: it must not touch a GPU, a communicator or files.
+in a thread instead. The child must not touch a GPU or a communicator; the files it writes are its own (a schedule's
+staging file: :mod:`meshplan.search.write`). :func:`alongside` runs one piece of work beside another;
+:func:`start_beside` starts one now and collects it later (:class:`Beside`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,50 @@ def can_fork() -> bool:
     return os.environ.get("MESHPLAN_FORK", "1") != "0" and "fork" in mp.get_all_start_methods()
 
 
+class Beside:
+    """Work started in a forked child (:func:`start_beside`) whose result is collected later (:meth:`result`) or
+    waited for and dropped (:meth:`discard`) — for a caller that starts it before other work of its own begins and
+    ends."""
+
+    def __init__(self, side: Callable[[], Any]) -> None:
+        ctx = mp.get_context("fork")
+        self._recv, send = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(target=_child, args=(side, send))   # not daemonic: a side may fork again
+        self._proc.start()
+        send.close()
+
+    def result(self) -> Any:
+        """The side's result (waiting for it).
+
+        Raises:
+            whatever the side raised; RuntimeError if the child died without an answer.
+        """
+        try:
+            try:
+                ok, value = self._recv.recv()
+            except EOFError:
+                raise RuntimeError(f"the side computation's process died (exit code {self._proc.exitcode})") from None
+        finally:
+            self._recv.close()
+            self._proc.join()
+        if not ok:
+            raise value
+        return value
+
+    def discard(self) -> None:
+        """Wait for the child to end, its result (or error) not wanted: it is not stopped midway — a side may have
+        forked in turn, or be writing a file it removes when it fails."""
+        try:
+            self.result()
+        except BaseException:      # noqa: BLE001 - not wanted, whatever it was
+            pass
+
+
+def start_beside(side: Callable[[], Any]) -> Beside:
+    """``side()`` started in a forked child now (:class:`Beside`); only where :func:`can_fork`."""
+    return Beside(side)
+
+
 def alongside(side: Callable[[], Any], main: Callable[[], T], fork: bool = True) -> tuple[Any, T]:
     """(``side()``, ``main()``), ``side`` computed in a forked child (a thread where fork is unavailable, or with
     ``fork`` False: small work, where starting a process costs more than it saves) while ``main`` runs here.
@@ -45,20 +91,10 @@ def alongside(side: Callable[[], Any], main: Callable[[], T], fork: bool = True)
             job = pool.submit(side)
             out = main()
             return job.result(), out
-    ctx = mp.get_context("fork")
-    recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(side, send))   # not daemonic: a side may fork again
-    proc.start()
-    send.close()
+    pending = start_beside(side)
     try:
         out = main()
-        try:
-            ok, value = recv.recv()
-        except EOFError:
-            raise RuntimeError(f"the side computation's process died (exit code {proc.exitcode})") from None
-    finally:
-        recv.close()
-        proc.join()
-    if not ok:
-        raise value
-    return value, out
+    except BaseException:
+        pending.discard()
+        raise
+    return pending.result(), out

@@ -166,10 +166,15 @@ def _knob_settings(name: str, filters: dict[str, Any], w: Workload) -> list[dict
 def run_search(base: Workload, topo: Topology, n: int, *, algos: list[str] | None = None,
                filters: dict[str, Any] | None = None, layout_pinned: bool = False,
                memory_limit: float | None = None, prune_slack: float = PRUNE_SLACK,
-               progress: Callable[[int, int, str], None] | None = None) -> SearchResult:
+               progress: Callable[[int, int, str], None] | None = None,
+               after_branch_bound: Callable[[Candidate | None, list[Candidate]], None] | None = None
+               ) -> SearchResult:
     """Enumerate, prune and simulate; returns the candidates best first (simulated, then closed-form). Every plan
     must fit ``memory_limit`` bytes per GPU (default: the device's memory) by the memory model
     (:mod:`meshplan.cost.memory`): its estimate before simulation, its simulated total after.
+    ``after_branch_bound(leader, beside)``, when given, is called as soon as the branch and bound ends — with its
+    best simulated candidate, while Ring's settings ``beside`` (for the reference row) may still be simulated in
+    another process: the pipeline starts writing the pick there when none of them can beat it.
 
     Raises:
         UserError: no plan fits.
@@ -190,9 +195,13 @@ def run_search(base: Workload, topo: Topology, n: int, *, algos: list[str] | Non
                          PAIR_MAX_RANKS)
     # Ring's settings for the reference row, simulated in another process beside the branch and bound (both cores)
     pool = ring_rows(cands) if n <= FULL_SIM_MAX_RANKS else []         # above: Ring's bounds stand
+    def branch_and_bound() -> None:
+        bnb.visit_all(cands, progress)
+        if after_branch_bound is not None:
+            after_branch_bound(bnb.leader, pool)
+
     _, beside = simulate_beside(pool, lambda sim: reference_simulations(
-        cands, n, prune_slack, FULL_SIM_MAX_RANKS, lambda todo: sim(todo[0])), topo, ccr,
-        lambda: bnb.visit_all(cands, progress))
+        cands, n, prune_slack, FULL_SIM_MAX_RANKS, lambda todo: sim(todo[0])), topo, ccr, branch_and_bound)
     for c in beside:
         bnb.record(c)                                            # as the search records what it simulates
     reference = ring_reference(cands, topo, n, ccr, prune_slack, FULL_SIM_MAX_RANKS)

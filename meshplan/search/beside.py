@@ -6,11 +6,15 @@ while the caller's work runs: Ring's reference settings beside the branch and bo
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, TypeVar
+
+import numpy as np
 
 from meshplan import algorithms
 from meshplan.core.parallel import alongside as run_alongside
 from meshplan.core.parallel import can_fork
+from meshplan.cost.simulate import SimResult
 from meshplan.model.topology import Topology
 from meshplan.search.candidate import Candidate, forget_built, keep_variant, simulate_candidate, simulate_variants
 
@@ -21,8 +25,8 @@ def simulate_both(first: Candidate, second: Candidate, topo: Topology, ccr: floa
                   keep_below: float = -float("inf")) -> None:
     """:func:`simulate_candidate` of two candidates at once, ``second`` in a forked process
     (:func:`simulate_beside`; in turn where fork is not offered). ``second`` comes back with its simulation's
-    timeline, and with its schedule only if its simulated time is under ``keep_below`` (the branch and bound's best
-    so far: the one it keeps, to write; ~0.1 s to pickle 0.5M ops against ~0.5 s to build them again)."""
+    summary, and with its schedule and timeline only if its simulated time is under ``keep_below`` (the branch and
+    bound's best so far: the one it keeps, to write; ~0.1 s to pickle 0.5M ops against ~0.5 s to build them again)."""
     simulate_beside([second], lambda simulate: simulate(second), topo, ccr,
                     lambda: simulate_candidate(first, topo, ccr), keep_below)
 
@@ -35,8 +39,8 @@ def simulate_beside(pool: list[Candidate], run: Callable[[Callable[[Candidate], 
     a forked process while ``main`` runs here (:func:`meshplan.core.parallel.alongside`; after ``main``, here, where
     fork is not offered: the same answer). Each comes back as :func:`simulate_candidate` leaves it but without its
     schedule (rebuilt where needed: written, improved) unless its simulated time is under ``keep_below``; its
-    simulation's timeline comes back. A candidate ``main`` simulated itself meanwhile keeps its own (the same) result
-    and is not among those returned."""
+    simulation's summary comes back (:func:`summary_only`; its timeline with its schedule). A candidate ``main``
+    simulated itself meanwhile keeps its own (the same) result and is not among those returned."""
     if not pool:
         return main(), []
     if not can_fork():
@@ -58,7 +62,8 @@ def simulate_beside(pool: list[Candidate], run: Callable[[Callable[[Candidate], 
         def simulate_there(c: Candidate) -> None:
             kept = simulate_variants(c, topo, ccr)
             sched = c.schedule if c.predicted.makespan_s < keep_below else None
-            got.append((where[id(c)], kept, c.predicted, c.documents, c.sim, sched))
+            sim = c.sim if sched is not None else summary_only(c.sim)     # its timeline goes with its schedule
+            got.append((where[id(c)], kept, c.predicted, c.documents, sim, sched))
             forget_built(c)                       # this process's copy: its timeline already listed
         run(simulate_there)
         return got
@@ -74,3 +79,13 @@ def simulate_beside(pool: list[Candidate], run: Callable[[Callable[[Candidate], 
         c.predicted, c.model_level, c.documents, c.sim, c.schedule = pred, "simulated", docs, sim, sched
         done.append(c)
     return out, done
+
+
+def summary_only(sim: SimResult | None) -> SimResult | None:
+    """``sim`` without its per-op arrays (start, end, durations, representatives: what goes with its schedule), its
+    summary kept (makespans, ranks simulated, events, wall): what comes back from a forked simulation whose schedule
+    does not (a 0.5M-op timeline is ~20 MB through the pipe)."""
+    if sim is None:
+        return None
+    empty = np.zeros(0)
+    return replace(sim, start=empty, end=empty, durations=empty, rep_op=None)

@@ -5,8 +5,10 @@ The steps, in order: enumerate, prune and simulate the candidates (:func:`meshpl
 frameworks' settings (:mod:`meshplan.search.frameworks`); the rank -> GPU placement search
 (``map_search``); CP-SAT stream orders (``scheduler``); the sensitivity study; the re-rank by the whole job's
 time (``job``); the inference rules; verifying and writing the best schedules — in a forked process beside the
-frameworks' settings when no step after the search changes the ranking (both cores). ``progress(done, total,
-label)`` is called as the steps go (``total`` None: a step without a count).
+frameworks' settings when no step after the search changes the ranking (both cores); with ``write`` 1, the pick
+already while Ring's reference settings finish, when none of them can beat it
+(:class:`~meshplan.search.write.EarlyWrite`). ``progress(done, total, label)`` is called as the steps go
+(``total`` None: a step without a count).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from meshplan.search.frameworks import FrameworkBest, framework_bests, framework
 from meshplan.search.inference import rule_report
 from meshplan.search.ranking import estimate_unproven
 from meshplan.search.run_memory import check_search_fits
-from meshplan.search.write import apply_written, write_best, written_best
+from meshplan.search.write import EarlyWrite, apply_written, write_best, written_best
 
 Progress = Callable[[int, "int | None", str], None]
 
@@ -106,12 +108,12 @@ class SearchReport:
         return body
 
 
-def _writes_now(req: SearchRequest, result: SearchResult) -> bool:
+def _writes_now(req: SearchRequest) -> bool:
     """Whether the best schedules can be written right after the search: no later step re-ranks or replaces
     them (mapping search, CP-SAT, a job re-rank), and none needs their schedules in this process (sensitivity,
     a documents mask's costs of written candidates left at a bound)."""
     return (not req.map_search and req.scheduler == "greedy" and req.sensitivity is None and req.job is None
-            and result.workload.mask.kind != "docs")
+            and req.workload.mask.kind != "docs")
 
 
 def run_pipeline(request: SearchRequest, progress: Progress | None = None) -> SearchReport:
@@ -125,12 +127,20 @@ def run_pipeline(request: SearchRequest, progress: Progress | None = None) -> Se
     say = progress or (lambda done, total, label: None)
     req = request
     check_search_fits(req.gpus, req.algos, host.available_memory_bytes())     # before anything is planned
-    result = run_search(req.workload, req.topology, req.gpus, algos=list(req.algos) if req.algos else None,
-                        filters=req.filters, layout_pinned=req.layout_pinned, memory_limit=req.memory_limit_bytes,
-                        prune_slack=req.prune_slack, progress=say)
+    early = req.write > 0 and _writes_now(req) and can_fork()
+    limit = req.memory_limit_bytes if req.memory_limit_bytes is not None else req.topology.memory_bytes
+    pick = EarlyWrite(req.topology, limit, req.out_dir) if early and req.write == 1 else None
+    try:
+        result = run_search(req.workload, req.topology, req.gpus, algos=list(req.algos) if req.algos else None,
+                            filters=req.filters, layout_pinned=req.layout_pinned,
+                            memory_limit=req.memory_limit_bytes, prune_slack=req.prune_slack, progress=say,
+                            after_branch_bound=pick.start if pick is not None else None)
+    except BaseException:
+        if pick is not None:
+            pick.discard()
+        raise
     if not result.candidates:
         return SearchReport(req, result, [])
-    early = req.write > 0 and _writes_now(req, result) and can_fork()
     say(0, None, "the frameworks' settings" + (f"; verifying and writing {req.write} schedule(s)" if early else ""))
     def bests_of():
         bests = framework_bests(result, list(req.algos) if req.algos else None, req.filters)
@@ -138,7 +148,12 @@ def run_pipeline(request: SearchRequest, progress: Progress | None = None) -> Se
         return bests
 
     written = None
-    if early:                                               # the write beside the frameworks: both cores
+    if pick is not None and pick.is_pick(result):           # staged beside Ring's reference: the frameworks now
+        bests = bests_of()
+        written = pick.collect(result)
+    elif early:                                             # the write beside the frameworks: both cores
+        if pick is not None:
+            pick.discard()                                  # staged, but not the pick
         release_freed_memory()                              # the search's freed pages: not into the forks
         written, bests = alongside(lambda: written_best(result, req.write, req.out_dir), bests_of)
     else:

@@ -3,13 +3,15 @@
 Each schedule is verified in a forked process while it is encoded to a staging file (``.unverified-NAME`` in the
 output directory), and renamed to its name only once verified: a file never stands under its name unverified,
 and a refused one leaves nothing. :func:`written_best` leaves the search result as it was, so the pipeline can run
-it in a forked process beside the frameworks' settings and record its outcome with :func:`apply_written`.
+it in a forked process beside the frameworks' settings and record its outcome with :func:`apply_written`;
+:class:`EarlyWrite` stages the pick even before the search ends, while Ring's reference settings are simulated.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,6 +21,7 @@ from meshplan.plan.verify import verify
 from meshplan.search.candidate import label, over_memory, simulate_command
 
 if TYPE_CHECKING:
+    from meshplan.model.topology import Topology
     from meshplan.search import SearchResult
 
 #: a schedule of this many ops is verified in a forked process while it is encoded (smaller: one after the other)
@@ -40,47 +43,140 @@ def written_best(result: SearchResult, k: int, out_dir: str) -> tuple[dict[int, 
     Raises:
         RuntimeError: a schedule fails verification (an internal error).
     """
-    from meshplan.cost.bounds import schedule_timing
-    from meshplan.plan.json.io import write_schedule
-
-    topo = result.topology
     paths: dict[int, str] = {}
     rejected: list[str] = []
     for rank, c in enumerate(result.candidates[:k], start=1):
-        alg = algorithms.get(c.algorithm)
-        if c.schedule is None and not alg.search_may_build(c.n_ranks):      # GBs: as the search, not built here
-            rejected.append(f"not written: #{rank} {label(c)}: a search does not build its schedule above "
-                            f"{alg.search_max_ranks} ranks; write it alone: {simulate_command(c, topo)} "
-                            f"--out {Path(out_dir) / _stem(rank, c)}.json.gz")
-            continue
-        if c.schedule is None:
-            c.schedule = alg.schedule(c.plan, topo)
-        if c.model_level != "simulated" and result.memory_limit is not None:    # its estimate fitted: check it
-            peak = max(t.peak_memory_total_bytes for t in schedule_timing(c.schedule, topo).values())
-            if peak > result.memory_limit:
-                rejected.append(f"not written: {over_memory(c, peak, result.memory_limit, 'its schedule')}")
-                continue
-        target = Path(out_dir) / (_stem(rank, c) + (".json.gz" if len(c.schedule.ops) > GZIP_MIN_OPS else ".json"))
-        staged = target.with_name(f".unverified-{target.name}")          # the same suffix: gzip or not
-        # verified in a forked process while it is encoded to a staging file (both cores), renamed into place
-        # once verified: the file never stands under its name unverified
-        try:
-            report, _ = alongside(lambda s=c.schedule: verify(s, topo.memory_bytes),
-                                  lambda s=c.schedule, to=staged: write_schedule(s, to),
-                                  fork=len(c.schedule.ops) >= FORK_WRITE_MIN_OPS)
-        except BaseException:
-            staged.unlink(missing_ok=True)
-            raise
-        if not report.ok:
-            staged.unlink(missing_ok=True)
-        if report.over_memory_only:    # a --memory-limit above it
-            rejected.append(f"not written: {label(c)}: {report.violations[0]}")
-            continue
-        if not report.ok:
-            raise RuntimeError(f"internal error: the {c.algorithm} schedule fails verification: {report.violations[0]}")
-        os.replace(staged, target)
-        paths[rank - 1] = str(target)
+        _record(stage_schedule(rank, c, result.topology, result.memory_limit, out_dir), rank - 1, paths, rejected)
     return paths, rejected
+
+
+def _record(got: Staged, index: int, paths: dict[int, str], rejected: list[str]) -> None:
+    """A staged schedule renamed into place (its path under ``index``), or its message."""
+    if got.message is not None:
+        rejected.append(got.message)
+    if got.staged is not None:
+        paths[index] = got.commit()
+
+
+class EarlyWrite:
+    """The pick verified and encoded while the search finishes Ring's reference simulations (the branch and bound's
+    other process: this one would wait for it, one core idle): :meth:`start` is
+    :func:`~meshplan.search.run_search`'s ``after_branch_bound``. The branch and bound's best is staged only when no
+    Ring setting still to be simulated can beat it (its lower bound is above the best's simulated time: a simulated
+    time is never under its bound), and committed as #1 only if it is the search's pick (:meth:`collect`); else its
+    staging file is removed and the pick written as usual. ``--write 1`` only (later rows may still move)."""
+
+    def __init__(self, topo: Topology, memory_limit: float, out_dir: str) -> None:
+        self.topo, self.memory_limit, self.out_dir = topo, memory_limit, out_dir
+        self.leader = self.job = None
+
+    def start(self, leader, beside: list) -> None:
+        """Stage ``leader`` in a forked process (:func:`meshplan.core.parallel.start_beside`) when Ring's settings
+        ``beside`` are being simulated and none of them can beat it."""
+        if leader is None or not beside or leader.predicted is None:
+            return
+        best = leader.predicted.makespan_s
+        if any(c.bound_s <= best for c in beside):
+            return
+        from meshplan.core.heap import release_freed_memory
+        from meshplan.core.parallel import start_beside
+
+        release_freed_memory()                              # the search's freed pages: not into the fork
+        self.leader = leader
+        self.job = start_beside(lambda: stage_schedule(1, leader, self.topo, self.memory_limit, self.out_dir))
+
+    def discard(self) -> None:
+        """Wait for the staging process (if any) and remove what it staged: not to be written."""
+        if self.job is None:
+            return
+        job, self.job = self.job, None
+        try:
+            job.result().drop()
+        except Exception:       # noqa: BLE001 - not written: its error does not matter
+            pass
+
+    def is_pick(self, result: SearchResult) -> bool:
+        """Whether the staged schedule is ``result``'s pick (its #1)."""
+        return self.job is not None and bool(result.candidates) and result.candidates[0] is self.leader
+
+    def collect(self, result: SearchResult) -> tuple[dict[int, str], list[str]] | None:
+        """#1 written (as :func:`written_best` gives it) when the staged schedule is ``result``'s pick; None (nothing
+        written, the staging file removed) when nothing was staged or the pick is another.
+
+        Raises:
+            RuntimeError: the staged schedule failed verification (an internal error).
+        """
+        if not self.is_pick(result):
+            self.discard()
+            return None
+        job, self.job = self.job, None
+        paths: dict[int, str] = {}
+        rejected: list[str] = []
+        _record(job.result(), 0, paths, rejected)
+        return paths, rejected
+
+
+@dataclass
+class Staged:
+    """A schedule verified and encoded to its staging file ``staged``, to be renamed to ``target`` (:meth:`commit`),
+    or removed (:meth:`drop`); ``message``: why it was not written (for ``SearchResult.rejected``; no file then)."""
+
+    target: Path | None = None
+    staged: Path | None = None
+    message: str | None = None
+
+    def commit(self) -> str:
+        """Rename the verified file to its name; its path."""
+        os.replace(self.staged, self.target)
+        return str(self.target)
+
+    def drop(self) -> None:
+        """Remove the staging file (a schedule no longer to be written)."""
+        if self.staged is not None:
+            self.staged.unlink(missing_ok=True)
+
+
+def stage_schedule(rank: int, c, topo: Topology, memory_limit: float | None, out_dir: str) -> Staged:
+    """Verify candidate ``c``'s schedule (built here if it has none) while it is encoded to a staging file
+    (``.unverified-NAME`` in ``out_dir``, the verification in a forked process: both cores), to be written as the
+    table's #``rank``. Nothing is staged (only a message) for a schedule a search does not build at its size, or one
+    over ``memory_limit``.
+
+    Raises:
+        RuntimeError: the schedule fails verification (an internal error); its staging file is removed.
+    """
+    from meshplan.cost.bounds import schedule_timing
+    from meshplan.plan.json.io import write_schedule
+
+    alg = algorithms.get(c.algorithm)
+    if c.schedule is None and not alg.search_may_build(c.n_ranks):      # GBs: as the search, not built here
+        return Staged(message=f"not written: #{rank} {label(c)}: a search does not build its schedule above "
+                              f"{alg.search_max_ranks} ranks; write it alone: {simulate_command(c, topo)} "
+                              f"--out {Path(out_dir) / _stem(rank, c)}.json.gz")
+    if c.schedule is None:
+        c.schedule = alg.schedule(c.plan, topo)
+    if c.model_level != "simulated" and memory_limit is not None:    # its estimate fitted: check it
+        peak = max(t.peak_memory_total_bytes for t in schedule_timing(c.schedule, topo).values())
+        if peak > memory_limit:
+            return Staged(message=f"not written: {over_memory(c, peak, memory_limit, 'its schedule')}")
+    target = Path(out_dir) / (_stem(rank, c) + (".json.gz" if len(c.schedule.ops) > GZIP_MIN_OPS else ".json"))
+    staged = target.with_name(f".unverified-{target.name}")          # the same suffix: gzip or not
+    # verified in a forked process while it is encoded to a staging file (both cores), renamed into place once
+    # verified (commit): the file never stands under its name unverified
+    try:
+        report, _ = alongside(lambda s=c.schedule: verify(s, topo.memory_bytes),
+                              lambda s=c.schedule, to=staged: write_schedule(s, to),
+                              fork=len(c.schedule.ops) >= FORK_WRITE_MIN_OPS)
+    except BaseException:
+        staged.unlink(missing_ok=True)
+        raise
+    if not report.ok:
+        staged.unlink(missing_ok=True)
+    if report.over_memory_only:    # a --memory-limit above it
+        return Staged(message=f"not written: {label(c)}: {report.violations[0]}")
+    if not report.ok:
+        raise RuntimeError(f"internal error: the {c.algorithm} schedule fails verification: {report.violations[0]}")
+    return Staged(target, staged)
 
 
 def _stem(rank: int, c) -> str:
