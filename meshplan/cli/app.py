@@ -149,6 +149,9 @@ def search(gpus: o.GpusNeeded = None, topo: o.TopoNeeded = None, model: o.Model 
         from meshplan.cli.job import job_setup
         shape, base, job_topo = job_setup(gpus, topo, base, tp, dp, rank_order, scheduler, map_search)
         job = JobRerank(shape, job_topo)
+    if write > 0:
+        from meshplan.core.fileio import check_writable
+        check_writable(out, "--out", directory=True)      # before the search, not after it
     names = tuple(a.strip() for a in algos.split(",")) if algos else None
     request = SearchRequest(
         base, topology, gpus, algos=names,

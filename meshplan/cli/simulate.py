@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from meshplan.core.errors import UserError
+from meshplan.core.fileio import check_writable
 from meshplan.show.console import out_console
 
 
@@ -27,6 +28,8 @@ def simulate_named(algo, gpus, topo, workload, knobs, out, trace, as_json, emit)
     get(algo)
     if out is not None and not (out.endswith(".json") or out.endswith(".json.gz")):
         raise UserError("--out", f"{out!r} is not a .json or .json.gz name", "name the file *.json or *.json.gz")
+    if out is not None:
+        check_writable(out, "--out")                     # before the work, not after it
     topo_obj = topology(topo, gpus, "simulate")
     n = gpus if gpus is not None else topo_obj.n_devices
     cand = predict(algo, workload, topo_obj, n, knobs)

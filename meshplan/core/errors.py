@@ -17,6 +17,10 @@ class UserError(ValueError):
         text = f"{field}: {problem}" + (f"; {fix}" if fix else "")
         super().__init__(" ".join(text.split()))
 
+    def __reduce__(self):
+        """Pickled by its three parts (raised in a forked process, it is re-raised in the parent)."""
+        return type(self), (self.field, self.problem, self.fix)
+
 
 class SkipCandidate(Exception):
     """An algorithm cannot handle this (workload, rank count, knobs): search skips and counts it.
@@ -27,3 +31,7 @@ class SkipCandidate(Exception):
     def __init__(self, reason: str, detail: str = "") -> None:
         self.reason, self.detail = reason, detail
         super().__init__(reason + (f": {detail}" if detail else ""))
+
+    def __reduce__(self):
+        """Pickled by its parts (raised in a forked process, it is re-raised in the parent)."""
+        return type(self), (self.reason, self.detail)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from meshplan import algorithms
+from meshplan.core.errors import UserError
 from meshplan.core.parallel import alongside
 from meshplan.plan.verify import verify
 from meshplan.search.candidate import label, over_memory, simulate_command
@@ -167,6 +168,9 @@ def stage_schedule(rank: int, c, topo: Topology, memory_limit: float | None, out
         report, _ = alongside(lambda s=c.schedule: verify(s, topo.memory_bytes),
                               lambda s=c.schedule, to=staged: write_schedule(s, to),
                               fork=len(c.schedule.ops) >= FORK_WRITE_MIN_OPS)
+    except UserError as err:                  # cannot write there: named by the file the user asked for
+        staged.unlink(missing_ok=True)
+        raise UserError(str(target), err.problem, err.fix) from None
     except BaseException:
         staged.unlink(missing_ok=True)
         raise
