@@ -164,9 +164,8 @@ class CostModel:
                                      sched.workload.head_dim, dtype=sched.workload.dtype)
         flops = m.flops(pass_)[qi, kj]
         t = flops * heads / (self.topo.peak_flops(sched.workload.dtype) * eff)
-        total, launches = np.zeros(len(o)), np.zeros(len(o))
-        np.add.at(total, op_of, t)
-        np.add.at(launches, op_of, flops > 0)
+        total = np.bincount(op_of, weights=t, minlength=len(o))          # summed in order, as np.add.at would
+        launches = np.bincount(op_of, weights=flops > 0, minlength=len(o))
         return self.kernel.launch_s * np.where(by_block[ops], launches[ops], 1.0) + total[ops]
 
     def _doc_compute(self, sched: Schedule, dur: np.ndarray) -> None:

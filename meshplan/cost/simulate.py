@@ -340,6 +340,14 @@ class _Engine:
         for r0 in dirty:
             if r0 in seen:
                 continue
+            users = self.res_users.get(r0)
+            if users is not None and len(users) == 1:       # one activity, on this resource alone (a rank's
+                aid = next(iter(users))                     # kernel): its own component, solved as below
+                act = self.acts[aid]
+                if len(act[4]) == 1:
+                    seen.add(r0)
+                    self._set_rate(aid, act, min(self._compute_cap(aid, act), self.res_cap[r0] / act[4][0][1]), now)
+                    continue
             comp, stack = set(), [r0]
             while stack:
                 r = stack.pop()
