@@ -140,6 +140,8 @@ def run_pipeline(request: SearchRequest, progress: Progress | None = None) -> Se
             pick.discard()
         raise
     if not result.candidates:
+        if pick is not None:
+            pick.discard()
         return SearchReport(req, result, [])
     say(0, None, "the frameworks' settings" + (f"; verifying and writing {req.write} schedule(s)" if early else ""))
     def bests_of():
