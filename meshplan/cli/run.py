@@ -18,16 +18,19 @@ from meshplan.show.console import out_console
 def run_command(schedule: str, nproc, backend, iters, warmup, check, serialize, timeout_s, out, trace, dump_dir,
                 seed, inputs, as_json: bool) -> int:
     """Run, write the files, print; returns the exit status (0 ok, 1 numerics failed or a rank failed)."""
-    from meshplan.core.fileio import write_atomic
+    from meshplan.core.fileio import check_writable, write_atomic
+
+    for flag, name in ((out, "--out"), (trace, "--trace")):
+        if flag is not None and not flag.endswith(".json"):
+            raise UserError(name, f"{flag!r} is not a .json name", "name the file *.json")
+        if flag is not None:
+            check_writable(flag, name)
+    _runs_here(schedule, backend)                       # before the executor's modules: they import torch
     from meshplan.executor.launch import RunFailed, run
     from meshplan.executor.worker import RunConfig
     from meshplan.plan.json.measurement import MeasurementJSON
     from meshplan.search.run_memory import check_fits
 
-    for flag, name in ((out, "--out"), (trace, "--trace")):
-        if flag is not None and not flag.endswith(".json"):
-            raise UserError(name, f"{flag!r} is not a .json name", "name the file *.json")
-    _runs_here(schedule, backend)
     if iters < 1 or warmup < 0 or timeout_s <= 0:
         raise UserError("--iters/--warmup/--timeout-s", "need iters ≥ 1, warmup ≥ 0, timeout > 0", "fix the value")
     if dump_dir is not None and Path(dump_dir).exists() and not Path(dump_dir).is_dir():

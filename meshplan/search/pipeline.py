@@ -131,14 +131,19 @@ def run_pipeline(request: SearchRequest, progress: Progress | None = None) -> Se
     limit = req.memory_limit_bytes if req.memory_limit_bytes is not None else req.topology.memory_bytes
     pick = EarlyWrite(req.topology, limit, req.out_dir) if early and req.write == 1 else None
     try:
-        result = run_search(req.workload, req.topology, req.gpus, algos=list(req.algos) if req.algos else None,
-                            filters=req.filters, layout_pinned=req.layout_pinned,
-                            memory_limit=req.memory_limit_bytes, prune_slack=req.prune_slack, progress=say,
-                            after_branch_bound=pick.start if pick is not None else None)
-    except BaseException:
+        return _steps(req, say, early, pick)
+    except BaseException:                     # an error, or Ctrl-C: an early-staged pick is not left behind
         if pick is not None:
             pick.discard()
         raise
+
+
+def _steps(req: SearchRequest, say: Progress, early: bool, pick: EarlyWrite | None) -> SearchReport:
+    """:func:`run_pipeline`'s steps, ``early``: the write beside the frameworks, ``pick``: staged beside the search."""
+    result = run_search(req.workload, req.topology, req.gpus, algos=list(req.algos) if req.algos else None,
+                        filters=req.filters, layout_pinned=req.layout_pinned, memory_limit=req.memory_limit_bytes,
+                        prune_slack=req.prune_slack, progress=say,
+                        after_branch_bound=pick.start if pick is not None else None)
     if not result.candidates:
         if pick is not None:
             pick.discard()

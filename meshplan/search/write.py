@@ -69,12 +69,12 @@ class EarlyWrite:
 
     def __init__(self, topo: Topology, memory_limit: float, out_dir: str) -> None:
         self.topo, self.memory_limit, self.out_dir = topo, memory_limit, out_dir
-        self.leader = self.job = None
+        self.leader = self.job = self.staged = None
 
     def start(self, leader, beside: list) -> None:
         """Stage ``leader`` in a forked process (:func:`meshplan.core.parallel.start_beside`) when Ring's settings
         ``beside`` are being simulated and none of them can beat it."""
-        if leader is None or not beside or leader.predicted is None:
+        if leader is None or not beside or leader.predicted is None or leader.schedule is None:
             return
         best = leader.predicted.makespan_s
         if any(c.bound_s <= best for c in beside):
@@ -83,18 +83,21 @@ class EarlyWrite:
         from meshplan.core.parallel import start_beside
 
         release_freed_memory()                              # the search's freed pages: not into the fork
-        self.leader = leader
+        self.leader, self.staged = leader, _paths(1, leader, self.out_dir)[1]
         self.job = start_beside(lambda: stage_schedule(1, leader, self.topo, self.memory_limit, self.out_dir))
 
     def discard(self) -> None:
-        """Wait for the staging process (if any) and remove what it staged: not to be written."""
+        """Wait for the staging process (if any) and remove what it staged, whatever became of it (interrupted:
+        Ctrl-C reaches it too): not to be written."""
         if self.job is None:
             return
         job, self.job = self.job, None
         try:
-            job.result().drop()
-        except Exception:       # noqa: BLE001 - not written: its error does not matter
+            job.result()
+        except BaseException:   # noqa: BLE001 - not written: its error does not matter
             pass
+        finally:
+            self.staged.unlink(missing_ok=True)
 
     def is_pick(self, result: SearchResult) -> bool:
         """Whether the staged schedule is ``result``'s pick (its #1)."""
@@ -110,10 +113,11 @@ class EarlyWrite:
         if not self.is_pick(result):
             self.discard()
             return None
-        job, self.job = self.job, None
+        got = self.job.result()         # interrupted here, run_pipeline's discard() still removes the staging file
+        self.job = None
         paths: dict[int, str] = {}
         rejected: list[str] = []
-        _record(job.result(), 0, paths, rejected)
+        _record(got, 0, paths, rejected)
         return paths, rejected
 
 
@@ -160,8 +164,7 @@ def stage_schedule(rank: int, c, topo: Topology, memory_limit: float | None, out
         peak = max(t.peak_memory_total_bytes for t in schedule_timing(c.schedule, topo).values())
         if peak > memory_limit:
             return Staged(message=f"not written: {over_memory(c, peak, memory_limit, 'its schedule')}")
-    target = Path(out_dir) / (_stem(rank, c) + (".json.gz" if len(c.schedule.ops) > GZIP_MIN_OPS else ".json"))
-    staged = target.with_name(f".unverified-{target.name}")          # the same suffix: gzip or not
+    target, staged = _paths(rank, c, out_dir)
     # verified in a forked process while it is encoded to a staging file (both cores), renamed into place once
     # verified (commit): the file never stands under its name unverified
     try:
@@ -181,6 +184,12 @@ def stage_schedule(rank: int, c, topo: Topology, memory_limit: float | None, out
     if not report.ok:
         raise RuntimeError(f"internal error: the {c.algorithm} schedule fails verification: {report.violations[0]}")
     return Staged(target, staged)
+
+
+def _paths(rank: int, c, out_dir: str) -> tuple[Path, Path]:
+    """(the file candidate ``c``'s built schedule is written to as #``rank``, its staging file: the same suffix)."""
+    target = Path(out_dir) / (_stem(rank, c) + (".json.gz" if len(c.schedule.ops) > GZIP_MIN_OPS else ".json"))
+    return target, target.with_name(f".unverified-{target.name}")
 
 
 def _stem(rank: int, c) -> str:

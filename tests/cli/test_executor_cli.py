@@ -100,6 +100,9 @@ def test_run_without_torch_is_one_line(ring2, monkeypatch):
 
     find = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else find(name, *a))
+    monkeypatch.setitem(sys.modules, "torch", None)              # `import torch` fails, as without the extra
+    for name in [m for m in sys.modules if m.startswith("meshplan.executor")]:
+        monkeypatch.delitem(sys.modules, name)                  # imported afresh: nothing cached hides the import
     one_line_error(run("run", ring2), "needs torch", "[exec]")
 
 

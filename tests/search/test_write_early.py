@@ -84,3 +84,18 @@ def test_a_simulation_beside_comes_back_with_its_summary_and_its_timeline_only_w
     kept = make_candidate("ring", w, topo, 16, {})
     simulate_both(make_candidate("ring", w, topo, 16, {}), kept, topo, None, keep_below=float("inf"))
     assert kept.schedule is not None and len(kept.sim.start) == len(kept.schedule.ops)
+
+
+def test_an_interrupt_after_the_pick_was_staged_leaves_nothing(tmp_path, monkeypatch):
+    """Ctrl-C (or an error) while the frameworks are timed: the staged pick is removed, not left half-named."""
+    import meshplan.search.pipeline as pipeline
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    staged = _spy(monkeypatch)
+    monkeypatch.setattr(pipeline, "framework_bests", interrupted)
+    topo, w = Topology.load("h100x16", gpus=16), resolve(seq_len="64K")
+    with pytest.raises(KeyboardInterrupt):
+        run_pipeline(SearchRequest(w, topo, 16, write=1, out_dir=str(tmp_path)))
+    assert staged == [True]
+    assert list(tmp_path.iterdir()) == []
