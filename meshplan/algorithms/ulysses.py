@@ -102,15 +102,20 @@ class USP(BuiltTiming):
                             f"no degree fits {n_ranks} ranks and these heads: use ring or mesh")
 
     def knob_space(self, workload, topo, n_ranks, filters) -> list[dict]:
-        """Every valid degree 2 ≤ u < N that fits in a node, Ulysses groups inside nodes (USP's default) and, on
-        more than one node up to 64 ranks, ring groups inside nodes too (yunchang's ``use_ulysses_low=False``),
-        unless pinned (``--ulysses-degree``, ``--knob rank_order=...``)."""
+        """Every valid degree 2 ≤ u < N: with Ulysses groups on consecutive ranks (USP's default) where the group
+        fits in a node, and, on more than one node, with ring groups on consecutive ranks (yunchang's
+        ``use_ulysses_low=False``: each ring's hops mostly inside a node, the all-to-all across nodes) at every
+        degree — unless pinned (``--ulysses-degree``, ``--knob rank_order=...``). From 128 ranks each starts from
+        its schedule-free bound, so the pairs the bounds prune cost little (at 256 H100s the ring-first ones are
+        the fastest: 364-374 ms against 461 ms)."""
+        multi = n_ranks > topo.gpus_per_node
         degrees = [filters["ulysses_degree"]] if "ulysses_degree" in filters else \
-            [u for u in valid_degrees(workload, n_ranks) if u < n_ranks and u <= topo.gpus_per_node] or ["auto"]
-        both = n_ranks > topo.gpus_per_node and n_ranks <= 64
+            [u for u in valid_degrees(workload, n_ranks) if u < n_ranks] or ["auto"]
         orders = [filters["rank_order"]] if "rank_order" in filters else \
-            ["ulysses-first", "ring-first"] if both else ["ulysses-first"]
-        return [dict(filters) | {"ulysses_degree": u, "rank_order": o} for u in degrees for o in orders]
+            ["ulysses-first", "ring-first"] if multi else ["ulysses-first"]
+        pinned = "ulysses_degree" in filters or "rank_order" in filters
+        return [dict(filters) | {"ulysses_degree": u, "rank_order": o} for u in degrees for o in orders
+                if pinned or u == "auto" or o == "ring-first" or u <= topo.gpus_per_node]
 
     # ------------------------------------------------------------------ plan
     def plan(self, workload, topo, n_ranks, knobs, matrix=None) -> Plan:
@@ -144,7 +149,9 @@ class USP(BuiltTiming):
                 b.stream("dkv", "comm")
             b.phase = 1
             self._backward(b, plan, grid, ring)
-        return b.build(topology_record(topo))
+        sched = b.build(topology_record(topo))
+        sched.symmetries = _ring_symmetries(grid, topo)
+        return sched
 
     def _block(self, grid: Grid):
         return lambda rr, j: (grid.groups[grid.g_of[rr]], grid.groups[j])
@@ -234,6 +241,20 @@ class Ulysses(USP):
         """USP's plan with u = N (the ``ulysses_degree`` it records is N)."""
         p = super().plan(workload, topo, n_ranks, knobs | {"ulysses_degree": n_ranks}, matrix)
         return Plan(p.algorithm, knobs, p.matrix, n_ranks, p.owner, p.q_home, p.kv_home, p.device_of_rank, p.extra)
+
+
+def _ring_symmetries(grid: Grid, topo: Topology) -> list[np.ndarray]:
+    """Rank permutations the programs are declared to repeat under, for the simulator's reduction
+    (:mod:`meshplan.cost.symmetry` checks each before it uses it): with ring groups on consecutive ranks spanning
+    whole nodes (``ring-first``, R a multiple of the node's GPUs), every ring turned by one node, and every ring
+    moved to the next (Ulysses position p -> p + 1) — together they take a rank to its local index on every node.
+    None otherwise: the shift by one node is tried (Ulysses groups on consecutive ranks, or rings inside a node)."""
+    per_node = topo.gpus_per_node
+    if grid.order != "ring-first" or grid.R <= per_node or grid.R % per_node:
+        return []
+    r = np.arange(grid.n)
+    p, g = np.divmod(r, grid.R)                        # ring p (Ulysses position), its member g
+    return [p * grid.R + (g + per_node) % grid.R, (r + grid.R) % grid.n]
 
 
 def _group_tensors(b: ScheduleBuilder, grid: Grid, kind: str, *, dtype: str | None = None, own_role: str,

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshplan.model.topology import Topology
-from meshplan.plan.schedule import Schedule
+from meshplan.plan.schedule import RECV, SEND, Schedule
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,27 @@ def _preserves_programs(sched: Schedule, sigma: np.ndarray, durations: np.ndarra
     owner = np.repeat(np.arange(len(o)), np.diff(o.dep_ptr))
     pos = np.arange(len(o.deps)) - o.dep_ptr[owner]
     dep_img = o.deps[o.dep_ptr[img[owner]] + pos]
-    return bool(np.array_equal(dep_img, img[o.deps]))
+    if np.array_equal(dep_img, img[o.deps]):
+        return True
+    head = batch_heads(sched)             # a dep on another member of the same P2P batch: the same item
+    return bool(np.array_equal(head[dep_img], head[img[o.deps]]))
+
+
+def batch_heads(sched: Schedule) -> np.ndarray:
+    """[n_ops] the first op of each op's P2P batch (itself for an op alone): the items of
+    :func:`meshplan.plan.dataflow.build_items` — consecutive sends and receives of one (rank, stream, pass) with one
+    step ≥ 0 start and end together, so a dependency on any member is a dependency on the batch."""
+    o = sched.ops
+    order = np.lexsort((np.arange(len(o)), o.phase, o.stream, o.rank))
+    comm = (o.kind[order] == SEND) | (o.kind[order] == RECV)
+    step = o.step[order]
+    same = np.r_[False, (o.rank[order][1:] == o.rank[order][:-1]) & (o.stream[order][1:] == o.stream[order][:-1])
+                 & (o.phase[order][1:] == o.phase[order][:-1])]
+    joins = same & comm & np.r_[False, comm[:-1]] & (step >= 0) & np.r_[False, step[1:] == step[:-1]]
+    start = np.flatnonzero(~joins)
+    head = np.empty(len(o), dtype=np.int64)
+    head[order] = order[start[np.cumsum(~joins) - 1]]
+    return head
 
 
 def _orbit_reps(sched: Schedule, topo: Topology, gens: list[np.ndarray]) -> np.ndarray | None:

@@ -136,6 +136,21 @@ def test_symmetric_simulation_equals_full(topo_name, n, seq, name):
     np.testing.assert_allclose(fast.start, full.start, rtol=1e-12, atol=1e-15)
 
 
+@pytest.mark.parametrize("u", [2, 4, 8, 16])
+def test_usp_ring_first_reduces_and_equals_full(u):
+    """USP with rings on consecutive ranks: R = 32, 16 (rings over several nodes: the declared ring turns and ring
+    moves), 8 (one ring a node: the node shift, the owner's final dK/dV waiting on its own column of a batch whose
+    order is absolute — the same item), 4 (two rings a node) — reduced to one node's ranks, equal to every rank."""
+    topo = Topology.load("h100x32", gpus=64)
+    w = resolve(seq_len="256K", heads=32, kv_heads=8)
+    alg = get("usp")
+    sched = alg.schedule(alg.plan(w, topo, 64, alg.normalize({"ulysses_degree": u, "rank_order": "ring-first"})), topo)
+    fast, full = simulate(sched, topo), simulate(sched, topo, reduce=False)
+    assert fast.reps == topo.gpus_per_node and fast.exact and full.reps == 64
+    np.testing.assert_allclose(fast.end, full.end, rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(fast.start, full.start, rtol=1e-12, atol=1e-15)
+
+
 @pytest.mark.parametrize("topo_name,n", [("h100x16", 16), ("l20x8", 8), ("dgx-h100", 8), ("cpu-local", 3)])
 @pytest.mark.parametrize("name,hops", [("ring", "n"), ("ring", "n-1"), ("pass-q", "n"), ("pass-q", "n-1")])
 @pytest.mark.parametrize("layout,mask", [("zigzag", "causal"), ("contiguous", "full"), ("striped", "window:2000")])
