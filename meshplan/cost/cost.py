@@ -35,7 +35,16 @@ from meshplan.core.units import DTYPE_BYTES
 from meshplan.cost.doc_kernels import DocKernels, many_covers, priced_by_cover
 from meshplan.model.matrix import attn_matrix
 from meshplan.model.topology import Topology
-from meshplan.plan.schedule import COMBINES, COMPUTE, KIND, PASS_NAMES, TENSOR_KIND_NAMES, Schedule, expand_blocks
+from meshplan.plan.schedule import (
+    COMBINES,
+    COMPUTE,
+    KIND,
+    PASS_NAMES,
+    TENSOR_KIND_NAMES,
+    Schedule,
+    distinct_chunk_sets,
+    expand_blocks,
+)
 
 
 def _runs_by_block(sched: Schedule, m, ops: np.ndarray) -> np.ndarray:
@@ -155,10 +164,18 @@ class CostModel:
         needs) — with the elementwise factor only on the blocks that need a mask."""
         m = attn_matrix(sched.workload, sched.n_chunks)
         o = sched.ops
+        runs = _runs_by_block(sched, m, ops)
+        # ops alike but for their rank (the same chunks, head count and kernel) cost the same, summed in the same
+        # order: each priced once (a Ulysses group's u ranks, u x u blocks an op: 2M blocks at 256 ranks, u = 32)
+        _, chunk_set = distinct_chunk_sets(o, ops)
+        width = (o.h1 - o.h0)[ops].astype(np.int64)
+        _, first, alike = np.unique((chunk_set * 2 + runs) * (sched.workload.n_heads + 1) + width, return_index=True,
+                                    return_inverse=True)
+        ops, alike = ops[first], alike.ravel()
         op_of, qi, kj = expand_blocks(o, ops)
         heads = (o.h1 - o.h0)[op_of] / sched.workload.n_heads
         by_block = np.zeros(len(o), dtype=bool)
-        by_block[ops] = _runs_by_block(sched, m, ops)
+        by_block[ops] = runs[first]
         grow = np.where(by_block[op_of], 1.0, np.sqrt(np.diff(o.qc_ptr) * np.diff(o.kvc_ptr))[op_of])
         eff = self.kernel.efficiency(m.s_q[qi, kj] * grow, m.s_kv[qi, kj] * grow, pass_, m.elementwise[qi, kj],
                                      sched.workload.head_dim, dtype=sched.workload.dtype)
@@ -166,7 +183,7 @@ class CostModel:
         t = flops * heads / (self.topo.peak_flops(sched.workload.dtype) * eff)
         total = np.bincount(op_of, weights=t, minlength=len(o))          # summed in order, as np.add.at would
         launches = np.bincount(op_of, weights=flops > 0, minlength=len(o))
-        return self.kernel.launch_s * np.where(by_block[ops], launches[ops], 1.0) + total[ops]
+        return (self.kernel.launch_s * np.where(by_block[ops], launches[ops], 1.0) + total[ops])[alike]
 
     def _doc_compute(self, sched: Schedule, dur: np.ndarray) -> None:
         """Compute ops under a ``docs`` mask, per document segment, or a window on per-call kernels, per strip
