@@ -141,7 +141,7 @@ def _beyond_limit(alg, base: Workload, topo: Topology, n: int) -> str | None:
         return skip.reason
     except UserError:
         pass
-    return f"not enumerated above {limit} ranks (name it in --algos)"
+    return f"not enumerated above {limit} ranks (name it in --algos: {alg.name})"
 
 
 def same_computation(a, b) -> bool:

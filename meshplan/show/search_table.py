@@ -125,7 +125,7 @@ def _print_notes(body: dict[str, Any], console: Console) -> None:
     unsim = "".join(f", {v} not simulated: {k}" for k, v in counts.get("not_simulated", {}).items())
     console.print(f"{counts['enumerated']} enumerated, {counts['simulated']} simulated, {counts['pruned']} left at "
                   f"their closed-form bound (prune slack {counts['prune_slack']:.0%}{unsim}); skipped: {skipped}; "
-                  f"{body['wall_s']:.2f} s")
+                  f"searched in {body['wall_s']:.2f} s")
     if job:
         console.print(f"job TP {job['tp']} x CP {job['cp']} x DP {job['dp']} ({job['order']}, innermost first) on "
                       f"{job['topology']['devices']} GPUs: time = one CP group as planned (on {job['cp']} devices of "
@@ -188,7 +188,7 @@ def _lead_text(candidates: list[dict[str, Any]], n_ranks: int) -> str | None:
         runs = "then meshplan run each" if n_ranks <= cpu_max_ranks() else \
             "then run each on the cluster under torchrun: docs/running.md"
         text += (f"; {'proven only that far: ' if bound else ''}under {NEAR_TIE:.0%} that is a near-tie, closer than "
-                 f"the model's error (docs/accuracy.md): run both (meshplan search --write 2, {runs}) to pick")
+                 f"the model's error (docs/accuracy.md): run both (this search again with --write 2, {runs}) to pick")
     return text
 
 
