@@ -43,7 +43,7 @@ def write_atomic(path: str | Path, data) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     except OSError as err:
-        raise UserError(str(path), f"cannot write it ({err.strerror or type(err).__name__})",
+        raise UserError(str(path), f"cannot write it ({err.strerror or err or type(err).__name__})",
                         "give a path in a directory you can write to") from None
     try:
         with os.fdopen(fd, "wb") as fh:
@@ -55,7 +55,7 @@ def write_atomic(path: str | Path, data) -> Path:
         os.replace(tmp, path)
     except OSError as err:
         Path(tmp).unlink(missing_ok=True)
-        raise UserError(str(path), f"cannot write it ({err.strerror or type(err).__name__})",
+        raise UserError(str(path), f"cannot write it ({err.strerror or err or type(err).__name__})",
                         "free space or give a path on another disk") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
