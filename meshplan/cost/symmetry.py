@@ -1,13 +1,15 @@
 """Symmetry reduction: ranks whose programs are equal up to a node permutation are simulated once.
 
 Candidate symmetries are rank permutations: those the algorithm declares (``Schedule.symmetries``, e.g.
-Mesh's grid translations), else the shift by one node (r -> r + G mod N). A candidate σ is accepted when
+Mesh's grid translations, USP's ring turns and moves), else the shift by one node (r -> r + G mod N). A candidate
+σ is accepted when
 
 * it moves whole nodes: every rank of a node lands on one node, at the same local device index (all nodes
   are alike and the network is non-blocking, so any node permutation is an automorphism of the topology);
 * it preserves every program: rank σ(g) runs rank g's ops, position by position, with equal kinds,
-  streams, steps, bytes, dtypes and durations (bit-equal), peers mapped by σ, deps at the same positions,
-  and transfers matched to the σ-image of the same partners.
+  streams, steps, bytes, dtypes and durations (bit-equal), peers mapped by σ, deps at the same positions — or on
+  the same P2P batch (its members start and end together: one item of the simulation) —, and transfers matched to
+  the σ-image of the same partners.
 
 If the accepted permutations generate orbits holding exactly one rank of every node, the max-min
 trajectory is invariant under them, so simulating node 0's ranks (the representatives), with each flow's
