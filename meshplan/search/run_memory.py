@@ -29,6 +29,9 @@ from meshplan.core.units import fmt_bytes
 
 HOST_SHARE = 0.9          # of the available memory, what a run may take (the page cache, this process, noise)
 MAX_HALVINGS = 10
+#: a smaller plan suggested for CPU ranks also runs an iteration in at most this long by the prediction on this host
+#: (``meshplan run`` does 2 warm-up and 5 timed iterations by default: about 2 minutes at most)
+SUGGEST_ITERATION_MAX_S = 15.0
 
 
 def rank_peak_bytes(sched, topo) -> float:
@@ -128,8 +131,11 @@ def check_fits(sched, host, name: str, gathers: bool = False) -> None:
 
 
 def _smaller(sched, topo, host, gathers: bool) -> str | None:
-    """The ``simulate`` command of the longest power-of-two fraction of the sequence whose plan fits, or None."""
+    """The ``simulate`` command of the longest power-of-two fraction of the sequence whose plan fits — and on CPU
+    ranks runs an iteration within :data:`SUGGEST_ITERATION_MAX_S` by its prediction on ``topo`` (16 ranks of 16K
+    tokens fit 24 GB but take ~45 s an iteration on 2 cores) — or None."""
     from meshplan.algorithms.base import knob_arg
+    from meshplan.cost.simulate import simulate
     from meshplan.model.topology import Topology
     from meshplan.search.candidate import predict
 
@@ -149,10 +155,14 @@ def _smaller(sched, topo, host, gathers: bool) -> str | None:
             return None
         peak = rank_peak_bytes(cand.schedule, run_topology(cand.schedule, host.gpu))
         need = host_need_bytes(cand.schedule, host, peak, gathers)
-        if need <= HOST_SHARE * host.available_bytes:
+        if need > HOST_SHARE * host.available_bytes:
+            continue
+        each_s = 0.0 if host.gpu else sum(simulate(cand.schedule, topo).pass_makespan.values())
+        if each_s <= SUGGEST_ITERATION_MAX_S:
             knobs = " ".join(knob_arg(k, v) for k, v in sched.knobs.items() if v is not None)
             flags = f"{w.with_(seq_len=seq).cli_flags()}{' ' + knobs if knobs else ''}"
-            return (f"plan {seq} tokens instead ({fmt_bytes(need)}): meshplan simulate "
+            took = "" if host.gpu else f", ~{each_s:.2g} s an iteration here"
+            return (f"plan {seq} tokens instead ({fmt_bytes(need)}{took}): meshplan simulate "
                     f"--algo {sched.algorithm} --gpus {sched.n_ranks} --topo {planned_on.name} {flags} --out "
                     "smaller.json && meshplan run smaller.json")
     return None

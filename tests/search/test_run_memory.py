@@ -141,3 +141,21 @@ def test_search_needs_no_torch(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert list(tmp_path.glob("01-*.json*"))
+
+
+def test_a_suggested_cpu_run_is_also_short(tmp_path, monkeypatch):
+    """A plan that fits but would take minutes an iteration on this host's cores is not suggested: the next halving
+    is, with its predicted iteration time (16 ranks of 16K tokens fit 24 GB but take ~45 s an iteration on 2 cores)."""
+    import meshplan.search.run_memory as rm
+    from meshplan.cost.simulate import simulate
+
+    big, quarter = _schedule(tmp_path, "64K"), _schedule(tmp_path, "16K", "q.json")
+    probe = Host(0, 4)
+    need = lambda s: host_need_bytes(s, probe, rank_peak_bytes(s, run_topology(s, False)), False)  # noqa: E731
+    host = Host(need(quarter) * 1.02 / HOST_SHARE, 4)                 # 16K fits, as above
+    quarter_s = sum(simulate(quarter, run_topology(quarter, False)).pass_makespan.values())
+    monkeypatch.setattr(rm, "SUGGEST_ITERATION_MAX_S", quarter_s * 0.99)     # ... but 16K is now too slow
+    with pytest.raises(UserError) as e:
+        check_fits(big, host, "s.json")
+    line = str(e.value)
+    assert "plan 8192 tokens instead" in line and " s an iteration here)" in line
