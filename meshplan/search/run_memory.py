@@ -29,9 +29,10 @@ from meshplan.core.units import fmt_bytes
 
 HOST_SHARE = 0.9          # of the available memory, what a run may take (the page cache, this process, noise)
 MAX_HALVINGS = 10
-#: a smaller plan suggested for CPU ranks also runs an iteration in at most this long by the prediction on this host
-#: (``meshplan run`` does 2 warm-up and 5 timed iterations by default: about 2 minutes at most)
-SUGGEST_ITERATION_MAX_S = 15.0
+#: a smaller plan suggested for CPU ranks also runs an iteration in at most this long by the prediction on this host:
+#: ``meshplan run`` does 2 warm-up and 5 timed iterations by default, after starting every rank (16 ranks of 8K
+#: tokens on 2 cores: 11 s an iteration predicted, 9.6 s measured, 196 s in all with the ranks' start)
+SUGGEST_ITERATION_MAX_S = 5.0
 
 
 def rank_peak_bytes(sched, topo) -> float:
