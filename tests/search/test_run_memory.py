@@ -37,7 +37,9 @@ def _schedule(tmp_path, seq_len: str, name: str = "s.json"):
     return read_schedule(path)
 
 
-def test_a_plan_too_big_for_the_host_is_refused_with_one_that_fits(tmp_path):
+def test_a_plan_too_big_for_the_host_is_refused_with_one_that_fits(tmp_path, monkeypatch):
+    import meshplan.search.run_memory as rm
+    monkeypatch.setattr(rm, "SUGGEST_ITERATION_MAX_S", float("inf"))        # memory alone here; time: below
     big, quarter = _schedule(tmp_path, "64K"), _schedule(tmp_path, "16K", "q.json")
     probe = Host(0, 4)                                                # CPU ranks, 4 on this host, 100 MB each
     need = lambda s: host_need_bytes(s, probe, rank_peak_bytes(s, run_topology(s, False)), False)  # noqa: E731
