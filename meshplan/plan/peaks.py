@@ -8,10 +8,11 @@ allocations, so the level peaks at an instant's end, and the peak is the largest
 Every rank's events sorted by (rank, time) is one float sort of them all (~0.1 s a pass for a 256-rank schedule,
 which a search pays for every simulation). A simulation with a symmetry reduction gives every op the start and end
 of its representative's op at the same position (``rep_op``); a rank whose tensors then have its representative's
-sizes, allocation and free times, position by position (checked), has its representative's events at the same
-instants with only the workspaces' bytes its own, so the representative's sorted order serves every such rank of
-its orbit: one sort per representative, and the orbit's levels as one [ranks, events] cumulative sum. A rank that
-fails the check is sorted on its own, so the result is the same either way.
+sizes, allocation and free times — as a multiset: a rank may create them in another order (checked) — has its
+representative's events at the same instants with only the workspaces' bytes its own, so the representative's
+sorted order serves every such rank of its orbit: one sort per representative, and the orbit's levels as one
+[ranks, events] cumulative sum. A rank that fails the check is sorted on its own, so the result is the same either
+way.
 """
 
 from __future__ import annotations
@@ -128,9 +129,13 @@ def _orbit_peaks(sched: Schedule, phase: int, ev: _TensorEvents, ops: np.ndarray
     count = np.diff(t_ptr)
     same &= count == count[rep]
     if len(t_order):
-        t_local = np.empty(len(t_order), dtype=np.int64)
-        t_local[t_order] = np.arange(len(t_order)) - t_ptr[ev.rank[t_order]]
-        twin = t_order[np.minimum(t_ptr[rep[ev.rank]] + t_local, len(t_order) - 1)]
+        # each rank's tensors as a multiset of (allocation, free, bytes): in that order, the k-th of a member against
+        # the k-th of its representative (a member may create the same tensors in another order: a Ulysses rank's
+        # own head range first)
+        by_event = np.lexsort((ev.size, ev.free, ev.alloc, ev.rank))
+        t_local = np.empty(len(by_event), dtype=np.int64)
+        t_local[by_event] = np.arange(len(by_event)) - t_ptr[ev.rank[by_event]]
+        twin = by_event[np.minimum(t_ptr[rep[ev.rank]] + t_local, len(by_event) - 1)]
         bad = ~((ev.size == ev.size[twin]) & (ev.alloc == ev.alloc[twin]) & (ev.free == ev.free[twin]))
         same[ev.rank[bad]] = False
     alone = np.ones(n, dtype=bool)

@@ -101,3 +101,29 @@ def test_a_rank_unlike_its_representative_is_sorted_on_its_own(simulated):
     np.testing.assert_array_equal(t1, t2)
     (_, before), _ = _both(*simulated, bwd)
     assert t2[9] > before[9] and t2[17] > before[17]
+
+
+def test_members_whose_tensors_come_in_another_order_share_the_representatives_sort():
+    """USP with Ulysses groups across nodes (degree 16 rings on consecutive ranks): a rank creates its own head
+    range's tensors first, so its tensor list is its representative's in another order — compared as a multiset of
+    (allocation, free, bytes), every member shares the representative's sort, and the peaks equal every rank's."""
+    import meshplan.plan.peaks as peaks
+
+    topo = Topology.load("h100x32", gpus=64)
+    c = make_candidate("usp", resolve(seq_len="64K", model="llama3-8b", layout="zigzag"), topo, 64,
+                       {"ulysses_degree": 16, "rank_order": "ring-first"})
+    sched = algorithms.get("usp").schedule(c.plan, topo)
+    sim = simulate(sched, topo)
+    ws = op_workspace_bytes(sched, topo.memory_model)
+    assert sim.reps == 8 and sim.rep_op is not None
+    sorted_alone = []
+    real = peaks._sorted_peaks
+    peaks._sorted_peaks = lambda rank, *a: sorted_alone.append(len(np.unique(rank))) or real(rank, *a)
+    try:
+        for phase in sched.passes:
+            (b1, t1), (b2, t2) = _both(sched, sim, ws, phase)
+            np.testing.assert_array_equal(b1, b2)
+            np.testing.assert_array_equal(t1, t2)
+    finally:
+        peaks._sorted_peaks = real
+    assert sorted_alone == [64, 64]              # only the every-rank reference sorted ranks on their own
