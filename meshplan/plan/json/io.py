@@ -119,11 +119,11 @@ def _read_raw(path: Path) -> bytes:
         raise UserError(str(path), f"cannot read the schedule ({type(err).__name__})",
                         "give a .json or .json.gz file written by meshplan") from None
     if version is None and re.match(rb'\s*\{\s*"measurement_version"', raw):
-        raise UserError(path.name, "is a measurement (meshplan run --out), not a schedule",
+        raise UserError(str(path), "is a measurement (meshplan run --out), not a schedule",
                         "give the schedule that was run; compare takes it first: meshplan compare SCHEDULE "
                         "MEASUREMENT")
     if version != SCHEMA_VERSION:
-        raise UserError(f"{path.name}: schema_version", f"is {version!r}, this meshplan reads {SCHEMA_VERSION!r}",
+        raise UserError(f"{path}: schema_version", f"is {version!r}, this meshplan reads {SCHEMA_VERSION!r}",
                         "regenerate the schedule with this version (meshplan simulate --out / search --write)")
     return raw
 
@@ -141,11 +141,11 @@ def _validate(raw: bytes, path: Path) -> ScheduleJSON:
     except ValidationError as err:
         first = err.errors(include_url=False)[0]
         if first["type"] == "json_invalid":         # cut short (an interrupted copy) or not JSON at all
-            raise UserError(path.name, f"is not valid JSON ({first['msg'].removeprefix('Invalid JSON: ')})",
+            raise UserError(str(path), f"is not valid JSON ({first['msg'].removeprefix('Invalid JSON: ')})",
                             "the file is cut short or corrupted: regenerate it (meshplan simulate --out / "
                             "search --write)") from None
         loc = ".".join(str(p) for p in first["loc"])
-        raise UserError(f"{path.name}: {loc}" if loc else path.name, first["msg"],
+        raise UserError(f"{path}: {loc}" if loc else str(path), first["msg"],
                         "fix the file or regenerate it") from None
 
 
