@@ -130,7 +130,7 @@ def search(gpus: o.GpusNeeded = None, topo: o.TopoNeeded = None, model: o.Model 
     from meshplan.search.sensitivity import check_args
     from meshplan.show.search_table import print_search
 
-    _check_search_flags(gpus, scheduler, ilp_time_limit_s, ilp_workers, write, top, map_search, prune_slack)
+    _check_search_flags(gpus, scheduler, ilp_time_limit_s, ilp_workers, write, top, map_search, prune_slack, out)
     if doc_lengths is not None or batches is not None:
         from meshplan.cli.batch import distribution_command
         distribution_command(gpus, topo, doc_lengths, batches, seq_len, model, batch, heads, kv_heads, head_dim,
@@ -149,9 +149,6 @@ def search(gpus: o.GpusNeeded = None, topo: o.TopoNeeded = None, model: o.Model 
         from meshplan.cli.job import job_setup
         shape, base, job_topo = job_setup(gpus, topo, base, tp, dp, rank_order, scheduler, map_search)
         job = JobRerank(shape, job_topo)
-    if write > 0:
-        from meshplan.core.fileio import check_writable
-        check_writable(out, "--out", directory=True)      # before the search, not after it
     names = tuple(a.strip() for a in algos.split(",")) if algos else None
     request = SearchRequest(
         base, topology, gpus, algos=names,
@@ -185,9 +182,12 @@ def _memory_limit(text: str | None) -> float | None:
     return limit
 
 
-def _check_search_flags(gpus, scheduler, ilp_time_limit_s, ilp_workers, write, top, map_search, prune_slack) -> None:
-    """``search``'s own flags, before anything runs (UserError: one line naming the flag)."""
+def _check_search_flags(gpus, scheduler, ilp_time_limit_s, ilp_workers, write, top, map_search, prune_slack,
+                        out) -> None:
+    """``search``'s own flags, before anything runs (UserError: one line naming the flag); ``out`` must be a
+    directory this process can write into when schedules are written."""
     from meshplan.core.errors import UserError
+    from meshplan.core.fileio import check_writable
 
     if gpus is None:
         raise UserError("--gpus", "search needs a GPU count", "give --gpus N")
@@ -207,6 +207,8 @@ def _check_search_flags(gpus, scheduler, ilp_time_limit_s, ilp_workers, write, t
         raise UserError("--map-search", f"placement search is for up to 64 ranks, not {gpus}", "drop --map-search")
     if not 0 <= prune_slack < 1:
         raise UserError("--prune-slack", f"{prune_slack} is outside [0, 1)", "give a fraction such as 0.01")
+    if write > 0:
+        check_writable(out, "--out", directory=True)
 
 
 def _progress():
