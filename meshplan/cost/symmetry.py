@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshplan.model.topology import Topology
-from meshplan.plan.schedule import RECV, SEND, Schedule
+from meshplan.plan.dataflow import batch_joins
+from meshplan.plan.schedule import Schedule
 
 
 @dataclass(frozen=True)
@@ -128,15 +129,11 @@ def _preserves_programs(sched: Schedule, sigma: np.ndarray, durations: np.ndarra
 
 def batch_heads(sched: Schedule) -> np.ndarray:
     """[n_ops] the first op of each op's P2P batch (itself for an op alone): the items of
-    :func:`meshplan.plan.dataflow.build_items` — consecutive sends and receives of one (rank, stream, pass) with one
-    step ≥ 0 start and end together, so a dependency on any member is a dependency on the batch."""
+    :func:`meshplan.plan.dataflow.build_items` (:func:`~meshplan.plan.dataflow.batch_joins`) — a batch's members
+    start and end together, so a dependency on any member is a dependency on the batch."""
     o = sched.ops
     order = np.lexsort((np.arange(len(o)), o.phase, o.stream, o.rank))
-    comm = (o.kind[order] == SEND) | (o.kind[order] == RECV)
-    step = o.step[order]
-    same = np.r_[False, (o.rank[order][1:] == o.rank[order][:-1]) & (o.stream[order][1:] == o.stream[order][:-1])
-                 & (o.phase[order][1:] == o.phase[order][:-1])]
-    joins = same & comm & np.r_[False, comm[:-1]] & (step >= 0) & np.r_[False, step[1:] == step[:-1]]
+    _, joins = batch_joins(o, order)
     start = np.flatnonzero(~joins)
     head = np.empty(len(o), dtype=np.int64)
     head[order] = order[start[np.cumsum(~joins) - 1]]

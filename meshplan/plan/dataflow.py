@@ -46,6 +46,17 @@ class Items:
         return len(self.rank)
 
 
+def batch_joins(o, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For ops ``order`` sorted by (rank, stream, id) — one pass, or several sorted by pass too: (each op follows the
+    previous on its (rank, stream, pass), each op joins the previous one's P2P batch: consecutive sends and
+    receives of one (rank, stream, pass) with one step ≥ 0, which start and end together)."""
+    comm = (o.kind[order] == SEND) | (o.kind[order] == RECV)
+    step = o.step[order]
+    rank, stream, phase = o.rank[order], o.stream[order], o.phase[order]
+    same_seq = np.r_[False, (rank[1:] == rank[:-1]) & (stream[1:] == stream[:-1]) & (phase[1:] == phase[:-1])]
+    return same_seq, same_seq & comm & np.r_[False, comm[:-1]] & (step >= 0) & np.r_[False, step[1:] == step[:-1]]
+
+
 def build_items(sched: Schedule, phase: int, partner: np.ndarray | None = None,
                 ranks: np.ndarray | None = None) -> Items:
     """Group the ops of one pass into items and derive their precedence (vectorised).
@@ -63,9 +74,7 @@ def build_items(sched: Schedule, phase: int, partner: np.ndarray | None = None,
         sel = sel[o.phase[sel] == phase]
     order = sel[np.lexsort((sel, o.stream[sel], o.rank[sel]))]
     comm = (o.kind[order] == SEND) | (o.kind[order] == RECV)
-    step = o.step[order]
-    same_seq = np.r_[False, (o.rank[order][1:] == o.rank[order][:-1]) & (o.stream[order][1:] == o.stream[order][:-1])]
-    joins = same_seq & comm & np.r_[False, comm[:-1]] & (step >= 0) & np.r_[False, step[1:] == step[:-1]]
+    same_seq, joins = batch_joins(o, order)
     item_in_order = np.cumsum(~joins) - 1
     n_items = int(item_in_order[-1]) + 1 if len(order) else 0
     item_of_op = np.full(len(o), -1, dtype=np.int64)
