@@ -37,6 +37,11 @@ SUGGEST_ITERATION_MAX_S = 5.0
 
 def rank_peak_bytes(sched, topo) -> float:
     """The memory model's peak of the busiest rank (bytes), over the passes, simulated on ``topo``."""
+    return _on(sched, topo)[0]
+
+
+def _on(sched, topo) -> tuple[float, float]:
+    """(:func:`rank_peak_bytes`, the seconds an iteration takes) of ``sched`` by one simulation on ``topo``."""
     from meshplan.cost.memory import model_peak_bytes
     from meshplan.cost.simulate import simulate
 
@@ -45,7 +50,7 @@ def rank_peak_bytes(sched, topo) -> float:
     for p in sched.passes:
         off = sim.pass_offset[p]
         peaks.append(model_peak_bytes(sched, topo.memory_model, p, sim.start - off, sim.end - off))
-    return max(peaks, default=0.0)
+    return max(peaks, default=0.0), sum(sim.pass_makespan.values())
 
 
 @functools.cache
@@ -136,7 +141,6 @@ def _smaller(sched, topo, host, gathers: bool) -> str | None:
     ranks runs an iteration within :data:`SUGGEST_ITERATION_MAX_S` by its prediction on ``topo`` (16 ranks of 16K
     tokens fit 24 GB but take ~45 s an iteration on 2 cores) — or None."""
     from meshplan.algorithms.base import knob_arg
-    from meshplan.cost.simulate import simulate
     from meshplan.model.topology import Topology
     from meshplan.search.candidate import predict
 
@@ -154,12 +158,11 @@ def _smaller(sched, topo, host, gathers: bool) -> str | None:
             cand = predict(sched.algorithm, w.with_(seq_len=seq), planned_on, sched.n_ranks, dict(sched.knobs))
         except UserError:
             return None
-        peak = rank_peak_bytes(cand.schedule, run_topology(cand.schedule, host.gpu))
+        peak, each_s = _on(cand.schedule, topo)             # the same ranks and run topology as the refused plan
         need = host_need_bytes(cand.schedule, host, peak, gathers)
         if need > HOST_SHARE * host.available_bytes:
             continue
-        each_s = 0.0 if host.gpu else sum(simulate(cand.schedule, topo).pass_makespan.values())
-        if each_s <= SUGGEST_ITERATION_MAX_S:
+        if host.gpu or each_s <= SUGGEST_ITERATION_MAX_S:
             knobs = " ".join(knob_arg(k, v) for k, v in sched.knobs.items() if v is not None)
             flags = f"{w.with_(seq_len=seq).cli_flags()}{' ' + knobs if knobs else ''}"
             took = "" if host.gpu else f", ~{each_s:.2g} s an iteration here"
