@@ -172,6 +172,40 @@ class Algorithm:
         schedule only to simulate (:class:`BuiltTiming`); False: its closed form needs no schedule anyway."""
         return False
 
+    #: the method's builds may be quotient builds (:mod:`meshplan.plan.quotient`: every builder call goes through
+    #: ``new_builder`` and no build is shared between plans); each one checks its symmetries as it goes
+    quotient_builds = False
+
+    def symmetries(self, plan: Plan, topo: Topology) -> list[np.ndarray]:
+        """Rank permutations the plan's schedule is expected to repeat under (checked wherever used); default the
+        shift by one node."""
+        n, g = plan.n_ranks, topo.gpus_per_node
+        return [(np.arange(n) + g) % n] if n % g == 0 and n > g else []
+
+    def quotient_schedule(self, plan: Plan, topo: Topology) -> Schedule | None:
+        """The plan's schedule built for node 0's ranks only, the others proved to repeat them
+        (:mod:`meshplan.plan.quotient`: for a simulation, 1/nodes of the ops); None where the method, the workload,
+        the topology or a builder call does not allow it (build it whole then)."""
+        from meshplan.plan.quotient import NotSymmetric, QuotientCheck, orbit_reps, quotient_workload
+
+        n = plan.n_ranks
+        if not (self.quotient_builds and quotient_workload(plan.workload) and topo.node_symmetric
+                and topo.n_devices == n):
+            return None
+        gens = self.symmetries(plan, topo)
+        rep_of = orbit_reps(n, plan.device_of_rank, topo.gpus_per_node, topo.n_nodes, gens) if gens else None
+        if rep_of is None:
+            return None
+        from meshplan.cost.cost import CostModel
+        plan.extra["quotient"] = QuotientCheck(n, gens, rep_of, np.asarray(plan.device_of_rank) // topo.gpus_per_node,
+                                               CostModel(topo).durations_of, plan.workload, plan.matrix.n)
+        try:
+            return self.build(plan, topo)
+        except NotSymmetric:
+            return None
+        finally:
+            plan.extra.pop("quotient", None)
+
 
 class BuiltTiming(Algorithm):
     """Algorithms whose closed form is the built schedule's (:func:`~meshplan.cost.bounds.schedule_timing`).
@@ -254,7 +288,7 @@ class BuiltTiming(Algorithm):
 def new_builder(alg: Algorithm, plan: Plan, topo: Topology) -> ScheduleBuilder:
     """A builder for ``plan`` with its topology recorded."""
     return ScheduleBuilder(plan.workload, plan.matrix, plan.n_ranks, algorithm=alg.name, knobs=plan.knobs,
-                           device_of_rank=plan.device_of_rank)
+                           device_of_rank=plan.device_of_rank, quotient=plan.extra.get("quotient"))
 
 
 def topology_record(topo: Topology) -> dict:

@@ -153,6 +153,12 @@ class USP(BuiltTiming):
         sched.symmetries = _ring_symmetries(grid, topo)
         return sched
 
+    quotient_builds = True
+
+    def symmetries(self, plan: Plan, topo: Topology) -> list[np.ndarray]:
+        """USP's declared ring turns and moves (:func:`_ring_symmetries`), else the shift by one node."""
+        return _ring_symmetries(plan.extra["grid"], topo) or super().symmetries(plan, topo)
+
     def _block(self, grid: Grid):
         return lambda rr, j: (grid.groups[grid.g_of[rr]], grid.groups[j])
 

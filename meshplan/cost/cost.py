@@ -245,6 +245,12 @@ class CostModel:
             sched.memo[key] = self._op_durations(sched)
         return sched.memo[key].copy()
 
+    def durations_of(self, sched) -> np.ndarray:
+        """[n_ops] :meth:`op_durations` of anything shaped as a Schedule (its ``ops`` and ``tensors`` columns,
+        ``workload``, ``n_chunks``), not kept: a quotient build prices each builder call's ops of every rank
+        (:class:`meshplan.plan.quotient.QuotientCheck`)."""
+        return self._op_durations(sched)
+
     def _op_durations(self, sched: Schedule) -> np.ndarray:
         o, t = sched.ops, sched.tensors
         dur = np.zeros(len(o))

@@ -32,16 +32,20 @@ from meshplan.plan.peaks import peak_memory
 from meshplan.plan.schedule import COMPUTE, KIND, RECV, SEND, Schedule
 
 
-def op_workspace_bytes(sched: Schedule, spec: MemorySpec) -> np.ndarray:
-    """[n_ops] transient bytes each op holds while it runs (module docstring)."""
+def op_workspace_bytes(sched: Schedule, spec: MemorySpec, s_q: np.ndarray | None = None,
+                       s_kv: np.ndarray | None = None) -> np.ndarray:
+    """[n_ops] transient bytes each op holds while it runs (module docstring); ``s_q``, ``s_kv``: [n_ops] kernel
+    shapes in place of the ops' own (a quotient schedule's orbit member's, :mod:`meshplan.plan.quotient`)."""
     o, w = sched.ops, sched.workload
+    s_q = o.s_q if s_q is None else s_q
+    s_kv = o.s_kv if s_kv is None else s_kv
     coef = spec.coefficients(w.dtype)
     ws = np.zeros(len(o))
     elems = w.batch * (o.h1 - o.h0).astype(np.float64) * w.head_dim
     for phase, (cq, ckv) in enumerate(((coef.fwd_q_bytes_per_elem, coef.fwd_kv_bytes_per_elem),
                                        (coef.bwd_q_bytes_per_elem, coef.bwd_kv_bytes_per_elem))):
         sel = (o.kind == COMPUTE) & (o.phase == phase) & (o.flops > 0)
-        ws[sel] = coef.fixed_bytes + elems[sel] * (cq * o.s_q[sel] + ckv * o.s_kv[sel])
+        ws[sel] = coef.fixed_bytes + elems[sel] * (cq * s_q[sel] + ckv * s_kv[sel])
     side = (o.kind == KIND["merge"]) | (o.kind == KIND["accumulate"])
     ws[side] = spec.merge_bytes_per_byte * o.size_bytes[side]
     comm = (o.kind == SEND) | (o.kind == RECV)

@@ -14,6 +14,9 @@ last:
   the topology's calibrated coefficients); ``ring_ccr``: given by the caller
   (Ring's Σ compute / Σ communication for this workload and topology, the CHARM+ definition).
 
+A quotient schedule (:mod:`meshplan.plan.quotient`) holds the representatives' ops: its per-rank arrays are theirs
+(each stands for its orbit) and its sums over ranks are theirs times the orbit's size.
+
 ``total`` sums times over passes (the passes are separated by a barrier) and takes the max of peaks.
 
 In code a prediction is typed: :class:`PassMetrics` per pass (with the per-rank arrays the total folds) inside a
@@ -149,21 +152,41 @@ def pass_metrics(sched: Schedule, topo: Topology, sim: SimResult, phase: int) ->
     cross_rank = np.bincount(o.rank[cross], weights=o.size_bytes[cross], minlength=sched.n_ranks)
     work = sel & (o.kind == COMPUTE)
     flops_rank = np.bincount(o.rank[work], weights=o.flops[work], minlength=sched.n_ranks)
-    flops = float(flops_rank.sum())
+    scale = 1
+    if sched.quotient is not None:        # the representatives' ranks stand for their orbits: every rank's numbers
+        reps, scale = sched.quotient.reps, sched.quotient.orbit_size
+        by_rank, cross_rank, flops_rank = by_rank[reps], cross_rank[reps], flops_rank[reps]
+    flops = float(flops_rank.sum()) * scale
     makespan = sim.pass_makespan[phase]
     # the buffers' peak and the memory model's (with each op's workspace) from one sort of the events
-    buffers, with_workspace = peak_memories(sched, phase, start, end, op_workspace_bytes(sched, topo.memory_model),
-                                             sim.rep_op)
+    buffers, with_workspace = _peaks(sched, topo, phase, start, end, sim.rep_op)
     return PassMetrics(
         makespan_s=makespan, compute_s=compute_s, exposed_comm_s=max(makespan - compute_s, 0.0),
         comm_busy_s=comm_s, comm_bytes_per_gpu_max=float(by_rank.max()),
         inter_node_bytes_per_gpu_max=float(cross_rank.max()),
         compute_to_comm=compute_s / comm_s if comm_s > 0 else None,
-        bytes_per_flop=float(by_rank.sum()) / flops if flops else None,
+        bytes_per_flop=float(by_rank.sum()) * scale / flops if flops else None,
         peak_memory_bytes=float(buffers.max()),
         peak_memory_total_bytes=model_total_bytes(topo.memory_model, float(with_workspace.max(initial=0.0))),
         work_imbalance=imbalance(flops_rank), recv_bytes_by_rank=by_rank, cross_bytes_by_rank=cross_rank,
-        recv_bytes=float(by_rank.sum()), flops=flops, flops_by_rank=flops_rank)
+        recv_bytes=float(by_rank.sum()) * scale, flops=flops, flops_by_rank=flops_rank)
+
+
+def _peaks(sched: Schedule, topo: Topology, phase: int, start: np.ndarray, end: np.ndarray,
+           rep_op: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`~meshplan.plan.peaks.peak_memories` with each op's workspace; a quotient schedule whose orbits' ranks
+    run kernels of other shapes (same times, other workspaces): the largest over each distinct member's shapes."""
+    spec = topo.memory_model
+    q = sched.quotient
+    if q is None or q.member_s_q is None:
+        return peak_memories(sched, phase, start, end, op_workspace_bytes(sched, spec), rep_op)
+    distinct = {}                                  # the members' shapes, once each (a turned ring's: R / G of them)
+    for k in range(q.member_s_q.shape[1]):
+        s_q, s_kv = q.member_s_q[:, k], q.member_s_kv[:, k]
+        distinct.setdefault(s_q.tobytes() + s_kv.tobytes(), (s_q, s_kv))
+    peaks = [peak_memories(sched, phase, start, end, op_workspace_bytes(sched, spec, s_q, s_kv))
+             for s_q, s_kv in distinct.values()]
+    return peaks[0][0], np.max([p[1] for p in peaks], axis=0)
 
 
 def predicted(sched: Schedule, topo: Topology, sim: SimResult, ring_ccr: float | None) -> Prediction:

@@ -56,6 +56,9 @@ class SimResult:
 def simulate(sched: Schedule, topo: Topology, *, reduce: bool = True, exact: bool = False) -> SimResult:
     """Simulate every pass of ``sched`` on ``topo``.
 
+    A quotient schedule (:mod:`meshplan.plan.quotient`: only the representatives' ops, the others proved alike) is
+    simulated as the reduction it is.
+
     Args:
         reduce: simulate one node's ranks when the others are alike (see :mod:`meshplan.cost.symmetry`).
         exact: refuse approximate reductions (durations equal only within 1%).
@@ -71,9 +74,13 @@ def simulate(sched: Schedule, topo: Topology, *, reduce: bool = True, exact: boo
         raise NotImplementedError("collective ops arrive with the baseline library (issue 5)")
     t0 = time.perf_counter()
     durations = CostModel(topo).op_durations(sched)
-    partner = sched.match_transfers()[0]
-    red = find_reduction(sched, topo, durations, partner, 0.0 if exact else DURATION_TOLERANCE) \
-        if reduce else identity(sched)
+    quotient = sched.quotient                   # only the representatives' ops, proved alike (meshplan.plan.quotient)
+    if quotient is not None:
+        partner, red = quotient.partner, Reduction(quotient.reps, np.arange(len(sched.ops)))
+    else:
+        partner = sched.match_transfers()[0]
+        red = find_reduction(sched, topo, durations, partner, 0.0 if exact else DURATION_TOLERANCE) \
+            if reduce else identity(sched)
     if not red.exact:
         durations = red.durations[red.rep_op]
     n = len(sched.ops)
@@ -90,7 +97,7 @@ def simulate(sched: Schedule, topo: Topology, *, reduce: bool = True, exact: boo
         makespan[phase], offset[phase] = float(np.max(e_item, initial=0.0)), clock
         clock += makespan[phase]
     return SimResult(start, end, makespan, offset, red.n_reps, events, time.perf_counter() - t0, durations, red.exact,
-                     red.rep_op if red.n_reps < sched.n_ranks else None)
+                     red.rep_op if red.n_reps < sched.n_ranks and quotient is None else None)
 
 
 class _Engine:

@@ -10,6 +10,7 @@ import numpy as np
 from meshplan.core.csr import csr_ptr, csr_take
 from meshplan.model.matrix import AttnMatrix
 from meshplan.model.workload import Workload
+from meshplan.plan.quotient import QuotientCheck, assemble_quotient
 from meshplan.plan.schedule import (
     COMBINES,
     DTYPES,
@@ -157,8 +158,10 @@ class ScheduleBuilder:
     """
 
     def __init__(self, workload: Workload, matrix: AttnMatrix, n_ranks: int, *, algorithm: str,
-                 knobs: dict[str, Any], device_of_rank: Sequence[int] | None = None) -> None:
+                 knobs: dict[str, Any], device_of_rank: Sequence[int] | None = None,
+                 quotient: QuotientCheck | None = None) -> None:
         self.w, self.m, self.n = workload, matrix, n_ranks
+        self.q = quotient          # a quotient build (meshplan.plan.quotient): only the representatives' ops kept
         self.algorithm, self.knobs = algorithm, dict(knobs)
         self.device_of_rank = np.arange(n_ranks) if device_of_rank is None else np.asarray(device_of_rank)
         self.streams = Streams()
@@ -186,13 +189,19 @@ class ScheduleBuilder:
         ch = np.asarray(chunks, dtype=np.int64).reshape(len(ranks), -1)
         h0, h1, width = self._heads(heads, len(ranks))
         dt = dtype or self.w.dtype
-        size = tensor_bytes(self.w, kind, _one_or_each(self.m.tokens_of(kind, ch)), width, dt)
+        tokens = _one_or_each(self.m.tokens_of(kind, ch))
+        size = tensor_bytes(self.w, kind, tokens, width, dt)
         ids = np.arange(self._n_tensors, self._n_tensors + len(ranks))
         self._n_tensors += len(ranks)
         self._tensor_starts.append(int(ids[0]))
-        self._tensors.append(dict(rank=ranks, kind=kind, kind_code=TENSOR_KIND_NAMES.index(kind), chunks=ch,
-                                  h0=h0, h1=h1, width=width, dtype=DTYPES.index(dt), role=ROLES.index(role),
-                                  phase=self.phase, size=size, ids=ids))
+        block = dict(rank=ranks, kind=kind, kind_code=TENSOR_KIND_NAMES.index(kind), chunks=ch, h0=h0, h1=h1,
+                     width=width, dtype=DTYPES.index(dt), role=ROLES.index(role), phase=self.phase, size=size,
+                     ids=ids, id0=int(ids[0]), id_end=int(ids[-1]) + 1)
+        if self.q is not None:          # the representatives' entries kept; every rank's tokens for _tokens
+            keep = self.q.tensors(ranks, ids, size, (block["kind_code"], block["dtype"], self.phase, width,
+                                                     ch.shape[1]), block["kind_code"])
+            block = _subset(block, keep, len(ranks)) | {"tokens_all": tokens}
+        self._tensors.append(block)
         return ids
 
     def alloc_at(self, tensors, ops) -> None:
@@ -213,8 +222,13 @@ class ScheduleBuilder:
         self._n_ops += k
         dep = np.full((k, 0), -1, dtype=np.int64) if not len(deps) else \
             np.stack([np.broadcast_to(np.asarray(d, dtype=np.int64), (k,)) for d in deps], axis=1)
-        self._ops.append(dict(rank=ranks, kind=KIND[kind], stream=self.streams.names.index(stream),
-                              phase=self.phase, deps=dep, ids=ids, **fields))
+        block = dict(rank=ranks, kind=KIND[kind], stream=self.streams.names.index(stream), phase=self.phase, deps=dep,
+                     ids=ids, **fields)
+        if self.q is not None:          # the representatives' ops kept, once the call is proved invariant
+            keep, extra = self.q.ops(ranks, ids, dep, fields, kind=KIND[kind], stream=block["stream"],
+                                     phase=self.phase)
+            block = _subset(block, keep, k) | extra
+        self._ops.append(block)
         return ids
 
     def transfer(self, src, dst, src_tensor, dst_tensor, *, stream: str, step: int = -1, dtype: str | None = None,
@@ -241,6 +255,10 @@ class ScheduleBuilder:
         packed = {"inputs": parts} if parts.shape[1] > 1 else {}
         s = self._add(src, "send", stream, send_deps, peer=dst, tensor=parts[:, 0], **common, **packed)
         r = self._add(dst, "recv", stream, recv_deps, peer=src, tensor=dst_tensor, **common)
+        if self.q is not None:          # each kept op's partner: its peer's representative's op of this call
+            src, dst = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+            self._ops[-2]["partner"] = self.q.partners(src, dst, r, np.flatnonzero(self.q.keep_rank[src]))
+            self._ops[-1]["partner"] = self.q.partners(dst, src, s, np.flatnonzero(self.q.keep_rank[dst]))
         self.alloc_at(dst_tensor, r)
         return s, r
 
@@ -300,12 +318,19 @@ class ScheduleBuilder:
         which = np.searchsorted(self._starts_array, tids, side="right") - 1
         if len(which) and which.min() == which.max():        # one builder block (the usual case)
             blk = self._tensors[int(which[0])]
-            return _one_or_each(np.asarray(self.m.tokens_of(blk["kind"], blk["chunks"][tids - blk["ids"][0]]),
+            if "tokens_all" in blk:                          # a quotient build's block: every rank's tokens kept
+                return _one_or_each(np.broadcast_to(blk["tokens_all"], (int(blk["id_end"] - blk["id0"]),))[
+                    tids - blk["id0"]])
+            return _one_or_each(np.asarray(self.m.tokens_of(blk["kind"], blk["chunks"][tids - blk["id0"]]),
                                            dtype=np.int64).reshape(len(tids)))
         tokens = np.zeros(len(tids), dtype=np.int64)
         for b in np.unique(which).tolist():                  # one lookup per builder block they come from
             sel, blk = which == b, self._tensors[b]
-            tokens[sel] = self.m.tokens_of(blk["kind"], blk["chunks"][tids[sel] - blk["ids"][0]])
+            if "tokens_all" in blk:
+                tokens[sel] = np.broadcast_to(blk["tokens_all"], (int(blk["id_end"] - blk["id0"]),))[
+                    tids[sel] - blk["id0"]]
+            else:
+                tokens[sel] = self.m.tokens_of(blk["kind"], blk["chunks"][tids[sel] - blk["id0"]])
         return _one_or_each(tokens)
 
     def _heads(self, heads, k: int):
@@ -320,5 +345,18 @@ class ScheduleBuilder:
 
     # ------------------------------------------------------------------ build
     def build(self, topology: dict[str, Any] | None = None) -> Schedule:
-        """Assemble the Schedule (ops sorted by rank, ids remapped)."""
+        """Assemble the Schedule (ops sorted by rank, ids remapped); a quotient build's of the representatives'
+        ops (:func:`meshplan.plan.quotient.assemble_quotient`).
+
+        Raises:
+            NotSymmetric: a quotient build whose kept ops refer to ops or tensors not kept.
+        """
+        if self.q is not None:
+            return assemble_quotient(self, topology or {}, assemble)
         return assemble(self, topology or {})
+
+
+def _subset(block: dict, keep: np.ndarray, k: int) -> dict:
+    """A builder block with only the entries ``keep`` of its ``k`` (per-entry arrays sliced, scalars kept)."""
+    return {name: v[keep] if isinstance(v, np.ndarray) and v.ndim and v.shape[0] == k else v
+            for name, v in block.items()}

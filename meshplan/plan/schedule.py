@@ -209,6 +209,9 @@ class Schedule:
     ops: OpTable
     tensors: TensorTable
     symmetries: list = field(default_factory=list)  # rank permutations the algorithm declares (not in files)
+    #: a quotient build's (:class:`meshplan.plan.quotient.Quotient`): only the representative ranks have ops — it is
+    #: simulated, never written or verified; None: every rank's program
+    quotient: Any = field(default=None, compare=False)
     rank_ptr: np.ndarray = field(init=False)
     #: results derived from the (unchanging) ops by a cost model, keyed by what they depend on
     #: (:meth:`meshplan.cost.cost.CostModel.op_durations`: a search prices one schedule for its bound, its

@@ -6,17 +6,20 @@ while the caller's work runs: Ring's reference settings beside the branch and bo
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any, TypeVar
-
-import numpy as np
 
 from meshplan import algorithms
 from meshplan.core.parallel import alongside as run_alongside
 from meshplan.core.parallel import can_fork
-from meshplan.cost.simulate import SimResult
 from meshplan.model.topology import Topology
-from meshplan.search.candidate import Candidate, forget_built, keep_variant, simulate_candidate, simulate_variants
+from meshplan.search.candidate import (
+    Candidate,
+    forget_built,
+    keep_variant,
+    simulate_candidate,
+    simulate_variants,
+    summary_only,
+)
 
 T = TypeVar("T")
 
@@ -79,13 +82,3 @@ def simulate_beside(pool: list[Candidate], run: Callable[[Callable[[Candidate], 
         c.predicted, c.model_level, c.documents, c.sim, c.schedule = pred, "simulated", docs, sim, sched
         done.append(c)
     return out, done
-
-
-def summary_only(sim: SimResult | None) -> SimResult | None:
-    """``sim`` without its per-op arrays (start, end, durations, representatives: what goes with its schedule), its
-    summary kept (makespans, ranks simulated, events, wall): what comes back from a forked simulation whose schedule
-    does not (a 0.5M-op timeline is ~20 MB through the pipe)."""
-    if sim is None:
-        return None
-    empty = np.zeros(0)
-    return replace(sim, start=empty, end=empty, durations=empty, rep_op=None)

@@ -18,11 +18,13 @@ from meshplan.search.candidate import (
     Candidate,
     closed_form_predicted,
     forget_built,
+    keep_variant,
     label,
     over_memory,
     reduces,
     refine_bound,
     simulate_candidate,
+    simulate_variants,
 )
 
 #: what a candidate over the memory limit is counted as, by whether the limit was given (--memory-limit)
@@ -51,6 +53,8 @@ class BranchAndBound:
     over: list[tuple[float, str]] = field(default_factory=list)
     refined: set[int] = field(default_factory=set)          # ids of the candidates whose bound is tightened
     symmetric: dict[int, bool] = field(default_factory=dict)   # id -> reduces(), found where it was refined
+    by_quotient: set[int] = field(default_factory=set)   # ids of candidates simulated on their representatives alone
+    ahead: set[int] = field(default_factory=set)         # ids simulated beside the one before (not visited again)
 
     def beaten(self, c: Candidate) -> bool:
         """Its lower bound exceeds (1 − prune_slack) x the best simulated makespan."""
@@ -63,7 +67,8 @@ class BranchAndBound:
         cores where fork is offered, else one after the other — the same answer), and both are recorded in
         order. So the second may be simulated where visiting one by one would have left it at a bound the
         first's time beats: one more simulated row, never one fewer, and a pick at least as fast. Above, one at a
-        time, each beside the refinement of the next (:meth:`_visit_beside_refinement`)."""
+        time, each beside the refinement of the next (:meth:`_visit_beside_refinement`) — or, one simulated on its
+        representatives alone, beside the next such one (:meth:`_quotient_pair`)."""
         pairs = self.n <= self.pair_max_ranks      # in pairs where fork is not offered too: the same answer everywhere
         k = 0
         while k < len(cands):
@@ -71,10 +76,16 @@ class BranchAndBound:
             if progress:
                 progress(k, len(cands), label(c))
             k += 1
+            if id(c) in self.ahead:                    # simulated beside the one before
+                continue
             if not pairs:
                 self._visit_beside_refinement(c, cands[k:])
                 continue
             if not self._to_simulate(c):
+                continue
+            if id(c) in self.by_quotient:              # its representatives alone: not in a pair
+                if self._simulate(c):
+                    self.record(c)
                 continue
             partner = None
             while pairs and k < len(cands):
@@ -100,10 +111,11 @@ class BranchAndBound:
         ``pair_max_ranks`` ranks the search runs one thing at a time and a Mesh refinement builds a 0.75M-op
         schedule (~2–3 s at 1024 ranks), so the other core takes it. Where fork is not offered, the two run in turn:
         the same answer."""
+        if self._quotient_pair(c, upcoming):
+            return
         d = None if self.beaten(c) else self._refine_next(c, upcoming)      # c beaten: no work here to pair with
         if d is None:
-            if self._to_simulate(c):
-                simulate_candidate(c, self.topo, self.ccr)
+            if self._to_simulate(c) and self._simulate(c):
                 self.record(c)
             return
 
@@ -112,10 +124,7 @@ class BranchAndBound:
             return tighter, (reduces(d, self.topo) if self.n > self.full_sim_max_ranks else None)   # its build at hand
 
         def here() -> bool:
-            if self._to_simulate(c):
-                simulate_candidate(c, self.topo, self.ccr)
-                return True
-            return False
+            return self._to_simulate(c) and self._simulate(c)
 
         if can_fork():
             (tighter, symmetric), simulated = alongside(refine_there, here)
@@ -128,6 +137,44 @@ class BranchAndBound:
             self.symmetric[id(d)] = symmetric
         if simulated:
             self.record(c)
+
+    def _quotient_pair(self, c: Candidate, upcoming: list[Candidate]) -> bool:
+        """Where ``c`` is to be simulated on its representatives alone (:meth:`_to_simulate`), and so is the next
+        candidate that the best so far does not prune: simulate that one in a forked process meanwhile (both cores:
+        a quotient build takes seconds at 1024 ranks, hundreds of MB), and record both in order — one more simulated
+        row, never one fewer, and a pick at least as fast, as the pairs below ``pair_max_ranks``. False (nothing
+        done) otherwise."""
+        if self.beaten(c) or not can_fork() or not self._quotient_only(c):
+            return False
+        d = next((d for d in upcoming if not self.beaten(d)), None)
+        if d is None or not self._quotient_only(d):
+            return False
+        if not self._to_simulate(c):                  # its refined bound is beaten: left at it
+            return True
+
+        def there():
+            kept = simulate_variants(d, self.topo, self.ccr, quotient=True)
+            return None if kept is None else (kept, d.predicted, d.sim)
+
+        self.ahead.add(id(d))
+        got, simulated = alongside(there, lambda: self._simulate(c))
+        if simulated:
+            self.record(c)
+        if got is None:
+            self._not_alike(d)
+            return True
+        kept, d.predicted, d.sim = got
+        if kept:
+            keep_variant(d, algorithms.get(d.algorithm).variants(d.plan, self.topo)[kept])
+        d.model_level = "simulated"
+        self.record(d)
+        return True
+
+    def _quotient_only(self, c: Candidate) -> bool:
+        """Whether ``c`` is simulated on its representatives alone if at all (its method builds so, and not whole
+        at this size)."""
+        alg = algorithms.get(c.algorithm)
+        return alg.quotient_builds and not alg.search_may_build(self.n)
 
     def _refine_next(self, c: Candidate, upcoming: list[Candidate]) -> Candidate | None:
         """The first of ``upcoming`` whose bound neither the best so far nor ``c``'s likely time (its estimate, at least
@@ -155,6 +202,9 @@ class BranchAndBound:
             forget_built(c)
             return False
         alg = algorithms.get(c.algorithm)
+        if not alg.search_may_build(self.n) and alg.quotient_builds:    # its representatives' programs alone
+            self.by_quotient.add(id(c))
+            return True
         if not alg.search_may_build(self.n):       # not even the first: 17 GB and 90 s for USP at 2048 ranks
             c.predicted = closed_form_predicted(c, self.ccr)
             c.not_simulated = f"its schedule is not built above {alg.search_max_ranks} ranks (seconds and GBs a plan)"
@@ -167,6 +217,23 @@ class BranchAndBound:
             forget_built(c)
             return False
         return True
+
+    def _simulate(self, c: Candidate) -> bool:
+        """Simulate ``c`` (on its representatives alone where :meth:`_to_simulate` said so); False, ``c`` left at
+        its closed form, where its ranks could not be proved alike."""
+        simulate_candidate(c, self.topo, self.ccr, quotient=id(c) in self.by_quotient)
+        if c.model_level == "simulated":
+            return True
+        self._not_alike(c)
+        return False
+
+    def _not_alike(self, c: Candidate) -> None:
+        """``c`` left at its closed form: its schedule is not built whole here and its ranks are not alike."""
+        limit = algorithms.get(c.algorithm).search_max_ranks
+        c.predicted = closed_form_predicted(c, self.ccr)
+        c.not_simulated = f"its schedule is not built above {limit} ranks, and its ranks are not alike by node " \
+                          "(each rank's program would be built)"
+        self.unsimulated[f"schedule not built above {limit} ranks (simulate it alone)"] += 1
 
     def _reduces(self, c: Candidate) -> bool:
         """:func:`~meshplan.search.candidate.reduces`, or what the process that refined ``c`` found."""

@@ -7,7 +7,7 @@ Every candidate reports Ring's CCR for its workload and topology
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -230,23 +230,29 @@ def simulate_command(cand: Candidate, topo: Topology) -> str:
                      f"--topo {topology_arg(topo)}", cand.workload.cli_flags(), *knobs])
 
 
-def simulate_candidate(cand: Candidate, topo: Topology, ccr: float | None) -> Candidate:
+def simulate_candidate(cand: Candidate, topo: Topology, ccr: float | None, quotient: bool = False) -> Candidate:
     """Build the schedule, simulate it and fill ``predicted`` (model level ``simulated``).
 
     When the algorithm offers variants (Mesh's fetch orders), each is simulated and the fastest is kept;
-    ``knobs`` then name the one kept (e.g. ``order: "auto:kv-first"``).
+    ``knobs`` then name the one kept (e.g. ``order: "auto:kv-first"``). ``quotient``: as
+    :func:`simulate_variants` (a candidate it cannot simulate so is left as it was).
     """
-    simulate_variants(cand, topo, ccr)
+    simulate_variants(cand, topo, ccr, quotient)
     return cand
 
 
-def simulate_variants(cand: Candidate, topo: Topology, ccr: float | None) -> int:
-    """:func:`simulate_candidate`; returns the index of the variant kept."""
+def simulate_variants(cand: Candidate, topo: Topology, ccr: float | None, quotient: bool = False) -> int | None:
+    """:func:`simulate_candidate`; returns the index of the variant kept. ``quotient``: each variant built for its
+    representative ranks alone (:meth:`~meshplan.algorithms.base.Algorithm.quotient_schedule`: 1/nodes of the ops,
+    the others proved alike) — then the schedule is not kept (a search writes no schedule it did not build whole)
+    and the timeline only as its summary; None, the candidate untouched, where a variant cannot be built so."""
     alg = algorithms.get(cand.algorithm)
     best = None
     variants = alg.variants(cand.plan, topo)
     for k, plan in enumerate(variants):
-        sched = alg.schedule(plan, topo)
+        sched = alg.quotient_schedule(plan, topo) if quotient else alg.schedule(plan, topo)
+        if sched is None:
+            return None
         sim = simulate(sched, topo)
         total = sum(sim.pass_makespan.values())
         if best is None or total < best[0]:
@@ -257,7 +263,19 @@ def simulate_variants(cand: Candidate, topo: Topology, ccr: float | None) -> int
     if cand.workload.mask.kind == "docs":             # while the schedule is at hand (a search drops it later)
         from meshplan.cost.doc_kernels import document_stats
         cand.documents = document_stats(cand.schedule, topo)
+    if quotient:
+        cand.schedule, cand.sim = None, summary_only(cand.sim)
     return kept
+
+
+def summary_only(sim: SimResult | None) -> SimResult | None:
+    """``sim`` without its per-op arrays (start, end, durations, representatives: what goes with its schedule), its
+    summary kept (makespans, ranks simulated, events, wall): what comes back from a forked simulation whose schedule
+    does not (a 0.5M-op timeline is ~20 MB through the pipe)."""
+    if sim is None:
+        return None
+    empty = np.zeros(0)
+    return replace(sim, start=empty, end=empty, durations=empty, rep_op=None)
 
 
 def keep_variant(cand: Candidate, plan: Plan) -> None:
@@ -323,8 +341,12 @@ def _plan_flops_by_rank(cand: Candidate, pass_: str) -> np.ndarray | None:
     return np.bincount(owner[ok], weights=m.flops(pass_)[ok], minlength=cand.n_ranks)
 
 
-def predict(name: str, workload: Workload, topo: Topology, n_ranks: int, knobs: dict[str, Any]) -> Candidate:
-    """Plan, schedule and simulate one algorithm (what ``meshplan simulate --algo`` does).
+def predict(name: str, workload: Workload, topo: Topology, n_ranks: int, knobs: dict[str, Any],
+            keep_schedule: bool = True) -> Candidate:
+    """Plan, schedule and simulate one algorithm (what ``meshplan simulate --algo`` does). Without
+    ``keep_schedule`` (nothing to write or trace), a method whose schedule a search does not build whole at this
+    size is simulated on its representative ranks alone where they are proved alike (:func:`simulate_variants`'s
+    ``quotient``: seconds instead of a minute and GBs at 1024 ranks), else built whole.
 
     Raises:
         UserError: bad knobs, or the method cannot run this workload on ``n_ranks`` ranks (search skips such
@@ -335,7 +357,11 @@ def predict(name: str, workload: Workload, topo: Topology, n_ranks: int, knobs: 
     except SkipCandidate as skip:
         raise UserError("--algo", f"{name} cannot run this on {n_ranks} ranks: {skip.detail or skip.reason}",
                         "see meshplan search for the methods that can") from None
-    return simulate_candidate(cand, topo, ring_ccr(workload, topo, n_ranks))
+    ccr, alg = ring_ccr(workload, topo, n_ranks), algorithms.get(name)
+    if not keep_schedule and alg.quotient_builds and not alg.search_may_build(n_ranks):
+        if simulate_variants(cand, topo, ccr, quotient=True) is not None:
+            return cand
+    return simulate_candidate(cand, topo, ccr)
 
 
 def result_json(cand: Candidate) -> dict[str, Any]:

@@ -338,8 +338,9 @@ def test_schedule_free_closed_forms_halved_between_processes_land_on_their_own_c
 
 def test_above_the_build_limit_usp_is_ranked_by_its_schedule_free_bound(monkeypatch):
     """With USP's build limit lowered to 8 ranks, a 16-rank search enumerates USP and LoongTrain from their
-    schedule-free bounds (meshplan/algorithms/usp_timing.py) without building a schedule; once another candidate is
-    simulated, one whose bound could still beat it is left at its bound with the reason, never silently dropped."""
+    schedule-free bounds (meshplan/algorithms/usp_timing.py) without building a whole schedule (USP is simulated on
+    its representatives where its ranks are alike); once another candidate is simulated, one whose bound could still
+    beat it is left at its bound with the reason, never silently dropped."""
     import meshplan.search as search
     from meshplan.algorithms.ulysses import USP
 
@@ -354,7 +355,10 @@ def test_above_the_build_limit_usp_is_ranked_by_its_schedule_free_bound(monkeypa
         if c.model_level == "simulated":
             continue
         assert "schedule" not in c.plan.extra
-        assert c.bound_s > best or c.not_simulated == "its schedule is not built above 8 ranks (seconds and GBs a plan)"
+        assert c.bound_s > best or c.not_simulated in (
+            "its schedule is not built above 8 ranks (seconds and GBs a plan)",                      # LoongTrain
+            "its schedule is not built above 8 ranks, and its ranks are not alike by node (each rank's program "
+            "would be built)")                                                                        # USP
     assert result.counts["enumerated"] == result.counts["pruned"] + result.counts["simulated"]
 
 
@@ -433,9 +437,9 @@ def test_closed_form_bytes_per_flop_is_the_simulated_one(algo):
 
 def test_above_the_build_limit_nothing_is_built_not_even_the_first(monkeypatch, tmp_path):
     """A search of only schedule-free methods above their build limit (lowered to 8 ranks here; 256 shipped: a
-    2048-rank USP schedule took 17 GB) builds no schedule, not even to have a first simulated row: every candidate
-    stays at its bound with the reason, and the write names the command that writes the best one alone — which
-    writes a schedule that validates."""
+    2048-rank USP schedule took 17 GB) builds no whole schedule, not even to have a first simulated row: USP is
+    simulated on its representative ranks alone (a quotient build, not kept), and the write names the command that
+    writes the best one alone — which writes a schedule that validates, with the search's prediction."""
     from typer.testing import CliRunner
 
     from meshplan.algorithms.ulysses import USP
@@ -448,13 +452,43 @@ def test_above_the_build_limit_nothing_is_built_not_even_the_first(monkeypatch, 
     report = run_pipeline(SearchRequest(workload=w, topology=topo, gpus=16, algos=("usp",), write=1,
                                         out_dir=str(tmp_path)))
     result = report.result
-    assert result.counts["simulated"] == 0 and result.candidates
-    assert all(c.model_level == "closed-form" and "schedule" not in c.plan.extra for c in result.candidates)
+    assert result.counts["simulated"] >= 1 and result.candidates[0].model_level == "simulated"
+    assert all(c.schedule is None and "schedule" not in c.plan.extra for c in result.candidates)
     assert not list(tmp_path.iterdir())
     [msg] = [r for r in result.rejected if r.startswith("not written: #1 usp")]
     command = msg.split("write it alone: meshplan ", 1)[1].split()
     written = command[command.index("--out") + 1]
-    assert written.startswith(str(tmp_path / "01-usp-zigzag")) and written.endswith(".json.gz")
-    done = CliRunner().invoke(app, command)
+    assert written.startswith(str(tmp_path / "01-usp-")) and written.endswith(".json.gz")
+    done = CliRunner().invoke(app, command + ["--json"])
     assert done.exit_code == 0, done.output
     assert CliRunner().invoke(app, ["validate", written]).exit_code == 0
+    import json
+    whole = json.loads(done.output[done.output.index("{"):])["predicted"]["makespan_s"]
+    assert whole == pytest.approx(result.candidates[0].predicted.makespan_s, rel=1e-12)
+
+
+@pytest.mark.heavy
+def test_above_the_build_limit_usp_is_simulated_on_its_representatives(monkeypatch):
+    # the 1024-GPU case at 64 ranks (zigzag, as a search takes above 64 ranks): USP's schedules not built whole above
+    # 32 ranks, candidates one at a time above 32 (two quotient builds side by side): every USP row the search
+    # simulates has the whole build's prediction, and none is left unsimulated for want of a build
+    import meshplan.search as search
+    from meshplan.algorithms.ulysses import USP
+
+    topo = Topology.load("h100x32", gpus=64)
+    w = resolve(model="llama3-8b", seq_len="256K")
+    whole = {(c.algorithm, str(c.knobs)): c
+             for c in run_search(w, topo, 64, algos=["usp"], layout_pinned=True).candidates}
+    monkeypatch.setattr(USP, "search_max_ranks", 32)
+    monkeypatch.setattr(search, "PAIR_MAX_RANKS", 32)
+    result = run_search(w, topo, 64, algos=["usp"], layout_pinned=True)
+    simulated = [c for c in result.candidates if c.model_level == "simulated"]
+    assert len(simulated) >= 2 and not any(c.not_simulated for c in result.candidates)
+    assert all(c.schedule is None for c in simulated)                  # a quotient is not kept (nothing to write)
+    for c in simulated:
+        same = whole[(c.algorithm, str(c.knobs))]
+        assert same.model_level == "simulated"
+        mine, theirs = c.predicted.json(), same.predicted.json()
+        for part in ("fwd", "bwd", "total"):
+            assert mine[part] == pytest.approx(theirs[part], rel=1e-12)
+    assert result.candidates[0].knobs == next(iter(whole.values())).knobs
