@@ -175,6 +175,9 @@ class Algorithm:
     #: the method's builds may be quotient builds (:mod:`meshplan.plan.quotient`: every builder call goes through
     #: ``new_builder`` and no build is shared between plans); each one checks its symmetries as it goes
     quotient_builds = False
+    #: a search tries a quotient build up to this many ranks (its calls still run for every rank: USP degree 32 at
+    #: 1024 ranks 4-8 s and ~1 GB, about 16x that at 4096); ``simulate`` at any size
+    quotient_search_max_ranks = 1024
 
     def symmetries(self, plan: Plan, topo: Topology) -> list[np.ndarray]:
         """Rank permutations the plan's schedule is expected to repeat under (checked wherever used); default the

@@ -171,10 +171,10 @@ class BranchAndBound:
         return True
 
     def _quotient_only(self, c: Candidate) -> bool:
-        """Whether ``c`` is simulated on its representatives alone if at all (its method builds so, and not whole
-        at this size)."""
+        """Whether ``c`` is simulated on its representatives alone if at all (its method builds so, up to its
+        ``quotient_search_max_ranks``, and not whole at this size)."""
         alg = algorithms.get(c.algorithm)
-        return alg.quotient_builds and not alg.search_may_build(self.n)
+        return alg.quotient_builds and not alg.search_may_build(self.n) and self.n <= alg.quotient_search_max_ranks
 
     def _refine_next(self, c: Candidate, upcoming: list[Candidate]) -> Candidate | None:
         """The first of ``upcoming`` whose bound neither the best so far nor ``c``'s likely time (its estimate, at least
@@ -202,7 +202,7 @@ class BranchAndBound:
             forget_built(c)
             return False
         alg = algorithms.get(c.algorithm)
-        if not alg.search_may_build(self.n) and alg.quotient_builds:    # its representatives' programs alone
+        if not alg.search_may_build(self.n) and self._quotient_only(c):    # its representatives' programs alone
             self.by_quotient.add(id(c))
             return True
         if not alg.search_may_build(self.n):       # not even the first: 17 GB and 90 s for USP at 2048 ranks
