@@ -179,35 +179,39 @@ class Algorithm:
     #: 1024 ranks 4-8 s and ~1 GB, about 16x that at 4096); ``simulate`` at any size
     quotient_search_max_ranks = 1024
 
-    def symmetries(self, plan: Plan, topo: Topology) -> list[np.ndarray]:
-        """Rank permutations the plan's schedule is expected to repeat under (checked wherever used); default the
-        shift by one node."""
+    def symmetries(self, plan: Plan, topo: Topology) -> list[list[np.ndarray]]:
+        """Sets of rank permutations the plan's schedule may repeat under, the most reducing first (a quotient build
+        tries each until one is proved); default the shift by one node."""
         n, g = plan.n_ranks, topo.gpus_per_node
-        return [(np.arange(n) + g) % n] if n % g == 0 and n > g else []
+        return [[(np.arange(n) + g) % n]] if n % g == 0 and n > g else []
 
     def quotient_schedule(self, plan: Plan, topo: Topology) -> Schedule | None:
-        """The plan's schedule built for node 0's ranks only, the others proved to repeat them
-        (:mod:`meshplan.plan.quotient`: for a simulation, 1/nodes of the ops); None where the method, the workload,
-        the topology or a builder call does not allow it (build it whole then)."""
+        """The plan's schedule built for its representative ranks only (one node of each node orbit), the others
+        proved to repeat them (:mod:`meshplan.plan.quotient`: for a simulation, 1/orbit of the ops), under the first
+        of :meth:`symmetries` that holds; None where the method, the workload, the topology or every set of
+        permutations fails (build it whole then)."""
         from meshplan.plan.quotient import NotSymmetric, QuotientCheck, orbit_reps, quotient_workload
 
         n = plan.n_ranks
         if not (self.quotient_builds and quotient_workload(plan.workload) and topo.node_symmetric
                 and topo.n_devices == n):
             return None
-        gens = self.symmetries(plan, topo)
-        rep_of = orbit_reps(n, plan.device_of_rank, topo.gpus_per_node, topo.n_nodes, gens) if gens else None
-        if rep_of is None:
-            return None
         from meshplan.cost.cost import CostModel
-        plan.extra["quotient"] = QuotientCheck(n, gens, rep_of, np.asarray(plan.device_of_rank) // topo.gpus_per_node,
-                                               CostModel(topo).durations_of, plan.workload, plan.matrix.n)
-        try:
-            return self.build(plan, topo)
-        except NotSymmetric:
-            return None
-        finally:
-            plan.extra.pop("quotient", None)
+
+        for gens in self.symmetries(plan, topo):
+            orbits = orbit_reps(n, plan.device_of_rank, topo.gpus_per_node, topo.n_nodes, gens)
+            if orbits is None:
+                continue
+            plan.extra["quotient"] = QuotientCheck(n, gens, *orbits, np.asarray(plan.device_of_rank) //
+                                                   topo.gpus_per_node, CostModel(topo).durations_of, plan.workload,
+                                                   plan.matrix.n)
+            try:
+                return self.build(plan, topo)
+            except NotSymmetric:
+                continue
+            finally:
+                plan.extra.pop("quotient", None)
+        return None
 
 
 class BuiltTiming(Algorithm):

@@ -155,9 +155,21 @@ class USP(BuiltTiming):
 
     quotient_builds = True
 
-    def symmetries(self, plan: Plan, topo: Topology) -> list[np.ndarray]:
-        """USP's declared ring turns and moves (:func:`_ring_symmetries`), else the shift by one node."""
-        return _ring_symmetries(plan.extra["grid"], topo) or super().symmetries(plan, topo)
+    def symmetries(self, plan: Plan, topo: Topology) -> list[list[np.ndarray]]:
+        """The node permutations USP's programs may repeat under, the most reducing first: every ring turned by a node
+        and moved to the next (:func:`_ring_symmetries`: rings over several nodes) or the shift by one node; then the
+        moves alone — ring-first, rings hold the same chunks, so a move keeps every kernel whatever the mask and
+        layout (a turn needs the ring's members to work alike) — or, Ulysses groups first, the shift by one group."""
+        grid: Grid = plan.extra["grid"]
+        r = np.arange(grid.n)
+        step = grid.R if grid.order == "ring-first" else grid.u        # the next ring / the next group
+        sets = [_ring_symmetries(grid, topo)] + super().symmetries(plan, topo) + [[(r + step) % grid.n]]
+        out = []
+        for gens in sets:
+            if gens and not any(len(gens) == len(o) and all(np.array_equal(a, b) for a, b in zip(gens, o))
+                                for o in out):
+                out.append(gens)
+        return out
 
     def _block(self, grid: Grid):
         return lambda rr, j: (grid.groups[grid.g_of[rr]], grid.groups[j])

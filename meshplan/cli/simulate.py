@@ -32,7 +32,9 @@ def simulate_named(algo, gpus, topo, workload, knobs, out, trace, as_json, emit)
         check_writable(out, "--out")                     # before the work, not after it
     topo_obj = topology(topo, gpus, "simulate")
     n = gpus if gpus is not None else topo_obj.n_devices
-    cand = predict(algo, workload, topo_obj, n, knobs, keep_schedule=out is not None or trace is not None)
+    cand = predict(algo, workload, topo_obj, n, knobs, keep_schedule=out is not None or trace is not None,
+                   on_whole=lambda: _log(f"note: {algo}'s ranks are not alike by node here: every rank's program is "
+                                         f"built and simulated ({n} ranks: minutes and GBs)"))
     body = result_json(cand) | {"topology": {"name": topo_obj.name, "devices": topo_obj.n_devices}}
     if out is not None:
         write_verified(cand.schedule, topo_obj, out)

@@ -144,7 +144,8 @@ class _Engine:
             key = (a, b)
             if key not in cache:
                 route = topo.route(a, b)
-                reps = link_orbit_rep(topo, route) if red.n_reps < sched.n_ranks else route
+                reps = route if red.n_reps == sched.n_ranks else \
+                    link_orbit_rep(topo, route, None if sched.quotient is None else sched.quotient.node_rep)
                 weights: dict[int, float] = {}
                 for link in reps.tolist():
                     weights[link] = weights.get(link, 0.0) + 1.0

@@ -168,6 +168,11 @@ def _orbit_reps(sched: Schedule, topo: Topology, gens: list[np.ndarray]) -> np.n
     return rep_of
 
 
-def link_orbit_rep(topo: Topology, links: np.ndarray) -> np.ndarray:
-    """The node-0 copy of each link (links are numbered node by node, ``links_per_node`` each)."""
-    return np.asarray(links) % topo.links_per_node
+def link_orbit_rep(topo: Topology, links: np.ndarray, node_rep: np.ndarray | None = None) -> np.ndarray:
+    """The node-0 copy of each link (links are numbered node by node, ``links_per_node`` each) — or, with
+    ``node_rep`` ([nodes]: each node's orbit's first node, a quotient's), the copy on its node's representative."""
+    links = np.asarray(links)
+    if node_rep is None:
+        return links % topo.links_per_node
+    per = topo.links_per_node
+    return node_rep[links // per] * per + links % per

@@ -47,14 +47,15 @@ class NotSymmetric(Exception):
 
 @dataclass(frozen=True)
 class Quotient:
-    """What a quotient schedule holds: ``reps`` ([k] the representative ranks, node 0's), ``partner`` ([n_ops] each
-    send's and recv's partner among the representatives' ops, −1 for others), ``orbit_size`` (ranks per orbit: the
-    nodes)."""
+    """What a quotient schedule holds: ``reps`` ([k] the representative ranks: each orbit's on the first node of its
+    node orbit), ``partner`` ([n_ops] each send's and recv's partner among the representatives' ops, −1 for others),
+    ``orbit_size`` (ranks per orbit: the nodes of a node orbit)."""
 
     reps: np.ndarray
     partner: np.ndarray
     orbit_size: int
-    #: [n_ops, nodes] each op's kernel shape on its orbit's rank on every node, where some differ (workspaces)
+    node_rep: np.ndarray               # [nodes] the first node of each node's orbit: whose links stand for its links
+    #: [n_ops, orbit size] each op's kernel shape on its orbit's rank on every node, where some differ (workspaces)
     member_s_q: np.ndarray | None = None
     member_s_kv: np.ndarray | None = None
 
@@ -66,9 +67,10 @@ def quotient_workload(workload) -> bool:
 
 
 def orbit_reps(n: int, device_of_rank: np.ndarray, gpus_per_node: int, n_nodes: int,
-               gens: list[np.ndarray]) -> np.ndarray | None:
-    """rep_of[rank]: its orbit's member on node 0, if the permutations ``gens`` move whole nodes (every rank of a node
-    to one node, at the same local index) and generate orbits of one rank on every node; None otherwise."""
+               gens: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray] | None:
+    """(rep_of[rank]: its orbit's member on the first node of its node orbit, node_rep[node]: that first node), if the
+    permutations ``gens`` move whole nodes (every rank of a node to one node, at the same local index) and generate
+    rank orbits that hold one rank on every node of their node orbit, all node orbits of one size; None otherwise."""
     dev = np.asarray(device_of_rank)
     node, local = dev // gpus_per_node, dev % gpus_per_node
     for s in gens:
@@ -79,6 +81,8 @@ def orbit_reps(n: int, device_of_rank: np.ndarray, gpus_per_node: int, n_nodes: 
         if not np.array_equal(target[node], node[s]) or len(np.unique(target)) != n_nodes:
             return None
     orbit, rep_of = np.full(n, -1), np.full(n, -1)
+    node_rep = np.full(n_nodes, -1)
+    size = None
     for start in range(n):
         if orbit[start] >= 0:
             continue
@@ -95,10 +99,16 @@ def orbit_reps(n: int, device_of_rank: np.ndarray, gpus_per_node: int, n_nodes: 
                         nxt.append(t)
             frontier = nxt
         nodes = node[members]
-        if len(members) != n_nodes or len(np.unique(nodes)) != n_nodes:
+        first = int(nodes.min())
+        if len(np.unique(nodes)) != len(members) or (size is not None and len(members) != size) or \
+                (node_rep[nodes] >= 0).any() and not (node_rep[nodes] == first).all():
             return None
-        rep_of[members] = members[int(np.flatnonzero(nodes == 0)[0])]
-    return rep_of
+        size = len(members)
+        node_rep[nodes] = first
+        rep_of[members] = members[int(np.flatnonzero(nodes == first)[0])]
+    if (node_rep < 0).any() or size == 1:
+        return None
+    return rep_of, node_rep
 
 
 class _Grow:
@@ -142,15 +152,18 @@ class QuotientCheck:
     what memory sees: per rank, the multiset of (bytes, pass, kind, allocating op, freeing ops) — a rank may create
     its pieces in another order."""
 
-    def __init__(self, n: int, gens: list[np.ndarray], rep_of: np.ndarray, node_of_rank: np.ndarray,
-                 price: Callable[[Any], np.ndarray], workload, n_chunks: int) -> None:
-        self.n, self.gens, self.rep_of = n, [np.asarray(s, dtype=np.int64) for s in gens], rep_of
+    def __init__(self, n: int, gens: list[np.ndarray], rep_of: np.ndarray, node_rep: np.ndarray,
+                 node_of_rank: np.ndarray, price: Callable[[Any], np.ndarray], workload, n_chunks: int) -> None:
+        self.n, self.gens, self.rep_of, self.node_rep = n, [np.asarray(s, dtype=np.int64) for s in gens], rep_of, \
+            node_rep
         self.keep_rank = rep_of == np.arange(n)
         self.price, self.workload, self.n_chunks = price, workload, n_chunks
         node = np.asarray(node_of_rank, dtype=np.int64)
-        self.n_nodes = int(node.max()) + 1
-        self.orbit = np.full((n, self.n_nodes), -1, dtype=np.int64)   # [rep, node] the orbit's rank on that node
-        self.orbit[rep_of, node] = np.arange(n)
+        self.orbit_size = int(np.bincount(rep_of).max())
+        # [rep, m] the orbit's rank on the m-th node of its node orbit (in node order)
+        order = np.lexsort((node, rep_of))
+        self.orbit = np.full((n, self.orbit_size), -1, dtype=np.int64)
+        self.orbit[rep_of[order], np.arange(n) - np.searchsorted(rep_of[order], rep_of[order])] = order
         self.op_img = [_Grow(dtype=np.int32) for _ in gens]        # ids below 2³¹: 8 GB of ops
         self.batch_head = _Grow(dtype=np.int32)             # each op's P2P batch's first op (itself alone)
         self._last: dict[int, tuple[np.ndarray, ...]] = {}   # stream -> each rank's last op there: id, comm, step, pass
@@ -397,12 +410,12 @@ def assemble_quotient(builder, topology: dict, assemble: Callable):
     if any("orbit_s_q" in b for b in ops):        # every op's shape on each node's member, in the final order
         for f in _SHAPE:
             own = getattr(sched.ops, f)
-            table = np.repeat(own[:, None], q.n_nodes, axis=1)
+            table = np.repeat(own[:, None], q.orbit_size, axis=1)
             for b, start in zip(ops, np.r_[0, np.cumsum(lengths)[:-1]]):
                 if "orbit_" + f in b:
                     table[new_id[start:start + len(b["rank"])]] = b["orbit_" + f]
             members["member_" + f] = table
-    sched.quotient = Quotient(reps, final, q.n // len(reps), **members)
+    sched.quotient = Quotient(reps, final, q.orbit_size, q.node_rep, **members)
     return sched
 
 

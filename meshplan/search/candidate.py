@@ -342,11 +342,12 @@ def _plan_flops_by_rank(cand: Candidate, pass_: str) -> np.ndarray | None:
 
 
 def predict(name: str, workload: Workload, topo: Topology, n_ranks: int, knobs: dict[str, Any],
-            keep_schedule: bool = True) -> Candidate:
+            keep_schedule: bool = True, on_whole: Callable[[], None] | None = None) -> Candidate:
     """Plan, schedule and simulate one algorithm (what ``meshplan simulate --algo`` does). Without
     ``keep_schedule`` (nothing to write or trace), a method whose schedule a search does not build whole at this
     size is simulated on its representative ranks alone where they are proved alike (:func:`simulate_variants`'s
-    ``quotient``: seconds instead of a minute and GBs at 1024 ranks), else built whole.
+    ``quotient``: seconds instead of a minute and GBs at 1024 ranks), else built whole. ``on_whole`` is called
+    before such a plan is built whole after all (its ranks not alike).
 
     Raises:
         UserError: bad knobs, or the method cannot run this workload on ``n_ranks`` ranks (search skips such
@@ -361,6 +362,8 @@ def predict(name: str, workload: Workload, topo: Topology, n_ranks: int, knobs: 
     if not keep_schedule and alg.quotient_builds and not alg.search_may_build(n_ranks):
         if simulate_variants(cand, topo, ccr, quotient=True) is not None:
             return cand
+        if on_whole is not None:
+            on_whole()
     return simulate_candidate(cand, topo, ccr)
 
 
