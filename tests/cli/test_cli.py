@@ -99,6 +99,9 @@ def test_search_flags_a_near_tie_at_the_top():
     assert "then meshplan run each)" in _lead_text([cands[0], same], 64)
     cluster = _lead_text([cands[0], same], 256)
     assert "torchrun" in cluster and "meshplan run each" not in cluster
+    assert "(this search again with --write 2, then run each" in cluster
+    # above 256 ranks a search does not build a USP pick whole: --write 2 names the command that writes each
+    assert "names the `meshplan simulate … --out` that does" in _lead_text([cands[0], same], 512)
     far = {**cands[0], "predicted": {**cands[0]["predicted"], "makespan_s": 2 * a}}
     assert _lead_text([cands[0], far], 4) == "#1 leads #2 by 100.0% (predicted)"
     bounded = {**far, "model_level": "closed-form"}

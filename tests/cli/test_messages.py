@@ -144,6 +144,13 @@ def test_ring_is_the_reference_row(search_body):
     best = search_body["candidates"][0]["predicted"]["makespan_s"]
     assert f"#1 is {ref['predicted']['makespan_s'] / best:.2f}x as fast as Ring's best setting" in text
     assert "│ ring │" in text or "ring zigzag" in text
+    # Ring left at its bounds (above 256 ranks): a claim on every Ring setting, not on which one is best
+    from meshplan.show.search_table import _vs_ring_text
+    bounded = {**ref, "model_level": "closed-form"}
+    cands = [bounded if c is ref else c for c in search_body["candidates"]]
+    line = _vs_ring_text({**search_body, "reference": bounded, "candidates": cands})
+    assert line.startswith(f"#1 is at least {ref['predicted']['makespan_s'] / best:.2f}x as fast as any Ring setting")
+    assert "the least of their lower bounds" in line and "best setting" not in line
 
 
 def test_why_in_words(search_body):
