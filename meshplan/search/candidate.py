@@ -201,6 +201,14 @@ def label(c: Candidate) -> str:
     return f"{c.algorithm} {c.workload.layout} {knobs}"
 
 
+def short_label(c: Candidate) -> str:
+    """A candidate as the table names it: algorithm, layout and the knobs that differ from the method's defaults,
+    space-separated (``usp zigzag ulysses_degree=32 rank_order=ring-first``)."""
+    defaults = {k: kn.default for k, kn in algorithms.get(c.algorithm).knobs.items()}
+    knobs = [f"{k}={v}" for k, v in c.knobs.items() if v is not None and v != defaults.get(k) and v != "auto"]
+    return " ".join([c.algorithm, c.workload.layout, *knobs])
+
+
 def over_memory(c: Candidate, peak: float, limit: float, how: str) -> str:
     """Why ``c`` is refused: its ``how`` peak over the limit (bytes per GPU)."""
     return f"{label(c)}: peak memory {fmt_bytes(peak)} ({how}: buffers, workspace, runtime) > {fmt_bytes(limit)}"

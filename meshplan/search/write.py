@@ -19,7 +19,7 @@ from meshplan import algorithms
 from meshplan.core.errors import UserError
 from meshplan.core.parallel import alongside
 from meshplan.plan.verify import verify
-from meshplan.search.candidate import label, over_memory, simulate_command
+from meshplan.search.candidate import label, over_memory, short_label, simulate_command
 
 if TYPE_CHECKING:
     from meshplan.model.topology import Topology
@@ -155,7 +155,7 @@ def stage_schedule(rank: int, c, topo: Topology, memory_limit: float | None, out
 
     alg = algorithms.get(c.algorithm)
     if c.schedule is None and not alg.search_may_build(c.n_ranks):      # GBs: as the search, not built here
-        return Staged(message=f"not written: #{rank} {label(c)}: a search does not build its schedule above "
+        return Staged(message=f"not written: #{rank} {short_label(c)}: a search does not build its schedule above "
                               f"{alg.search_max_ranks} ranks; write it alone: {simulate_command(c, topo)} "
                               f"--out {Path(out_dir) / _stem(rank, c)}.json.gz")
     if c.schedule is None:
