@@ -30,6 +30,7 @@ import numpy as np
 
 from meshplan.model.topology import Topology
 from meshplan.plan.dataflow import batch_joins
+from meshplan.plan.quotient import orbit_reps
 from meshplan.plan.schedule import Schedule
 
 
@@ -141,31 +142,12 @@ def batch_heads(sched: Schedule) -> np.ndarray:
 
 
 def _orbit_reps(sched: Schedule, topo: Topology, gens: list[np.ndarray]) -> np.ndarray | None:
-    """rep_of[rank] = its orbit's member on node 0, if every orbit holds one rank of every node."""
-    n = sched.n_ranks
-    node = sched.device_of_rank // topo.gpus_per_node
-    orbit = np.full(n, -1)
-    rep_of = np.full(n, -1)
-    for start in range(n):
-        if orbit[start] >= 0:
-            continue
-        members, frontier = [start], [start]
-        orbit[start] = start
-        while frontier:
-            nxt = []
-            for r in frontier:
-                for s in gens:
-                    t = int(s[r])
-                    if orbit[t] < 0:
-                        orbit[t] = start
-                        members.append(t)
-                        nxt.append(t)
-            frontier = nxt
-        nodes = node[members]
-        if len(members) != topo.n_nodes or len(np.unique(nodes)) != topo.n_nodes:
-            return None
-        rep_of[members] = members[int(np.flatnonzero(nodes == 0)[0])]
-    return rep_of
+    """rep_of[rank] = its orbit's member on node 0, if every orbit holds one rank of every node
+    (:func:`meshplan.plan.quotient.orbit_reps` with a single node orbit)."""
+    orbits = orbit_reps(sched.n_ranks, sched.device_of_rank, topo.gpus_per_node, topo.n_nodes, gens)
+    if orbits is None or (orbits[1] != 0).any():
+        return None
+    return orbits[0]
 
 
 def link_orbit_rep(topo: Topology, links: np.ndarray, node_rep: np.ndarray | None = None) -> np.ndarray:
