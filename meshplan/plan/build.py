@@ -10,7 +10,8 @@ import numpy as np
 from meshplan.core.csr import csr_ptr, csr_take
 from meshplan.model.matrix import AttnMatrix
 from meshplan.model.workload import Workload
-from meshplan.plan.quotient import QuotientCheck, assemble_quotient
+from meshplan.plan.quotient import QuotientCheck
+from meshplan.plan.quotient_assemble import assemble_quotient
 from meshplan.plan.schedule import (
     COMBINES,
     DTYPES,

@@ -141,9 +141,9 @@ class _Grow:
 _EQUAL = ("step", "size_bytes", "dtype", "combine", "flops", "s_q", "s_kv", "mask")
 #: a compute op's kernel shape: may differ along an orbit where the durations are equal (a zigzag block of c x 2c
 #: and one of 2c x c), recorded for the workspaces
-_SHAPE = ("s_q", "s_kv")
+SHAPE_FIELDS = ("s_q", "s_kv")
 #: op fields naming tensors (renumbered when the kept ones are assembled)
-_TENSOR_REFS = ("tensor", "inputs", "outputs")
+TENSOR_REFS = ("tensor", "inputs", "outputs")
 
 
 class QuotientCheck:
@@ -239,7 +239,7 @@ class QuotientCheck:
                         continue
                     if name == "peer":
                         ok = np.array_equal(v[j], s[v])
-                    elif name in _EQUAL and not (seconds is not None and name in _SHAPE):
+                    elif name in _EQUAL and not (seconds is not None and name in SHAPE_FIELDS):
                         ok = np.array_equal(v[j], v)
                     else:
                         continue
@@ -250,10 +250,10 @@ class QuotientCheck:
             keep = np.flatnonzero(self.keep_rank[ranks])
             extra = {}
             if seconds is not None:       # kernel shapes may differ along an orbit (same time): the workspaces do
-                shapes = [np.broadcast_to(np.asarray(fields[f]), (k,)) for f in _SHAPE]
+                shapes = [np.broadcast_to(np.asarray(fields[f]), (k,)) for f in SHAPE_FIELDS]
                 members = pos[self.orbit[ranks[keep]]]                  # [kept, nodes] their orbits' entries
                 if any(not (x[members] == x[keep][:, None]).all() for x in shapes):
-                    extra = {"orbit_" + f: x[members] for f, x in zip(_SHAPE, shapes)}
+                    extra = {"orbit_" + f: x[members] for f, x in zip(SHAPE_FIELDS, shapes)}
         finally:
             pos[ranks] = -1
         return keep, extra
@@ -365,79 +365,3 @@ def _mix(x: np.ndarray) -> np.ndarray:
     z *= _K2
     z ^= z >> np.uint64(32)
     return z
-
-
-def assemble_quotient(builder, topology: dict, assemble: Callable):
-    """The Schedule of a quotient build's kept ops and tensors (ids renumbered compactly, then assembled as any
-    build by ``assemble``: :func:`meshplan.plan.build.assemble`), with its :class:`Quotient`.
-
-    Raises:
-        NotSymmetric: a kept op refers to an op or tensor that was not kept (a dependency across ranks).
-    """
-    import copy
-
-    q: QuotientCheck = builder.q
-    q.finish(builder._alloc, builder._free)
-    op_new = _compact([b["ids"] for b in builder._ops], builder._n_ops)
-    t_new = _compact([b["ids"] for b in builder._tensors], builder._n_tensors)
-    ops = []
-    for b in builder._ops:
-        b = dict(b, ids=op_new[b["ids"]], deps=_mapped(op_new, b["deps"]))
-        for name in _TENSOR_REFS:
-            if isinstance(b.get(name), np.ndarray) and b[name].ndim:
-                b[name] = _mapped(t_new, b[name])
-        if "partner" in b:
-            b["partner"] = _mapped(op_new, b["partner"])
-        ops.append(b)
-    view = copy.copy(builder)
-    view._ops = ops
-    view._tensors = [dict(b, ids=t_new[b["ids"]]) for b in builder._tensors]
-    view._n_tensors = int(t_new.max(initial=-1)) + 1
-    view._alloc = [_kept_pairs(t_new, op_new, t, o) for t, o in builder._alloc]
-    view._free = [_kept_pairs(t_new, op_new, t, o) for t, o in builder._free]
-    sched = assemble(view, topology)
-    lengths = [len(b["rank"]) for b in ops]
-    rank = np.concatenate([b["rank"] for b in ops]) if ops else np.zeros(0, dtype=np.int64)
-    new_id = np.empty(len(rank), dtype=np.int64)
-    new_id[np.argsort(rank, kind="stable")] = np.arange(len(rank))       # as assemble orders them
-    partner = np.concatenate([b["partner"] if "partner" in b else np.full(k, -1, dtype=np.int64)
-                              for b, k in zip(ops, lengths)]) if ops else np.zeros(0, dtype=np.int64)
-    final = np.full(len(rank), -1, dtype=np.int64)
-    has = partner >= 0
-    final[new_id[has]] = new_id[partner[has]]
-    reps = np.flatnonzero(q.keep_rank)
-    members = {}
-    if any("orbit_s_q" in b for b in ops):        # every op's shape on each node's member, in the final order
-        for f in _SHAPE:
-            own = getattr(sched.ops, f)
-            table = np.repeat(own[:, None], q.orbit_size, axis=1)
-            for b, start in zip(ops, np.r_[0, np.cumsum(lengths)[:-1]]):
-                if "orbit_" + f in b:
-                    table[new_id[start:start + len(b["rank"])]] = b["orbit_" + f]
-            members["member_" + f] = table
-    sched.quotient = Quotient(reps, final, q.orbit_size, q.node_rep, **members)
-    return sched
-
-
-def _compact(kept_ids: list[np.ndarray], total: int) -> np.ndarray:
-    """[total] each global id's compact number (−1: not kept), in the order kept."""
-    out = np.full(total, -1, dtype=np.int64)
-    ids = np.concatenate(kept_ids) if kept_ids else np.zeros(0, dtype=np.int64)
-    out[ids] = np.arange(len(ids))
-    return out
-
-
-def _mapped(new: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """Global ids (−1 kept as −1) as compact numbers; NotSymmetric when one was not kept."""
-    ids = np.asarray(ids, dtype=np.int64)
-    out = np.where(ids >= 0, new[np.maximum(ids, 0)], -1)
-    if ((ids >= 0) & (out < 0)).any():
-        raise NotSymmetric("a kept op refers to one of another rank")
-    return out
-
-
-def _kept_pairs(t_new: np.ndarray, op_new: np.ndarray, t: np.ndarray, o: np.ndarray):
-    """The (tensor, op) pairs of kept tensors, renumbered; NotSymmetric when the op of one was not kept."""
-    t, o = np.asarray(t, dtype=np.int64), np.asarray(o, dtype=np.int64)
-    keep = t_new[t] >= 0
-    return t_new[t[keep]], _mapped(op_new, o[keep])
