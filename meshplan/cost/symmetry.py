@@ -30,7 +30,7 @@ import numpy as np
 
 from meshplan.model.topology import Topology
 from meshplan.plan.dataflow import batch_joins
-from meshplan.plan.quotient import orbit_reps
+from meshplan.plan.quotient import moves_whole_nodes, orbit_reps
 from meshplan.plan.schedule import Schedule
 
 
@@ -66,8 +66,8 @@ def find_reduction(sched: Schedule, topo: Topology, durations: np.ndarray, partn
     gens = list(getattr(sched, "symmetries", None) or [])
     if not gens and n % g == 0:
         gens = [(np.arange(n) + g) % n]
-    gens = [s for s in gens if _moves_nodes(sched, topo, s) and _preserves_programs(sched, s, durations, partner,
-                                                                                      tolerance)]
+    gens = [s for s in gens if moves_whole_nodes(s, sched.device_of_rank, topo.gpus_per_node, topo.n_nodes)
+            and _preserves_programs(sched, s, durations, partner, tolerance)]
     if not gens:
         return identity(sched)
     rep_of = _orbit_reps(sched, topo, gens)
@@ -81,18 +81,6 @@ def find_reduction(sched: Schedule, topo: Topology, durations: np.ndarray, partn
     np.maximum.at(worst, rep_op, durations)
     exact = bool(np.array_equal(worst[rep_op], durations))
     return Reduction(np.unique(rep_of), rep_op, exact, None if exact else worst)
-
-
-def _moves_nodes(sched: Schedule, topo: Topology, sigma: np.ndarray) -> bool:
-    dev, g = sched.device_of_rank, topo.gpus_per_node
-    if sorted(sigma.tolist()) != list(range(sched.n_ranks)):
-        return False
-    if not np.array_equal(dev[sigma] % g, dev % g):
-        return False
-    node, image = dev // g, dev[sigma] // g
-    target = np.full(topo.n_nodes, -1)
-    target[node] = image
-    return bool(np.array_equal(target[node], image) and len(np.unique(target)) == topo.n_nodes)
 
 
 def _preserves_programs(sched: Schedule, sigma: np.ndarray, durations: np.ndarray, partner: np.ndarray,

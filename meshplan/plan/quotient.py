@@ -66,20 +66,29 @@ def quotient_workload(workload) -> bool:
     return workload.mask.kind != "docs"
 
 
+def moves_whole_nodes(sigma: np.ndarray, device_of_rank: np.ndarray, gpus_per_node: int, n_nodes: int) -> bool:
+    """Whether the rank permutation ``sigma`` moves whole nodes: every rank of a node to one node, at the same local
+    device index, distinct nodes to distinct nodes (all nodes alike on a non-blocking network: an automorphism of the
+    topology)."""
+    dev = np.asarray(device_of_rank)
+    if sorted(np.asarray(sigma).tolist()) != list(range(len(dev))):
+        return False
+    if not np.array_equal(dev[sigma] % gpus_per_node, dev % gpus_per_node):
+        return False
+    node, image = dev // gpus_per_node, dev[sigma] // gpus_per_node
+    target = np.full(n_nodes, -1)
+    target[node] = image
+    return bool(np.array_equal(target[node], image) and len(np.unique(target)) == n_nodes)
+
+
 def orbit_reps(n: int, device_of_rank: np.ndarray, gpus_per_node: int, n_nodes: int,
                gens: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray] | None:
     """(rep_of[rank]: its orbit's member on the first node of its node orbit, node_rep[node]: that first node), if the
     permutations ``gens`` move whole nodes (every rank of a node to one node, at the same local index) and generate
     rank orbits that hold one rank on every node of their node orbit, all node orbits of one size; None otherwise."""
-    dev = np.asarray(device_of_rank)
-    node, local = dev // gpus_per_node, dev % gpus_per_node
-    for s in gens:
-        if sorted(s.tolist()) != list(range(n)) or not np.array_equal(local[s], local):
-            return None
-        target = np.full(n_nodes, -1)
-        target[node] = node[s]
-        if not np.array_equal(target[node], node[s]) or len(np.unique(target)) != n_nodes:
-            return None
+    if not all(moves_whole_nodes(s, device_of_rank, gpus_per_node, n_nodes) for s in gens):
+        return None
+    node = np.asarray(device_of_rank) // gpus_per_node
     orbit, rep_of = np.full(n, -1), np.full(n, -1)
     node_rep = np.full(n_nodes, -1)
     size = None
