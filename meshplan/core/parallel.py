@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -98,3 +99,25 @@ def alongside(side: Callable[[], Any], main: Callable[[], T], fork: bool = True)
         pending.discard()
         raise
     return pending.result(), out
+
+
+def shared_counter(fork: bool = True) -> Callable[[], int]:
+    """A function returning 0, 1, 2, … across both sides of :func:`alongside` (with the same ``fork``): whichever
+    side asks gets the next number, so work handed out a piece at a time goes to the side that is free."""
+    if fork and can_fork():
+        value = mp.get_context("fork").Value("q", 0)
+
+        def next_shared() -> int:
+            with value.get_lock():
+                got = value.value
+                value.value = got + 1
+            return got
+        return next_shared
+    lock, box = threading.Lock(), [0]
+
+    def next_local() -> int:
+        with lock:
+            got = box[0]
+            box[0] = got + 1
+        return got
+    return next_local

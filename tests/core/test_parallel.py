@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from meshplan.core.parallel import alongside
+from meshplan.core.parallel import alongside, shared_counter
 
 
 @pytest.mark.parametrize("fork", ["1", "0"])
@@ -38,3 +38,20 @@ def test_a_forked_side_may_fork_again(monkeypatch):
     inner = lambda: alongside(lambda: os.getpid(), lambda: os.getpid())   # noqa: E731
     (side_pid, side_main_pid), main_pid = alongside(inner, lambda: os.getpid())
     assert len({side_pid, side_main_pid, main_pid}) == 3
+
+
+@pytest.mark.parametrize("fork", ["1", "0"])
+def test_a_shared_counter_hands_each_number_to_one_side(fork, monkeypatch):
+    """Both sides take numbers until 200: every number once, whichever side took it."""
+    monkeypatch.setenv("MESHPLAN_FORK", fork)
+    take = shared_counter()
+
+    def drain():
+        got = []
+        while (k := take()) < 200:
+            got.append(k)
+        return got
+
+    side, main = alongside(drain, drain)
+    assert sorted(side + main) == list(range(200))
+

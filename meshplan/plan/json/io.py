@@ -8,11 +8,14 @@ pydantic models of :mod:`meshplan.plan.json.format` (a file as meshplan writes i
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import gc
 import gzip
+import itertools
 import json
 import re
+import struct
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -40,35 +43,115 @@ def to_json_dict(sched: Schedule) -> dict[str, Any]:
     return json.loads(to_json_text(sched))
 
 
-#: text handed to the compressing thread at a time
+#: text in one gzip member (:func:`gzip_member`)
 COMPRESS_BATCH_BYTES = 4 << 20
+#: a member's header: gzip magic, deflate, FEXTRA; then (after mtime, xfl, os) an 8-byte extra field holding one
+#: subfield ``MP`` of 4 bytes, the member's size
+_MEMBER_MAGIC, _MEMBER_EXTRA = b"\x1f\x8b\x08\x04", b"\x08\x00MP\x04\x00"
+_MEMBER_HEAD_BYTES = 20
+
+
+def gzip_member(text: bytes) -> bytes:
+    """``text`` as one gzip member (RFC 1952, deflate level 1) whose header's extra field ``MP`` states the member's
+    size in bytes (little-endian uint32), as BGZF does: a reader finds every member without inflating any and
+    inflates them on two threads (:func:`gunzip`). Any gzip reader reads a file of such members as one."""
+    body = zlib.compress(text, 1, wbits=-15)
+    size = _MEMBER_HEAD_BYTES + len(body) + 8
+    head = _MEMBER_MAGIC + b"\0\0\0\0\0\xff" + _MEMBER_EXTRA + struct.pack("<I", size)
+    return head + body + struct.pack("<II", zlib.crc32(text), len(text) & 0xFFFFFFFF)
 
 
 def write_schedule(sched: Schedule, path: str | Path) -> Path:
-    """Write atomically, streaming; gzip when the name ends in ``.gz``, compressed in a second thread while the
-    text is made (zlib releases the GIL: a 256-rank schedule's 0.35 s of gzip beside its 0.7 s of text). Returns the
-    path."""
+    """Write atomically, streaming; gzip when the name ends in ``.gz``: a member per
+    :data:`COMPRESS_BATCH_BYTES` of text (:func:`gzip_member`), compressed in two threads while the text is made
+    (zlib releases the GIL: a 256-rank schedule's 0.35 s of gzip beside its 0.7 s of text). Returns the path."""
     if not str(path).endswith(".gz"):
         with no_gc():
             return write_atomic(path, json_chunks(sched))
 
     def encoded():
-        pack = zlib.compressobj(1, zlib.DEFLATED, 31)          # wbits 31: the gzip container
-        with ThreadPoolExecutor(max_workers=1) as pool:         # one worker: the stream's pieces in order
-            pending, batch, size = None, [], 0
-            for piece in json_chunks(sched):
-                batch.append(piece)
-                size += len(batch[-1])
-                if size >= COMPRESS_BATCH_BYTES:
-                    if pending is not None:
-                        yield pending.result()
-                    pending, batch, size = pool.submit(pack.compress, b"".join(batch)), [], 0
-            if pending is not None:
-                yield pending.result()
-            yield pack.compress(b"".join(batch)) + pack.flush()
+        with ThreadPoolExecutor(max_workers=2) as pool:         # results taken in order: the members in order
+            pending = []
+            for text in _batches(json_chunks(sched), COMPRESS_BATCH_BYTES):
+                if len(pending) == 2:
+                    yield pending.pop(0).result()
+                pending.append(pool.submit(gzip_member, text))
+            for job in pending:
+                yield job.result()
 
     with no_gc():
         return write_atomic(path, encoded())
+
+
+def _batches(pieces, size: int):
+    """The bytes of ``pieces`` cut into runs of ``size`` (the last shorter; one empty run for no bytes)."""
+    batch, held, cut = [], 0, False
+    for piece in pieces:
+        view = memoryview(piece)
+        while len(view):
+            take = view[:size - held]
+            batch.append(take)
+            held += len(take)
+            view = view[len(take):]
+            if held == size:
+                yield b"".join(batch)
+                batch, held, cut = [], 0, True
+    if batch or not cut:
+        yield b"".join(batch)
+
+
+def gunzip(data: bytes) -> bytes | bytearray:
+    """The text of gzip ``data``: members written by :func:`gzip_member` inflated on two threads (half the members'
+    bytes each) straight into one buffer (a 1024-rank file's 290 MB: 0.55 s → 0.35 s), any other gzip file by
+    :func:`gzip.decompress`.
+
+    Raises:
+        OSError, EOFError, zlib.error: not gzip, or cut short or corrupted (as :func:`gzip.decompress` raises).
+    """
+    spans = _member_spans(data)
+    if spans is None or len(spans) < 2:
+        return gzip.decompress(data)
+    sizes = [struct.unpack_from("<I", data, b - 4)[0] for _, b in spans]      # each member's ISIZE
+    at = [0, *itertools.accumulate(sizes)]
+    out = bytearray(at[-1])
+    cut = bisect.bisect_left([b for _, b in spans], len(data) / 2)
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            second = pool.submit(_inflate, data, spans[cut:], out, at[cut:-1], sizes[cut:])
+            _inflate(data, spans[:cut], out, at[:cut], sizes[:cut])
+            second.result()
+    except zlib.error:
+        return gzip.decompress(data)                 # the error gzip names
+    return out
+
+
+def _member_spans(data: bytes) -> list[tuple[int, int]] | None:
+    """[start, stop) of each member of ``data`` by the sizes their headers state, or None where one has none."""
+    spans, pos = [], 0
+    while pos < len(data):
+        if data[pos:pos + 4] != _MEMBER_MAGIC or data[pos + 10:pos + 16] != _MEMBER_EXTRA:
+            return None
+        size = struct.unpack_from("<I", data, pos + 16)[0]
+        if size < _MEMBER_HEAD_BYTES + 8 or pos + size > len(data):
+            return None
+        spans.append((pos, pos + size))
+        pos += size
+    return spans
+
+
+def _inflate(data: bytes, spans: list[tuple[int, int]], out: bytearray, at: list[int], sizes: list[int]) -> None:
+    """Inflate each member ``data[a:b]`` of ``spans`` into ``out`` from ``at[k]``, ``sizes[k]`` bytes as its ISIZE
+    states (its CRC and length checked by zlib too).
+
+    Raises:
+        zlib.error: a member that is not one whole gzip stream, or longer than its ISIZE says.
+    """
+    for (a, b), start, size in zip(spans, at, sizes):
+        member = zlib.decompressobj(31)
+        text = member.decompress(data[a:b])
+        if not member.eof or member.unused_data or len(text) != size:
+            raise zlib.error("a member is not one whole gzip stream")
+        out[start:start + size] = text
 
 
 def read_schedule(path: str | Path) -> Schedule:
@@ -113,9 +196,9 @@ def _read_raw(path: Path) -> bytes:
     try:
         raw = path.read_bytes()
         if raw[:2] == b"\x1f\x8b":
-            raw = gzip.decompress(raw)
+            raw = gunzip(raw)
         version = _schema_version(raw)
-    except (OSError, ValueError, EOFError) as err:
+    except (OSError, ValueError, EOFError, zlib.error) as err:
         raise UserError(str(path), f"cannot read the schedule ({type(err).__name__})",
                         "give a .json or .json.gz file written by meshplan") from None
     if version is None and re.match(rb'\s*\{\s*"measurement_version"', raw):

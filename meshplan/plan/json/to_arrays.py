@@ -65,9 +65,14 @@ class OpColumns:
         Raises:
             UserError: an unknown stream, a head range or chunk id out of range.
         """
-        self.parts.append(self._columns(ops, self.first_rank + len(self.parts)))
+        self.parts.append(self.columns(ops, self.first_rank + len(self.parts)))
 
-    def _columns(self, ops: list, rank: int) -> dict[str, np.ndarray]:
+    def columns(self, ops: list, rank: int) -> dict[str, np.ndarray]:
+        """The columns of one rank's validated ops (program order), a part of the table.
+
+        Raises:
+            UserError: an unknown stream, a head range or chunk id out of range.
+        """
         n = len(ops)
         unknown = next((op for op in ops if op.stream not in self.stream_idx), None)
         if unknown is not None:
@@ -137,7 +142,7 @@ class OpColumns:
         Raises:
             UserError: op ids not unique, or a dep naming an op that does not exist.
         """
-        parts, self.parts = self.parts or [self._columns([], 0)], []
+        parts, self.parts = self.parts or [self.columns([], 0)], []
         cat = {}
         for k in list(parts[0]):                  # a column at a time, each part's copy dropped as it goes
             cat[k] = np.concatenate([p.pop(k) for p in parts])
@@ -211,6 +216,12 @@ class TensorColumns:
             "free_after": np.fromiter(chain.from_iterable(t.free_after for t in ts), dtype=np.int64,
                                       count=int(free_n.sum()))})
         self.count += n
+
+    def add_columns(self, columns: dict[str, np.ndarray]) -> None:
+        """Add the next tensors' columns, as :meth:`add` makes them
+        (:func:`meshplan.plan.json.record_columns.tensor_columns`)."""
+        self.parts.append(columns)
+        self.count += len(columns["rank"])
 
     def table(self, id_map, n_ranks: int, n_chunks: int) -> TensorTable:
         """The TensorTable of every batch added, op ids mapped by ``id_map`` (the OpTable's).
