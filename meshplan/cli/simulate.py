@@ -112,13 +112,15 @@ def simulate_file(path, topo, trace, as_json, emit) -> None:
 def validate_file(path, topo, as_json: bool) -> int:
     """``meshplan validate``: 0 valid, 1 invalid, 2 unreadable (raised as UserError)."""
     from meshplan.core.host import keep_freed_memory
-    from meshplan.model.topology import Topology
     from meshplan.plan.json.io import read_schedule
     from meshplan.plan.verify import verify
 
     keep_freed_memory()                     # a short command: its temporaries reused, not faulted in anew
     sched = read_schedule(path)
-    memory = Topology.load(topo, sched.topology.get("devices")).memory_bytes if topo else None
+    memory = None
+    if topo:
+        from meshplan.model.topology import Topology  # networkx and all: only when asked
+        memory = Topology.load(topo, sched.topology.get("devices")).memory_bytes
     report = verify(sched, memory, both_cores=True)
     body = {"valid": report.ok, "violations": report.violations, "counts": report.counts,
             "peak_memory_bytes": report.peak_memory_bytes, "ops": len(sched.ops), "ranks": sched.n_ranks}

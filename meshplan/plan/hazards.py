@@ -42,10 +42,12 @@ def vector_clocks(sched: Schedule, items: Items) -> tuple[np.ndarray, np.ndarray
     for k in range(len(bounds) - 1):
         cur = order[by_k[bounds[k]:bounds[k + 1]]]
         counts = items.pred_ptr[cur + 1] - items.pred_ptr[cur]
-        owner = np.repeat(np.arange(len(cur)), counts)
-        idx = np.repeat(items.pred_ptr[cur] - np.cumsum(counts) + counts, counts) + np.arange(counts.sum())
+        first = np.cumsum(counts) - counts
+        idx = np.repeat(items.pred_ptr[cur] - first, counts) + np.arange(first[-1] + counts[-1])
         acc = np.full((len(cur), n_streams), -1, dtype=np.int64)
-        np.maximum.at(acc, owner, clock[items.preds[idx]])
+        some = counts > 0                       # each item's predecessors' clocks, their maximum (a run each)
+        if some.any():
+            acc[some] = np.maximum.reduceat(clock[items.preds[idx]], first[some], axis=0)
         acc[np.arange(len(cur)), stream[cur]] = pos[cur]
         clock[cur] = acc
     return clock, stream, pos
@@ -146,7 +148,10 @@ def _alloc_free(sched, op, tensor, group_first, before) -> list[str]:
     f_ops = t.free_after[np.repeat(t.free_ptr[tensor], counts) + np.arange(counts.sum())
                          - np.repeat(np.cumsum(counts) - counts, counts)]
     covered = listed.copy()
-    np.logical_or.at(covered, rows, before(op[rows], f_ops, allow_same=True))
+    some = np.flatnonzero(counts > 0)           # each access's free ops: a run of rows (np.repeat)
+    if len(some):
+        covered[some] |= np.logical_or.reduceat(before(op[rows], f_ops, allow_same=True),
+                                                (np.cumsum(counts) - counts)[some])
     bad = np.flatnonzero((np.diff(t.free_ptr)[tensor] > 0) & ~covered)
     out += [f"tensor {tensor[k]} may be freed before op {op[k]} has finished with it" for k in bad]
     return out

@@ -93,16 +93,37 @@ def test_garbage_file(tmp_path):
         read_schedule(p)
 
 
-def test_gzip_compressed_in_batches_beside_the_text_is_the_plain_file(tmp_path, monkeypatch):
-    """The .gz writer hands the text to a compressing thread a batch at a time: batches smaller than one rank's
-    text (every piece its own batch) and larger than the file give the plain file's bytes."""
+def test_gzip_members_beside_the_text_are_the_plain_file(tmp_path, monkeypatch):
+    """The .gz writer compresses a member per batch of text in two threads: members smaller than a rank's text and
+    one for the whole file give the plain file's bytes, to any gzip reader and to meshplan's, which finds the
+    members by their headers and inflates them on two threads."""
     import meshplan.plan.json.io as io
 
     s = build("ring")
     plain = write_schedule(s, tmp_path / "s.json").read_bytes()
-    for batch in (1, 1 << 30):
+    for batch, members in ((1000, -(-len(plain) // 1000)), (1 << 30, 1)):
         monkeypatch.setattr(io, "COMPRESS_BATCH_BYTES", batch)
-        assert gzip.decompress(write_schedule(s, tmp_path / f"s{batch}.json.gz").read_bytes()) == plain
+        data = write_schedule(s, tmp_path / f"s{batch}.json.gz").read_bytes()
+        assert gzip.decompress(data) == plain == io.gunzip(data)
+        assert len(io._member_spans(data)) == members
+
+
+def test_a_corrupted_or_foreign_gzip_file(tmp_path, monkeypatch):
+    """A plain gzip stream (no member sizes) reads as before; a damaged member is one line naming the file."""
+    import meshplan.plan.json.io as io
+
+    monkeypatch.setattr(io, "COMPRESS_BATCH_BYTES", 1000)
+    s = build("ring", passes="fwd")
+    plain = write_schedule(s, tmp_path / "s.json").read_bytes()
+    (tmp_path / "foreign.json.gz").write_bytes(gzip.compress(plain))
+    assert len(read_schedule(tmp_path / "foreign.json.gz").ops) == len(s.ops)
+    data = bytearray(write_schedule(s, tmp_path / "s.json.gz").read_bytes())
+    assert len(io._member_spans(bytes(data))) > 1
+    data[len(data) // 2] ^= 0xFF                         # inside the deflate data of a member
+    (tmp_path / "bad.json.gz").write_bytes(bytes(data))
+    with pytest.raises(UserError) as err:
+        read_schedule(tmp_path / "bad.json.gz")
+    assert "bad.json.gz" in str(err.value) and "\n" not in str(err.value)
 
 
 def test_failed_write_leaves_nothing(tmp_path, monkeypatch):
@@ -149,9 +170,11 @@ def _parts_equal_whole(path):
     assert parts is not None
     whole = from_json(read_document(path)[0])
     for f in OP_FIELDS + ("flops", "in_ptr", "out_ptr", "qc_ptr", "kvc_ptr"):
-        assert np.array_equal(getattr(parts.ops, f), getattr(whole.ops, f)), f
+        a, b = getattr(parts.ops, f), getattr(whole.ops, f)
+        assert a.dtype == b.dtype and np.array_equal(a, b), f
     for f in TENSOR_FIELDS:
-        assert np.array_equal(getattr(parts.tensors, f), getattr(whole.tensors, f)), f
+        a, b = getattr(parts.tensors, f), getattr(whole.tensors, f)
+        assert a.dtype == b.dtype and np.array_equal(a, b), f
     assert parts.workload == whole.workload and parts.knobs == whole.knobs
     return parts
 

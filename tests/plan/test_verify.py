@@ -175,9 +175,9 @@ def test_head_ranges_of_ops_over_the_same_chunks_must_tile_the_heads():
 
 @pytest.mark.parametrize("fork", ["1", "0"])
 def test_both_passes_checked_at_once_give_the_same_report(fork, monkeypatch):
-    """verify(both_cores=True) checks the forward in a forked process (a thread without fork): the same
-    violations in the same order, counts and peak — for a valid schedule, one with a hazard in both passes and one
-    over a memory limit in both."""
+    """verify(both_cores=True) checks the coverage, rows and the forward in a forked process (a thread without
+    fork): the same violations in the same order, counts and peak — for a valid schedule, one with a hazard in both
+    passes, one over a memory limit in both and one that computes a block twice (its passes checked, unreported)."""
     import meshplan.plan.verify as v
 
     monkeypatch.setenv("MESHPLAN_FORK", fork)
@@ -187,10 +187,13 @@ def test_both_passes_checked_at_once_give_the_same_report(fork, monkeypatch):
     owner = np.repeat(np.arange(len(o)), np.diff(o.dep_ptr))
     keep = o.kind[owner] != COMPUTE
     o.deps, o.dep_ptr = o.deps[keep], csr_ptr(np.bincount(owner[keep], minlength=len(o)))
-    for s, memory in ((build(), None), (hazard, None), (build(), 1e3)):
+    twice = build()                                 # a coverage violation: the passes' checks are not reported
+    twice.ops.h0[np.flatnonzero(twice.ops.kind == COMPUTE)[1]] -= 1
+    for s, memory in ((build(), None), (hazard, None), (build(), 1e3), (twice, None)):
         one, two = verify(s, memory), verify(s, memory, both_cores=True)
         assert (one.violations, one.counts, one.peak_memory_bytes) == (two.violations, two.counts,
                                                                         two.peak_memory_bytes)
-        assert two.ok == (memory is None and s is not hazard)
+        assert two.ok == (memory is None and s is not hazard and s is not twice)
+        assert ("coverage" in two.counts) == (s is twice)
         if memory is not None:                                    # one memory line from each pass, fwd first
             assert [x.split(" in ")[-1][:3] for x in two.violations if "GB of buffers" in x] == ["fwd", "bwd"]

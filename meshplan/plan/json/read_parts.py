@@ -75,7 +75,7 @@ def read_in_parts(holder: list[bytes]) -> Schedule | None:
                         tensors.add_columns(got)
                     else:
                         tensors.add(model.validate_json(text))
-                return tensors.parts, tensors.count, read_groups()
+                return _narrow(tensors.parts), tensors.count, [(g, _narrow(p), k) for g, p, k in read_groups()]
             except (ValidationError, UserError, _NotLaidOut):
                 return None                              # read whole: its error names the field
 
@@ -85,7 +85,7 @@ def read_in_parts(holder: list[bytes]) -> Schedule | None:
         raw = None                               # the closures hold the cell: drop the bytes themselves
         holder.clear()
         tensors = TensorColumns()
-        tensors.parts, tensors.count, theirs = got
+        tensors.parts, tensors.count, theirs = _widen(got[0]), got[1], [(g, _widen(p), k) for g, p, k in got[2]]
         done = sorted(mine + theirs, key=lambda g: g[0])
         check_ranks(doc, [k for _, _, listed in done for k in listed])
         ops.parts = [p for _, parts, _ in done for p in parts]
@@ -93,6 +93,27 @@ def read_in_parts(holder: list[bytes]) -> Schedule | None:
         return assemble(doc, w, streams, table, tensors.table(table.id_map, doc.n_ranks, doc.n_chunks))
     except (ValidationError, UserError, _NotLaidOut):
         return None
+
+
+def _narrow(parts: list[dict]) -> list[tuple[dict, list[str]]]:
+    """``parts``, each int64 column whose values fit in int32 made int32, with the names of those columns: fewer
+    bytes to hand back from the forked process (:func:`_widen` restores them)."""
+    import numpy as np
+    out = []
+    for p in parts:
+        narrowed = [k for k, v in p.items() if v.dtype == np.int64 and len(v) and -2**31 <= v.min() and
+                    v.max() < 2**31]
+        out.append(({k: v.astype(np.int32) if k in narrowed else v for k, v in p.items()}, narrowed))
+    return out
+
+
+def _widen(parts: list[tuple[dict, list[str]]]) -> list[dict]:
+    """The columns :func:`_narrow` made int32, int64 again."""
+    import numpy as np
+    for p, narrowed in parts:
+        for k in narrowed:
+            p[k] = p[k].astype(np.int64)
+    return [p for p, _ in parts]
 
 
 def _read_group(text: bytes, ops, reader, n_heads: int) -> tuple[list, list[int]]:
