@@ -1,8 +1,10 @@
 """Read a schedule file as meshplan writes it, a part at a time: the frame (every key but ``tensors`` and
-``ranks``), the tensors in batches, each rank's ops — each part validated by the pydantic models of
-:mod:`meshplan.plan.json.format` and converted to arrays (:mod:`meshplan.plan.json.to_arrays`) before the next, so
-no more than one part's objects exist at once (a 1024-rank schedule: 0.9M ops and 0.36M tensors, 4.7 GB of objects
-read whole), and two processes share the parts of a large file.
+``ranks``), the tensors in batches, the ranks' ops in groups — each part read by its records' skeletons
+(:mod:`meshplan.plan.json.skeleton`: each distinct record validated once by the pydantic models of
+:mod:`meshplan.plan.json.format`, the numbers checked with numpy) or, where that refuses, validated by pydantic
+record by record, and converted to arrays (:mod:`meshplan.plan.json.to_arrays`) before the next, so no more than
+one part's objects exist at once (a 1024-rank schedule: 0.9M ops and 0.36M tensors, 4.7 GB of objects read whole),
+and two processes share the parts of a large file.
 
 The parts are found by the writer's compact layout (:func:`meshplan.plan.json.schedule_text.json_chunks`):
 ``,"tensors":[`` then ``],"ranks":[`` then one ``{"rank":K,...}`` object per rank, the file ending ``]}``. A JSON
@@ -39,7 +41,8 @@ def read_in_parts(holder: list[bytes]) -> Schedule | None:
     ~:data:`RANK_GROUP_BYTES`, each by its records' skeletons (:mod:`meshplan.plan.json.record_columns`) or, where
     that refuses, rank by rank by pydantic. From :data:`FORK_MIN_BYTES` a forked process
     (:func:`meshplan.core.parallel.alongside`) reads the tensors while this one counts the attention matrix, and
-    then both take the next group of ranks until none is left (a 1024-rank Mesh file, 0.9M ops: 4.5 s → X s).
+    then both take the next group of ranks until none is left (a 1024-rank Mesh file, 0.9M ops, read by pydantic
+    rank by rank: 4.1–4.5 s; now 1.8 s, gunzip included).
     Once every part is read, the bytes are dropped (``holder`` emptied: the file is not held beside its arrays)."""
     from meshplan.plan.json.frame import assemble, check_ranks, workload_streams
     from meshplan.plan.json.record_columns import op_reader, tensor_columns, tensor_reader
