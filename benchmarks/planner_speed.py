@@ -92,7 +92,7 @@ def main() -> None:
                                 "--tile", "16x64", "--mapping", "row-major", "--out", mesh], check=True,
                                stdout=subprocess.DEVNULL)
                 out["validated_1024"] = "mesh --tile 16x64 --mapping row-major"
-                out["validate_1024_s"], out["validate_1024_peak_rss_MB"] = wall([exe, "validate", mesh], 1)
+                out["validate_1024_s"], out["validate_1024_peak_rss_MB"] = wall([exe, "validate", mesh], rep)
     targets = {"help_s": 0.3, "simulate_256_s": 1.0, "cli_search_256_s": 5.0, "cli_search_1024_s": 20.0,
                "search_1024_peak_rss_MB": 2000, "written_schedule_256_MB": 20, "written_schedule_1024_MB": 100,
                "validate_1024_s": 3.0, "validate_1024_peak_rss_MB": 1000}

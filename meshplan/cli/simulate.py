@@ -111,11 +111,11 @@ def simulate_file(path, topo, trace, as_json, emit) -> None:
 
 def validate_file(path, topo, as_json: bool) -> int:
     """``meshplan validate``: 0 valid, 1 invalid, 2 unreadable (raised as UserError)."""
-    from meshplan.core.host import keep_freed_memory
+    from meshplan.core.heap import keep_large_arrays
     from meshplan.plan.json.io import read_schedule
     from meshplan.plan.verify import verify
 
-    keep_freed_memory()                     # a short command: its temporaries reused, not faulted in anew
+    keep_large_arrays()                     # a short command: its large arrays' pages reused, not faulted in anew
     sched = read_schedule(path)
     memory = None
     if topo:
