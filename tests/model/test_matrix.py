@@ -67,10 +67,16 @@ def test_zigzag_oracle(n, p):
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
 @pytest.mark.parametrize("mask", ["full", "causal", "window:5", "window:17", "docs:7,9,8", "docs:24"])
 @pytest.mark.parametrize("valid", [None, 19])
-def test_pairs_match_brute_force(layout, mask, valid):
+@pytest.mark.parametrize("rows_at_once", ["all", "one"])
+def test_pairs_match_brute_force(layout, mask, valid, rows_at_once, monkeypatch):
+    """Counted all at once or a query chunk at a time (SEG_PAIRS_BLOCK), the same pairs."""
+    import meshplan.model.matrix as matrix
+    if rows_at_once == "one":
+        monkeypatch.setattr(matrix, "SEG_PAIRS_BLOCK", 1)
     w = wl(24, layout, mask, valid, doc_layout="packed")
     m = AttnMatrix(w, 3 if layout != "zigzag" else 4)
     assert np.array_equal(m.pairs, brute_pairs(w, m))
+    assert np.array_equal(m.q_involved.any(axis=2) | (m.pairs == 0), np.ones_like(m.pairs, dtype=bool))
 
 
 @pytest.mark.parametrize("layout,n,mask", [
