@@ -49,8 +49,11 @@ def read_in_parts(holder: list[bytes]) -> Schedule | None:
     from meshplan.plan.json.to_arrays import OpColumns, TensorColumns
 
     raw = holder[0]
-    t_key, r_key = raw.find(b',"tensors":['), raw.rfind(b'],"ranks":[')
-    end = len(raw.rstrip())
+    t_key = raw.find(b',"tensors":[')
+    r_key = raw.find(b'],"ranks":[', t_key)          # no tensor holds it: its parts would not validate
+    end = len(raw)
+    while end and raw[end - 1] in b" \t\r\n":        # trailing white space (not a copy of the whole text)
+        end -= 1
     if t_key < 0 or r_key < t_key or raw[end - 2:end] != b"]}":
         return None
     try:

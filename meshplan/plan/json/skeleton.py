@@ -114,8 +114,8 @@ class Reader:
         pieces = marked.tobytes().translate(None, b"\x00").split(b"},{")
         pieces[0] = pieces[0][1:]                   # the first's "{"
         pieces[-1] = pieces[-1][:-1]                # the last's "}"
-        index: dict[bytes, int] = {b"": 0}
-        code = np.fromiter((index.setdefault(p, len(index)) for p in pieces), dtype=np.int64, count=len(pieces))
+        index = {p: k for k, p in enumerate(dict.fromkeys([b"", *pieces]))}    # each distinct skeleton, "" first
+        code = np.fromiter(map(index.__getitem__, pieces), dtype=np.int64, count=len(pieces))
         between = np.flatnonzero(code == 0)
         if len(between) != len(full) - 1:
             return None                             # an empty record, "{}"
