@@ -125,6 +125,9 @@ def _edit_first_op(text: bytes, old: bytes, new: bytes) -> bytes:
     (b'"size_bytes":', b'"size_bytes":1.', False),                # ... unless it has a fraction
     (b'"deps":[]', b'"deps":[1,]', False),
     (b'"pass":"fwd"', b'"pass":"fw\\u0064"', True),               # an escape: not our layout
+    (b'{"id":0,', b'{"id":"0",', True),                           # pydantic reads a string of digits as a number
+    (b'"peer":1,', b'"peer":true,', True),                        # ... and true as 1
+    (b'"size_bytes":', b'"size_bytes":"8388608","x":', False),
 ])
 def test_a_number_or_string_the_layout_does_not_hold_is_read_by_pydantic(old, new, pydantic_accepts):
     s = build("ring", passes="fwd")

@@ -175,8 +175,10 @@ class Reader:
         try:
             record = json.loads(zero)
             if not isinstance(record, dict) or json.dumps(record, separators=(",", ":")).encode() != zero or \
-                    any(_has_float(v) for k, v in record.items() if k not in self.float_fields):
-                return None                         # not compact, a key twice, a float for an integer
+                    any(_has_float(v) for k, v in record.items() if k not in self.float_fields) or \
+                    not all(_numbers_only(v) for k, v in record.items() if k in self.bounds or k in
+                            self.float_fields):
+                return None      # not compact, a key twice, a float for an integer, a string or bool for a number
             self.model.validate_json(zero)
         except (ValueError, ValidationError):
             return None
@@ -203,6 +205,14 @@ def _has_float(value) -> bool:
     return isinstance(value, float)
 
 
+def _numbers_only(value) -> bool:
+    """Whether a parsed JSON value of a number field holds only numbers (or null): pydantic would read ``"5"`` and
+    ``true`` as integers, which hold no digits this reader parses."""
+    if isinstance(value, list):
+        return all(map(_numbers_only, value))
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
+
+
 def _runs(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
     """Every position of the runs ``[starts[i], ends[i])``."""
     length = ends - starts
@@ -221,7 +231,7 @@ _MUL2 = np.uint64(1 + (10_000 << 32))
 def parse_digits(b: np.ndarray, ends: np.ndarray, length: np.ndarray) -> np.ndarray:
     """[k] uint64 values of the runs of ASCII digits ``b[ends - length:ends]`` (each 1..19 digits)."""
     padded = np.concatenate([np.full(16, ord("0"), dtype=np.uint8), b])        # windows before the first byte
-    word = np.ndarray(shape=(len(padded) - 7,), dtype=np.uint64, buffer=padded, strides=(1,))
+    word = np.ndarray(shape=(len(padded) - 7,), dtype="<u8", buffer=padded, strides=(1,))  # any byte order
     value = _eight(word[ends + 8], np.minimum(length, 8))
     for k, scale in ((1, 10**8), (2, 10**16)):         # digits 9..16, then 17..19, where a number has them
         more = np.flatnonzero(length > 8 * k)
