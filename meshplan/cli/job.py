@@ -67,7 +67,7 @@ def simulate_job(algo, gpus, topo, workload, knobs, tp, dp, rank_order, out, tra
     body_predicted = predicted(job, job_topo, sim, ccr)
     body = result_json(cand) | {"topology": {"name": job_topo.name, "devices": job_topo.n_devices}}
     body["predicted"] = body_predicted.json()
-    body["simulation"] = {"ranks_simulated": sim.reps, "exact": sim.exact, "events": sim.events, "wall_s": sim.wall_s}
+    body["simulation"] = sim.json()
     body["job"] = shape.to_dict() | {
         "cp_groups": groups.tolist() if len(groups) <= 64 else None, "groups": len(groups),
         "alone_s": float(sum(alone.pass_makespan.values())), "together_s": float(sum(sim.pass_makespan.values())),

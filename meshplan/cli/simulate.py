@@ -103,7 +103,7 @@ def simulate_file(path, topo, trace, as_json, emit) -> None:
     body = {"algorithm": sched.algorithm, "knobs": sched.knobs, "workload": sched.workload.to_dict(),
             "pass": sched.workload.passes, "model_level": "simulated",
             "predicted": predicted(sched, topo_obj, sim, ring_ccr(sched.workload, topo_obj, sched.n_ranks)).json(),
-            "topology": {"name": topo_obj.name, "devices": topo_obj.n_devices}}
+            "simulation": sim.json(), "topology": {"name": topo_obj.name, "devices": topo_obj.n_devices}}
     if trace is not None:
         write_timeline_trace(sched, sim, trace)
     emit(body, as_json, lambda c: print_simulation(body, c, f"{path} on {topo_obj.name}"))

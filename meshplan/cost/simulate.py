@@ -52,6 +52,10 @@ class SimResult:
     exact: bool = True     # False: approximate symmetry reduction (orbit-max durations), see meshplan.cost.symmetry
     rep_op: np.ndarray | None = None   # each op's representative's (the reduction; None: every rank simulated)
 
+    def json(self) -> dict:
+        """The ``simulation`` object of ``simulate --json``: ranks simulated, exact, events, wall seconds."""
+        return {"ranks_simulated": self.reps, "exact": self.exact, "events": self.events, "wall_s": self.wall_s}
+
 
 def simulate(sched: Schedule, topo: Topology, *, reduce: bool = True, exact: bool = False) -> SimResult:
     """Simulate every pass of ``sched`` on ``topo``.

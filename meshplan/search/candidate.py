@@ -384,8 +384,7 @@ def result_json(cand: Candidate) -> dict[str, Any]:
     body = {"algorithm": cand.algorithm, "knobs": cand.knobs, "workload": cand.workload.to_dict(),
             "pass": cand.workload.passes, "model_level": cand.model_level, "predicted": pred}
     if cand.sim is not None:
-        body["simulation"] = {"ranks_simulated": cand.sim.reps, "exact": cand.sim.exact, "events": cand.sim.events,
-                              "wall_s": cand.sim.wall_s}
+        body["simulation"] = cand.sim.json()
     return body
 
 

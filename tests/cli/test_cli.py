@@ -49,6 +49,9 @@ def test_simulate_writes_and_reads_back(tmp_path, monkeypatch):
     again = run("simulate", out, "--json")
     assert again.exit_code == 0, again.stderr
     assert json.loads(again.stdout)["predicted"]["makespan_s"] == pytest.approx(first)
+    sim, sim_file = json.loads(r.stdout)["simulation"], json.loads(again.stdout)["simulation"]   # the same object
+    assert set(sim) == set(sim_file) == {"ranks_simulated", "exact", "events", "wall_s"}
+    assert (sim["ranks_simulated"], sim["events"]) == (sim_file["ranks_simulated"], sim_file["events"])
 
 
 def test_search_json_and_written_schedule(tmp_path):
