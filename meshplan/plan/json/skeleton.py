@@ -43,8 +43,9 @@ ID_MAX, INT32_MAX = 2**62, 2**31 - 1
 
 @dataclass
 class Template:
-    """A distinct skeleton: ``record`` the parsed record (numbers zero), ``slots`` each number's field in text order
-    (``key``, or ``key.0``/``key.1`` alternately in a pair field, ``key.int``/``.frac``/``.exp`` in a float)."""
+    """A distinct skeleton: ``record`` the record as the model reads it (numbers zero; every field under its file
+    name, defaults filled in), ``slots`` each number's field in text order (``key``, or ``key.0``/``key.1``
+    alternately in a pair field, ``key.int``/``.frac``/``.exp`` in a float)."""
 
     record: dict
     slots: list[str]
@@ -179,7 +180,7 @@ class Reader:
                     not all(_numbers_only(v) for k, v in record.items() if k in self.bounds or k in
                             self.float_fields):
                 return None      # not compact, a key twice, a float for an integer, a string or bool for a number
-            self.model.validate_json(zero)
+            valid = self.model.validate_json(zero)
         except (ValueError, ValidationError):
             return None
         slots, key, count = [], None, 0
@@ -195,7 +196,8 @@ class Reader:
             else:
                 return None
             count += 1
-        return Template(record, slots)
+        # the record as the model reads it: every field under its file name, defaults filled in ("pass_" is "pass")
+        return Template(self.model.dump_python(valid, by_alias=True), slots)
 
 
 def _has_float(value) -> bool:
