@@ -388,14 +388,5 @@ def result_json(cand: Candidate) -> dict[str, Any]:
     return body
 
 
-def jsonable(d: Any) -> Any:
-    """A copy without numpy scalars, ready for ``json.dumps``."""
-    if isinstance(d, dict):
-        return {k: jsonable(v) for k, v in d.items()}
-    if isinstance(d, (np.floating, np.integer)):
-        return d.item()
-    return d
-
-
 __all__ = ["KEYS", "Candidate", "make_candidate", "simulate_candidate", "closed_form_predicted",
-           "predict", "result_json", "jsonable"]
+           "predict", "result_json"]

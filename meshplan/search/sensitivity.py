@@ -34,7 +34,7 @@ from meshplan import algorithms
 from meshplan.core.errors import UserError
 from meshplan.cost.simulate import simulate
 from meshplan.model.topology import LINK_CLASSES, Topology
-from meshplan.search.candidate import jsonable, simulate_candidate
+from meshplan.search.candidate import simulate_candidate
 from meshplan.search.ranking import ranked
 
 PICKS = ("nominal", "robust")
@@ -221,3 +221,12 @@ def run_sensitivity(result, percent: float, *, samples: int = 20, top: int = 5, 
     wall = time.perf_counter() - t0
     result.wall_s += wall
     return body | {"picked": picked, "wall_s": wall}
+
+
+def jsonable(d: Any) -> Any:
+    """A copy without numpy scalars, ready for ``json.dumps``."""
+    if isinstance(d, dict):
+        return {k: jsonable(v) for k, v in d.items()}
+    if isinstance(d, (np.floating, np.integer)):
+        return d.item()
+    return d

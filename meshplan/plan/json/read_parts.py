@@ -45,17 +45,14 @@ def read_in_parts(holder: list[bytes]) -> Schedule | None:
     rank by rank: 4.1–4.5 s; now 1.8 s, gunzip included).
     Once every part is read, the bytes are dropped (``holder`` emptied: the file is not held beside its arrays)."""
     from meshplan.plan.json.frame import assemble, check_ranks, workload_streams
-    from meshplan.plan.json.record_columns import op_reader, tensor_columns, tensor_reader
+    from meshplan.plan.json.record_columns import op_reader, tensor_reader
     from meshplan.plan.json.to_arrays import OpColumns, TensorColumns
 
     raw = holder[0]
-    t_key = raw.find(b',"tensors":[')
-    r_key = raw.find(b'],"ranks":[', t_key)          # no tensor holds it: its parts would not validate
-    end = len(raw)
-    while end and raw[end - 1] in b" \t\r\n":        # trailing white space (not a copy of the whole text)
-        end -= 1
-    if t_key < 0 or r_key < t_key or raw[end - 2:end] != b"]}":
+    keys = _keys(raw)
+    if keys is None:
         return None
+    t_key, r_key, end = keys
     try:
         doc = ScheduleJSON.model_validate_json(raw[:t_key] + b',"tensors":[],"ranks":[]}')
         w, streams = workload_streams(doc)
@@ -73,14 +70,7 @@ def read_in_parts(holder: list[bytes]) -> Schedule | None:
 
         def side():
             try:
-                tensors, model = TensorColumns(), TypeAdapter(list[TensorJSON])
-                for text in _tensor_batches(raw, t_key + len(b',"tensors":'), r_key + 1):
-                    recs = tensor_read.records([text[1:-1]])
-                    got = None if recs is None else tensor_columns(recs[0], tensors.count)
-                    if got is not None:
-                        tensors.add_columns(got)
-                    else:
-                        tensors.add(model.validate_json(text))
+                tensors = _read_tensors(raw, t_key + len(b',"tensors":'), r_key + 1, tensor_read)
                 return _narrow(tensors.parts), tensors.count, [(g, _narrow(p), k) for g, p, k in read_groups()]
             except (ValidationError, UserError, _NotLaidOut):
                 return None                              # read whole: its error names the field
@@ -99,6 +89,37 @@ def read_in_parts(holder: list[bytes]) -> Schedule | None:
         return assemble(doc, w, streams, table, tensors.table(table.id_map, doc.n_ranks, doc.n_chunks))
     except (ValidationError, UserError, _NotLaidOut):
         return None
+
+
+def _keys(raw: bytes) -> tuple[int, int, int] | None:
+    """Where ``,"tensors":[`` and ``],"ranks":[`` start and where the text ends (before trailing white space), or
+    None when the bytes are not laid out so."""
+    t_key = raw.find(b',"tensors":[')
+    r_key = raw.find(b'],"ranks":[', t_key)          # no tensor holds it: its parts would not validate
+    end = len(raw)
+    while end and raw[end - 1] in b" \t\r\n":        # trailing white space (not a copy of the whole text)
+        end -= 1
+    return None if t_key < 0 or r_key < t_key or raw[end - 2:end] != b"]}" else (t_key, r_key, end)
+
+
+def _read_tensors(raw: bytes, start: int, stop: int, reader):
+    """The TensorColumns of the tensor array ``raw[start:stop]``, batch by batch by their skeletons or, where that
+    refuses, by pydantic.
+
+    Raises:
+        ValidationError, UserError: a batch that does not validate; _NotLaidOut: not a bracketed array.
+    """
+    from meshplan.plan.json.record_columns import tensor_columns
+    from meshplan.plan.json.to_arrays import TensorColumns
+    tensors, model = TensorColumns(), TypeAdapter(list[TensorJSON])
+    for text in _tensor_batches(raw, start, stop):
+        recs = reader.records([text[1:-1]])
+        got = None if recs is None else tensor_columns(recs[0], tensors.count)
+        if got is not None:
+            tensors.add_columns(got)
+        else:
+            tensors.add(model.validate_json(text))
+    return tensors
 
 
 def _narrow(parts: list[dict]) -> list[tuple[dict, list[str]]]:
