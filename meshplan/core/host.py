@@ -38,4 +38,3 @@ def _proc_kib(path: str, key: str) -> float | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
-

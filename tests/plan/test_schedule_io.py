@@ -119,11 +119,15 @@ def test_a_corrupted_or_foreign_gzip_file(tmp_path, monkeypatch):
     assert len(read_schedule(tmp_path / "foreign.json.gz").ops) == len(s.ops)
     data = bytearray(write_schedule(s, tmp_path / "s.json.gz").read_bytes())
     assert len(io._member_spans(bytes(data))) > 1
+    spans = io._member_spans(bytes(data))
+    huge = bytearray(data)
+    huge[spans[0][1] - 4:spans[0][1]] = (2**32 - 1).to_bytes(4, "little")     # a member stating 4 GB of text
     data[len(data) // 2] ^= 0xFF                         # inside the deflate data of a member
-    (tmp_path / "bad.json.gz").write_bytes(bytes(data))
-    with pytest.raises(UserError) as err:
-        read_schedule(tmp_path / "bad.json.gz")
-    assert "bad.json.gz" in str(err.value) and "\n" not in str(err.value)
+    for name, bad in (("bad.json.gz", data), ("huge.json.gz", huge)):
+        (tmp_path / name).write_bytes(bytes(bad))
+        with pytest.raises(UserError) as err:
+            read_schedule(tmp_path / name)
+        assert name in str(err.value) and "\n" not in str(err.value)
 
 
 def test_failed_write_leaves_nothing(tmp_path, monkeypatch):

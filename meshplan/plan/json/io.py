@@ -49,6 +49,8 @@ COMPRESS_BATCH_BYTES = 4 << 20
 #: subfield ``MP`` of 4 bytes, the member's size
 _MEMBER_MAGIC, _MEMBER_EXTRA = b"\x1f\x8b\x08\x04", b"\x08\x00MP\x04\x00"
 _MEMBER_HEAD_BYTES = 20
+#: deflate inflates at most ~1032 bytes per byte: a member stating more is not read by its stated size
+_MAX_RATIO = 1032
 
 
 def gzip_member(text: bytes) -> bytes:
@@ -102,16 +104,16 @@ def _batches(pieces, size: int):
 
 def gunzip(data: bytes) -> bytes | bytearray:
     """The text of gzip ``data``: members written by :func:`gzip_member` inflated on two threads (half the members'
-    bytes each) straight into one buffer (a 1024-rank file's 290 MB: 0.55 s → 0.35 s), any other gzip file by
+    bytes each) straight into one buffer (a 1024-rank file's 290 MB: 0.55 s → 0.3 s), any other gzip file by
     :func:`gzip.decompress`.
 
     Raises:
         OSError, EOFError, zlib.error: not gzip, or cut short or corrupted (as :func:`gzip.decompress` raises).
     """
     spans = _member_spans(data)
-    if spans is None or len(spans) < 2:
-        return gzip.decompress(data)
-    sizes = [struct.unpack_from("<I", data, b - 4)[0] for _, b in spans]      # each member's ISIZE
+    sizes = [struct.unpack_from("<I", data, b - 4)[0] for _, b in spans or []]     # each member's ISIZE
+    if spans is None or len(spans) < 2 or any(n > _MAX_RATIO * (b - a) for n, (a, b) in zip(sizes, spans)):
+        return gzip.decompress(data)                 # not such members, or sizes deflate cannot reach
     at = [0, *itertools.accumulate(sizes)]
     out = bytearray(at[-1])
     cut = bisect.bisect_left([b for _, b in spans], len(data) / 2)
