@@ -51,12 +51,12 @@ def op_table(doc: ScheduleJSON, streams: Streams, m: AttnMatrix, w: Workload) ->
 
 
 class OpColumns:
-    """An OpTable built a rank at a time (:meth:`add_rank` in rank order from ``first_rank``, then :meth:`table`;
+    """An OpTable built a rank at a time (:meth:`add_rank` in rank order from rank 0, then :meth:`table`;
     the ``parts`` of several, in rank order, make one)."""
 
-    def __init__(self, streams: Streams, w: Workload, n_chunks: int, first_rank: int = 0) -> None:
+    def __init__(self, streams: Streams, w: Workload, n_chunks: int) -> None:
         self.stream_idx = {name: i for i, name in enumerate(streams.names)}
-        self.w, self.n_chunks, self.first_rank = w, n_chunks, first_rank
+        self.w, self.n_chunks = w, n_chunks
         self.parts: list[dict[str, np.ndarray]] = []
 
     def add_rank(self, ops: list) -> None:
@@ -65,7 +65,7 @@ class OpColumns:
         Raises:
             UserError: an unknown stream, a head range or chunk id out of range.
         """
-        self.parts.append(self.columns(ops, self.first_rank + len(self.parts)))
+        self.parts.append(self.columns(ops, len(self.parts)))
 
     def columns(self, ops: list, rank: int) -> dict[str, np.ndarray]:
         """The columns of one rank's validated ops (program order), a part of the table.
