@@ -23,6 +23,11 @@ from meshplan.plan.plan import Plan
 from meshplan.plan.schedule import DTYPES, Schedule
 
 #: Knobs with their own CLI flag; every other knob is ``--knob name=value``.
+#: A search builds no schedule above this many ranks, whatever the method (neither to tighten a bound nor to
+#: simulate): one Mesh build at 4096 ranks and 1M tokens took over a minute and 10 GB before it was simulated. There
+#: the search ranks by closed forms alone and says so; ``meshplan simulate --algo`` times a plan at any size.
+SEARCH_BUILD_MAX_RANKS = 2048
+
 KNOB_FLAGS = {"tile": "--tile", "mapping": "--mapping", "partial_dtype": "--partial-dtype",
               "dkv_dtype": "--dkv-dtype", "ulysses_degree": "--ulysses-degree", "inner_ring": "--inner-ring",
               "team_size": "--team-size", "domains": "--domains"}
@@ -163,9 +168,13 @@ class Algorithm:
         """Whether :meth:`refine` has a tighter closed form for this plan (False: it returns None)."""
         return False
 
+    def search_build_limit(self) -> int:
+        """Ranks above which a search never builds this method's schedule (:data:`SEARCH_BUILD_MAX_RANKS`)."""
+        return SEARCH_BUILD_MAX_RANKS
+
     def search_may_build(self, n_ranks: int) -> bool:
         """Whether a search may build this method's schedule at ``n_ranks`` ranks to simulate or estimate it."""
-        return True
+        return n_ranks <= self.search_build_limit()
 
     def lazy(self, n_ranks: int) -> bool:
         """Whether a search starts this method's plans at ``n_ranks`` ranks from a schedule-free bound and builds a
@@ -178,6 +187,11 @@ class Algorithm:
     #: a search tries a quotient build up to this many ranks (its calls still run for every rank: USP degree 32 at
     #: 1024 ranks 4-8 s and ~1 GB, about 16x that at 4096); ``simulate`` at any size
     quotient_search_max_ranks = 1024
+
+    def search_may_build_quotient(self, n_ranks: int) -> bool:
+        """Whether a search may try a quotient build of this method at ``n_ranks`` ranks (up to its
+        ``quotient_search_max_ranks`` and :data:`SEARCH_BUILD_MAX_RANKS`)."""
+        return self.quotient_builds and n_ranks <= min(self.quotient_search_max_ranks, SEARCH_BUILD_MAX_RANKS)
 
     def symmetries(self, plan: Plan, topo: Topology) -> list[list[np.ndarray]]:
         """Sets of rank permutations the plan's schedule may repeat under, the most reducing first (a quotient build
@@ -260,9 +274,14 @@ class BuiltTiming(Algorithm):
         """Whether :meth:`timing` builds the schedule at ``n_ranks`` ranks (no schedule-free form taken there)."""
         return not (self.schedule_free and n_ranks > self.search_max_ranks)
 
+    def search_build_limit(self) -> int:
+        """``search_max_ranks`` where the closed form is schedule-free (seconds and GBs a plan), at most
+        :data:`SEARCH_BUILD_MAX_RANKS`."""
+        return min(self.search_max_ranks, SEARCH_BUILD_MAX_RANKS) if self.schedule_free else SEARCH_BUILD_MAX_RANKS
+
     def search_may_build(self, n_ranks: int) -> bool:
-        """Not above ``search_max_ranks`` where the closed form is schedule-free (seconds and GBs a plan)."""
-        return self.builds_to_time(n_ranks)
+        """Not above :meth:`search_build_limit` ranks."""
+        return n_ranks <= self.search_build_limit()
 
     def lazy(self, n_ranks: int) -> bool:
         """Whether a search starts this method's candidates at ``n_ranks`` ranks from the schedule-free bound."""

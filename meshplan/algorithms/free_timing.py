@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from meshplan.algorithms.base import PassTiming
+from meshplan.cost.block_classes import rank_kernel_s
 from meshplan.cost.bounds import OverlapTable, incidence_part, pool_bound
 from meshplan.cost.cost import CostModel
 from meshplan.cost.memory import closed_form_peak_bytes
@@ -93,12 +94,6 @@ def owner_compute(plan: Plan, topo: Topology, pass_: str,
     ops it runs them in): every block's FLOPs at the kernel table's monotone envelope for an op of up to
     ``kernel_chunks`` (q chunks, KV chunks) — a block in a smaller op only runs slower — and at least one op per
     ``a · b`` of its blocks."""
-    m, n = plan.matrix, plan.n_ranks
-    cost = CostModel(topo)
-    blocks = np.where(m.permitted, cost.matrix_block_times(m, pass_, kernel_chunks, envelope=True)
-                      - cost.kernel.launch_s, 0.0)
-    sel = plan.owner >= 0
-    total = np.bincount(plan.owner[sel], weights=blocks[sel], minlength=n)
-    count = np.bincount(plan.owner[sel], minlength=n)
+    total, _, count = rank_kernel_s(CostModel(topo), plan.matrix, plan.owner, plan.n_ranks, pass_, kernel_chunks)
     per = kernel_chunks[0] * kernel_chunks[1]
     return total, -(-count // per)

@@ -131,26 +131,36 @@ class CostModel:
             fixed, scaled = DocKernels(self, m).block_parts(pass_)
             cache[key] = np.where(m.pairs > 0, (fixed + scaled).reshape(m.pairs.shape), 0.0)
         if key not in cache:
-            grow = np.sqrt(kernel_chunks[0] * kernel_chunks[1])
             # a block matrix holds a handful of kernel shapes: interpolate those, then gather (N² lookups at
             # 1024 ranks cost 0.2 s each; this, 20 ms). The shapes' codes and the FLOPs are kept on the matrix
             # (Mesh's tiles ask for tens of (a, b) growths of one matrix)
-            vq, vk, code = _shape_codes(m)
-            grid = self.kernel.efficiency(vq[:, None, None] * grow, vk[None, :, None] * grow, pass_,
-                                          np.array([False, True])[None, None, :], m.workload.head_dim, envelope,
-                                          dtype=m.workload.dtype).ravel()
-            if docs and envelope and self.kernel.spec.segments == "per_call":
-                # kernels per document segment (or window strip) run at their own (smaller) shapes, any of them up
-                # to the table's best: the best efficiency anywhere keeps the bound a bound
-                big = float(self.kernel.spec.tokens[-1])
-                grid = np.full(grid.shape, float(self.kernel.efficiency(big, big, pass_, False, m.workload.head_dim,
-                                                                        True, dtype=m.workload.dtype)))
+            code = shape_classes(m)[2]
             flops, launch = _flops_and_launch(m, pass_, self.kernel.launch_s)
-            cache[key] = launch + flops / (self.topo.peak_flops(m.workload.dtype) * grid)[code]
+            cache[key] = launch + flops / (self.topo.peak_flops(m.workload.dtype)
+                                           * self.class_efficiency(m, pass_, kernel_chunks, envelope))[code]
             grown = [k for k in cache if k[2] != (1, 1)]
             for old in grown[:max(len(grown) - GROWN_KEPT, 0)]:     # least recently used first
                 del cache[old]
         return cache[key]
+
+    def class_efficiency(self, m, pass_: str, kernel_chunks: tuple[int, int] = (1, 1),
+                         envelope: bool = False) -> np.ndarray:
+        """[K] the kernel efficiency of each block class of a matrix (:func:`shape_classes`: its participating rows
+        and columns, masked or not), at the shape grown by √(a·b) for ``kernel_chunks`` (a, b), with ``envelope`` at
+        the table's monotone envelope — what :meth:`matrix_block_times` gathers per block. Not for a ``docs`` mask
+        priced by its segments without the envelope (those blocks are priced one by one)."""
+        grow = np.sqrt(kernel_chunks[0] * kernel_chunks[1])
+        vq, vk, _ = shape_classes(m)
+        grid = self.kernel.efficiency(vq[:, None, None] * grow, vk[None, :, None] * grow, pass_,
+                                      np.array([False, True])[None, None, :], m.workload.head_dim, envelope,
+                                      dtype=m.workload.dtype).ravel()
+        if envelope and self.kernel.spec.segments == "per_call" and priced_by_cover(m.workload, self.kernel.spec):
+            # kernels per document segment (or window strip) run at their own (smaller) shapes, any of them up
+            # to the table's best: the best efficiency anywhere keeps the bound a bound
+            big = float(self.kernel.spec.tokens[-1])
+            grid = np.full(grid.shape, float(self.kernel.efficiency(big, big, pass_, False, m.workload.head_dim,
+                                                                    True, dtype=m.workload.dtype)))
+        return grid
 
     def merge_time_s(self, bytes_touched) -> np.ndarray:
         """Memory-bound merge/accumulate time: launch + bytes / (0.8 · HBM bandwidth)."""
@@ -285,9 +295,9 @@ class CostModel:
 
 
 
-def _shape_codes(m) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(distinct query rows, distinct key columns, [N, N] each block's index into the (rows, columns, masked)
-    grid raveled) of a matrix's blocks, kept on the matrix."""
+def shape_classes(m) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A matrix's block classes: (distinct participating query rows [Vq], distinct key columns [Vk], [N, N] each
+    block's class, (row index · Vk + column index) · 2 + masked, in 0..K−1 with K = 2·Vq·Vk); kept on the matrix."""
     got = m.__dict__.get("_shape_codes")
     if got is None:
         vq, cq = _codes(m.s_q)

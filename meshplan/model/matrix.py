@@ -204,13 +204,16 @@ class AttnMatrix:
 
     def flops(self, pass_: str = "fwd", heads: int | None = None) -> np.ndarray:
         """[n, n] FLOPs per block: 4·B·h·D·pairs forward, 2.5x that backward (h = ``heads`` or H). Cached."""
-        w = self.workload
-        h = w.n_heads if heads is None else heads
-        key = (pass_, h)
+        key = (pass_, heads)
         if key not in self._flops:
-            f = 4.0 * w.batch * h * w.head_dim * self.pairs
-            self._flops[key] = f * BWD_FLOP_FACTOR if pass_ == "bwd" else f
+            self._flops[key] = self.flops_per_pair(pass_, heads) * self.pairs
         return self._flops[key]
+
+    def flops_per_pair(self, pass_: str = "fwd", heads: int | None = None) -> float:
+        """FLOPs of one permitted query-key pair for the batch: 4·B·h·D forward, 2.5x that backward."""
+        w = self.workload
+        f = 4.0 * w.batch * (w.n_heads if heads is None else heads) * w.head_dim
+        return f * BWD_FLOP_FACTOR if pass_ == "bwd" else f
 
     def op_shape(self, qc: np.ndarray, kc: np.ndarray, pass_: str, heads: int):
         """Cost-relevant description of compute ops over q chunks ``qc`` [k, mq] x KV chunks ``kc`` [k, mk].

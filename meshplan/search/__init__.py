@@ -30,7 +30,7 @@ from typing import Any, Callable
 import numpy as np
 
 from meshplan import algorithms
-from meshplan.algorithms.base import BuildCache
+from meshplan.algorithms.base import SEARCH_BUILD_MAX_RANKS, BuildCache
 from meshplan.algorithms.ring import ring_ccr
 from meshplan.core.errors import SkipCandidate, UserError
 from meshplan.core.units import fmt_bytes
@@ -40,7 +40,15 @@ from meshplan.model.topology import Topology
 from meshplan.model.workload import LAYOUTS, Workload
 from meshplan.search.beside import simulate_beside
 from meshplan.search.branch_bound import OVER_LIMIT, BranchAndBound
-from meshplan.search.candidate import Candidate, forget_built, label, make_candidates, over_memory, simulate_candidate
+from meshplan.search.candidate import (
+    Candidate,
+    closed_form_predicted,
+    forget_built,
+    label,
+    make_candidates,
+    over_memory,
+    simulate_candidate,
+)
 from meshplan.search.ranking import not_proven, ranked, reference_simulations, ring_reference, ring_rows
 
 PRUNE_SLACK = 0.01
@@ -96,8 +104,9 @@ def enumerate_candidates(base: Workload, topo: Topology, n: int, algos: list[str
             skipped[f"{foreign[0]} does not apply"] += 1
             continue
         layouts = [base.layout] if layout_pinned or alg.places_tokens else list(LAYOUTS)
-        few = getattr(alg, "search_variants_max_ranks", None)      # their bounds build schedules:
-        if few is not None and n > few and not layout_pinned:       # the balanced layout only
+        # the balanced layout only, above the size where their bounds build schedules or nothing is built at all
+        few = min(getattr(alg, "search_variants_max_ranks", SEARCH_BUILD_MAX_RANKS), SEARCH_BUILD_MAX_RANKS)
+        if n > few and len(layouts) > 1:
             skipped[f"only zigzag searched above {few} ranks"] += len(layouts) - 1
             layouts = ["zigzag"]
         seen: list = []                                              # matrices of the layouts kept so far
@@ -194,27 +203,28 @@ def run_search(base: Workload, topo: Topology, n: int, *, algos: list[str] | Non
     bnb = BranchAndBound(topo, n, ccr, memory_limit, given, prune_slack, skipped, rejected, FULL_SIM_MAX_RANKS,
                          PAIR_MAX_RANKS)
     # Ring's settings for the reference row, simulated in another process beside the branch and bound (both cores)
-    pool = ring_rows(cands) if n <= FULL_SIM_MAX_RANKS else []         # above: Ring's bounds stand
+    ring_max = min(FULL_SIM_MAX_RANKS, SEARCH_BUILD_MAX_RANKS)         # above: Ring's bounds stand
+    pool = ring_rows(cands) if n <= ring_max else []
     def branch_and_bound() -> None:
         bnb.visit_all(cands, progress)
         if after_branch_bound is not None:
             after_branch_bound(bnb.leader, pool)
 
     _, beside = simulate_beside(pool, lambda sim: reference_simulations(
-        cands, n, prune_slack, FULL_SIM_MAX_RANKS, lambda todo: sim(todo[0])), topo, ccr, branch_and_bound)
+        cands, n, prune_slack, ring_max, lambda todo: sim(todo[0])), topo, ccr, branch_and_bound)
     for c in beside:
         bnb.record(c)                                            # as the search records what it simulates
-    reference = ring_reference(cands, topo, n, ccr, prune_slack, FULL_SIM_MAX_RANKS)
+    reference = ring_reference(cands, topo, n, ccr, prune_slack, ring_max)
     builds.clear()
     cands = [c for c in cands if c.model_level != "over-memory"]
     _rank_forward_only(fwd_only, topo, ccr)
     if bnb.over and not cands and not fwd_only:
         peak, label = min(bnb.over)
         raise _no_fit(memory_limit, given, f"{fmt_bytes(peak)} ({label}, simulated)")
-    n_sim = sum(c.model_level == "simulated" for c in cands)
-    counts = {"enumerated": len(cands) + len(fwd_only) + skipped[OVER_LIMIT[given]], "pruned": len(cands) - n_sim,
-              "simulated": n_sim + len(fwd_only), "skipped": dict(skipped), "not_simulated": dict(bnb.unsimulated),
-              "prune_slack": prune_slack}
+    n_sim = sum(c.model_level == "simulated" for c in cands + fwd_only)
+    counts = {"enumerated": len(cands) + len(fwd_only) + skipped[OVER_LIMIT[given]],
+              "pruned": len(cands) + len(fwd_only) - n_sim, "simulated": n_sim, "skipped": dict(skipped),
+              "not_simulated": dict(bnb.unsimulated), "prune_slack": prune_slack}
     return SearchResult(base, topo, n, ranked(cands + fwd_only), counts, time.perf_counter() - t0, ccr, rejected,
                         layout_pinned, memory_limit, reference)
 
@@ -251,9 +261,15 @@ def _no_fit(limit: float, given: bool, smallest: str) -> UserError:
 
 
 def _rank_forward_only(cands: list[Candidate], topo: Topology, ccr: float | None) -> None:
-    """Simulate forward-only candidates of a fwd+bwd search on their forward; ``bwd`` and totals null."""
+    """Simulate forward-only candidates of a fwd+bwd search on their forward (at their bound above the size a search
+    builds them at); ``bwd`` and totals null."""
     for c in cands:
-        simulate_candidate(c, topo, ccr)
+        alg = algorithms.get(c.algorithm)
+        if alg.search_may_build(c.n_ranks):
+            simulate_candidate(c, topo, ccr)
+        else:
+            c.predicted = closed_form_predicted(c, ccr)
+            c.not_simulated = f"its schedule is not built above {alg.search_build_limit()} ranks"
         c.predicted = c.predicted.forward_only()
         forget_built(c)
     cands.sort(key=lambda c: c.predicted.rank_s)

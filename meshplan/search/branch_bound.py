@@ -174,7 +174,7 @@ class BranchAndBound:
         """Whether ``c`` is simulated on its representatives alone if at all (its method builds so, up to its
         ``quotient_search_max_ranks``, and not whole at this size)."""
         alg = algorithms.get(c.algorithm)
-        return alg.quotient_builds and not alg.search_may_build(self.n) and self.n <= alg.quotient_search_max_ranks
+        return alg.search_may_build_quotient(self.n) and not alg.search_may_build(self.n)
 
     def _refine_next(self, c: Candidate, upcoming: list[Candidate]) -> Candidate | None:
         """The first of ``upcoming`` whose bound neither the best so far nor ``c``'s likely time (its estimate, at least
@@ -207,8 +207,9 @@ class BranchAndBound:
             return True
         if not alg.search_may_build(self.n):       # not even the first: 17 GB and 90 s for USP at 2048 ranks
             c.predicted = closed_form_predicted(c, self.ccr)
-            c.not_simulated = f"its schedule is not built above {alg.search_max_ranks} ranks (seconds and GBs a plan)"
-            self.unsimulated[f"schedule not built above {alg.search_max_ranks} ranks (simulate it alone)"] += 1
+            limit = alg.search_build_limit()
+            c.not_simulated = f"its schedule is not built above {limit} ranks (seconds and GBs a plan)"
+            self.unsimulated[f"schedule not built above {limit} ranks (simulate it alone)"] += 1
             return False
         if self.n > self.full_sim_max_ranks and self.leader is not None and not self._reduces(c):
             c.predicted = closed_form_predicted(c, self.ccr)
@@ -229,7 +230,7 @@ class BranchAndBound:
 
     def _not_alike(self, c: Candidate) -> None:
         """``c`` left at its closed form: its schedule is not built whole here and its ranks are not alike."""
-        limit = algorithms.get(c.algorithm).search_max_ranks
+        limit = algorithms.get(c.algorithm).search_build_limit()
         c.predicted = closed_form_predicted(c, self.ccr)
         c.not_simulated = f"its schedule is not built above {limit} ranks, and its ranks are not alike by node " \
                           "(each rank's program would be built)"

@@ -17,8 +17,9 @@ from meshplan.algorithms.base import BuildCache, PassTiming, knob_arg
 from meshplan.algorithms.ring import ring_ccr
 from meshplan.core.errors import SkipCandidate, UserError
 from meshplan.core.parallel import alongside as run_alongside
-from meshplan.core.parallel import can_fork
+from meshplan.core.parallel import can_fork, shared_counter
 from meshplan.core.units import fmt_bytes
+from meshplan.cost.block_classes import class_sums
 from meshplan.cost.metrics import KEYS, PassMetrics, Prediction, combine, imbalance, predicted
 from meshplan.cost.simulate import SimResult, simulate
 from meshplan.model.matrix import AttnMatrix
@@ -137,8 +138,8 @@ def make_candidates(jobs: list[tuple[str, Workload, dict[str, Any], AttnMatrix |
     (``BuiltTiming``: up to a second each at 256 ranks) are shared between this process and a forked one
     (:func:`meshplan.core.parallel.alongside`; in turn where fork is not offered), halved by count; the
     schedule-free closed forms (~1/50 of one each) stay here and count against this process's half. Where none
-    builds a schedule, from :data:`LIGHT_SPLIT_MIN_RANKS` ranks, the forked process takes the second half of the
-    schedule-free ones.
+    builds a schedule, from :data:`LIGHT_SPLIT_MIN_RANKS` ranks, the two processes take the schedule-free ones one
+    at a time, in order, whichever is free (:func:`~meshplan.core.parallel.shared_counter`).
 
     Raises:
         UserError: bad knob values or an impossible workload.
@@ -158,23 +159,28 @@ def make_candidates(jobs: list[tuple[str, Workload, dict[str, Any], AttnMatrix |
     heavy = [i for i in todo if isinstance(planned[i][0], BuiltTiming) and planned[i][0].builds_to_time(n_ranks)
              and not planned[i][1].extra.get("lazy")]
     light = sorted(set(todo) - set(heavy))
-    side: list[int] = []
+    def timings(idx: list[int]) -> dict[int, dict[str, PassTiming]]:
+        return {i: planned[i][0].timing(planned[i][1], topo) for i in idx}
+
     if n_ranks >= PARALLEL_MIN_RANKS and len(heavy) >= 2 and can_fork():
         light_cost = 0.02 * len(light)                         # the schedule-free closed forms, kept here
         k = min(len(heavy) - 1, round((len(heavy) + light_cost) / 2))
         side = sorted((heavy[0::2] + heavy[1::2])[:k])         # every other first: each method on both sides
+        side_t, mine_t = run_alongside(lambda: timings(side), lambda: timings(sorted(set(todo) - set(side))))
     elif n_ranks >= LIGHT_SPLIT_MIN_RANKS and len(light) >= 8 and can_fork():
-        side = light[len(light) // 2:]                         # a contiguous half: its plans share their caches
-    mine = sorted(set(todo) - set(side))
+        # one at a time, in order, to whichever process is free: their costs differ 100-fold (a Mesh tile's link
+        # geometry against a Ring bound), so halves by count left one process idle for a third of the time
+        take = shared_counter()
 
-    def timings(idx: list[int]) -> list[dict[str, PassTiming]]:
-        return [planned[i][0].timing(planned[i][1], topo) for i in idx]
-
-    if side:
-        side_t, mine_t = run_alongside(lambda: timings(side), lambda: timings(mine))
+        def pulled() -> dict[int, dict[str, PassTiming]]:
+            got = {}
+            while (k := take()) < len(light):
+                got |= timings([light[k]])
+            return got
+        side_t, mine_t = run_alongside(pulled, lambda: timings(heavy) | pulled())
     else:
-        side_t, mine_t = [], timings(mine)
-    timing = dict(zip(side, side_t)) | dict(zip(mine, mine_t))
+        side_t, mine_t = {}, timings(todo)
+    timing = side_t | mine_t
     out: list[Candidate | SkipCandidate] = []
     for i, p in enumerate(planned):
         if isinstance(p, SkipCandidate):
@@ -346,6 +352,9 @@ def _plan_flops_by_rank(cand: Candidate, pass_: str) -> np.ndarray | None:
     if plan is None:
         return None
     m, owner = plan.matrix, plan.owner
+    sums = class_sums(m, owner, cand.n_ranks)
+    if sums is not None:                          # counted once per owner array (Mesh's mappings share one)
+        return sums.pairs.sum(axis=1) * m.flops_per_pair(pass_)
     ok = m.permitted
     if owner.shape != ok.shape or (owner[ok] < 0).any():
         return None

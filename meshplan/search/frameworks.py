@@ -126,8 +126,9 @@ def _evaluate(fb: FrameworkBest, entries: list, result: SearchResult, listed: di
             pending.append((s, ch, k, c))
     staged, built = [], 0
     for s, ch, k, c in sorted(pending, key=lambda e: _order(e, listed)):
-        if n > FULL_SIM_MAX_RANKS:             # a schedule takes up to a minute and GBs to build and simulate
-            fb.not_evaluated.append((s.cli(), f"not simulated above {FULL_SIM_MAX_RANKS} ranks unless the search "
+        limit = min(FULL_SIM_MAX_RANKS, algorithms.get(ch.algorithm).search_build_limit())
+        if n > limit:                          # a schedule takes up to a minute and GBs to build and simulate
+            fb.not_evaluated.append((s.cli(), f"not simulated above {limit} ranks unless the search "
                                      f"simulated it; time it: {_simulate_command(ch, result)}"))
             continue
         if c is None and n > FULL_RANKS and isinstance(algorithms.get(ch.algorithm), BuiltTiming):

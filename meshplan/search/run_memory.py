@@ -175,36 +175,44 @@ def _smaller(sched, topo, host, gathers: bool) -> str | None:
 #: A search holds N x N arrays per block (attention matrices per layout, the plans' block owners, block times at
 #: kernel growths): peak resident bytes of ``meshplan search --topo h100x32.yaml`` (1M tokens, defaults) were
 #: 1.91 GB at 1024 GPUs and 7.16 GB at 2048 — SEARCH_BASE_BYTES + 1670 bytes a block; with only the methods planned
-#: in the zigzag layout alone (:data:`ZIGZAG_ONLY`) 1.42 GB at 2048 and 5.44 GB at 4096 — about 320 a block.
+#: in the zigzag layout alone (:data:`ZIGZAG_ONLY`) 1.42 GB at 2048 and 5.44 GB at 4096 — about 320 a block. Above
+#: ``SEARCH_BUILD_MAX_RANKS`` every method is searched in zigzag alone and nothing is built: 9.14 GB at 4096
+#: (2026-12-06), 540 a block.
 SEARCH_BASE_BYTES = 0.16e9
-SEARCH_BYTES_PER_BLOCK = {"layouts": 1670.0, "zigzag": 320.0}
+SEARCH_BYTES_PER_BLOCK = {"layouts": 1670.0, "zigzag": 320.0, "bounds": 540.0}
 #: the methods a search plans in every layout (each layout's matrix and plans held at once)
 EVERY_LAYOUT = ("ring", "pass-q", "mesh")
 ZIGZAG_ONLY = ("usp", "ulysses", "startrail", "loongtrain", "merge", "rmplus", "charm")
 
 
-def _bytes_per_block(algos) -> float:
-    """The every-layout rate when ``algos`` (None: every method) names Ring, pass-Q or Mesh, else the zigzag one."""
+def _bytes_per_block(n_ranks: int, algos) -> float:
+    """The every-layout rate when ``algos`` (None: every method) names Ring, pass-Q or Mesh, else the zigzag one;
+    above the search's build limit, where every method is searched in zigzag by its bounds, that rate."""
+    from meshplan.algorithms.base import SEARCH_BUILD_MAX_RANKS
+
     every = algos is None or any(a in EVERY_LAYOUT for a in algos)
+    if every and n_ranks > SEARCH_BUILD_MAX_RANKS:
+        return SEARCH_BYTES_PER_BLOCK["bounds"]
     return SEARCH_BYTES_PER_BLOCK["layouts" if every else "zigzag"]
 
 
 def search_bytes(n_ranks: int, algos) -> float:
     """Peak resident bytes a search over ``n_ranks`` ranks is expected to hold (:data:`SEARCH_BYTES_PER_BLOCK`)."""
-    return SEARCH_BASE_BYTES + _bytes_per_block(algos) * float(n_ranks) ** 2
+    return SEARCH_BASE_BYTES + _bytes_per_block(n_ranks, algos) * float(n_ranks) ** 2
 
 
 def check_search_fits(n_ranks: int, algos, available_bytes: float | None, flag: str = "--gpus") -> None:
     """Refuse (UserError, before anything is planned) a search whose N x N arrays would take more than
     :data:`HOST_SHARE` of the host's available memory — the kernel would otherwise end it minutes later, unexplained
-    (4096 GPUs: ~28 GB). The fix names the largest power of two of GPUs whose search fits, and the zigzag-only
+    (8192 GPUs: ~36 GB). The fix names the largest power of two of GPUs whose search fits, and the zigzag-only
     methods where those fit at this size. Nothing is checked where the available memory cannot be read."""
     need = search_bytes(n_ranks, algos)
     if available_bytes is None or need <= HOST_SHARE * available_bytes:
         return
-    rate = _bytes_per_block(algos)
-    fits = int(((HOST_SHARE * available_bytes - SEARCH_BASE_BYTES) / rate) ** 0.5)
-    most = 1 << (fits.bit_length() - 1) if fits >= 8 else 0     # a power of two: a size that was measured
+    rate = _bytes_per_block(n_ranks, algos)
+    most = 1 << (n_ranks.bit_length() - 1)                  # the largest power of two that fits: a measured size
+    while most >= 8 and search_bytes(most, algos) > HOST_SHARE * available_bytes:
+        most //= 2
     fixes = [f"search at most {most} GPUs on this host"] if most >= 8 else []
     light = search_bytes(n_ranks, ZIGZAG_ONLY)
     if need > light and light <= HOST_SHARE * available_bytes:

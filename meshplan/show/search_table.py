@@ -107,7 +107,8 @@ def _print_notes(body: dict[str, Any], console: Console) -> None:
                       f"{guess}; time it alone:")
         for line in command_lines(u["simulate"], console.width):
             console.print(line, soft_wrap=True, markup=False, highlight=False)
-    for line in (_lead_text(body["candidates"], body["n_ranks"]), _vs_ring_text(body), *why_lines(body)):
+    for line in (_lead_text(body["candidates"], body["n_ranks"]), _bounds_only_text(body), _vs_ring_text(body),
+                 *why_lines(body)):
         if line:
             console.print(line)
     for i, c in enumerate(body["candidates"], start=1):
@@ -206,19 +207,23 @@ def why_lines(body: dict[str, Any]) -> list[str]:
     or communication-bound, the bytes it moves across nodes per GPU against Ring's, the memory headroom, and what
     makes up its lead over #2 (compute or exposed communication)."""
     cands = body["candidates"]
-    if not cands or cands[0]["model_level"] != "simulated":
+    if not cands or not cands[0].get("predicted"):
         return []
     one = cands[0]["predicted"]
     t, exposed = one["makespan_s"], one["exposed_comm_s"] or 0.0
     lines = []
+    if cands[0]["model_level"] == "simulated":
+        why, ts = "why", fmt_seconds(t)
+    else:                 # nothing simulated: #1 by its bound, whose parts say the same things at least
+        why, ts = "why (by the closed forms: nothing was simulated)", f"≥{fmt_seconds(t)}"
     if exposed < COMPUTE_BOUND * t:
-        head = (f"why: compute-bound — #1's communication hides behind its kernels ({fmt_seconds(exposed)} of "
-                f"{fmt_seconds(t)} exposed)")
+        head = (f"{why}: compute-bound — #1's communication hides behind its kernels ({fmt_seconds(exposed)} of "
+                f"{ts} exposed)")
     elif exposed < 0.5 * t:
-        head = (f"why: mostly compute — {fmt_seconds(exposed)} of #1's {fmt_seconds(t)} is communication its "
+        head = (f"{why}: mostly compute — {fmt_seconds(exposed)} of #1's {ts} is communication its "
                 "kernels cannot hide")
     else:
-        head = (f"why: communication-bound — {fmt_seconds(exposed)} of #1's {fmt_seconds(t)} is communication its "
+        head = (f"{why}: communication-bound — {fmt_seconds(exposed)} of #1's {ts} is communication its "
                 "kernels cannot hide")
     ref = body.get("reference")
     cross = one.get("inter_node_bytes_per_gpu_max")
@@ -244,15 +249,29 @@ def why_lines(body: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _bounds_only_text(body: dict[str, Any]) -> str | None:
+    """Where nothing in the table was simulated (above the sizes a search builds schedules at): that every row is
+    a lower bound and #1 has the least, which proves nothing about which is fastest. None otherwise."""
+    cands = body["candidates"]
+    if not cands or any(c["model_level"] == "simulated" for c in cands):
+        return None
+    return ("nothing was simulated (the counts below say why): every row is a closed-form lower bound (≥), ranked "
+            "by it — #1 has the least, not proven the fastest; `meshplan simulate --algo` with a row's knobs times it "
+            "alone")
+
+
 def _vs_ring_text(body: dict[str, Any]) -> str | None:
     """The pick's lead over Ring's best setting (the ``ring`` row, or its rank in the table); where Ring is not
     simulated, over every Ring setting (the row holds the least of their lower bounds)."""
     ref, cands = body.get("reference"), body["candidates"]
-    if ref is None or not cands or cands[0] == ref or cands[0]["model_level"] != "simulated":
+    if ref is None or not cands or cands[0] == ref or not cands[0].get("predicted"):
         return None
     a, b = cands[0]["predicted"]["makespan_s"], ref["predicted"]["makespan_s"]
     sim = ref["model_level"] == "simulated"
     where = f"#{cands.index(ref) + 1}" if ref in cands[:10] else "the ring row"
+    if cands[0]["model_level"] != "simulated":      # two lower bounds: their ratio claims nothing about either time
+        return (f"Ring's settings: the least of their lower bounds is {fmt_seconds(b)} ({where}: {plan_text(ref)}), "
+                f"{b / a:.2f}x #1's" if a > 0 else None)
     if not sim:             # Ring not simulated here (above 256 ranks): its settings' least bound, a claim on all
         return (f"#1 is at least {b / a:.2f}x as fast as any Ring setting ({where}: {plan_text(ref)}, the least of "
                 f"their lower bounds, {fmt_seconds(b)})")

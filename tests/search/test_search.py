@@ -317,7 +317,8 @@ def test_a_schedule_is_written_under_its_name_only_once_verified(fork, tmp_path,
 
 def test_schedule_free_closed_forms_halved_between_processes_land_on_their_own_candidates(monkeypatch):
     """Where no closed form builds a schedule (above 256 ranks: Mesh, Ring), from LIGHT_SPLIT_MIN_RANKS ranks
-    the forked process takes the second half: every candidate gets the timing it gets alone, in order."""
+    both processes take them one at a time from a shared counter: every candidate gets the timing it gets alone, in
+    order."""
     import meshplan.search.candidate as cand
     from meshplan.search.candidate import make_candidate, make_candidates
 

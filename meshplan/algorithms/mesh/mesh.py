@@ -27,6 +27,7 @@ from meshplan.algorithms.mesh.grid import Grid, block_mapping, block_shapes, fac
 from meshplan.algorithms.mesh.order import ORDERS, TileCosts, TilePlan, plan_order, streams_estimate
 from meshplan.algorithms.mesh.timing import cheap_timing, geometry
 from meshplan.core.errors import UserError
+from meshplan.cost.block_classes import mean_block_s
 from meshplan.cost.bounds import schedule_timing
 from meshplan.cost.cost import CostModel
 from meshplan.model.matrix import attn_matrix
@@ -351,8 +352,7 @@ def _tile_costs(plan: Plan, topo: Topology, pass_: str) -> TileCosts:
     mean = lambda f, size: float((f["lat"].sum() + size * f["inv_bw"].sum()) / f["count"].sum()) \
         if f["count"].sum() else 0.0  # noqa: E731
     grid = plan.extra["grid"]
-    blocks = CostModel(topo).matrix_block_times(m, pass_, (grid.a, grid.b))
-    t_block = float(blocks[m.permitted].mean()) if m.permitted.any() else 0.0
+    t_block = mean_block_s(CostModel(topo), m, pass_, (grid.a, grid.b))
     t_kv = 0.0 if keep else mean(col, size_kv)         # kept KV chunks are there from the start
     return TileCosts(t_q=mean(row, size_q), t_kv=t_kv, t_o=mean(row, size_o), t_block=t_block)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from meshplan.algorithms.mesh.grid import Grid
+from meshplan.cost.block_classes import rank_kernel_s
 from meshplan.cost.bounds import PassTiming, pool_bound
 from meshplan.cost.cost import CostModel
 from meshplan.cost.memory import closed_form_peak_bytes
@@ -80,14 +81,8 @@ def rank_compute(plan: Plan, topo: Topology, pass_: str, kernel_chunks: tuple[in
     kc = kernel_chunks or (grid.a, grid.b)
     key = (id(m), grid, topo.content_hash, pass_, kc)
     if key not in _COMPUTE:
-        cost = CostModel(topo)
-        blocks = np.where(m.permitted, cost.matrix_block_times(m, pass_, kc, envelope=True) - cost.kernel.launch_s, 0.0)
-        owner = plan.owner
-        sel = owner >= 0
-        cheapest = np.full(grid.n, np.inf)
-        np.minimum.at(cheapest, owner[sel], blocks[sel])
-        total = np.bincount(owner[sel], weights=blocks[sel], minlength=grid.n)
-        _remember(_COMPUTE, key, (total, np.where(np.isfinite(cheapest), cheapest, 0.0)))
+        total, cheapest, _ = rank_kernel_s(CostModel(topo), m, plan.owner, grid.n, pass_, kc)
+        _remember(_COMPUTE, key, (total, cheapest))
     return _COMPUTE[key]
 
 
