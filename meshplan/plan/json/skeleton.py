@@ -102,17 +102,18 @@ class Reader:
         if text.translate(None, _ALLOWED):
             return None
         b = np.frombuffer(text, dtype=np.uint8)
-        digit = (b - 48) < 10
+        digit = np.frombuffer(text.translate(_DIGIT_FLAG), dtype=bool)     # bytes.translate: one C pass a byte
         edges = np.flatnonzero(digit[1:] != digit[:-1])    # text starts with "{" and ends with "}": pairs
         starts, ends = edges[0::2] + 1, edges[1::2] + 1                     # every run
-        marked = np.where(digit, np.uint8(0), b)
+        held = bytearray(text.translate(_DIGIT_NUL))        # digits NUL (the text holds none: _ALLOWED)
+        marked = np.frombuffer(held, dtype=np.uint8)
         kept = _WORDISH[b[starts - 1]]
         if kept.any():                                  # a string's digits: back as they were
             at = _runs(starts[kept], ends[kept])
             marked[at] = b[at]
             starts, ends = starts[~kept], ends[~kept]
         marked[starts] = ord("#")
-        pieces = marked.tobytes().translate(None, b"\x00").split(b"},{")
+        pieces = bytes(held.translate(None, b"\x00")).split(b"},{")
         pieces[0] = pieces[0][1:]                   # the first's "{"
         pieces[-1] = pieces[-1][:-1]                # the last's "}"
         index = {p: k for k, p in enumerate(dict.fromkeys([b"", *pieces]))}    # each distinct skeleton, "" first
@@ -224,6 +225,9 @@ def _runs(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
 #: fields whose numbers come in pairs (a head range, token ranges): ``key.0`` and ``key.1``
 PAIRED = ("heads", "q_rows", "kv_cols")
 
+#: bytes.translate tables: a digit to 1 (else 0), and a digit to NUL (else itself)
+_DIGIT_FLAG = bytes(int(48 <= c < 58) for c in range(256))
+_DIGIT_NUL = bytes(0 if 48 <= c < 58 else c for c in range(256))
 _LOW_FOUR = np.uint64(0x0F0F0F0F0F0F0F0F)
 _PAIR_MASK = np.uint64(0x000000FF000000FF)
 _MUL1 = np.uint64(100 + (1_000_000 << 32))
