@@ -317,7 +317,7 @@ def block_speed(r) -> str:
            f"0.9M ops) | {d['validate_1024_s']:.1f} s, {d['validate_1024_peak_rss_MB'] / 1e3:.2f} GB peak RSS | "
            "≤ 3 s, ≤ 1 GB |"] if "validate_1024_s" in d else []),
         *([f"| `meshplan search --gpus 4096 --topo h100x32.yaml` (every method in zigzag, ranked by its closed form: "
-           f"nothing is built above 2048 ranks) | {d['cli_search_4096_s']:.1f} s, "
+           f"nothing is built above 1024 ranks) | {d['cli_search_4096_s']:.1f} s, "
            f"{d['search_4096_peak_rss_MB'] / 1e3:.2f} GB peak RSS | ≤ 90 s |"] if "cli_search_4096_s" in d else []),
         f"| `meshplan --help` | {d['help_s']:.2f} s | ≤ 0.3 s |",
         f"| symmetric vs full simulation, 64 ranks | {d['sim64_reduced_s']:.2f} s vs {d['sim64_full_s']:.2f} s, "

@@ -24,9 +24,10 @@ from meshplan.plan.schedule import DTYPES, Schedule
 
 #: Knobs with their own CLI flag; every other knob is ``--knob name=value``.
 #: A search builds no schedule above this many ranks, whatever the method (neither to tighten a bound nor to
-#: simulate): one Mesh build at 4096 ranks and 1M tokens took over a minute and 10 GB before it was simulated. There
-#: the search ranks by closed forms alone and says so; ``meshplan simulate --algo`` times a plan at any size.
-SEARCH_BUILD_MAX_RANKS = 2048
+#: simulate, whole or on its representatives): one Mesh build at 4096 ranks and 1M tokens took over a minute and 10 GB
+#: before it was simulated, a 2048-rank search that simulated one Mesh plan 150 s and 7 GB. There the search ranks by
+#: closed forms alone and says so (2048 GPUs: 20 s, 2.2 GB); ``meshplan simulate --algo`` times a plan at any size.
+SEARCH_BUILD_MAX_RANKS = 1024
 
 KNOB_FLAGS = {"tile": "--tile", "mapping": "--mapping", "partial_dtype": "--partial-dtype",
               "dkv_dtype": "--dkv-dtype", "ulysses_degree": "--ulysses-degree", "inner_ring": "--inner-ring",

@@ -115,7 +115,7 @@ def test_a_search_whose_block_arrays_exceed_the_host_is_refused_before_planning(
     """8192 GPUs on a 24 GB host: ~36 GB of N x N arrays (4096 used to be killed by the system after minutes). One
     line with the numbers, exit 2, nothing written; the fix names a size that fits (a measured power of two) and the
     methods planned in one layout, whose estimate fits. 4096 GPUs (every method in zigzag, by bounds) fits; on a
-    12 GB host the size named is 2048 (every layout there: a different rate)."""
+    2.5 GB host the size named is 1024 (every layout there: a different rate)."""
     from meshplan.search.run_memory import ZIGZAG_ONLY, check_search_fits, search_bytes
 
     with pytest.raises(UserError) as err:
@@ -129,8 +129,8 @@ def test_a_search_whose_block_arrays_exceed_the_host_is_refused_before_planning(
     check_search_fits(4096, None, 24e9)
     check_search_fits(256, None, 24e9)
     check_search_fits(8192, None, None)                       # unknown memory: nothing refused
-    with pytest.raises(UserError, match="at most 1024 GPUs"):  # 2048 in every layout: 7.2 GB > 0.9 x 6 GB
-        check_search_fits(4096, None, 6e9)
+    with pytest.raises(UserError, match="at most 1024 GPUs"):  # 2048 by bounds: 2.4 GB > 0.9 x 2.5 GB
+        check_search_fits(4096, None, 2.5e9)
     monkeypatch.setattr("meshplan.core.host.available_memory_bytes", lambda: 24e9)
     monkeypatch.chdir(tmp_path)
     done = run("search", "--gpus", "8192", "--topo", "h100x32.yaml")
@@ -171,7 +171,7 @@ def test_a_suggested_cpu_run_is_also_short(tmp_path, monkeypatch):
 
 
 def test_above_the_build_limit_the_search_ranks_by_bounds_in_zigzag_and_says_so(monkeypatch, tmp_path):
-    """Above SEARCH_BUILD_MAX_RANKS (lowered to 8 here; 2048 shipped: one Mesh build at 4096 ranks took minutes and
+    """Above SEARCH_BUILD_MAX_RANKS (lowered to 8 here; 1024 shipped: one Mesh build at 4096 ranks took minutes and
     10 GB) a search builds nothing: every method in the zigzag layout alone (the others counted as skipped), no
     candidate simulated, each left at its bound with the reason; the table says every row is a lower bound, the why
     line says it reads the closed forms, Ring's row is compared by bounds, and the pick is not written but named with
