@@ -44,8 +44,10 @@ class Sweep:
 FULL = Sweep()
 
 
+#: the transfer sizes reach 16 MiB: with only 1 and 4 MiB above the fit's 1 MiB floor, a busy host's noise once made
+#: the larger one faster and the fit refused the run ("transfer times do not grow with the size")
 QUICK = Sweep(tokens=(64, 256), samples=2, gemm_n=512, merge_tokens=(256, 1024),
-              p2p_sizes=(4096, 65536, 1 << 20, 4 << 20), overlap_tokens=256, overlap_msg_bytes=1 << 20,
+              p2p_sizes=(4096, 65536, 1 << 20, 4 << 20, 16 << 20), overlap_tokens=256, overlap_msg_bytes=1 << 20,
               sharing_tokens=256, sharing_ranks=(1, 2), head_dims=(64, 128), head_dim_tokens=(256,),
               dtype_tokens=(64, 256), dtype_rounds=2, segment_mixes=((64,) * 8, (256,) * 2))
 
