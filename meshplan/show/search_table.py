@@ -291,8 +291,9 @@ def print_inference(inf: dict[str, Any], console: Console) -> None:
 
 def print_frameworks(frameworks: list[dict[str, Any]], console: Console) -> None:
     """Each framework's best setting, its predicted time and its ratio to the search's best plan."""
-    table = Table(title="the best setting each framework offers (simulated; its settings below)",
-                  title_justify="left")
+    timed = any(f["settings"] is not None for f in frameworks)
+    table = Table(title="the best setting each framework offers (simulated; its settings below)" if timed else
+                  "what each framework offers (no setting timed at this size)", title_justify="left")
     for col, just in (("framework", "left"), ("plan", "left"), ("time", "right"), ("vs best", "right")):
         table.add_column(col, justify=just, overflow="fold", no_wrap=col in ("time", "vs best"))
     for f in frameworks:

@@ -199,6 +199,7 @@ def test_above_the_build_limit_the_search_ranks_by_bounds_in_zigzag_and_says_so(
     assert "nothing was simulated" in text and "every row is a closed-form lower bound" in text
     assert "why (by the closed forms: nothing was simulated)" in text
     assert "Ring's settings: the least of their lower bounds is" in text
+    assert "what each framework offers (no setting timed at this size)" in text and "(simulated;" not in text
     assert "does not build its schedule above 8 ranks; write it alone: meshplan simulate" in text
     assert not (tmp_path / "schedules").exists() or not any((tmp_path / "schedules").iterdir())
     command = text.split("write it alone: ")[1].split(".json.gz")[0] + ".json.gz"
