@@ -191,7 +191,8 @@ def _lead_text(candidates: list[dict[str, Any]], n_ranks: int) -> str | None:
         from meshplan.search.run_memory import cpu_max_ranks
         runs = "then meshplan run each" if n_ranks <= cpu_max_ranks() else \
             "then run each on the cluster under torchrun: docs/running.md"
-        again = "this search again with --write 2" if n_ranks <= WRITES_WHOLE_MAX_RANKS else \
+        again = "both are written below" if candidates[1].get("schedule_path") else \
+            "this search again with --write 2" if n_ranks <= WRITES_WHOLE_MAX_RANKS else \
             "this search again with --write 2 writes each or names the `meshplan simulate … --out` that does"
         text += (f"; {'proven only that far: ' if bound else ''}under {NEAR_TIE:.0%} that is a near-tie, closer than "
                  f"the model's error (docs/accuracy.md): run both ({again}, {runs}) to pick")

@@ -100,6 +100,7 @@ def test_search_flags_a_near_tie_at_the_top():
     assert "near-tie" in _lead_text([cands[0], same], 4)
     # the way to run both: CPU ranks here up to cpu-local's 64, else on the cluster (a 256-rank run cannot start here)
     assert "then meshplan run each)" in _lead_text([cands[0], same], 64)
+    assert "(both are written below, then" in _lead_text([cands[0], same | {"schedule_path": "s/02.json"}], 64)
     cluster = _lead_text([cands[0], same], 256)
     assert "torchrun" in cluster and "meshplan run each" not in cluster
     assert "(this search again with --write 2, then run each" in cluster

@@ -45,6 +45,29 @@ def test_a_truncated_schedule_is_named_as_cut_short(schedule_file, tmp_path):
         assert ": :" not in r.stderr
 
 
+def test_a_cut_gzip_a_missing_file_and_a_directory_say_what_they_are(schedule_file, tmp_path):
+    """Not the Python exception's name (EOFError, FileNotFoundError): what is wrong with the file and the fix."""
+    import gzip
+
+    cut = tmp_path / "trunc.json.gz"
+    cut.write_bytes(gzip.compress(schedule_file.read_bytes())[:200])
+    one_line_error(run("validate", cut), "trunc.json.gz: the compressed file is cut short or corrupted", "regenerate")
+    one_line_error(run("validate", tmp_path / "none.json"), "none.json: no such file", "meshplan simulate --out")
+    one_line_error(run("simulate", tmp_path), "cannot read the schedule (Is a directory)")
+    for r in (run("validate", cut), run("validate", tmp_path / "none.json")):
+        assert "Error" not in r.stderr
+
+
+def test_a_sequence_no_layout_splits_names_seq_len_and_the_padding_that_runs():
+    """No candidate because the sequence does not split over the GPUs: the sequence's own error (it used to name
+    --gpus and send the user to --json, which printed the same line), and its suggestion runs."""
+    r = run("search", "--gpus", 16, "--topo", "h100x16", "--seq-len", 1000, "--json")
+    one_line_error(r, "--seq-len: 1000 is not a multiple of 2·N = 32", "--seq-len 1024 --valid-len 1000")
+    fixed = run("search", "--gpus", 16, "--topo", "h100x16", "--seq-len", 1024, "--valid-len", 1000, "--write", 0,
+                "--json")
+    assert fixed.exit_code == 0 and json.loads(fixed.stdout)["candidates"], fixed.stderr
+
+
 def test_simulate_title_has_no_empty_knobs():
     r = run("simulate", "--algo", "ring", "--gpus", 2, "--topo", "h100x8", "--seq-len", "8K")
     assert r.exit_code == 0 and r.stdout.startswith("ring on h100x8 x 2:"), r.stdout[:200]

@@ -200,8 +200,14 @@ def _read_raw(path: Path) -> bytes:
         if raw[:2] == b"\x1f\x8b":
             raw = gunzip(raw)
         version = _schema_version(raw)
-    except (OSError, ValueError, EOFError, zlib.error) as err:
-        raise UserError(str(path), f"cannot read the schedule ({type(err).__name__})",
+    except FileNotFoundError:
+        raise UserError(str(path), "no such file", "give the path of a schedule (meshplan simulate --out, "
+                        "search --write)") from None
+    except (EOFError, zlib.error):                 # a gzip stream cut short or damaged
+        raise UserError(str(path), "the compressed file is cut short or corrupted", "regenerate it") from None
+    except (OSError, ValueError) as err:
+        why = getattr(err, "strerror", None) or type(err).__name__        # "Is a directory", "Permission denied"
+        raise UserError(str(path), f"cannot read the schedule ({why})",
                         "give a .json or .json.gz file written by meshplan") from None
     if version is None and re.match(rb'\s*\{\s*"measurement_version"', raw):
         raise UserError(str(path), "is a measurement (meshplan run --out), not a schedule",
