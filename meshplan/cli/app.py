@@ -123,6 +123,7 @@ def search(gpus: o.GpusNeeded = None, topo: o.TopoNeeded = None, model: o.Model 
            sensitivity_seed: sv.Seed = None, pick: sv.Pick = "nominal",
            doc_lengths: o.DocLengths = None, batches: o.Batches = None, as_json: o.Json = False) -> None:
     """Rank every algorithm, layout and knob setting for a workload on a cluster; write the best schedules.
+
     With --tp/--dp, --gpus is the CP group size and the best plans are re-ranked by the whole job's time.
     With --doc-lengths, rank fixed methods against per-batch planning over packs drawn from a histogram."""
     from meshplan.search.pipeline import JobRerank, SearchRequest, Sensitivity, run_pipeline
@@ -246,8 +247,9 @@ def simulate(schedule: Annotated[Optional[str], typer.Argument(help="a schedule 
              out: Annotated[Optional[str], typer.Option("--out", help="write the schedule (.json or .json.gz)")] = None,
              trace: Annotated[Optional[str], typer.Option("--trace", help="write a Chrome/Perfetto trace")] = None,
              as_json: o.Json = False) -> None:
-    """Predict one algorithm's time on a cluster (by name), or a schedule file's. With --tp/--dp, --gpus is the
-    CP group size and every CP group of the job is simulated at once."""
+    """Predict one algorithm's time on a cluster (by name), or a schedule file's.
+
+    With --tp/--dp, --gpus is the CP group size and every CP group of the job is simulated at once."""
     from meshplan.cli.simulate import simulate_file, simulate_named
     from meshplan.core.errors import UserError
     if schedule is not None:
@@ -281,8 +283,9 @@ def plan_batch(cu_seqlens: Annotated[str, typer.Option("--cu-seqlens", help="the
                seq_len: Annotated[Optional[str], typer.Option("--seq-len", hidden=True)] = None,
                mask: Annotated[Optional[str], typer.Option("--mask", hidden=True)] = None,
                layout: Annotated[Optional[str], typer.Option("--layout", hidden=True)] = None) -> None:
-    """Plan one packed batch from its document boundaries: the doc-place plan, its predicted time, and the same
-    for per-document zigzag Ring and the best fixed method."""
+    """Plan one packed batch from its document boundaries: the doc-place plan and its predicted time.
+
+    The same for per-document zigzag Ring and the best fixed method, beside it."""
     from meshplan.cli.batch import plan_batch_command
     plan_batch_command(gpus, topo, cu_seqlens, model, batch, heads, kv_heads, head_dim, dtype, passes, no_cache,
                        simulate, out, as_json, _emit, {"--seq-len": seq_len, "--mask": mask, "--layout": layout})
@@ -307,8 +310,9 @@ def compare(schedule: Annotated[str, typer.Argument(help="the schedule that was 
             topo: o.Topo = None,
             trace: Annotated[Optional[str], typer.Option("--trace", help="write both timelines as one Chrome trace")]
             = None, as_json: o.Json = False) -> None:
-    """Predicted against measured: per op kind, per step, end to end, peak memory; exit 1 when the measurement
-    implies more than the hardware can do."""
+    """Predicted against measured: per op kind, per step, end to end, peak memory.
+
+    Exit 1 when the measurement implies more than the hardware can do."""
     from meshplan.cli.run import compare_command
     raise typer.Exit(compare_command(schedule, measurement, topo, as_json, trace))
 
@@ -380,8 +384,9 @@ def calibrate(topo: Annotated[str, typer.Option("--topo", help="the topology to 
                   "--repeat", help="measure N times and merge (a timing's median over the runs; samples pooled): "
                   "one run's slow spell on a shared host moves nothing")] = 1,
               as_json: o.Json = False) -> None:
-    """Measure this host's kernels, transfers, overlap and core sharing (or, with --from-nccl-tests, fit the link
-    classes from nccl-tests output); write a calibration file."""
+    """Measure this host's kernels, transfers, overlap and core sharing; write a calibration file.
+
+    With --from-nccl-tests, fit the link classes from nccl-tests output instead."""
     from meshplan.cli import calibrate as cli_calibrate
     from meshplan.core.errors import UserError
     given = [flag for flag, on in (("--from-nccl-tests", bool(from_nccl_tests)), ("--memory-only", memory_only),

@@ -203,3 +203,16 @@ def test_a_long_suggested_command_pastes_as_it_is():
     lines = command_lines(command, 100)
     assert len(lines) > 1 and max(len(x) for x in lines) <= 100
     assert shlex.split("\n".join(lines).replace("\\\n", " ")) == command.split()
+
+
+def test_each_commands_summary_is_one_paragraph_line():
+    """The commands panel of `meshplan --help` shows each docstring's first paragraph with its line breaks kept (rich
+    markup): a summary wrapped in the source broke mid-sentence there (`--gpus is the` / `CP group size …`)."""
+    import typer
+
+    from meshplan.cli.app import app
+
+    group = typer.main.get_command(app)
+    for name, cmd in group.commands.items():
+        first = (cmd.help or "").strip().split("\n\n")[0]
+        assert "\n" not in first, (name, first)
