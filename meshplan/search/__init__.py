@@ -30,7 +30,7 @@ from typing import Any, Callable
 import numpy as np
 
 from meshplan import algorithms
-from meshplan.algorithms.base import SEARCH_BUILD_MAX_RANKS, BuildCache
+from meshplan.algorithms.base import SEARCH_BUILD_MAX_RANKS, BuildCache, BuiltTiming
 from meshplan.algorithms.ring import ring_ccr
 from meshplan.core.errors import SkipCandidate, UserError
 from meshplan.core.units import fmt_bytes
@@ -95,7 +95,7 @@ def enumerate_candidates(base: Workload, topo: Topology, n: int, algos: list[str
             skipped["not implemented yet"] += 1
             continue
         alg = algorithms.REGISTRY[name]
-        beyond = None if algos and name in algos else _beyond_limit(alg, base, topo, n)
+        beyond = _named_beyond_builds(alg, n) if algos and name in algos else _beyond_limit(alg, base, topo, n)
         if beyond:
             skipped[beyond] += 1
             continue
@@ -135,6 +135,15 @@ def enumerate_candidates(base: Workload, topo: Topology, n: int, algos: list[str
         c.forward_only = fwd_only
         cands.append(c)
     return cands, skipped
+
+
+def _named_beyond_builds(alg, n: int) -> str | None:
+    """Why a method named in --algos is not enumerated at ``n`` ranks: its closed form builds the schedule (TASP,
+    doc-place), which a search does not above ``SEARCH_BUILD_MAX_RANKS``; None otherwise."""
+    if n <= SEARCH_BUILD_MAX_RANKS or not isinstance(alg, BuiltTiming) or not alg.builds_to_time(n):
+        return None
+    return (f"its closed form builds the schedule, which a search does not above {SEARCH_BUILD_MAX_RANKS} ranks "
+            f"(meshplan simulate --algo {alg.name} with this workload's flags times it alone)")
 
 
 def _beyond_limit(alg, base: Workload, topo: Topology, n: int) -> str | None:
@@ -217,7 +226,7 @@ def run_search(base: Workload, topo: Topology, n: int, *, algos: list[str] | Non
     reference = ring_reference(cands, topo, n, ccr, prune_slack, ring_max)
     builds.clear()
     cands = [c for c in cands if c.model_level != "over-memory"]
-    _rank_forward_only(fwd_only, topo, ccr)
+    _rank_forward_only(fwd_only, topo, ccr, bnb.unsimulated)
     if bnb.over and not cands and not fwd_only:
         peak, label = min(bnb.over)
         raise _no_fit(memory_limit, given, f"{fmt_bytes(peak)} ({label}, simulated)")
@@ -260,7 +269,7 @@ def _no_fit(limit: float, given: bool, smallest: str) -> UserError:
                      f"the smallest needs {smallest}; add GPUs, or shorten --seq-len or --batch")
 
 
-def _rank_forward_only(cands: list[Candidate], topo: Topology, ccr: float | None) -> None:
+def _rank_forward_only(cands: list[Candidate], topo: Topology, ccr: float | None, unsimulated: Counter) -> None:
     """Simulate forward-only candidates of a fwd+bwd search on their forward (at their bound above the size a search
     builds them at); ``bwd`` and totals null."""
     for c in cands:
@@ -270,6 +279,7 @@ def _rank_forward_only(cands: list[Candidate], topo: Topology, ccr: float | None
         else:
             c.predicted = closed_form_predicted(c, ccr)
             c.not_simulated = f"its schedule is not built above {alg.search_build_limit()} ranks"
+            unsimulated[f"schedule not built above {alg.search_build_limit()} ranks (simulate it alone)"] += 1
         c.predicted = c.predicted.forward_only()
         forget_built(c)
     cands.sort(key=lambda c: c.predicted.rank_s)

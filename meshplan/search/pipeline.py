@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from meshplan.algorithms.base import SEARCH_BUILD_MAX_RANKS
 from meshplan.core import host
+from meshplan.core.errors import UserError
 from meshplan.core.heap import keep_large_arrays, release_freed_memory
 from meshplan.core.parallel import alongside, can_fork
 from meshplan.model.topology import Topology
@@ -129,7 +130,8 @@ def run_pipeline(request: SearchRequest, progress: Progress | None = None) -> Se
     req = request
     check_search_fits(req.gpus, req.algos, host.available_memory_bytes())     # before anything is planned
     if req.gpus > SEARCH_BUILD_MAX_RANKS:    # N x N temporaries of 134 MB: their pages reused, not faulted in anew
-        keep_large_arrays()                  # (4096 GPUs: 100 → 77 s, 38 s of it still the kernel's)
+        _nothing_simulated_suits(req)        # (4096 GPUs: 100 → 77 s, 38 s of it still the kernel's)
+        keep_large_arrays()
     early = req.write > 0 and _writes_now(req) and can_fork()
     limit = req.memory_limit_bytes if req.memory_limit_bytes is not None else req.topology.memory_bytes
     pick = EarlyWrite(req.topology, limit, req.out_dir) if early and req.write == 1 else None
@@ -139,6 +141,20 @@ def run_pipeline(request: SearchRequest, progress: Progress | None = None) -> Se
         if pick is not None:
             pick.discard()
         raise
+
+
+def _nothing_simulated_suits(req: SearchRequest) -> None:
+    """Above the size a search builds schedules at, refuse the steps that simulate the best plans (the sensitivity
+    study, the job re-rank): they would build each whole there, minutes and GBs a plan.
+
+    Raises:
+        UserError: ``--sensitivity`` or ``--tp``/``--dp`` given.
+    """
+    for given, flag in ((req.sensitivity, "--sensitivity"), (req.job, "--tp")):
+        if given is not None:
+            raise UserError(flag, f"simulates the best plans, and a search builds none above {SEARCH_BUILD_MAX_RANKS} "
+                            "GPUs (minutes and GBs each there)",
+                            f"leave it out, or plan a CP group of at most {SEARCH_BUILD_MAX_RANKS} GPUs")
 
 
 def _steps(req: SearchRequest, say: Progress, early: bool, pick: EarlyWrite | None) -> SearchReport:

@@ -178,8 +178,8 @@ def _lead_text(candidates: list[dict[str, Any]], n_ranks: int) -> str | None:
     #1 and a #2."""
     if len(candidates) < 2 or candidates[0]["model_level"] != "simulated":
         return None
-    a, b = (c["predicted"]["makespan_s"] for c in candidates[:2])
-    if a <= 0:
+    a, b = (c["predicted"].get("makespan_s") for c in candidates[:2])
+    if a is None or b is None or a <= 0:          # a forward-only row of a fwd+bwd search has no total
         return None
     bound = candidates[1]["model_level"] != "simulated"
     gap = (b - a) / a
@@ -208,7 +208,7 @@ def why_lines(body: dict[str, Any]) -> list[str]:
     or communication-bound, the bytes it moves across nodes per GPU against Ring's, the memory headroom, and what
     makes up its lead over #2 (compute or exposed communication)."""
     cands = body["candidates"]
-    if not cands or not cands[0].get("predicted"):
+    if not cands or (cands[0].get("predicted") or {}).get("makespan_s") is None:    # none, or forward-only
         return []
     one = cands[0]["predicted"]
     t, exposed = one["makespan_s"], one["exposed_comm_s"] or 0.0
@@ -265,7 +265,7 @@ def _vs_ring_text(body: dict[str, Any]) -> str | None:
     """The pick's lead over Ring's best setting (the ``ring`` row, or its rank in the table); where Ring is not
     simulated, over every Ring setting (the row holds the least of their lower bounds)."""
     ref, cands = body.get("reference"), body["candidates"]
-    if ref is None or not cands or cands[0] == ref or not cands[0].get("predicted"):
+    if ref is None or not cands or cands[0] == ref or (cands[0].get("predicted") or {}).get("makespan_s") is None:
         return None
     a, b = cands[0]["predicted"]["makespan_s"], ref["predicted"]["makespan_s"]
     sim = ref["model_level"] == "simulated"

@@ -178,9 +178,10 @@ def test_above_the_build_limit_the_search_ranks_by_bounds_in_zigzag_and_says_so(
     the `simulate … --out` that writes it — a command that itself runs."""
     import meshplan.algorithms.base as base
     import meshplan.search as search
+    import meshplan.search.pipeline as pipeline
 
-    monkeypatch.setattr(base, "SEARCH_BUILD_MAX_RANKS", 8)
-    monkeypatch.setattr(search, "SEARCH_BUILD_MAX_RANKS", 8)
+    for module in (base, search, pipeline):
+        monkeypatch.setattr(module, "SEARCH_BUILD_MAX_RANKS", 8)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("COLUMNS", "100")
     args = ["search", "--gpus", "16", "--topo", "h100x16", "--seq-len", "32K", "--heads", "8", "--kv-heads", "2",
@@ -202,9 +203,23 @@ def test_above_the_build_limit_the_search_ranks_by_bounds_in_zigzag_and_says_so(
     assert "what each framework offers (no setting timed at this size)" in text and "(simulated;" not in text
     assert "does not build its schedule above 8 ranks; write it alone: meshplan simulate" in text
     assert not (tmp_path / "schedules").exists() or not any((tmp_path / "schedules").iterdir())
+    one_line_error(run(*args, "--algos", "tasp"), "--algos", "its closed form builds the schedule, which a "
+                   "search does not above 8 ranks")                     # TASP's bound builds it: not when named
+    one_line_error(run(*args, "--sensitivity", 10), "--sensitivity", "a search builds none above 8 GPUs")
+    one_line_error(run(*args, "--tp", 2), "--tp", "a search builds none above 8 GPUs")
     command = text.split("write it alone: ")[1].split(".json.gz")[0] + ".json.gz"
     monkeypatch.undo()
     monkeypatch.chdir(tmp_path)
     made = run(*shlex.split(command)[1:])
     assert made.exit_code == 0, made.output
     assert read_schedule(str(tmp_path / command.split("--out ")[1])).n_ranks == 16
+
+
+def test_a_search_of_forward_only_methods_prints_its_table(tmp_path, monkeypatch):
+    """TASP alone in a fwd+bwd search (a forward-only row: no total): the table and its notes print, no crash in
+    the lead, why or Ring lines (they read the total)."""
+    monkeypatch.chdir(tmp_path)
+    done = run("search", "--gpus", 16, "--topo", "h100x16", "--seq-len", "32K", "--heads", 8, "--kv-heads", 2,
+               "--head-dim", 64, "--algos", "tasp", "--write", 0)
+    assert done.exit_code == 0, done.stderr
+    assert "tasp" in done.stdout and "Traceback" not in done.stderr
