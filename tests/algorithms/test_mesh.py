@@ -202,3 +202,44 @@ def test_keeping_forward_chunks_trades_bytes_for_memory():
     assert runs["keep"]["bwd"]["comm_bytes_per_gpu_max"] < runs["refetch"]["bwd"]["comm_bytes_per_gpu_max"]
     assert runs["keep"]["fwd"]["peak_memory_bytes"] > runs["refetch"]["fwd"]["peak_memory_bytes"]
     assert runs["keep"]["fwd"]["comm_bytes_per_gpu_max"] == runs["refetch"]["fwd"]["comm_bytes_per_gpu_max"]
+
+
+@pytest.mark.parametrize("topo_name,gpus,tile,mapping", [("h100x16", 16, "4x4", "row-major"),
+                                                          ("h100x16", 16, "2x8", "row-major"),
+                                                          ("h100x32", 64, "8x8", "block:2x4"),
+                                                          ("h100x32", 64, "1x64", "row-major"),
+                                                          ("dgx-h100", 8, "8x1", "row-major")])
+def test_geometry_equals_every_transfer_routed_one_family_at_a_time(topo_name, gpus, tile, mapping, monkeypatch):
+    """Mesh's link geometry (peers a block at a time; the families out taken from the families in, a row's peers
+    being a group) against each family's transfers listed and routed whole: the same unit link loads, per-rank counts
+    and sums of the transfers received, and per-step latencies of the families in."""
+    import meshplan.algorithms.mesh.timing as timing
+    from meshplan.algorithms.mesh.mesh import Mesh
+    from meshplan.model.topology import Topology
+    from meshplan.model.workload import resolve
+
+    topo = Topology.load(topo_name, gpus=gpus)
+    alg = Mesh()
+    plan = alg.plan(resolve(seq_len=16 * gpus), topo, gpus, alg.normalize({"tile": tile, "mapping": mapping}))
+    monkeypatch.setattr(timing, "GEOMETRY_PAIRS", 3 * gpus)            # several blocks of peers
+    timing._GEOMETRY.clear()
+    geo = timing.geometry(plan, topo)
+    grid, dev, n = plan.extra["grid"], plan.device_of_rank, gpus
+    g = np.arange(n)
+    for side in ("row", "col"):
+        k = np.arange(1, grid.a if side == "row" else grid.b)[:, None]
+        peer = (grid.row_peer if side == "row" else grid.col_peer)(g[None, :], k).ravel()
+        me = np.broadcast_to(g[None, :], (len(k), n)).ravel()
+        for direction, (src, dst) in (("in", (peer, me)), ("out", (me, peer))):
+            lat, bw = topo.pair_stats(dev[src], dev[dst])
+            f = geo[(side, direction)]
+            np.testing.assert_array_equal(f["loads"], topo.link_loads(dev[src], dev[dst], 1.0))
+            np.testing.assert_array_equal(f["count"], np.bincount(dst, minlength=n))
+            np.testing.assert_array_equal(f["cross"], np.bincount(dst, weights=~topo.same_node(dev[src], dev[dst]),
+                                                                  minlength=n))
+            np.testing.assert_allclose(f["lat"], np.bincount(dst, weights=lat, minlength=n), rtol=1e-12)
+            np.testing.assert_allclose(f["inv_bw"], np.bincount(dst, weights=1 / bw, minlength=n), rtol=1e-12)
+            if direction == "in":
+                np.testing.assert_array_equal(f["step_lat"], lat.reshape(len(k), n))
+                np.testing.assert_array_equal(f["step_inv_bw"], (1 / bw).reshape(len(k), n))
+    timing._GEOMETRY.clear()

@@ -33,6 +33,8 @@ FAMILIES = (("row", "in"), ("row", "out"), ("col", "in"), ("col", "out"))
 
 
 _GEOMETRY: dict[tuple, dict] = {}
+#: (rank, peer) pairs routed at once by :func:`geometry` (a 1 x 4096 tile has 16.8M a family: 12 s at once, 4 s so)
+GEOMETRY_PAIRS = 1 << 19
 _COMPUTE: dict[tuple, np.ndarray] = {}
 
 
@@ -45,8 +47,8 @@ def _remember(cache: dict, key, value, limit: int = 64):
 
 def geometry(plan: Plan, topo: Topology) -> dict:
     """Per family: unit link loads, per-rank counts of transfers received and of those crossing nodes, and
-    per-rank Σ latency and Σ 1/bandwidth of the transfers received. Shared by plans with the same grid and
-    mapping (any layout, dtype or pass)."""
+    per-rank Σ latency and Σ 1/bandwidth of the transfers received; for the families in, those of each step ([K, N]:
+    ``step_lat``, ``step_inv_bw``). Shared by plans with the same grid and mapping (any layout, dtype or pass)."""
     grid: Grid = plan.extra["grid"]
     dev, n = plan.device_of_rank, grid.n
     key = (grid, dev.tobytes(), topo.content_hash)
@@ -54,21 +56,30 @@ def geometry(plan: Plan, topo: Topology) -> dict:
         return _GEOMETRY[key]
     g = np.arange(n)
     out = {}
-    for side, direction in FAMILIES:
-        k = np.arange(1, grid.a if side == "row" else grid.b)[:, None]
-        peer = (grid.row_peer if side == "row" else grid.col_peer)(g[None, :], k).ravel()
-        me = np.broadcast_to(g[None, :], (len(k), n)).ravel()
-        src, dst = (peer, me) if direction == "in" else (me, peer)
-        lat, bw = topo.pair_stats(dev[src], dev[dst])
-        cross = ~topo.same_node(dev[src], dev[dst])
-        out[(side, direction)] = {
-            "step_lat": lat.reshape(len(k), n), "step_inv_bw": (1.0 / bw).reshape(len(k), n),
-            "loads": topo.link_loads(dev[src], dev[dst], 1.0),
-            "count": np.bincount(dst, minlength=n).astype(float),
-            "cross": np.bincount(dst, weights=cross.astype(float), minlength=n),
-            "lat": np.bincount(dst, weights=lat, minlength=n),
-            "inv_bw": np.bincount(dst, weights=1.0 / bw, minlength=n),
-        }
+    rows = max(1, GEOMETRY_PAIRS // n)
+    for side in ("row", "col"):
+        peers = grid.a - 1 if side == "row" else grid.b - 1
+        f = {"step_lat": np.empty((peers, n)), "step_inv_bw": np.empty((peers, n)), "loads": np.zeros(topo.n_links),
+             "count": np.zeros(n), "cross": np.zeros(n), "lat": np.zeros(n), "inv_bw": np.zeros(n)}
+        for k0 in range(0, peers, rows):          # a block of peers at a time: temporaries that stay in cache
+            k = np.arange(1 + k0, 1 + min(peers, k0 + rows))[:, None]
+            peer = (grid.row_peer if side == "row" else grid.col_peer)(g[None, :], k).ravel()
+            me = np.broadcast_to(g[None, :], (len(k), n)).ravel()
+            src, dst = peer, me
+            d_src, d_dst = dev[src], dev[dst]
+            lat, bw = topo.pair_stats(d_src, d_dst)
+            inv_bw = 1.0 / bw
+            cross = ~topo.same_node(d_src, d_dst)
+            f["step_lat"][k0:k0 + len(k)] = lat.reshape(len(k), n)
+            f["step_inv_bw"][k0:k0 + len(k)] = inv_bw.reshape(len(k), n)
+            f["loads"] += topo.link_loads(d_src, d_dst, 1.0)
+            f["count"] += len(k)                    # each rank receives one of each row: sums down the columns
+            for name, x in (("cross", cross), ("lat", lat), ("inv_bw", inv_bw)):
+                f[name] += x.reshape(len(k), n).sum(axis=0)
+        out[(side, "in")] = f
+        # a row's (a column's) peers are a group: the transfers out are the transfers in, each pair once, so their
+        # link loads and sums per receiving rank are the same (no per-step arrays: those are by sender)
+        out[(side, "out")] = {name: x for name, x in f.items() if not name.startswith("step_")}
     return _remember(_GEOMETRY, key, out)
 
 
