@@ -22,7 +22,7 @@ from meshplan.core.errors import UserError
 from meshplan.model.matrix import AttnMatrix, attn_matrix
 from meshplan.model.topology import Topology
 from meshplan.model.workload import Workload
-from meshplan.plan.plan import Plan
+from meshplan.plan.plan import Plan, shared_owner
 from meshplan.plan.schedule import Schedule
 
 MAPPINGS = ("auto", "identity")
@@ -33,8 +33,7 @@ def ring_plan(alg: Algorithm, workload: Workload, topo: Topology, n: int, knobs:
     """Row split (``rows``: rank r computes query chunk r's row) or column split (pass-Q)."""
     m = matrix if matrix is not None else attn_matrix(workload, n)
     idx = np.arange(n)
-    owner = np.broadcast_to(idx[:, None] if rows else idx[None, :], (n, n)).copy()
-    owner[~m.permitted] = -1
+    owner = shared_owner(m, ("ring", rows), lambda: np.broadcast_to(idx[:, None] if rows else idx[None, :], (n, n)))
     return Plan(alg.name, knobs, m, n, owner, idx, idx, alg.device_map(topo, n, knobs))
 
 

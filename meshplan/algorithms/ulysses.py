@@ -55,7 +55,7 @@ from meshplan.core.errors import SkipCandidate, UserError
 from meshplan.model.matrix import attn_matrix
 from meshplan.model.topology import Topology
 from meshplan.plan.build import ScheduleBuilder
-from meshplan.plan.plan import Plan
+from meshplan.plan.plan import Plan, shared_owner
 from meshplan.plan.schedule import Schedule
 
 
@@ -124,8 +124,8 @@ class USP(BuiltTiming):
         check_degree(workload, n_ranks, u)
         m = matrix if matrix is not None else attn_matrix(workload, n_ranks)
         grid = Grid(n_ranks, u, knobs["rank_order"], workload.n_heads)
-        owner = np.broadcast_to(grid.rank_of[grid.g_of, 0][:, None], m.permitted.shape).copy()
-        owner[~m.permitted] = -1
+        row = grid.rank_of[grid.g_of, 0]                 # each query chunk's group's first rank
+        owner = shared_owner(m, ("usp", row.tobytes()), lambda: np.broadcast_to(row[:, None], m.permitted.shape))
         idx = np.arange(n_ranks)
         return Plan(self.name, knobs | {"ulysses_degree": u}, m, n_ranks, owner, idx, idx,
                     self.device_map(topo, n_ranks, knobs), extra={"grid": grid})

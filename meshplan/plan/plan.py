@@ -14,6 +14,20 @@ from meshplan.core.errors import UserError
 from meshplan.model.matrix import AttnMatrix
 
 
+def shared_owner(matrix: AttnMatrix, key: tuple, make) -> np.ndarray:
+    """The read-only int32 [N, N] owner array under ``key`` for ``matrix``: ``make()`` (any integer dtype) with −1 on
+    the blocks the mask does not permit, made once and kept on the matrix — plans with the same owners (Ring's
+    settings, Mesh's mappings of one tile, USP's of one grid) share one array (N² x 4 bytes: 67 MB at 4096 ranks) and
+    what is counted from it (:func:`~meshplan.cost.block_classes.class_sums`)."""
+    owners = matrix.__dict__.setdefault("_shared_owners", {})
+    if key not in owners:
+        owner = np.asarray(make()).astype(np.int32)
+        owner[~matrix.permitted] = -1
+        owner.flags.writeable = False
+        owners[key] = owner
+    return owners[key]
+
+
 @dataclass(frozen=True)
 class Plan:
     """A split of the attention matrix over ``n_ranks`` ranks.

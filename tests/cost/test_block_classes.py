@@ -84,3 +84,20 @@ def test_a_permitted_block_without_an_owner_has_no_class_sums():
     owner = plans[0].owner.copy()
     owner[np.argwhere(m.permitted)[0][0], np.argwhere(m.permitted)[0][1]] = -1
     assert class_sums(m, owner, 16) is None
+
+
+def test_plans_with_the_same_owners_share_one_read_only_array():
+    """Ring's two dK/dV hop settings, Mesh's mappings of one tile: one [N, N] owner array (and so one count of its
+    class sums); it cannot be written through a plan."""
+    from meshplan.search.candidate import plan_candidate
+
+    topo = Topology.load("h100x16", gpus=16)
+    w = resolve(seq_len=16384, heads=8, kv_heads=2, head_dim=64)
+    a = plan_candidate("ring", w, topo, 16, {"dkv_hops": "n"})[1]
+    b = plan_candidate("ring", w, topo, 16, {"dkv_hops": "n-1"})[1]
+    assert a.owner is b.owner and not a.owner.flags.writeable
+    np.testing.assert_array_equal(a.owner, np.where(a.matrix.permitted, np.arange(16)[:, None], -1))
+    c = plan_candidate("pass-q", w, topo, 16, {})[1]
+    np.testing.assert_array_equal(c.owner, np.where(c.matrix.permitted, np.arange(16)[None, :], -1))
+    with pytest.raises(ValueError):
+        a.owner[0, 0] = 3

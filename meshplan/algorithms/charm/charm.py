@@ -41,7 +41,7 @@ from meshplan.algorithms.charm.timing import charm_timing
 from meshplan.core.errors import SkipCandidate, UserError
 from meshplan.model.matrix import attn_matrix
 from meshplan.model.topology import Topology
-from meshplan.plan.plan import Plan
+from meshplan.plan.plan import Plan, shared_owner
 from meshplan.plan.schedule import Schedule
 
 COMMON = {
@@ -84,8 +84,7 @@ class Merge(BuiltTiming):
         dev = self.device_map(topo, n_ranks, knobs)
         p = self.domain(workload, topo, n_ranks, knobs, dev)
         m = matrix if matrix is not None else attn_matrix(workload, n_ranks)
-        owner = _owners(n_ranks, p, self.mechanism)
-        owner[~m.permitted] = -1
+        owner = shared_owner(m, ("charm", p, self.mechanism), lambda: _owners(n_ranks, p, self.mechanism))
         idx = np.arange(n_ranks)
         extra = {"domain_size": p}
         k = dict(knobs)

@@ -33,7 +33,7 @@ from meshplan.cost.cost import CostModel
 from meshplan.model.matrix import attn_matrix
 from meshplan.model.topology import Topology
 from meshplan.model.workload import Workload
-from meshplan.plan.plan import Plan
+from meshplan.plan.plan import Plan, shared_owner
 from meshplan.plan.schedule import Schedule, tensor_bytes
 
 JUDGE_ORDERS_UP_TO = 256               # ranks up to which the simulator judges the candidate fetch orders
@@ -74,13 +74,7 @@ class Mesh(Algorithm):
         """Owners from the grid and KVR; devices from the mapping."""
         m = matrix if matrix is not None else attn_matrix(workload, n_ranks)
         grid = self.grid(n_ranks, knobs, workload, topo)
-        owners = m.__dict__.setdefault("_mesh_owners", {})     # one per grid: plans differ by their mappings
-        if grid not in owners:                                  # (N² each: 4 MB at 1024 ranks, ~90 plans)
-            owner = grid.owner().astype(np.int32)
-            owner[~m.permitted] = -1
-            owner.flags.writeable = False
-            owners[grid] = owner
-        owner = owners[grid]
+        owner = shared_owner(m, ("mesh", grid), grid.owner)      # one per grid: plans differ by their mappings
         dev, shape = _mapping(grid, topo, knobs["mapping"], workload, knobs)
         idx = np.arange(n_ranks)
         knobs = knobs | {"tile": f"{grid.a}x{grid.b}", "mapping": shape}
