@@ -126,7 +126,7 @@ def search(gpus: o.GpusNeeded = None, topo: o.TopoNeeded = None, model: o.Model 
 
     With --tp/--dp, --gpus is the CP group size and the best plans are re-ranked by the whole job's time.
     With --doc-lengths, rank fixed methods against per-batch planning over packs drawn from a histogram."""
-    from meshplan.search.pipeline import JobRerank, SearchRequest, Sensitivity, run_pipeline
+    from meshplan.search.pipeline import JobRerank, SearchRequest, Sensitivity, no_candidate_error, run_pipeline
     from meshplan.search.sensitivity import check_args
     from meshplan.show.search_table import print_search
 
@@ -162,25 +162,9 @@ def search(gpus: o.GpusNeeded = None, topo: o.TopoNeeded = None, model: o.Model 
         task = bar.add_task("simulating", total=None)
         report = run_pipeline(request, lambda k, n, label: bar.update(task, total=n, completed=k, description=label))
     if not report.result.candidates:
-        raise _nothing_to_rank(report.result, names)
+        raise no_candidate_error(report.result, names)
     body = report.json()
     _emit(body, as_json, lambda c: (print_search(body, c, top, wide), sv.print_sensitivity(body, c)))
-
-
-def _nothing_to_rank(result, names) -> Exception:
-    """Why a search has no candidate: the sequence's own error where the layout cannot split it (it names
-    ``--seq-len`` and the padding), else the reasons every method was skipped for."""
-    from meshplan.core.errors import UserError
-    from meshplan.model.matrix import attn_matrix
-
-    w = result.workload if result.layout_pinned else result.workload.with_(layout="zigzag")
-    try:
-        attn_matrix(w, result.n_ranks)
-    except UserError as err:
-        return err
-    why = ", ".join(f"{v} {k}" for k, v in result.counts["skipped"].items()) or "none enumerated"
-    return UserError("--algos" if names else "--gpus", f"no candidate can run this workload (skipped: {why})",
-                     "change the filters or the number of GPUs")
 
 
 def _memory_limit(text: str | None) -> float | None:

@@ -181,14 +181,8 @@ def make_candidates(jobs: list[tuple[str, Workload, dict[str, Any], AttnMatrix |
     else:
         side_t, mine_t = {}, timings(todo)
     timing = side_t | mine_t
-    out: list[Candidate | SkipCandidate] = []
-    for i, p in enumerate(planned):
-        if isinstance(p, SkipCandidate):
-            out.append(p)
-            continue
-        alg, plan, w = p
-        out.append(Candidate(alg.name, w, plan.knobs, n_ranks, plan=plan, timing=timing[i]))
-    return out
+    return [p if isinstance(p, SkipCandidate) else
+            Candidate(p[0].name, p[2], p[1].knobs, n_ranks, plan=p[1], timing=timing[i]) for i, p in enumerate(planned)]
 
 
 def refine_bound(c: Candidate, topo: Topology) -> float:

@@ -157,6 +157,21 @@ def _nothing_simulated_suits(req: SearchRequest) -> None:
                             f"leave it out, or plan a CP group of at most {SEARCH_BUILD_MAX_RANKS} GPUs")
 
 
+def no_candidate_error(result: SearchResult, algos) -> UserError:
+    """Why a search has no candidate: the sequence's own error where the zigzag (or pinned) layout cannot split it
+    (it names ``--seq-len`` and the padding), else the reasons every method was skipped for."""
+    from meshplan.model.matrix import attn_matrix
+
+    w = result.workload if result.layout_pinned else result.workload.with_(layout="zigzag")
+    try:
+        attn_matrix(w, result.n_ranks)
+    except UserError as err:
+        return err
+    why = ", ".join(f"{v} {k}" for k, v in result.counts["skipped"].items()) or "none enumerated"
+    return UserError("--algos" if algos else "--gpus", f"no candidate can run this workload (skipped: {why})",
+                     "change the filters or the number of GPUs")
+
+
 def _steps(req: SearchRequest, say: Progress, early: bool, pick: EarlyWrite | None) -> SearchReport:
     """:func:`run_pipeline`'s steps, ``early``: the write beside the frameworks, ``pick``: staged beside the search."""
     result = run_search(req.workload, req.topology, req.gpus, algos=list(req.algos) if req.algos else None,
