@@ -155,9 +155,10 @@ def stage_schedule(rank: int, c, topo: Topology, memory_limit: float | None, out
 
     alg = algorithms.get(c.algorithm)
     if c.schedule is None and not alg.search_may_build(c.n_ranks):      # GBs: as the search, not built here
+        alone = Path(out_dir) / f"{_stem(rank, c)}-{c.n_ranks}gpus.json.gz"    # not a smaller search's pick's name
         return Staged(message=f"not written: #{rank} {short_label(c)}: a search does not build its schedule above "
                               f"{alg.search_build_limit()} ranks; write it alone: {simulate_command(c, topo)} "
-                              f"--out {Path(out_dir) / _stem(rank, c)}.json.gz")
+                              f"--out {alone}")
     if c.schedule is None:
         c.schedule = alg.schedule(c.plan, topo)
     if c.model_level != "simulated" and memory_limit is not None:    # its estimate fitted: check it

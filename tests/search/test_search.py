@@ -459,7 +459,7 @@ def test_above_the_build_limit_nothing_is_built_not_even_the_first(monkeypatch, 
     [msg] = [r for r in result.rejected if r.startswith("not written: #1 usp")]
     command = msg.split("write it alone: meshplan ", 1)[1].split()
     written = command[command.index("--out") + 1]
-    assert written.startswith(str(tmp_path / "01-usp-")) and written.endswith(".json.gz")
+    assert written.startswith(str(tmp_path / "01-usp-")) and written.endswith("-16gpus.json.gz")
     done = CliRunner().invoke(app, command + ["--json"])
     assert done.exit_code == 0, done.output
     assert CliRunner().invoke(app, ["validate", written]).exit_code == 0
