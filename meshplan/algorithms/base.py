@@ -280,10 +280,6 @@ class BuiltTiming(Algorithm):
         :data:`SEARCH_BUILD_MAX_RANKS`."""
         return min(self.search_max_ranks, SEARCH_BUILD_MAX_RANKS) if self.schedule_free else SEARCH_BUILD_MAX_RANKS
 
-    def search_may_build(self, n_ranks: int) -> bool:
-        """Not above :meth:`search_build_limit` ranks."""
-        return n_ranks <= self.search_build_limit()
-
     def lazy(self, n_ranks: int) -> bool:
         """Whether a search starts this method's candidates at ``n_ranks`` ranks from the schedule-free bound."""
         return self.schedule_free and self.lazy_from is not None and n_ranks >= self.lazy_from

@@ -204,7 +204,7 @@ class AttnMatrix:
 
     def flops(self, pass_: str = "fwd", heads: int | None = None) -> np.ndarray:
         """[n, n] FLOPs per block: 4·B·h·D·pairs forward, 2.5x that backward (h = ``heads`` or H). Cached."""
-        key = (pass_, heads)
+        key = (pass_, self.workload.n_heads if heads is None else heads)     # one array for H given or not
         if key not in self._flops:
             self._flops[key] = self.flops_per_pair(pass_, heads) * self.pairs
         return self._flops[key]

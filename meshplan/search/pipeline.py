@@ -129,9 +129,9 @@ def run_pipeline(request: SearchRequest, progress: Progress | None = None) -> Se
     say = progress or (lambda done, total, label: None)
     req = request
     check_search_fits(req.gpus, req.algos, host.available_memory_bytes())     # before anything is planned
-    if req.gpus > SEARCH_BUILD_MAX_RANKS:    # N x N temporaries of 134 MB: their pages reused, not faulted in anew
-        _nothing_simulated_suits(req)        # (4096 GPUs: 100 → 77 s, 38 s of it still the kernel's)
-        keep_large_arrays()
+    if req.gpus > SEARCH_BUILD_MAX_RANKS:
+        _nothing_simulated_suits(req)
+        keep_large_arrays()      # N x N temporaries of 134 MB: pages reused, not faulted in anew (4096: 100 → 77 s)
     early = req.write > 0 and _writes_now(req) and can_fork()
     limit = req.memory_limit_bytes if req.memory_limit_bytes is not None else req.topology.memory_bytes
     pick = EarlyWrite(req.topology, limit, req.out_dir) if early and req.write == 1 else None

@@ -177,7 +177,7 @@ def _smaller(sched, topo, host, gathers: bool) -> str | None:
 #: 1.91 GB at 1024 GPUs and 7.16 GB at 2048 — SEARCH_BASE_BYTES + 1670 bytes a block; with only the methods planned
 #: in the zigzag layout alone (:data:`ZIGZAG_ONLY`) 1.42 GB at 2048 and 5.44 GB at 4096 — about 320 a block. Above
 #: ``SEARCH_BUILD_MAX_RANKS`` every method is searched in zigzag alone and nothing is built: 2.21 GB at 2048 and
-#: 9.14 GB at 4096 (2026-12-06), 540 a block.
+#: 9.14 GB at 4096 (2026-12-06; 7.3 GB once Mesh's geometry went by blocks of peers), 540 a block.
 SEARCH_BASE_BYTES = 0.16e9
 SEARCH_BYTES_PER_BLOCK = {"layouts": 1670.0, "zigzag": 320.0, "bounds": 540.0}
 #: the methods a search plans in every layout (each layout's matrix and plans held at once)

@@ -28,10 +28,6 @@ from meshplan.model.topology import Topology
 from meshplan.plan.plan import Plan
 from meshplan.plan.schedule import tensor_bytes
 
-#: transfer families: (peer kind, direction) -> "in" = peer sends to the rank, "out" = the rank sends to peer
-FAMILIES = (("row", "in"), ("row", "out"), ("col", "in"), ("col", "out"))
-
-
 _GEOMETRY: dict[tuple, dict] = {}
 #: (rank, peer) pairs routed at once by :func:`geometry` (a 1 x 4096 tile has 16.8M a family: 12 s at once, 4 s so)
 GEOMETRY_PAIRS = 1 << 19
@@ -65,8 +61,7 @@ def geometry(plan: Plan, topo: Topology) -> dict:
             k = np.arange(1 + k0, 1 + min(peers, k0 + rows))[:, None]
             peer = (grid.row_peer if side == "row" else grid.col_peer)(g[None, :], k).ravel()
             me = np.broadcast_to(g[None, :], (len(k), n)).ravel()
-            src, dst = peer, me
-            d_src, d_dst = dev[src], dev[dst]
+            d_src, d_dst = dev[peer], dev[me]                 # the family in: each peer sends to the rank
             lat, bw = topo.pair_stats(d_src, d_dst)
             inv_bw = 1.0 / bw
             cross = ~topo.same_node(d_src, d_dst)
