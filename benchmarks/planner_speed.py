@@ -3,11 +3,10 @@
 Targets (issue 26): ``meshplan search --gpus 256 --topo h100x32.yaml`` (the main job, defaults, including the
 write) ≤ 5 s; ``--gpus 1024`` ≤ 20 s and ≤ 2 GB peak RSS (the forked processes' included); reading and validating
 a 1024-rank schedule (Mesh's 16x64 tiles, 0.9M ops: the 1024-GPU search's pick, USP, is not written by a search)
-≤ 3 s and ≤ 1 GB; ``meshplan --help`` ≤ 0.3 s; ``--gpus 4096`` ≤ 90 s (one run: every method ranked by its closed form, nothing
-built above 1024 ranks); and, from issue 2, Ring fwd+bwd on
-256 GPUs at 1M tokens simulated under 1 s, a written 256-rank schedule under 20 MB and a 1024-rank one under
-100 MB. Prints a table and writes ``benchmarks/results/planner_speed.json``. Wall times are medians of repeated
-runs.
+≤ 3 s and ≤ 1 GB; ``meshplan --help`` ≤ 0.3 s; ``--gpus 4096`` ≤ 90 s (one run: every method ranked by its
+closed form, nothing built above 1024 ranks); and, from issue 2, Ring fwd+bwd on 256 GPUs at 1M tokens
+simulated under 1 s, a written 256-rank schedule under 20 MB and a 1024-rank one under 100 MB. Prints a table and
+writes ``benchmarks/results/planner_speed.json``. Wall times are medians of repeated runs.
 """
 
 from __future__ import annotations

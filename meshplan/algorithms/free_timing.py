@@ -31,7 +31,7 @@ class Transfers:
     def __init__(self, plan: Plan, topo: Topology, src: np.ndarray, dst: np.ndarray) -> None:
         dev = plan.device_of_rank
         src, dst = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
-        self.src, self.dst, self.n = src, dst, plan.n_ranks
+        self.src, self.dst, self.n, self.capacity = src, dst, plan.n_ranks, topo.link_capacity
         self.lat, self.bw = topo.pair_stats(dev[src], dev[dst])
         self.cross = ~topo.same_node(dev[src], dev[dst])
         self.loads_per_byte = topo.link_loads(dev[src], dev[dst], 1.0) if len(src) else 0.0
@@ -46,6 +46,12 @@ class Transfers:
         out = np.zeros(self.n)
         np.maximum.at(out, self.dst, self.alone(nbytes))
         return out
+
+    def link_seconds(self, nbytes: float) -> float:
+        """The busiest link's time when every transfer moves ``nbytes``: its bytes / its capacity (0: none)."""
+        if not len(self.src):
+            return 0.0
+        return float((self.loads_per_byte * nbytes / self.capacity).max(initial=0.0))
 
     def into(self, values: np.ndarray | float) -> np.ndarray:
         """[n] ``values`` per transfer summed on its receiving rank."""

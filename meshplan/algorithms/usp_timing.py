@@ -11,6 +11,11 @@ one a schedule of :mod:`meshplan.algorithms.ulysses` must pay, so it never excee
   R − 1 ring hops in sequence (each at least its slowest piece's time alone: a hop moves the group's u chunks as u
   transfers in one batch), whichever ends later; then the gather
   all-to-all's slowest piece (backward: the dQ gather, then the dK/dV gather, on one stream);
+* the all-to-alls' links in that chain: a batch ends with its last byte, so the rank that sent or received the
+  scatter's last byte over a link L (no sooner than the scatter's bytes over L / L's capacity) runs its kernels and
+  gathers after it; and no gather byte moves before the earliest rank's kernels end, so L's gather bytes / its
+  capacity come after that — across many nodes a node's network link carries the whole group's pieces, which is
+  what decides the exposed all-to-all (at 256 H100s a ``ulysses_degree`` 32 forward: 81 → 100 ms, simulated 107);
 * the busiest link: every transfer's bytes summed on the links of its route (``Topology.link_loads``), divided
   by the link's capacity — a node's network aggregate included, which is what decides USP across many nodes;
 * a compute pool's (CPU ranks on few cores): Σ kernel time / the pool's cores.
@@ -71,7 +76,11 @@ def headsplit_timing(plan: Plan, topo: Topology, ring_hops) -> dict[str, PassTim
         first = a2a.slowest_in(slowest) if u > 1 else np.zeros(n)
         ends = [a2a.slowest_in(b) for b in gathers] if u > 1 else [np.zeros(n)] * len(gathers)
         last = ends[0] if pass_ == "fwd" else np.maximum(ends[0], tail) + ends[1]
-        chain = np.maximum(first + compute + wait, kv_chain) + last
+        done = np.maximum(first + compute + wait, kv_chain)            # the rank's last kernel ends
+        chain = done + last
+        if u > 1:                      # the all-to-alls' links: the scatter whole before a kernel, the gathers after
+            chain = np.maximum(chain, max(a2a.link_seconds(scatter) + float((compute + wait + last).min()),
+                                          float(done.min()) + a2a.link_seconds(sum(gathers))))
         moved = [(a2a, scatter, 1), *[(a2a, b, 1) for b in gathers]] if u > 1 else []
         group_kv = u * sizes["kv"]
         out[pass_] = pass_timing(plan, topo, pass_, compute, chain, moved + hops,

@@ -17,27 +17,28 @@ from meshplan.plan.json.io import to_json_bytes
 from meshplan.plan.json.text_rows import Rows
 
 TABLE = ["send", "compute", "", '"a\\u00e9"']
+BIG_TABLE = [f'"{"x" * k}{k}"' for k in range(20)]      # past the literal-per-string path: copied byte by byte
 
 row = st.tuples(st.integers(0, 2**62), st.integers(-1, 10**7), st.booleans(), st.integers(0, 3),
-                st.lists(st.integers(0, 10**12), max_size=5))
+                st.lists(st.integers(0, 10**12), max_size=5), st.integers(0, len(BIG_TABLE) - 1))
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(row, max_size=40))
-def test_rows_equal_f_strings(rows):
-    """Integers of every width (0 and int64's), nulls, a piece only in some rows, choices (an empty one), lists
-    (empty ones)."""
+@given(st.lists(row, max_size=40), st.text("ab:,", min_size=1, max_size=19))
+def test_rows_equal_f_strings(rows, literal):
+    """Integers of every width (0 and int64's), nulls, a piece only in some rows, choices (an empty one; a large
+    table), lists (empty ones), literals of every length up to 19 (stored 1, 2, 4 and 8 bytes at a time)."""
     n = len(rows)
-    big, small, some, code, lists = (list(x) for x in zip(*rows)) if rows else ([], [], [], [], [])
+    big, small, some, code, lists, wide = (list(x) for x in zip(*rows)) if rows else ([], [], [], [], [], [])
     ptr = np.r_[0, np.cumsum([len(v) for v in lists])].astype(np.int64)
     flat = np.array([x for v in lists for x in v], dtype=np.int64)
     r = Rows(n).text('{"a":').ints(np.array(big, dtype=np.int64)).text(',"b":')
     r.ints(np.array(small, dtype=np.int64), null_below_zero=True).text(',"c":', np.array(some, dtype=bool))
     r.choice(np.array(code, dtype=np.int64), TABLE, np.array(some, dtype=bool)).text(',"d":').int_lists(ptr, flat)
-    r.text("}")
+    r.text(literal).choice(np.array(wide, dtype=np.int64), BIG_TABLE).text("}")
     text, offsets = r.render()
     want = [f'{{"a":{a},"b":{"null" if b < 0 else b}' + (f',"c":{TABLE[c]}' if s else "")
-            + f',"d":[{",".join(map(str, v))}]}}' for a, b, s, c, v in rows]
+            + f',"d":[{",".join(map(str, v))}]{literal}{BIG_TABLE[x]}}}' for a, b, s, c, v, x in rows]
     got = [text[offsets[i]:offsets[i + 1]].tobytes().decode() for i in range(n)]
     assert got == want
 

@@ -2,7 +2,9 @@
 list of integers, a choice from a table of strings — each present in the rows its mask selects, so one
 :class:`Rows` holds rows of several shapes (a schedule's send, compute and merge ops). The bytes of every row are
 laid out with numpy (lengths, offsets, then each piece scattered into one buffer), with no Python code per row:
-a 256-rank schedule's 126 MB of text in a fraction of the time f-strings take (``docs/speed.md``).
+a 256-rank schedule's 126 MB of text in a fraction of the time f-strings take (``docs/speed.md``). Literal text
+and digits are stored several bytes at a time (:class:`_Text`'s unaligned views of widths 2, 4 and 8): a 15-byte
+literal is two 8-byte stores per row, not 15 one-byte ones.
 """
 
 from __future__ import annotations
@@ -10,7 +12,41 @@ from __future__ import annotations
 import numpy as np
 
 _DIGITS = np.frombuffer(b"0123456789", dtype=np.uint8)
+#: "00".."99" as 2-byte words in memory order: two digits a store
+_DIGIT_PAIRS = np.frombuffer(b"".join(b"%02d" % i for i in range(100)), dtype=np.uint16)
 _MAX_DIGITS = 19          # int64
+_WORDS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+#: a choice from a table of at most this many strings is written as a literal per string (else byte by byte)
+_CHOICE_AS_LITERALS = 16
+
+
+class _Text:
+    """A text buffer of ``size`` bytes (``buf``; 8 more held behind it) and views of it as 2-, 4- and 8-byte words
+    starting at every byte (``word[w][i]`` is bytes i..i+w−1: numpy stores at unaligned offsets)."""
+
+    def __init__(self, size: int) -> None:
+        self._raw = np.empty(size + 8, dtype=np.uint8)
+        self.buf = self._raw[:size]
+        self.word = {w: np.ndarray((size + 8 - w + 1,), dtype=t, buffer=self._raw, strides=(1,))
+                     for w, t in _WORDS.items()}
+
+    def literal(self, stores: list[tuple[int, int, int]], pos: np.ndarray) -> None:
+        """Write a literal given as its :func:`_stores` at each of ``pos``."""
+        for off, width, value in stores:
+            self.word[width][pos + off if off else pos] = value
+
+
+def _stores(lit: bytes) -> list[tuple[int, int, int]]:
+    """(offset, width, word) stores that write ``lit``: words of its largest width that fits, the last one
+    overlapping the one before where the length is not a multiple (no byte outside the literal is touched)."""
+    n = len(lit)
+    if n == 0:
+        return []
+    width = 8 if n >= 8 else 4 if n >= 4 else 2 if n >= 2 else 1
+    offs = list(range(0, n - width + 1, width))
+    if offs[-1] != n - width:
+        offs.append(n - width)
+    return [(o, width, int(np.frombuffer(lit[o:o + width], dtype=_WORDS[width])[0])) for o in offs]
 
 
 def _n_digits(v: np.ndarray) -> np.ndarray:
@@ -40,7 +76,8 @@ class Rows:
 
     def text(self, s: str, mask=None) -> Rows:
         """The same text in every selected row."""
-        self._pieces.append(("lit", self._rows(mask), np.frombuffer(s.encode(), dtype=np.uint8)))
+        lit = s.encode()
+        self._pieces.append(("lit", self._rows(mask), lit, _stores(lit)))
         return self
 
     def ints(self, values: np.ndarray, mask=None, null_below_zero: bool = False) -> Rows:
@@ -61,10 +98,13 @@ class Rows:
         """Each selected row's ``table[code]``."""
         rows = self._rows(mask)
         enc = [t.encode() for t in table]
-        flat = np.frombuffer(b"".join(enc), dtype=np.uint8) if any(enc) else np.zeros(0, dtype=np.uint8)
         lengths = np.array([len(e) for e in enc], dtype=np.int64)
         c = np.asarray(codes, dtype=np.int64)[rows]
-        self._pieces.append(("ragged", rows, flat, (np.cumsum(lengths) - lengths)[c], lengths[c]))
+        if len(table) <= _CHOICE_AS_LITERALS:
+            self._pieces.append(("choice", rows, c, [_stores(e) for e in enc], lengths[c]))
+        else:
+            flat = np.frombuffer(b"".join(enc), dtype=np.uint8) if any(enc) else np.zeros(0, dtype=np.uint8)
+            self._pieces.append(("ragged", rows, flat, (np.cumsum(lengths) - lengths)[c], lengths[c]))
         return self
 
     def int_lists(self, ptr: np.ndarray, values: np.ndarray, mask=None) -> Rows:
@@ -89,12 +129,12 @@ class Rows:
             sizes.append((size, row_len))
             lengths[p[1]] += row_len
         offsets = np.r_[0, np.cumsum(lengths)]
-        out = np.empty(int(offsets[-1]), dtype=np.uint8)
+        out = _Text(int(offsets[-1]))
         at = offsets[:-1].copy()                     # each row's write position
         for p, (size, row_len) in zip(self._pieces, sizes):
             _write(out, p, at[p[1]], size, row_len)
             at[p[1]] += row_len
-        return out, offsets
+        return out.buf, offsets
 
 
 def _sizes(p) -> np.ndarray | int:
@@ -104,23 +144,27 @@ def _sizes(p) -> np.ndarray | int:
         return len(p[2])
     if kind == "int":
         return np.where(p[3], 4, _n_digits(np.maximum(p[2], 0)))
-    if kind == "ragged":
+    if kind in ("ragged", "choice"):
         return p[4]
     return _n_digits(p[2])
 
 
-def _write(out: np.ndarray, p, pos: np.ndarray, size, row_len) -> None:
+def _write(out: _Text, p, pos: np.ndarray, size, row_len) -> None:
     """Write one piece at each of its rows' positions ``pos``."""
     kind = p[0]
     if kind == "lit":
-        pos = pos.copy()
-        for byte in p[2].tolist():               # a column at a time: no [rows, bytes] index array
-            out[pos] = byte
-            pos += 1
+        out.literal(p[3], pos)
     elif kind == "int":
         _write_ints(out, p[2], pos, size, p[3])
+    elif kind == "choice":
+        codes = p[2]
+        for code, stores in enumerate(p[3]):
+            if stores:
+                at = codes == code
+                if at.any():
+                    out.literal(stores, pos[at])
     elif kind == "ragged":
-        _copy_ragged(out, p[2], pos, p[3], p[4])
+        _copy_ragged(out.buf, p[2], pos, p[3], p[4])
     else:
         _write_lists(out, p[2], p[3], pos, size, row_len)
 
@@ -139,23 +183,34 @@ def _list_len(counts: np.ndarray, digits: np.ndarray) -> np.ndarray:
     return total + 2 + np.maximum(counts - 1, 0)
 
 
-def _write_ints(out: np.ndarray, v: np.ndarray, pos: np.ndarray, size: np.ndarray, null: np.ndarray) -> None:
-    """Decimal digits of ``v`` at ``pos`` (``size`` digits each), ``null`` where flagged."""
+def _write_ints(out: _Text, v: np.ndarray, pos: np.ndarray, size: np.ndarray, null: np.ndarray) -> None:
+    """Decimal digits of ``v`` at ``pos`` (``size`` digits each), ``null`` where flagged: two digits a store, from
+    the last (a number's odd first digit alone)."""
     if null.any():
-        out[pos[null][:, None] + np.arange(4)] = np.frombuffer(b"null", dtype=np.uint8)
+        out.literal(_NULL, pos[null])
         keep = ~null
         v, pos, size = v[keep], pos[keep], size[keep]
     if len(v) and v.max() < 2**31:
         v = v.astype(np.int32)                   # int32 division: twice as fast
-    end = pos + size - 1                         # each number's last digit, written first
-    k = 0
+    end = pos + size                             # one past each number's last digit
+    pairs, k = out.word[2], 0                    # k: digits written so far
     while len(v):
-        v, digit = np.divmod(v, 10)
-        out[end - k] = _DIGITS[digit]
-        k += 1
+        single = size - k == 1                   # one digit left (v < 10 there)
+        if single.any():
+            out.buf[end[single] - (k + 1)] = _DIGITS[v[single]]
+            more = ~single
+            v, end, size = v[more], end[more], size[more]
+            if not len(v):
+                break
+        v, two = np.divmod(v, 100)
+        pairs[end - (k + 2)] = _DIGIT_PAIRS[two]
+        k += 2
         more = size > k
         if not more.all():
             v, end, size = v[more], end[more], size[more]
+
+
+_NULL = _stores(b"null")
 
 
 def _copy_ragged(out: np.ndarray, flat: np.ndarray, pos: np.ndarray, src: np.ndarray, length: np.ndarray) -> None:
@@ -168,11 +223,11 @@ def _copy_ragged(out: np.ndarray, flat: np.ndarray, pos: np.ndarray, src: np.nda
     out[np.repeat(pos, length) + step] = flat[np.repeat(src, length) + step]
 
 
-def _write_lists(out: np.ndarray, v: np.ndarray, counts: np.ndarray, pos: np.ndarray, digits: np.ndarray,
+def _write_lists(out: _Text, v: np.ndarray, counts: np.ndarray, pos: np.ndarray, digits: np.ndarray,
                  row_len: np.ndarray) -> None:
     """Each row's ``[a,b,...]`` at ``pos``: ``v`` the elements row after row, ``digits`` their lengths."""
-    out[pos] = ord("[")
-    out[pos + row_len - 1] = ord("]")
+    out.buf[pos] = ord("[")
+    out.buf[pos + row_len - 1] = ord("]")
     if not len(v):
         return
     first = _starts(counts)
@@ -182,4 +237,4 @@ def _write_lists(out: np.ndarray, v: np.ndarray, counts: np.ndarray, pos: np.nda
     start = pos[row] + 1 + before - before[first[row]] + index_in_row       # after "[", digits and commas
     _write_ints(out, v, start, digits, np.zeros(len(v), dtype=bool))
     comma = index_in_row > 0
-    out[start[comma] - 1] = ord(",")
+    out.buf[start[comma] - 1] = ord(",")
