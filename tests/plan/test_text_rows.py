@@ -84,3 +84,17 @@ def test_a_schedule_text_is_its_canonical_compact_dump(make):
     assert flops == sched.ops.flops[sched.ops.kind == 0].tolist()
     if make is _doc_place_heads:
         assert any(op.get("parts") for op in ops)
+
+
+def test_distinct_signatures_group_equal_rows():
+    """Compute ops' descriptors are computed once per distinct signature, rows grouped by a hash then checked: the
+    groups are exactly np.unique's (wide rows too, past any fixed table of multipliers)."""
+    from meshplan.plan.json.schedule_text import _distinct
+
+    rng = np.random.default_rng(1)
+    for width in (1, 5, 1300):
+        base = rng.integers(0, 3, size=(7, width))
+        rows = base[rng.integers(0, 7, size=200)]
+        first, inverse = _distinct(rows)
+        assert np.array_equal(rows[first[inverse]], rows)
+        assert len(first) == len(np.unique(rows, axis=0))

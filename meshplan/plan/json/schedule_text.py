@@ -135,10 +135,10 @@ def _compute_text(sched: Schedule, m: AttnMatrix) -> tuple:
     n = len(o)
     rows_code, cols_code, mask_code, flops_code = (np.zeros(n, dtype=np.int64) for _ in range(4))
     texts: dict[str, int] = {}
-    for op, (rows, cols, mask) in _descriptors(sched, m).items():
-        rows_code[op] = texts.setdefault(rows, len(texts))
-        cols_code[op] = texts.setdefault(cols, len(texts))
-        mask_code[op] = MASKS.index(mask)
+    for ops, found, inverse in _descriptors(sched, m):
+        codes = np.array([(texts.setdefault(rows, len(texts)), texts.setdefault(cols, len(texts)), MASKS.index(mask))
+                          for rows, cols, mask in found], dtype=np.int64).reshape(-1, 3)[inverse]
+        rows_code[ops], cols_code[ops], mask_code[ops] = codes.T
     table = list(texts)
     work = np.flatnonzero(o.kind == 0)
     values, inverse = np.unique(o.flops[work], return_inverse=True)
@@ -146,42 +146,38 @@ def _compute_text(sched: Schedule, m: AttnMatrix) -> tuple:
     return rows_code, cols_code, mask_code, flops_code, (table, [repr(v) for v in values.tolist()])
 
 
-def _descriptors(sched: Schedule, m: AttnMatrix) -> dict[int, tuple]:
-    """q_rows, kv_cols and mask of every compute op (cached by block pattern and chunk shape)."""
+def _descriptors(sched: Schedule, m: AttnMatrix):
+    """The q_rows, kv_cols and mask texts of every compute op, by groups of ops: (ops [k], the distinct descriptors
+    [(rows, cols, mask)], [k] each op's index among them). An op's descriptor follows from a signature — which rows
+    and columns of its chunks take part, the chunks' shapes, the elementwise blocks — so it is computed once per
+    distinct signature (a few hundred in a 0.5M-op schedule), on one op that has it."""
     o = sched.ops
     allc = np.flatnonzero(o.kind == 0)
     single = (np.diff(o.qc_ptr)[allc] == 1) & (np.diff(o.kvc_ptr)[allc] == 1)
-    out = _multi_descriptors(sched, m, allc[~single])
+    shape = np.stack([m.valid_first, m.valid_count, m.chunks.count], axis=1).reshape(m.n, -1)
+    cls = np.unique(shape, axis=0, return_inverse=True)[1].ravel()
     comp = allc[single]
-    qi, kj = o.q_chunks[o.qc_ptr[comp]], o.kv_chunks[o.kvc_ptr[comp]]
-    shape = np.stack([m.valid_first, m.valid_count, m.chunks.count], axis=1).reshape(m.n, -1)
-    _, cls = np.unique(shape, axis=0, return_inverse=True)
-    bits = 1 << np.arange(m.q_involved.shape[2], dtype=np.int64)
-    qpat, kpat = (m.q_involved[qi, kj] * bits).sum(axis=1), (m.kv_involved[qi, kj] * bits).sum(axis=1)
-    masks = np.where(m.elementwise[qi, kj] | (o.mask[comp] > 0), o.mask[comp], 0)
-    cache: dict[tuple, list] = {}
-    for op, i, j, qp, kp, ci, cj, mk in zip(comp.tolist(), qi.tolist(), kj.tolist(), qpat.tolist(), kpat.tolist(),
-                                            cls.ravel()[qi].tolist(), cls.ravel()[kj].tolist(), masks.tolist()):
-        rk, ck = (0, qp, ci), (1, kp, cj)
-        if rk not in cache:
-            cache[rk] = json.dumps(m.local_ranges(i, m.q_involved[i, j], query=True), separators=(",", ":"))
-        if ck not in cache:
-            cache[ck] = json.dumps(m.local_ranges(j, m.kv_involved[i, j]), separators=(",", ":"))
-        out[op] = (cache[rk], cache[ck], MASKS[mk])
-    return out
+    if len(comp):
+        qi, kj = o.q_chunks[o.qc_ptr[comp]], o.kv_chunks[o.kvc_ptr[comp]]
+        bits = 1 << np.arange(m.q_involved.shape[2], dtype=np.int64)
+        qpat, kpat = (m.q_involved[qi, kj] * bits).sum(axis=1), (m.kv_involved[qi, kj] * bits).sum(axis=1)
+        masks = np.where(m.elementwise[qi, kj] | (o.mask[comp] > 0), o.mask[comp], 0)
+        first, inverse = _distinct(np.stack([qpat, kpat, cls[qi], cls[kj], masks], axis=1))
+        found = [(json.dumps(m.local_ranges(i, m.q_involved[i, j], query=True), separators=(",", ":")),
+                  json.dumps(m.local_ranges(j, m.kv_involved[i, j]), separators=(",", ":")), MASKS[int(mk)])
+                 for i, j, mk in zip(qi[first].tolist(), kj[first].tolist(), masks[first].tolist())]
+        yield comp, found, inverse
+    yield from _multi_descriptors(sched, m, allc[~single], cls)
 
 
-def _multi_descriptors(sched: Schedule, m: AttnMatrix, ops: np.ndarray) -> dict[int, tuple]:
-    """Descriptors of ops over several chunks, computed once per distinct (segments, chunk shapes) pattern."""
-    o, out = sched.ops, {}
+def _multi_descriptors(sched: Schedule, m: AttnMatrix, ops: np.ndarray, cls: np.ndarray):
+    """:func:`_descriptors`' groups of the ops over several chunks, one group per (q chunks, KV chunks) count;
+    ``cls`` each chunk's shape class."""
+    o = sched.ops
     if not len(ops):
-        return out
-    shape = np.stack([m.valid_first, m.valid_count, m.chunks.count], axis=1).reshape(m.n, -1)
-    _, cls = np.unique(shape, axis=0, return_inverse=True)
-    cls = cls.ravel()
+        return
     nq, nk = np.diff(o.qc_ptr)[ops], np.diff(o.kvc_ptr)[ops]
-    cache: dict[tuple, tuple] = {}
-    for mq, mk in set(zip(nq.tolist(), nk.tolist())):
+    for mq, mk in sorted(set(zip(nq.tolist(), nk.tolist()))):
         sel = ops[(nq == mq) & (nk == mk)]
         qi = o.q_chunks[o.qc_ptr[sel][:, None] + np.arange(mq)]
         kj = o.kv_chunks[o.kvc_ptr[sel][:, None] + np.arange(mk)]
@@ -190,14 +186,27 @@ def _multi_descriptors(sched: Schedule, m: AttnMatrix, ops: np.ndarray) -> dict[
         elem = m.elementwise[blocks].any(axis=(1, 2)) | (m.pairs[blocks] == 0).any(axis=(1, 2))
         sig = np.concatenate([qinv.reshape(len(sel), -1), kinv.reshape(len(sel), -1), cls[qi], cls[kj],
                               m.elementwise[blocks].reshape(len(sel), -1), elem[:, None]], axis=1).astype(np.int64)
-        for row, op in zip(sig, sel.tolist()):
-            key = (mq, mk, row.tobytes())
-            if key not in cache:
-                d = m.op_descriptor(o.q_chunks[o.qc_ptr[op]:o.qc_ptr[op + 1]].tolist(),
-                                    o.kv_chunks[o.kvc_ptr[op]:o.kvc_ptr[op + 1]].tolist())
-                cache[key] = (json.dumps(d["q_rows"], separators=(",", ":")),
-                              json.dumps(d["kv_cols"], separators=(",", ":")), d["mask"])
-            out[op] = cache[key]
-    return out
+        first, inverse = _distinct(sig)
+        found = []
+        for op in sel[first].tolist():
+            d = m.op_descriptor(o.q_chunks[o.qc_ptr[op]:o.qc_ptr[op + 1]].tolist(),
+                                o.kv_chunks[o.kvc_ptr[op]:o.kvc_ptr[op + 1]].tolist())
+            found.append((json.dumps(d["q_rows"], separators=(",", ":")),
+                          json.dumps(d["kv_cols"], separators=(",", ":")), d["mask"]))
+        yield sel, found, inverse
+
+
+def _distinct(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the index of one row of each distinct value of ``rows`` [k, w] (integers), [k] each row's distinct value's
+    index): rows grouped by a 64-bit hash (a sort of k numbers, not of k rows), the grouping checked row by row —
+    any collision and they are grouped by value instead."""
+    multipliers = np.random.default_rng(0x5EED).integers(1, 2**63, size=rows.shape[1], dtype=np.uint64) | np.uint64(1)
+    with np.errstate(over="ignore"):                 # odd 64-bit multipliers, the dot product mod 2**64
+        keys = rows.astype(np.uint64) @ multipliers
+    _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+    if np.array_equal(rows[first[inverse]], rows):
+        return first, inverse.ravel()
+    _, first, inverse = np.unique(rows, axis=0, return_index=True, return_inverse=True)
+    return first, inverse.ravel()
 
 
