@@ -31,10 +31,12 @@ import numpy as np
 from meshplan.algorithms.base import PassTiming
 from meshplan.algorithms.free_timing import Transfers, op_overhead_s, pass_timing
 from meshplan.algorithms.headsplit import Grid
+from meshplan.cost.block_classes import class_sums, pair_seconds
 from meshplan.cost.cost import CostModel
+from meshplan.cost.doc_kernels import priced_by_cover
 from meshplan.model.matrix import KV_KINDS
 from meshplan.model.topology import Topology
-from meshplan.plan.plan import Plan
+from meshplan.plan.plan import Plan, shared_owner
 from meshplan.plan.schedule import tensor_bytes
 
 
@@ -182,17 +184,41 @@ def _group_ops(plan: Plan, topo: Topology, grid: Grid, pass_: str) -> tuple[floa
     its blocks' kernel terms for the rank's heads plus that, 0 where no pair is permitted). Every op folds its result
     into the rank's fp32 accumulators, 3 x their bytes at the merge rate: the forward's u output pieces (LSE merge),
     the backward's u dQ pieces."""
-    m, u, R = plan.matrix, grid.u, grid.R
+    m, u = plan.matrix, grid.u
     cost = CostModel(topo)
-    launch = cost.kernel.launch_s
-    blocks = np.where(m.permitted, cost.matrix_block_times(m, pass_, (u, u), envelope=True) - launch, 0.0)
-    order = grid.groups.ravel()                                   # chunks group by group
-    by_group = blocks[np.ix_(order, order)].reshape(R, u, R, u).sum(axis=(1, 3)) / u     # h/u of the FLOPs
-    has = m.permitted[np.ix_(order, order)].reshape(R, u, R, u).any(axis=(1, 3))
+    by_group, has = _group_pair_kernels(cost, m, grid, pass_)
+    by_group = by_group / u                                       # h/u of the FLOPs
     w, hq = plan.workload, plan.workload.n_heads // u
     per_op = op_overhead_s(topo, plan, pass_, u * tensor_bytes(w, "out" if pass_ == "fwd" else "dq",
                                                                 m.chunk_tokens("q"), hq, "fp32"))
     return per_op, np.where(has, by_group + per_op, 0.0)
+
+
+def _group_pair_kernels(cost: CostModel, m, grid: Grid, pass_: str) -> tuple[np.ndarray, np.ndarray]:
+    """([R, R] Σ of the kernel terms, launches left out, of query group g's blocks against KV group j, at the
+    monotone envelope of an op over u x u chunks (all heads); [R, R] whether any block there is permitted): from the
+    pairs per block class counted once per grid (:func:`~meshplan.cost.block_classes.class_sums` over the group
+    pairs as "ranks": no N x N array per kernel growth and pass), or where those are not kept (more than
+    ``MAX_CELLS`` cells; blocks priced one by one) from the N x N block times (:func:`_group_pair_kernels_dense`)."""
+    u, R = grid.u, grid.R
+    if not (u == 1 and priced_by_cover(m.workload, cost.kernel.spec)):
+        pair_owner = shared_owner(m, ("headsplit-group-pairs", u, grid.order),
+                                  lambda: grid.g_of[:, None] * R + grid.g_of[None, :])
+        sums = class_sums(m, pair_owner, R * R)
+        if sums is not None:
+            rate = pair_seconds(cost, m, pass_, (u, u), envelope=True)
+            return (sums.pairs @ rate).reshape(R, R), (sums.blocks > 0).reshape(R, R)
+    return _group_pair_kernels_dense(cost, m, grid, pass_)
+
+
+def _group_pair_kernels_dense(cost: CostModel, m, grid: Grid, pass_: str) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_group_pair_kernels` from the N x N block times (3 of 134 MB at 4096 ranks)."""
+    u, R = grid.u, grid.R
+    blocks = np.where(m.permitted, cost.matrix_block_times(m, pass_, (u, u), envelope=True) - cost.kernel.launch_s,
+                      0.0)
+    order = grid.groups.ravel()                                   # chunks group by group
+    by_group = blocks[np.ix_(order, order)].reshape(R, u, R, u).sum(axis=(1, 3))
+    return by_group, m.permitted[np.ix_(order, order)].reshape(R, u, R, u).any(axis=(1, 3))
 
 
 def _buffers(plan: Plan, grid: Grid, pass_: str, piece, group_kv: float, groups_held: int) -> float:

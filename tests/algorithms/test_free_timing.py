@@ -91,3 +91,29 @@ def test_the_all_to_all_across_nodes_counts_its_network_link(ulysses_degree, tig
     built, sim = schedule_timing(sched, topo), simulate(sched, topo)
     for phase, pass_ in enumerate(w.pass_list):
         assert tighter * built[pass_].bound_s <= free[pass_].bound_s <= sim.pass_makespan[phase]
+
+
+@pytest.mark.parametrize("topo_name,n,name,knobs,mask,layout", [
+    ("h100x32", 64, "usp", {"ulysses_degree": 8, "rank_order": "ring-first"}, "causal", "zigzag"),
+    ("h100x32", 64, "usp", {"ulysses_degree": 4}, "causal", "contiguous"),
+    ("h100x16", 16, "usp", {"ulysses_degree": 2}, "window:9000", "striped"),
+    ("h100x16", 16, "usp", {"ulysses_degree": 4}, "full", "zigzag"),
+    ("h100x16", 16, "usp", {"ulysses_degree": 2}, "docs:65536,32768,32768", "zigzag"),
+    ("h100x16", 16, "usp", {"ulysses_degree": 1}, "docs:65536,32768,32768", "zigzag"),     # priced one by one
+    ("dgx-h100", 8, "ulysses", {}, "causal", "zigzag"),
+])
+def test_group_pair_kernels_by_block_class_equal_the_block_sums(topo_name, n, name, knobs, mask, layout):
+    """The USP family's kernels per (query group, KV group) from the pairs per block class (no N x N array per
+    kernel growth) equal the N x N block times summed over each group pair (1e-12), and so does where any block
+    is permitted."""
+    from meshplan.algorithms.usp_timing import _group_pair_kernels, _group_pair_kernels_dense
+    from meshplan.cost.cost import CostModel
+
+    topo = Topology.load(topo_name, gpus=n)
+    w = resolve(model="llama3-8b", seq_len=1 << 17, mask=mask, layout=layout)
+    _, plan, _ = plan_candidate(name, w, topo, n, knobs)
+    for pass_ in w.pass_list:
+        fast, has = _group_pair_kernels(CostModel(topo), plan.matrix, plan.extra["grid"], pass_)
+        dense, has_dense = _group_pair_kernels_dense(CostModel(topo), plan.matrix, plan.extra["grid"], pass_)
+        assert fast == pytest.approx(dense, rel=1e-12, abs=1e-15)
+        assert (has == has_dense).all()
