@@ -90,12 +90,13 @@ class TASP(BuiltTiming):
             raise SkipCandidate("no cached prefix", "TASP is implemented without a KV-cache prefix")
         regions = [e - a for a, e, _, _ in workload.regions()]
         if len(regions) > 1 and any(x % unit for x in regions):
-            raise SkipCandidate("document not divisible by N·f",
+            raise SkipCandidate("a document not a multiple of N x f tokens (f: TASP's rings per chunk)",
                                 f"TASP cuts every document into multiples of {unit} tokens: pad each document "
                                 "to one, or use --doc-layout packed")
         if workload.seq_len % unit:
             padded = -(-workload.seq_len // unit) * unit
-            raise SkipCandidate("sequence not divisible by N·f",
+            raise SkipCandidate("sequence not a multiple of N x f tokens (f: TASP's rings per chunk; simulate --algo "
+                                "tasp names the padding)",
                                 f"TASP cuts every KV chunk into f = {f} pieces (one per ring): --seq-len must be a "
                                 f"multiple of {unit}; pad to {padded} with --valid-len {workload.n_valid}")
 
@@ -106,7 +107,8 @@ class TASP(BuiltTiming):
         try:
             m = attn_matrix(workload, n_ranks * f)
         except UserError as err:
-            raise SkipCandidate("sequence not divisible by N·f", str(err)) from None
+            raise SkipCandidate("sequence not a multiple of N x f tokens (f: TASP's rings per chunk; simulate --algo "
+                                "tasp names the padding)", str(err)) from None
         home = np.arange(n_ranks * f) // f
         owner = np.broadcast_to(home[:, None], m.permitted.shape).copy()
         owner[~m.permitted] = -1

@@ -197,9 +197,10 @@ def _check_search_flags(gpus, scheduler, ilp_time_limit_s, ilp_workers, write, t
                         "give seconds, more than 0 and at most 86400 (e.g. 10)")
     if not 0 <= ilp_workers <= 256:
         raise UserError("--ilp-workers", f"{ilp_workers} workers", "give 0 (one per core) to 256")
-    if write < 0 or top < 0:
-        flag, value = ("--write", write) if write < 0 else ("--top", top)
-        raise UserError(flag, f"{value} is negative", "give a count of 0 or more")
+    if write < 0:
+        raise UserError("--write", f"{write} is negative", "give a count of 0 or more")
+    if top < 1:
+        raise UserError("--top", f"{top} rows", "give 1 or more (the text under the table speaks of #1)")
     if map_search < 0:
         raise UserError("--map-search", f"{map_search} is negative", "give a number of simulations (0: off)")
     if map_search and gpus > 64:
@@ -240,6 +241,17 @@ def simulate(schedule: Annotated[Optional[str], typer.Argument(help="a schedule 
         if o.is_job(tp, dp, rank_order):
             raise UserError("--tp", "--tp, --dp and --rank-order plan a job with --algo, not a schedule file",
                             "drop them, or give --algo NAME")
+        planning = {"--algo": algo, "--gpus": gpus, "--model": model, "--seq-len": seq_len, "--batch": batch,
+                    "--heads": heads, "--kv-heads": kv_heads, "--head-dim": head_dim, "--dtype": dtype, "--mask": mask,
+                    "--layout": layout, "--pass": passes, "--valid-len": valid_len, "--prefix-len": prefix_len,
+                    "--doc-layout": doc_layout, "--tile": tile, "--mapping": mapping, "--partial-dtype": partial_dtype,
+                    "--dkv-dtype": dkv_dtype, "--ulysses-degree": ulysses_degree, "--inner-ring": inner_ring,
+                    "--team-size": team_size, "--domains": domains, "--knob": knob or None, "--out": out}
+        given = next((flag for flag, value in planning.items() if value is not None), None)
+        if given is not None:
+            raise UserError(given, f"{given} plans a schedule by name, and {schedule} carries its own plan",
+                            f"drop {given} to simulate the file (with --topo to take another cluster), or drop the "
+                            "file to plan one with --algo")
         simulate_file(schedule, topo, trace, as_json, _emit)
         return
     wl = o.workload(model, seq_len, batch, heads, kv_heads, head_dim, dtype, mask, layout, passes, valid_len,
@@ -329,7 +341,7 @@ def topo_show(topo: Annotated[str, typer.Argument(help="topology file or shipped
 
 @topo_app.command("list")
 def topo_list(as_json: o.Json = False) -> None:
-    """List the shipped topologies (``--json``: a JSON list of their names)."""
+    """List the shipped topologies (--json: a JSON list of their names)."""
     from meshplan.model.topo_files import shipped_topologies
     names = list(shipped_topologies())
     sys.stdout.write((json.dumps(names, indent=1) if as_json else "\n".join(names)) + "\n")

@@ -161,7 +161,7 @@ def calibrate_memory_only(topo: str, backend: str, quick: bool, out: str, as_jso
                                      "fitted": rows}, indent=1) + "\n")
         return 0
     console = out_console()
-    console.print(f"{calib.name}: memory model re-measured in {wall_s:.0f} s; the rest of {out} kept", soft_wrap=True)
+    console.print(f"{calib.name}: memory model re-measured in {wall_s:.0f} s; the rest of {out} kept")
     console.print(_fitted_table(rows))
     return 0
 
@@ -277,10 +277,9 @@ def _print(calib, rows: list[dict], out: str, console: Console) -> None:
     d = calib.device
     console.print(f"{calib.name}: measured on {d.cpu} ({d.cores} CPUs{', ' + d.gpu if d.gpu else ''}, torch "
                   f"{d.torch}, {d.backend}) in {calib.wall_s:.0f} s"
-                  f"{f' ({calib.raw.repeats} runs merged)' if calib.raw.repeats > 1 else ''}; wrote {out}",
-                  soft_wrap=True)
+                  f"{f' ({calib.raw.repeats} runs merged)' if calib.raw.repeats > 1 else ''}; wrote {out}")
     console.print(_fitted_table(rows))
-    console.print(f"use it: add `calibration: {out}` to the topology file (a path relative to it)", soft_wrap=True)
+    console.print(f"use it: add `calibration: {out}` to the topology file (a path relative to it)")
 
 
 def calibrate_from_nccl_tests(topo: str, files: list[str], out: str, as_json: bool) -> int:
@@ -330,8 +329,7 @@ def calibrate_from_nccl_tests(topo: str, files: list[str], out: str, as_json: bo
                   _fmt(r["busbw_GBps"]), _fmt(r["rate_GBps"]), f"{r['max_error']:.1%}")
     console.print(t)
     console.print(_fitted_table(rows))
-    console.print(f"wrote {out}; use it: add `calibration: {out}` to the topology file (a path relative to it)",
-                  soft_wrap=True)
+    console.print(f"wrote {out}; use it: add `calibration: {out}` to the topology file (a path relative to it)")
     return 0
 
 

@@ -94,4 +94,4 @@ def _print_job(body: dict, console, title: str, group0: list[int]) -> None:
     console.print(f"job TP {j['tp']} x CP {j['cp']} x DP {j['dp']} ({j['order']}, innermost first): "
                   f"{j['groups']} CP groups at once, group 0 on GPUs {group0}; group 0 alone "
                   f"{fmt_seconds(j['alone_s'])}, all groups together {fmt_seconds(j['together_s'])} "
-                  f"({slower:+.1%})", soft_wrap=True)
+                  f"({slower:+.1%})")

@@ -123,7 +123,22 @@ def knobs(tile, mapping, partial_dtype, dkv_dtype, ulysses_degree, inner_ring, t
         if not sep or not name.strip():
             raise UserError("--knob", f"cannot read {item!r}", "write --knob name=value")
         out[name.strip().replace("-", "_")] = value.strip()
+    known = _known_knobs()
+    unknown = [k for k in out if k not in known]
+    if unknown:
+        from difflib import get_close_matches
+
+        near = get_close_matches(unknown[0], known, n=1)
+        raise UserError("--knob", f"no method has a knob {unknown[0]!r}",
+                        (f"did you mean {near[0]}? " if near else "") + f"the knobs: {', '.join(known)}")
     return out
+
+
+def _known_knobs() -> list[str]:
+    """Every knob of any registered method."""
+    from meshplan import algorithms
+
+    return sorted({k for alg in algorithms.REGISTRY.values() for k in alg.knobs})
 
 
 def topology(topo: str | None, gpus: int | None, command: str):

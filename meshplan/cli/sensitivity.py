@@ -50,5 +50,4 @@ def print_sensitivity(body: dict[str, Any], console) -> None:
                       f"{c['regret_mean_pct']:.2f}%", f"{c['regret_worst_pct']:.2f}%", fmt_seconds(c["p95_s"]))
     console.print(table)
     console.print("# is the nominal rank; regret = time / the fastest of these in the same sample - 1"
-                  + ("; --pick robust: the picked plan is #1 above" if s["pick"] == "robust" else ""),
-                  soft_wrap=True)
+                  + ("; --pick robust: the picked plan is #1 above" if s["pick"] == "robust" else ""))

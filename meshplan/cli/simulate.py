@@ -129,10 +129,10 @@ def validate_file(path, topo, as_json: bool) -> int:
         return 0 if report.ok else 1
     say = out_console()              # wrapped at the terminal's width (100 columns piped)
     if report.ok:
-        peak = report.peak_memory_bytes / 1e9
+        from meshplan.core.units import fmt_bytes
         say.print(f"valid: {len(sched.ops)} ops on {sched.n_ranks} ranks; every permitted block once, no padding "
                   f"computed, transfers matched and batched in one order, no hazard, no deadlock; peak buffers "
-                  f"{peak:.3g} GB per rank", markup=False, highlight=False)
+                  f"{fmt_bytes(report.peak_memory_bytes)} per rank", markup=False, highlight=False)
     else:
         say.print(f"invalid: {sum(report.counts.values())} violation(s)", markup=False, highlight=False)
         for v in report.violations:

@@ -293,7 +293,7 @@ def apply_calibration(spec: TopologySpec, calib: CalibrationSpec) -> TopologySpe
     dev = spec.node.device
     if calib.device.model != dev.model:
         raise UserError("calibration", f"measured on {calib.device.model!r}, but {spec.name}'s device is "
-                        f"{dev.model!r}", f"run meshplan calibrate --topo {spec.name} on that device")
+                        f"{dev.model!r}", f"run meshplan calibrate --topo {spec.name} --out FILE.yaml on that device")
     d = spec.model_dump()
     d["node"]["device"].update(peak_bf16_tflops=calib.peak_bf16_tflops, peak_fp32_tflops=calib.peak_fp32_tflops,
                                hbm_GBps=calib.hbm_GBps, kernel=f"{spec.calibration or calib.name}#kernel")

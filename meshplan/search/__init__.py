@@ -88,6 +88,7 @@ def enumerate_candidates(base: Workload, topo: Topology, n: int, algos: list[str
     skipped: Counter = Counter()
     cands: list[Candidate] = []
     jobs: list[tuple] = []                  # (name, workload, knobs, matrix, forward only): timed together below
+    zigzag_only: dict[int, Counter] = {}    # above the size: {method: layouts not searched}
     for name in algos or algorithms.NAMES:
         if name not in algorithms.NAMES:
             algorithms.get(name, "--algos")  # raises: unknown algorithm, with the valid names
@@ -107,7 +108,7 @@ def enumerate_candidates(base: Workload, topo: Topology, n: int, algos: list[str
         # the balanced layout only, above the size where their bounds build schedules or nothing is built at all
         few = min(getattr(alg, "search_variants_max_ranks", SEARCH_BUILD_MAX_RANKS), SEARCH_BUILD_MAX_RANKS)
         if n > few and len(layouts) > 1:
-            skipped[f"only zigzag searched above {few} ranks"] += len(layouts) - 1
+            zigzag_only.setdefault(few, Counter())[name] += len(layouts) - 1
             layouts = ["zigzag"]
         seen: list = []                                              # matrices of the layouts kept so far
         for layout in layouts:
@@ -127,6 +128,9 @@ def enumerate_candidates(base: Workload, topo: Topology, n: int, algos: list[str
             fwd_only = alg.forward_only and "bwd" in w.pass_list
             wc = w.with_(passes="fwd") if fwd_only else w
             jobs += [(name, wc, knobs, None if fwd_only else matrix, fwd_only) for knobs in settings]
+    for few, names in zigzag_only.items():   # named: other methods' rows keep their layouts
+        skipped[f"other layouts of {', '.join(names)} (only zigzag searched for them above {few} ranks)"] += \
+            sum(names.values())
     made = make_candidates([j[:4] for j in jobs], topo, n, builds)
     for (*_, fwd_only), c in zip(jobs, made):
         if isinstance(c, SkipCandidate):
@@ -205,9 +209,12 @@ def run_search(base: Workload, topo: Topology, n: int, *, algos: list[str] | Non
     ccr_w = base if layout_pinned else base.with_(layout="zigzag")
     ccr = ring_ccr(ccr_w, topo, n)
     rejected: list[str] = []
-    cands = _within_memory(cands, topo, memory_limit, given, skipped, rejected)
-    fwd_only = [c for c in cands if c.forward_only]       # listed after the others with bwd: null
+    fwd_only = [c for c in cands if c.forward_only]       # listed after the others with bwd: null, never the pick
     cands = [c for c in cands if not c.forward_only]
+    if fwd_only and not cands:
+        raise _forward_only_error(fwd_only, algos)
+    cands = _within_memory(cands, topo, memory_limit, given, skipped, rejected)
+    fwd_only = _within_memory(fwd_only, topo, memory_limit, given, skipped, rejected, refuse=False)
     cands.sort(key=lambda c: (c.estimate_s, c.bound_s))   # likely winners first: pruning bites early
     bnb = BranchAndBound(topo, n, ccr, memory_limit, given, prune_slack, skipped, rejected, FULL_SIM_MAX_RANKS,
                          PAIR_MAX_RANKS)
@@ -227,7 +234,7 @@ def run_search(base: Workload, topo: Topology, n: int, *, algos: list[str] | Non
     builds.clear()
     cands = [c for c in cands if c.model_level != "over-memory"]
     _rank_forward_only(fwd_only, topo, ccr, bnb.unsimulated)
-    if bnb.over and not cands and not fwd_only:
+    if bnb.over and not cands:                 # a forward-only method left alone does not time a fwd+bwd step
         peak, label = min(bnb.over)
         raise _no_fit(memory_limit, given, f"{fmt_bytes(peak)} ({label}, simulated)")
     n_sim = sum(c.model_level == "simulated" for c in cands + fwd_only)
@@ -238,13 +245,23 @@ def run_search(base: Workload, topo: Topology, n: int, *, algos: list[str] | Non
                         layout_pinned, memory_limit, reference)
 
 
+def _forward_only_error(fwd_only: list[Candidate], algos: list[str] | None) -> UserError:
+    """A fwd+bwd search where only forward-only methods can run (named in --algos, or the others skipped): none of
+    them times a training step."""
+    names = ", ".join(dict.fromkeys(c.algorithm for c in fwd_only))
+    return UserError("--algos" if algos else "--pass",
+                     f"{names} has no backward pass, and this search times forward and backward",
+                     "add --pass fwd to rank the forward alone" + (", or name a method with a backward in --algos"
+                                                                    if algos else ""))
+
+
 def _within_memory(cands: list[Candidate], topo: Topology, limit: float, given: bool, skipped: Counter,
-                   rejected: list[str]) -> list[Candidate]:
+                   rejected: list[str], refuse: bool = True) -> list[Candidate]:
     """The candidates whose memory-model peak before simulation (:func:`~meshplan.cost.memory.estimated_peak_bytes`)
     fits ``limit`` bytes per GPU (``given``: from --memory-limit, else the device's); the others counted and listed.
 
     Raises:
-        UserError: none fits (naming the smallest and what it needs).
+        UserError: ``refuse`` and none fits (naming the smallest and what it needs).
     """
     keep, smallest = [], None
     for c in cands:
@@ -255,7 +272,7 @@ def _within_memory(cands: list[Candidate], topo: Topology, limit: float, given: 
             smallest = min(smallest or (peak, c), (peak, c), key=lambda x: x[0])
         else:
             keep.append(c)
-    if cands and not keep:
+    if refuse and cands and not keep:
         peak, c = smallest
         raise _no_fit(limit, given, f"{fmt_bytes(peak)} ({label(c)})")
     return keep

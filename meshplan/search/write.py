@@ -47,6 +47,10 @@ def written_best(result: SearchResult, k: int, out_dir: str) -> tuple[dict[int, 
     paths: dict[int, str] = {}
     rejected: list[str] = []
     for rank, c in enumerate(result.candidates[:k], start=1):
+        if c.forward_only:                    # listed for its forward; its schedule is no training step
+            rejected.append(f"not written: #{rank} {short_label(c)}: it has no backward pass (this search times "
+                            "forward and backward; search --pass fwd writes it)")
+            continue
         _record(stage_schedule(rank, c, result.topology, result.memory_limit, out_dir), rank - 1, paths, rejected)
     return paths, rejected
 

@@ -171,6 +171,10 @@ NEAR_TIE = 0.03      # predicted margins below this are near-ties: the CPU valid
 WRITES_WHOLE_MAX_RANKS = 256
 
 
+#: #2 within this fraction of #1's time (0.0% printed): the same time, said so — no lead, no "beats"
+SAME_TIME = 5e-4
+
+
 def _lead_text(candidates: list[dict[str, Any]], n_ranks: int) -> str | None:
     """How far #1 (simulated) leads #2 — at least that far when #2 was left at its closed-form lower bound — and a
     near-tie warning under :data:`NEAR_TIE`: a margin smaller than the model's error does not say which is
@@ -185,8 +189,11 @@ def _lead_text(candidates: list[dict[str, Any]], n_ranks: int) -> str | None:
     gap = (b - a) / a
     if gap < 0:                          # a bound below the pick: said by the not-proven line, not as a lead
         return None
-    text = (f"#1 leads #2 by {'at least ' if bound else ''}{gap:.1%} (predicted"
-            f"{'; #2 at its closed-form lower bound' if bound else ''})")
+    if gap < SAME_TIME and not bound:
+        text = "#1 and #2 take the same time (predicted)"
+    else:
+        text = (f"#1 leads #2 by {'at least ' if bound else ''}{gap:.1%} (predicted"
+                f"{'; #2 at its closed-form lower bound' if bound else ''})")
     if gap < NEAR_TIE:
         from meshplan.search.run_memory import cpu_max_ranks
         runs = "then meshplan run each" if n_ranks <= cpu_max_ranks() else \
@@ -242,7 +249,7 @@ def why_lines(body: dict[str, Any]) -> list[str]:
         d_compute = (two.get("compute_s") or 0.0) - (one.get("compute_s") or 0.0)
         d_comm = (two["exposed_comm_s"] or 0.0) - exposed
         gap = two["makespan_s"] - t
-        if gap > 0:
+        if gap >= SAME_TIME * t:                    # equal times: nothing beats anything
             what = "exposed communication" if d_comm >= d_compute else "compute on the critical rank"
             lines.append(f"#1 beats #2 ({plan_text(cands[1])}) mostly by {what}: compute "
                          f"{fmt_seconds(one.get('compute_s') or 0.0)} vs {fmt_seconds(two.get('compute_s') or 0.0)}, "

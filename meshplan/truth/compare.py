@@ -172,7 +172,8 @@ def host_match(topo, meas: MeasurementJSON) -> str:
         return ""
     name = lambda h: f"{h[0]} ({h[1]}, {h[2]} cores)"  # noqa: E731
     return (f"the prediction uses a calibration measured on {name(there)}, this run's host is {name(here)}: "
-            "run `meshplan calibrate` on this host for a meaningful error")
+            "run `meshplan calibrate --out FILE.yaml` on this host (named in the topology's calibration:) for a "
+            "meaningful error")
 
 
 def _end_to_end(sched, sim, meas: MeasurementJSON, ratio: float | None) -> dict:

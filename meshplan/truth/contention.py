@@ -13,8 +13,10 @@ Per rank, over the ops of its ``compute`` stream:
   about (another process, more ranks than the calibration's cores), not a model error.
 
 The verdict (medians over ranks): ``contention`` when the unexpected waiting is more than
-:data:`CONTENTION_SHARE` of the measured wall time; else ``compute model`` when the kernel error is beyond
-:data:`KERNEL_TOLERANCE`; else ``consistent``. GPU runs (the CPU time of a launching thread says nothing about
+:data:`CONTENTION_SHARE` of the measured wall time and the kernel error within :data:`KERNEL_TOLERANCE`;
+``compute model`` when the kernel error is beyond it and the waiting is not; ``contention and compute model`` when
+both are (the CPU time does not wait for a core: a kernel error that large is the model's, busy host or not);
+else ``consistent``. GPU runs (the CPU time of a launching thread says nothing about
 its kernels) and measurements without stream CPU times get None.
 """
 
@@ -38,12 +40,10 @@ def diagnose(pred_alone_s: float, pred_wall_s: float, meas_wall_s: float, meas_c
     expected = max(pred_wall_s - pred_alone_s, 0.0)
     share = (waited - expected) / meas_wall_s if meas_wall_s > 0 else 0.0
     kernel = 100.0 * (pred_alone_s - meas_cpu_s) / meas_cpu_s if meas_cpu_s > 0 else None
-    if share > CONTENTION_SHARE:
-        verdict = "contention"
-    elif kernel is not None and abs(kernel) > 100 * KERNEL_TOLERANCE:
-        verdict = "compute model"
-    else:
-        verdict = "consistent"
+    busy = share > CONTENTION_SHARE
+    off = kernel is not None and abs(kernel) > 100 * KERNEL_TOLERANCE
+    verdict = {(True, True): "contention and compute model", (True, False): "contention",
+               (False, True): "compute model", (False, False): "consistent"}[busy, off]
     return {"predicted_alone_s": pred_alone_s, "predicted_wall_s": pred_wall_s, "measured_wall_s": meas_wall_s,
             "measured_cpu_s": meas_cpu_s, "kernel_error_pct": kernel, "waited_s": waited,
             "expected_wait_s": expected, "unexpected_wait_share": share, "verdict": verdict}
@@ -85,6 +85,10 @@ def contention_text(c: dict[str, Any] | None) -> str | None:
                 "is wrong; measure on a quiet host (or with no more ranks than cores)")
     if c["verdict"] == "compute model":
         return (f"compute model: {what} — not contention: the compute ops' own time (kernels and the executor's "
-                "per-op work) is off the model; recalibrate on this host (meshplan calibrate), and see the executor "
-                "overhead for small ops")
+                "per-op work) is off the model; recalibrate on this host (meshplan calibrate --out FILE.yaml, named "
+                "in the topology's calibration:), and see the executor overhead for small ops")
+    if c["verdict"] == "contention and compute model":
+        return (f"contention and compute model: {what} — the host was busy (waiting the model did not expect), and "
+                "the compute ops' own CPU time is off the model too: measure on a quiet host, and recalibrate on "
+                "this one (meshplan calibrate --out FILE.yaml, named in the topology's calibration:)")
     return f"consistent: {what}"

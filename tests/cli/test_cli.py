@@ -96,7 +96,7 @@ def test_search_flags_a_near_tie_at_the_top():
     assert text.startswith(f"#1 leads #2 by {at_least}{(b - a) / a:.1%}")
     assert ("near-tie" in text) == ((b - a) / a < NEAR_TIE)
     same = {**cands[0]}
-    assert _lead_text([cands[0], same], 4).startswith("#1 leads #2 by 0.0% (predicted)")
+    assert _lead_text([cands[0], same], 4).startswith("#1 and #2 take the same time (predicted)")   # no "lead"
     assert "near-tie" in _lead_text([cands[0], same], 4)
     # the way to run both: CPU ranks here up to cpu-local's 64, else on the cluster (a 256-rank run cannot start here)
     assert "then meshplan run each)" in _lead_text([cands[0], same], 64)
@@ -110,6 +110,11 @@ def test_search_flags_a_near_tie_at_the_top():
     assert _lead_text([cands[0], far], 4) == "#1 leads #2 by 100.0% (predicted)"
     bounded = {**far, "model_level": "closed-form"}
     assert _lead_text([cands[0], bounded], 4).startswith("#1 leads #2 by at least 100.0%")
+    from meshplan.show.search_table import why_lines  # equal times: nothing "beats" anything
+
+    def beats(two):
+        return [line for line in why_lines({"candidates": [cands[0], two], "topology": {}}) if "beats" in line]
+    assert beats(same) == [] and beats(far)[0].startswith("#1 beats #2")
     assert _lead_text(cands[:1], 4) is None and _lead_text([bounded, cands[0]], 4) is None
     shown = run(*args)
     assert shown.exit_code == 0 and "#1 leads #2 by" in shown.stdout
@@ -209,3 +214,29 @@ def test_simulate_refuses_unmatched_sends(tmp_path):
     bad.write_text(json.dumps(d))
     one_line_error(run("simulate", bad), "no matching partner")
     assert run("validate", bad).exit_code == 1
+
+
+def test_flags_that_would_be_ignored_are_refused(tmp_path):
+    """A knob no method has names --knob (not --gpus after every method skipped it); a schedule file with flags
+    that plan one by name (--algo, --gpus) names the flag; --top 0 would print no row under text about #1."""
+    base = ("search", "--gpus", 8, "--topo", "h100x8", "--seq-len", "16K", "--write", 0)
+    one_line_error(run(*base, "--knob", "foo=1"), "--knob", "no method has a knob 'foo'", "the knobs: ")
+    one_line_error(run(*base, "--knob", "dkv_hop=n"), "--knob", "did you mean dkv_hops?")
+    one_line_error(run(*base, "--top", 0), "--top", "give 1 or more")
+    sched = tmp_path / "r.json"
+    made = run("simulate", "--algo", "ring", "--gpus", 4, "--topo", "cpu-local", "--seq-len", "1K", "--heads", 2,
+               "--kv-heads", 2, "--head-dim", 16, "--out", str(sched))
+    assert made.exit_code == 0, made.stderr
+    one_line_error(run("simulate", str(sched), "--algo", "ring"), "--algo", "carries its own plan")
+    one_line_error(run("simulate", str(sched), "--gpus", 8), "--gpus", "carries its own plan")
+    assert run("simulate", str(sched), "--topo", "cpu-local").exit_code == 0
+    valid = run("validate", str(sched))
+    assert valid.exit_code == 0 and " GB per rank" not in valid.stdout and " KB per rank" in valid.stdout
+
+
+def test_the_charm_memory_reproduction_fits_100_columns(monkeypatch):
+    """Two tables of 9 and 8 columns (not one of 14, cut to ellipses when piped) and the summary folded."""
+    monkeypatch.setenv("COLUMNS", "100")
+    done = run("reproduce", "charm-memory")
+    assert done.exit_code == 0, done.stderr
+    assert max(map(len, done.stdout.splitlines())) <= 100 and "…" not in done.stdout

@@ -191,7 +191,11 @@ def test_above_the_build_limit_the_search_ranks_by_bounds_in_zigzag_and_says_so(
     body = json.loads(done.output)
     assert body["counts"]["simulated"] == 0 and body["candidates"]
     assert {c["layout"] for c in body["candidates"]} == {"zigzag"}
-    assert body["counts"]["skipped"]["only zigzag searched above 8 ranks"] >= 4      # Ring, pass-Q, Mesh: 2 each
+    zigzag_only = {k: v for k, v in body["counts"]["skipped"].items() if "only zigzag searched" in k}
+    assert len(zigzag_only) == 1                          # one line, naming the methods (Ring, Mesh among them)
+    (why, count), = zigzag_only.items()
+    assert why.startswith("other layouts of ring, pass-q") and "mesh" in why and "above 8 ranks" in why
+    assert count >= 4
     assert all(c["model_level"] == "closed-form" for c in body["candidates"])
     assert any("above 8 ranks" in k for k in body["counts"]["not_simulated"])
     done = run(*args)
@@ -216,10 +220,12 @@ def test_above_the_build_limit_the_search_ranks_by_bounds_in_zigzag_and_says_so(
 
 
 def test_a_search_of_forward_only_methods_prints_its_table(tmp_path, monkeypatch):
-    """TASP alone in a fwd+bwd search (a forward-only row: no total): the table and its notes print, no crash in
-    the lead, why or Ring lines (they read the total)."""
+    """TASP alone: in a fwd+bwd search refused (its schedule has no backward: --pass fwd the fix), under --pass fwd
+    ranked, its table and notes printed (the lead, why and Ring lines read the total)."""
     monkeypatch.chdir(tmp_path)
-    done = run("search", "--gpus", 16, "--topo", "h100x16", "--seq-len", "32K", "--heads", 8, "--kv-heads", 2,
-               "--head-dim", 64, "--algos", "tasp", "--write", 0)
+    args = ["search", "--gpus", 16, "--topo", "h100x16", "--seq-len", "32K", "--heads", 8, "--kv-heads", 2,
+            "--head-dim", 64, "--algos", "tasp", "--write", 0]
+    one_line_error(run(*args), "--algos", "tasp has no backward pass", "add --pass fwd")
+    done = run(*args, "--pass", "fwd")
     assert done.exit_code == 0, done.stderr
     assert "tasp" in done.stdout and "Traceback" not in done.stderr

@@ -76,6 +76,27 @@ def test_forward_only_methods_are_listed_last_with_bwd_null_under_fwd_and_bwd():
     assert any(c.algorithm == "tasp" and c.predicted.makespan_s > 0 for c in fwd.candidates)
 
 
+def test_a_forward_only_method_is_never_a_training_search_pick():
+    """A fwd+bwd search that only TASP could run — named alone, or the only method under the memory limit — is
+    refused (one line naming the flag, --pass fwd as the fix), not answered with a schedule that has no backward."""
+    from meshplan.core.errors import UserError
+    from meshplan.cost.memory import estimated_peak_bytes
+
+    topo = Topology.load("h100x8", gpus=8)
+    w = resolve(seq_len=8 * 7 * 2 * 16, passes="fwd+bwd")
+    with pytest.raises(UserError) as named:
+        run_search(w, topo, 8, algos=["tasp"], layout_pinned=True)
+    assert named.value.field == "--algos" and "no backward pass" in named.value.problem
+    assert "--pass fwd" in named.value.fix
+    every = run_search(w, topo, 8, layout_pinned=True).candidates
+    tasp_peak = max(estimated_peak_bytes(c.timing) for c in every if c.algorithm == "tasp")
+    least = min(estimated_peak_bytes(c.timing) for c in every if not c.forward_only)
+    assert tasp_peak < least                  # a limit between them leaves TASP alone
+    with pytest.raises(UserError) as alone:
+        run_search(w, topo, 8, layout_pinned=True, memory_limit=(tasp_peak + least) / 2)
+    assert alone.value.field == "--memory-limit" and "tasp" not in alone.value.fix
+
+
 def test_closed_form_exposed_communication_has_no_round_off_residue():
     """A bound equal to the compute time up to float round-off reports 0 exposed communication, not 1e-12 s."""
     from meshplan.search.candidate import _noise_free

@@ -27,3 +27,10 @@ def test_waiting_the_model_expected_is_not_contention():
     d = diagnose(pred_alone_s=0.050, pred_wall_s=0.100, meas_wall_s=0.104, meas_cpu_s=0.052)
     assert d["verdict"] == "consistent"
     assert d["unexpected_wait_share"] == pytest.approx((0.052 - 0.050) / 0.104)
+
+
+def test_a_busy_host_and_kernels_off_the_model_are_both_said():
+    """Waiting beyond the model's and a kernel CPU time 60% off it (a calibration that does not fit this host): the
+    CPU time does not wait for a core, so the model is off too — not "the host was busy, the model is fine"."""
+    d = diagnose(pred_alone_s=0.020, pred_wall_s=0.020, meas_wall_s=0.100, meas_cpu_s=0.050)
+    assert d["verdict"] == "contention and compute model" and d["kernel_error_pct"] == pytest.approx(-60.0)

@@ -59,8 +59,10 @@ GPU = replace(FULL, tokens=tuple(256 << k for k in range(7)), heads=32, head_dim
 
 
 def log(msg: str) -> None:
-    """One progress line on stderr."""
-    sys.stderr.write(f"calibrate: {msg}\n")
+    """One progress line on stderr, folded at 100 columns."""
+    import textwrap
+
+    sys.stderr.write(textwrap.fill(f"calibrate: {msg}", 100, subsequent_indent="  ") + "\n")
     sys.stderr.flush()
 
 
