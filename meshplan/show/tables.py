@@ -74,7 +74,9 @@ def print_topology(info: dict[str, Any], console: Console) -> None:
                           f"in its leaf; cross-rail: {how}")
         else:
             console.print(f"network: non-blocking switch ({net['latency_us']:g} us)")
-    routes = Table(title="example routes", title_justify="left")
+    overhead = info.get("p2p_overhead_us")
+    routes = Table(title="example routes" + (f" (latency: the software's {overhead:g} us a message + the hops')"
+                                             if overhead else ""), title_justify="left")
     for col in ("from", "to", "hops", "GB/s", "latency us"):
         routes.add_column(col)
     for r in info["routes"]:
