@@ -11,11 +11,12 @@ one a schedule of :mod:`meshplan.algorithms.ulysses` must pay, so it never excee
   R − 1 ring hops in sequence (each at least its slowest piece's time alone: a hop moves the group's u chunks as u
   transfers in one batch), whichever ends later; then the gather
   all-to-all's slowest piece (backward: the dQ gather, then the dK/dV gather, on one stream);
-* the all-to-alls' links in that chain: a batch ends with its last byte, so the rank that sent or received the
-  scatter's last byte over a link L (no sooner than the scatter's bytes over L / L's capacity) runs its kernels and
-  gathers after it; and no gather byte moves before the earliest rank's kernels end, so L's gather bytes / its
-  capacity come after that — across many nodes a node's network link carries the whole group's pieces, which is
-  what decides the exposed all-to-all (at 256 H100s a ``ulysses_degree`` 32 forward: 81 → 100 ms, simulated 107);
+* the all-to-alls' links in that chain (:func:`_link_floor`): a batch ends with its last byte, so the rank that
+  sent or received the scatter's last byte over a link L (no sooner than the scatter's bytes over L / L's capacity)
+  runs its kernels and gathers after it; and a rank posts its gathers (output; dQ, then dK/dV) after its kernels,
+  so L's gather bytes / its capacity come after the earliest rank's kernels end — across many nodes a node's
+  network link carries the whole group's pieces, which is what decides the exposed all-to-all (at 256 H100s a
+  ``ulysses_degree`` 32 forward: 81 → 100 ms, simulated 107);
 * the busiest link: every transfer's bytes summed on the links of its route (``Topology.link_loads``), divided
   by the link's capacity — a node's network aggregate included, which is what decides USP across many nodes;
 * a compute pool's (CPU ranks on few cores): Σ kernel time / the pool's cores.
@@ -81,8 +82,8 @@ def headsplit_timing(plan: Plan, topo: Topology, ring_hops) -> dict[str, PassTim
         done = np.maximum(first + compute + wait, kv_chain)            # the rank's last kernel ends
         chain = done + last
         if u > 1:                      # the all-to-alls' links: the scatter whole before a kernel, the gathers after
-            chain = np.maximum(chain, max(a2a.link_seconds(scatter) + float((compute + wait + last).min()),
-                                          float(done.min()) + a2a.link_seconds(sum(gathers))))
+            chain = np.maximum(chain, _link_floor(plan, topo, grid, pass_, a2a, scatter, sum(gathers), first, last,
+                                                  compute))
         moved = [(a2a, scatter, 1), *[(a2a, b, 1) for b in gathers]] if u > 1 else []
         group_kv = u * sizes["kv"]
         out[pass_] = pass_timing(plan, topo, pass_, compute, chain, moved + hops,
@@ -163,15 +164,33 @@ def _sums_home_wait(plan: Plan, topo: Topology, grid: Grid, home: Transfers, dkv
     return end - steps.sum(axis=1)
 
 
-def _rank_compute(plan: Plan, topo: Topology, grid: Grid, pass_: str) -> np.ndarray:
+def _link_floor(plan: Plan, topo: Topology, grid: Grid, pass_: str, a2a: Transfers, scatter: float,
+                gathered: float, first: np.ndarray, last: np.ndarray, compute: np.ndarray) -> float:
+    """A floor of the pass's makespan from the all-to-alls' links. A batch ends with its last byte: the rank that
+    sent or received the scatter's last byte over a link (no sooner than the scatter's bytes there / its capacity)
+    runs its kernels and its gathers after it. And a rank posts its gathers (the forward's output; the backward's
+    dQ, then its dK/dV on the same stream) after its last kernel, which starts after its scatter's slowest piece:
+    the gathers' bytes over a link (``gathered`` a transfer) come after the earliest such end. Only each rank's own
+    kernels are counted here (``compute`` less the backward's dK/dV partial additions, which it charges every rank
+    R − 1 times — fewer run where a mask leaves a KV group nothing to do — and no wait for another rank's progress,
+    which a rank starting late may not see)."""
+    kernels = compute
+    if pass_ == "bwd" and grid.R > 1:
+        kernels = _rank_compute(plan, topo, grid, pass_, additions=False)
+    return max(a2a.link_seconds(scatter) + float((kernels + last).min()),
+               float((first + kernels).min()) + a2a.link_seconds(gathered))
+
+
+def _rank_compute(plan: Plan, topo: Topology, grid: Grid, pass_: str, additions: bool = True) -> np.ndarray:
     """[n] each rank's kernels back to back: its group's query chunks against every KV group, its head range, each
     block at the envelope efficiency of an op over u × u chunks (N × N for Ulysses), one launch per op, and the
-    combines into its accumulators (the CPU executor's input staging left out: a bound, 10% under it there)."""
+    combines into its accumulators (the CPU executor's input staging left out: a bound, 10% under it there);
+    ``additions``: the backward's R − 1 dK/dV partials added too."""
     m, u, R = plan.matrix, grid.u, grid.R
     cost = CostModel(topo)
     per_op, per_block = _group_ops(plan, topo, grid, pass_)
     per_group = per_block.sum(axis=1)
-    if pass_ == "bwd" and R > 1:        # each of the R − 1 dK/dV partials the ring brings, added chunk by chunk
+    if pass_ == "bwd" and R > 1 and additions:    # each of the R − 1 dK/dV partials the ring brings, chunk by chunk
         w, hq = plan.workload, plan.workload.n_heads // u
         part = tensor_bytes(w, "dkv", m.chunk_tokens("kv"), hq, "fp32")
         wire = tensor_bytes(w, "dkv", m.chunk_tokens("kv"), hq, plan.knobs.get("dkv_dtype", "fp32"))

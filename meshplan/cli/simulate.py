@@ -171,7 +171,7 @@ def topology_info(name: str, gpus: int | None) -> dict[str, Any]:
         lat, bw = t.pair_stats(a, b)
         routes.append({"src": a, "dst": b, "path": path, "GBps": float(bw) / 1e9, "latency_us": float(lat) * 1e6})
     memory = t.memory_bytes
-    return {"name": t.name, "description": t.spec.description, "p2p_overhead_us": float(t.spec.p2p_overhead_us), "source": t.source, "hash": t.content_hash,
+    return {"name": t.name, "description": t.spec.description, "source": t.source, "hash": t.content_hash,
             "devices": t.n_devices, "nodes": t.n_nodes, "devices_per_node": min(t.gpus_per_node, t.n_devices),
             "domains": t.n_domains, "domain_of_device": t.domain_of_device.tolist(),
             "device": {"model": d.model, "peak_bf16_tflops": d.peak_bf16_tflops, "memory_GB": memory / 1e9,

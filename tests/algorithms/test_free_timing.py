@@ -23,6 +23,9 @@ CASES = [  # (topology, ranks, algorithm, knobs, mask, layout)
     ("h100x32", 32, "usp", {"ulysses_degree": 4}, "window:8192", "zigzag"),
     ("h100x32", 64, "usp", {"ulysses_degree": 16, "rank_order": "ring-first"}, "causal", "zigzag"),   # a2a on IB
     ("h100x32", 64, "usp", {"ulysses_degree": 8, "rank_order": "ring-first"}, "causal", "zigzag"),
+    ("h100x32", 64, "usp", {"ulysses_degree": 8, "rank_order": "ring-first"}, "window:2048", "contiguous"),
+    ("h100x32", 64, "loongtrain", {"ulysses_degree": 8, "rank_order": "ring-first", "inner_ring": 2}, "window:2048",
+     "contiguous"),
     ("dgx-h100", 8, "ulysses", {}, "causal", "zigzag"),
     ("cpu-local", 4, "usp", {"ulysses_degree": 2}, "causal", "zigzag"),
     ("h100x32", 32, "loongtrain", {}, "causal", "zigzag"),
@@ -78,19 +81,32 @@ def test_taken_above_the_build_limit_without_a_schedule():
     assert {p: t.bound_s for p, t in timing.items()} == {p: t.bound_s for p, t in usp_timing(plan, topo).items()}
 
 
-@pytest.mark.parametrize("ulysses_degree,tighter", [(16, 1.2), (8, 1.15)])
+@pytest.mark.parametrize("ulysses_degree,tighter", [(16, 1.25), (8, 1.4)])
 def test_the_all_to_all_across_nodes_counts_its_network_link(ulysses_degree, tighter):
     """Ring-first USP on 8 nodes: every all-to-all crosses the network, the node's link carries the pieces of its 8
     ranks at once, so its scatter's bytes / that link's capacity come before any kernel and the gathers' after: the
-    schedule-free bound is that much above the built schedule's uncontended form (which counts one piece alone,
-    11.5 vs 8.9 ms forward at a degree of 16) and still under the simulated makespan (14.7 ms)."""
+    forward's schedule-free bound is that much above the built schedule's uncontended form (which counts one piece
+    alone, 11.5 vs 8.9 ms at a degree of 16), and every pass stays under the simulated makespan (14.7 ms)."""
     topo = Topology.load("h100x32", gpus=64)
     w = resolve(model="llama3-8b", seq_len=1 << 17, mask="causal", layout="zigzag")
     alg, plan, _ = plan_candidate("usp", w, topo, 64, {"ulysses_degree": ulysses_degree, "rank_order": "ring-first"})
     free, sched = alg.schedule_free_timing(plan, topo), alg.schedule(plan, topo)
     built, sim = schedule_timing(sched, topo), simulate(sched, topo)
+    assert tighter * built["fwd"].bound_s <= free["fwd"].bound_s
     for phase, pass_ in enumerate(w.pass_list):
-        assert tighter * built[pass_].bound_s <= free[pass_].bound_s <= sim.pass_makespan[phase]
+        assert free[pass_].bound_s <= sim.pass_makespan[phase]
+
+
+def test_the_link_floor_counts_only_each_rank_s_own_kernels():
+    """A window under the contiguous layout leaves most KV groups nothing to do with a query group: the backward's
+    dK/dV partial additions the chain charges every rank R − 1 times mostly do not run, so the links' floor counts
+    the rank's own kernels alone (with them, USP's backward bound was 6.36 ms against a simulated 5.78 ms)."""
+    topo = Topology.load("h100x32", gpus=64)
+    w = resolve(model="llama3-8b", seq_len=1 << 16, mask="window:2048", layout="contiguous")
+    alg, plan, _ = plan_candidate("usp", w, topo, 64, {"ulysses_degree": 8, "rank_order": "ring-first"})
+    free, sim = alg.schedule_free_timing(plan, topo), simulate(alg.schedule(plan, topo), topo)
+    for phase, pass_ in enumerate(w.pass_list):
+        assert free[pass_].bound_s <= sim.pass_makespan[phase]
 
 
 @pytest.mark.parametrize("topo_name,n,name,knobs,mask,layout", [
