@@ -59,6 +59,11 @@ def block_stamp(r) -> str:
 NO_CLI = "(run `python benchmarks/readme.py --run-cli`)\n"
 
 
+def _cpu(d) -> str:
+    """``, <the CPU model>`` where the benchmark recorded it."""
+    return f", {d['cpu']}" if d.get("cpu") else ""
+
+
 def block_main_job(r) -> str:
     cli = r["readme_cli"]
     if not cli:
@@ -299,7 +304,7 @@ def block_baselines(r) -> str:
 def block_speed(r) -> str:
     d = r["planner_speed"]
     return "\n".join([
-        f"`python benchmarks/planner_speed.py` (2 cores, {d['date']}):", "",
+        f"`python benchmarks/planner_speed.py` (2 cores{_cpu(d)}, {d['date']}):", "",
         "| measure | result | target |", "|---|---|---|",
         f"| simulate Ring fwd+bwd, 256 GPUs, 1M tokens ({d['ops_256'] / 1e3:.0f}k ops; {d['reps_256']} representative "
         f"ranks) | {d['simulate_256_s']:.2f} s (+{d['build_256_s']:.2f} s to build the schedule) | < 1 s |",
@@ -467,7 +472,8 @@ def block_results(r) -> str:
         "- **Mesh-Attention vs Ring** (predicted, 256 GPUs, 1M tokens, bf16 partials): on `dgx-h100` "
         f"{dgx['speedup']:.2f}x faster with {dgx['saving_pct']:.1f}% fewer bytes per GPU; on `h100x32` "
         f"{h32['speedup']:.2f}x ([docs/mesh.md](docs/mesh.md#the-seeds-claims)).",
-        f"- **Planner speed** (`benchmarks/planner_speed.py`, 2 cores, {speed['date']}): Ring fwd+bwd on 256 GPUs, "
+        f"- **Planner speed** (`benchmarks/planner_speed.py`, 2 cores{_cpu(speed)}, {speed['date']}): Ring fwd+bwd "
+        f"on 256 GPUs, "
         f"1M tokens, simulated in {speed['simulate_256_s']:.2f} s; the main job {speed['cli_search_256_s']:.1f} s "
         f"including the write, against a budget of 5 s: "
         f"{'met' if speed['cli_search_256_s'] <= 5 else 'not met'}"

@@ -23,7 +23,7 @@ def print_search(body: dict[str, Any], console: Console, top: int, wide: bool = 
     communication, inter-node bytes, peak memory) that fits 100 columns, or with ``wide`` every column; then
     what is said under it (:func:`_print_notes`)."""
     console.print(f"{body['topology']['name']} x {body['n_ranks']} ranks; {_workload_text(body['workload'])}")
-    table = _search_table(body, top, wide)
+    table = _search_table(body, top, wide, narrow=not wide and console.width < NARROW_COLUMNS)
     if wide:                               # every column at its natural width: wider than the terminal if need be
         from rich.measure import Measurement
         need = Measurement.get(console, console.options.update(width=10_000), table).maximum
@@ -45,10 +45,18 @@ _COMPACT = (("#", "right"), ("plan", "left"), ("time", "right"), ("fwd", "right"
             ("exposed\ncomm", "right"), ("inter-node\nper GPU", "right"), ("peak\nmemory", "right"))
 
 
-def _search_table(body: dict[str, Any], top: int, wide: bool) -> Table:
-    """The top ``top`` rows (and Ring's reference row under them when it is not among them)."""
+#: a terminal narrower than this: the compact table leaves out the passes' times (the plan column keeps its words)
+NARROW_COLUMNS = 96
+_PASS_COLUMNS = ("fwd", "bwd")
+
+
+def _search_table(body: dict[str, Any], top: int, wide: bool, narrow: bool = False) -> Table:
+    """The top ``top`` rows (and Ring's reference row under them when it is not among them); ``narrow``: without
+    the fwd and bwd columns."""
     table = Table()
     for col, just in _WIDE if wide else _COMPACT:
+        if narrow and col in _PASS_COLUMNS:
+            continue
         # only the plan (or knobs) column wraps; numbers and names are never cut
         table.add_column(col, justify=just, no_wrap=col not in ("plan", "knobs"), overflow="fold")
     solver = any(c["scheduler"]["requested"] != "greedy" for c in body["candidates"])
@@ -67,15 +75,15 @@ def _search_table(body: dict[str, Any], top: int, wide: bool) -> Table:
     for i, c in rows:
         if i == "ring":
             table.add_section()
-        table.add_row(*_row(str(i), c, body["workload"]["passes"], wide),
+        table.add_row(*_row(str(i), c, body["workload"]["passes"], wide, narrow),
                       *([_order_text(c["scheduler"])] if solver else []),
                       *([fmt_or_dash((c.get("job") or {}).get("together_s"), fmt_seconds)] if job else []),
                       *([_doc_text(c.get("documents"))] if docs else []))
     return table
 
 
-def _row(label: str, c: dict[str, Any], passes: str, wide: bool) -> tuple[str, ...]:
-    """One candidate's cells; lower bounds (unsimulated) shown with ≥."""
+def _row(label: str, c: dict[str, Any], passes: str, wide: bool, narrow: bool = False) -> tuple[str, ...]:
+    """One candidate's cells; lower bounds (unsimulated) shown with ≥; ``narrow``: no fwd and bwd cells."""
     p = c["predicted"]
     sim = c["model_level"] == "simulated"
     t = fmt_seconds if sim else (lambda x: "≥" + fmt_seconds(x))
@@ -86,7 +94,7 @@ def _row(label: str, c: dict[str, Any], passes: str, wide: bool) -> tuple[str, .
     cross, peak = (fmt_or_dash(p["inter_node_bytes_per_gpu_max"], fmt_bytes),
                    fmt_or_dash(p.get("peak_memory_total_bytes"), fmt_bytes))
     if not wide:
-        return (label, plan_text(c), *times, cross, peak)
+        return (label, plan_text(c), *(times[::3] if narrow else times), cross, peak)
     return (label, c["algorithm"], c["layout"], knob_text(c["knobs"], c["algorithm"]), "sim" if sim else "bound",
             *times, fmt_or_dash(p["comm_bytes_per_gpu_max"], fmt_bytes), cross,
             fmt_or_dash(p["compute_to_comm"], lambda x: f"{x:.3g}"), peak)

@@ -116,6 +116,20 @@ def test_search_output_fits_100_columns(search_body):
     assert not any("…" in x for x in lines)                                       # nothing cut
 
 
+def test_search_output_at_80_columns_keeps_the_plans_words(search_body):
+    """A terminal under 96 columns: the passes' columns give way, so a knob (``ulysses_degree=4``) is never cut
+    inside a word; every line within 80."""
+    lines = _rendered(search_body, 80, wide=False)
+    assert max(len(x) for x in lines) <= 80
+    header = next(x for x in lines if "plan" in x)
+    assert "fwd" not in header and "bwd" not in header
+    from meshplan.show.search_table import plan_text
+
+    words = {w for line in lines for w in line.replace("│", " ").split()}
+    for c in search_body["candidates"][:10]:
+        assert set(plan_text(c).split()) <= words, plan_text(c)          # each word whole on one line
+
+
 def test_search_wide_shows_every_column_uncut(search_body):
     lines = _rendered(search_body, 100, wide=True)
     header = next(x for x in lines if "algorithm" in x)
