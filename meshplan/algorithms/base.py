@@ -133,7 +133,7 @@ class Algorithm:
         """Raise SkipCandidate/UserError when this (workload, N, knobs) cannot run. Default: anything goes."""
         if workload.passes != "fwd" and self.forward_only:
             from meshplan.core.errors import SkipCandidate
-            raise SkipCandidate("forward only", f"{self.name} has no backward")
+            raise SkipCandidate("forward only", f"{self.name} has no backward pass: add --pass fwd to time its forward")
 
     def knob_space(self, workload: Workload, topo: Topology, n_ranks: int,
                    filters: dict[str, Any]) -> list[dict[str, Any]]:
