@@ -20,18 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from meshplan.core.host import cpu_name  # times differ ~1.7x between this project's hosts (AMD EPYC, Intel Xeon)
+
 HERE = Path(__file__).resolve().parent
-
-
-def cpu_model() -> str:
-    """The host's CPU model (times differ by ~1.7x between the 2-core hosts this runs on: AMD EPYC, Intel Xeon)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def wall(cmd: list[str], repeat: int, cwd: str | None = None) -> tuple[float, float]:
@@ -82,7 +73,7 @@ def main() -> None:
     repeat = 3
     exe = str(Path(sys.executable).with_name("meshplan"))
     out: dict[str, object] = {"date": time.strftime("%Y-%m-%d %H:%M"), "python": platform.python_version(),
-                              "machine": platform.processor() or platform.machine(), "cpu": cpu_model()}
+                              "machine": platform.processor() or platform.machine(), "cpu": cpu_name()}
     out["help_s"], _ = wall([exe, "--help"], 5)
     out.update(in_process(repeat))
     out["cli_simulate_256_s"], _ = wall([exe, "simulate", "--algo", "ring", "--gpus", "256", "--topo", "h100x32",

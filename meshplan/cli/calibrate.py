@@ -132,8 +132,9 @@ def calibrate_memory_only(topo: str, backend: str, quick: bool, out: str, as_jso
                         "install the [exec] extra: pip install -e '.[exec]'")
     import torch
 
+    from meshplan.core.host import cpu_name
     from meshplan.executor.calibrate.bench import memory_samples, torch_threads
-    from meshplan.executor.host import cpu_isa, cpu_name
+    from meshplan.executor.host import cpu_isa
     from meshplan.executor.launch import resolve_backend
     from meshplan.executor.memory import reuse_freed_memory
     from meshplan.truth.memory_fit import fit_memory

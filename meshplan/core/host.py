@@ -1,10 +1,22 @@
-"""This host's memory, read without torch: what it can give new processes and what this process holds (the
-search's and the run's memory checks, :mod:`meshplan.search.run_memory`; the executor's launch)."""
+"""This host, read without torch: its CPU's model name, the memory it can give new processes and what this process
+holds (the search's and the run's memory checks, :mod:`meshplan.search.run_memory`; the executor's launch)."""
 
 from __future__ import annotations
 
 import os
+import platform
 from pathlib import Path
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what the platform says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def available_memory_bytes() -> float | None:

@@ -6,9 +6,7 @@ measurement) so a comparison can say when the prediction came from another host'
 
 from __future__ import annotations
 
-import platform
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -36,17 +34,6 @@ def cpu_isa() -> str | None:
     except AttributeError:
         pass
     return torch.backends.cpu.get_cpu_capability().lower()
-
-
-def cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), else what the platform says."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def free_gpu_bytes(devices: list[int]) -> float | None:

@@ -19,8 +19,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from meshplan.core.host import cpu_name
 from meshplan.executor.data import Inputs, attention_rows, load_inputs, make_inputs
-from meshplan.executor.host import cpu_isa, cpu_name
+from meshplan.executor.host import cpu_isa
 from meshplan.executor.kernels import TORCH_DTYPE, row_delta
 from meshplan.executor.memory import memory_mark, memory_top, reuse_freed_memory
 from meshplan.executor.numerics import assemble, dump, judge, local_results, numerics_of, sample_stats, sampled_tallies

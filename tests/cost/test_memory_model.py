@@ -149,7 +149,8 @@ def test_calibrate_memory_only_updates_the_memory_model_and_keeps_the_rest(tmp_p
     src = ROOT / "meshplan" / "topologies" / "calibration" / "cpu-local.yaml"
     out = tmp_path / "cpu-local.yaml"
     pytest.importorskip("torch")
-    from meshplan.executor.host import cpu_isa, cpu_name
+    from meshplan.core.host import cpu_name
+    from meshplan.executor.host import cpu_isa
     raw = yaml.safe_load(src.read_text())
     raw["device"] |= {"cpu": cpu_name(), "isa": cpu_isa()}      # as if this host had been calibrated
     out.write_text(yaml.safe_dump(raw, sort_keys=False))
@@ -178,7 +179,8 @@ def test_predicted_peak_memory_within_tolerance_on_cpu_runs(tmp_path):
     calibration's stated tolerance) .. +100% of each run's measured memory (its largest pass), and closer to it
     on average than the buffers alone; skipped when the calibration is another host's."""
     pytest.importorskip("torch")
-    from meshplan.executor.host import cpu_isa, cpu_name
+    from meshplan.core.host import cpu_name
+    from meshplan.executor.host import cpu_isa
 
     calib = Topology.load("cpu-local").calibration
     if (calib.device.cpu, calib.device.isa) != (cpu_name(), cpu_isa()):

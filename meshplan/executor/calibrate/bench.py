@@ -34,8 +34,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from meshplan.core.host import cpu_name
 from meshplan.executor.calibrate.common import FULL, GPU, QUICK, Sweep, log, qkv, sync, typical
-from meshplan.executor.host import cpu_isa, cpu_name
+from meshplan.executor.host import cpu_isa
 from meshplan.executor.kernels import TORCH_DTYPE, block_backward, block_backward_from_out, block_forward
 from meshplan.executor.launch import resolve_backend
 from meshplan.executor.memory import reuse_freed_memory
