@@ -94,7 +94,8 @@ def _row(label: str, c: dict[str, Any], passes: str, wide: bool, narrow: bool = 
     cross, peak = (fmt_or_dash(p["inter_node_bytes_per_gpu_max"], fmt_bytes),
                    fmt_or_dash(p.get("peak_memory_total_bytes"), fmt_bytes))
     if not wide:
-        return (label, plan_text(c), *(times[::3] if narrow else times), cross, peak)
+        total, _, _, exposed = times
+        return (label, plan_text(c), *((total, exposed) if narrow else times), cross, peak)
     return (label, c["algorithm"], c["layout"], knob_text(c["knobs"], c["algorithm"]), "sim" if sim else "bound",
             *times, fmt_or_dash(p["comm_bytes_per_gpu_max"], fmt_bytes), cross,
             fmt_or_dash(p["compute_to_comm"], lambda x: f"{x:.3g}"), peak)
