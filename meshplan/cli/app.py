@@ -126,11 +126,12 @@ def search(gpus: o.GpusNeeded = None, topo: o.TopoNeeded = None, model: o.Model 
 
     With --tp/--dp, --gpus is the CP group size and the best plans are re-ranked by the whole job's time.
     With --doc-lengths, rank fixed methods against per-batch planning over packs drawn from a histogram."""
+    from meshplan.cli.search_flags import check_search_flags, memory_limit_bytes
     from meshplan.search.pipeline import JobRerank, SearchRequest, Sensitivity, no_candidate_error, run_pipeline
     from meshplan.search.sensitivity import check_args
     from meshplan.show.search_table import print_search
 
-    _check_search_flags(gpus, scheduler, ilp_time_limit_s, ilp_workers, write, top, map_search, prune_slack, out)
+    check_search_flags(gpus, scheduler, ilp_time_limit_s, ilp_workers, write, top, map_search, prune_slack, out)
     if doc_lengths is not None or batches is not None:
         from meshplan.cli.batch import distribution_command
         distribution_command(gpus, topo, doc_lengths, batches, seq_len, model, batch, heads, kv_heads, head_dim,
@@ -153,7 +154,7 @@ def search(gpus: o.GpusNeeded = None, topo: o.TopoNeeded = None, model: o.Model 
     request = SearchRequest(
         base, topology, gpus, algos=names,
         filters=o.knobs(tile, mapping, partial_dtype, dkv_dtype, ulysses_degree, inner_ring, team_size, domains, knob),
-        layout_pinned=layout is not None, memory_limit_bytes=_memory_limit(memory_limit), prune_slack=prune_slack,
+        layout_pinned=layout is not None, memory_limit_bytes=memory_limit_bytes(memory_limit), prune_slack=prune_slack,
         write=write, out_dir=out, top=top, map_search=map_search, scheduler=scheduler,
         ilp_time_limit_s=ilp_time_limit_s, ilp_workers=ilp_workers, job=job,
         sensitivity=None if sensitivity is None else Sensitivity(sensitivity, sensitivity_samples, sensitivity_top,
@@ -165,50 +166,6 @@ def search(gpus: o.GpusNeeded = None, topo: o.TopoNeeded = None, model: o.Model 
         raise no_candidate_error(report.result, names)
     body = report.json()
     _emit(body, as_json, lambda c: (print_search(body, c, top, wide), sv.print_sensitivity(body, c)))
-
-
-def _memory_limit(text: str | None) -> float | None:
-    """``--memory-limit`` in bytes (None: not given); a bare number under 1 MB is refused as a missing unit."""
-    from meshplan.core.errors import UserError
-    from meshplan.core.units import parse_bytes
-
-    if not text:
-        return None
-    limit = parse_bytes(text, "--memory-limit")
-    if limit < 1e6:
-        raise UserError("--memory-limit", f"{text} is {limit:g} bytes, less than 1 MB per GPU",
-                        f"give a unit: --memory-limit {text}GB or {text}GiB")
-    return limit
-
-
-def _check_search_flags(gpus, scheduler, ilp_time_limit_s, ilp_workers, write, top, map_search, prune_slack,
-                        out) -> None:
-    """``search``'s own flags, before anything runs (UserError: one line naming the flag); ``out`` must be a
-    directory this process can write into when schedules are written."""
-    from meshplan.core.errors import UserError
-    from meshplan.core.fileio import check_writable
-
-    if gpus is None:
-        raise UserError("--gpus", "search needs a GPU count", "give --gpus N")
-    if scheduler not in ("greedy", "ilp", "auto"):
-        raise UserError("--scheduler", f"unknown scheduler {scheduler!r}", "use greedy, ilp or auto")
-    if not 0 < ilp_time_limit_s <= 86400:
-        raise UserError("--ilp-time-limit-s", f"{ilp_time_limit_s} is not a time limit",
-                        "give seconds, more than 0 and at most 86400 (e.g. 10)")
-    if not 0 <= ilp_workers <= 256:
-        raise UserError("--ilp-workers", f"{ilp_workers} workers", "give 0 (one per core) to 256")
-    if write < 0:
-        raise UserError("--write", f"{write} is negative", "give a count of 0 or more")
-    if top < 1:
-        raise UserError("--top", f"{top} rows", "give 1 or more (the text under the table speaks of #1)")
-    if map_search < 0:
-        raise UserError("--map-search", f"{map_search} is negative", "give a number of simulations (0: off)")
-    if map_search and gpus > 64:
-        raise UserError("--map-search", f"placement search is for up to 64 ranks, not {gpus}", "drop --map-search")
-    if not 0 <= prune_slack < 1:
-        raise UserError("--prune-slack", f"{prune_slack} is outside [0, 1)", "give a fraction such as 0.01")
-    if write > 0:
-        check_writable(out, "--out", directory=True)
 
 
 def _progress():
