@@ -66,7 +66,7 @@ def headsplit_timing(plan: Plan, topo: Topology, ring_hops) -> dict[str, PassTim
     sizes = {"kv": piece("kv"), "dkv": piece("dkv", plan.knobs.get("dkv_dtype", "fp32"))}
     out = {}
     for pass_ in w.pass_list:
-        compute = _rank_compute(plan, topo, grid, pass_)
+        compute, kernels = _rank_compute(plan, topo, grid, pass_)
         if pass_ == "fwd":
             scatter, slowest, gathers = piece("q") + piece("kv"), max(piece("q"), piece("kv")), [piece("out")]
         else:
@@ -82,8 +82,7 @@ def headsplit_timing(plan: Plan, topo: Topology, ring_hops) -> dict[str, PassTim
         done = np.maximum(first + compute + wait, kv_chain)            # the rank's last kernel ends
         chain = done + last
         if u > 1:                      # the all-to-alls' links: the scatter whole before a kernel, the gathers after
-            chain = np.maximum(chain, _link_floor(plan, topo, grid, pass_, a2a, scatter, sum(gathers), first, last,
-                                                  compute))
+            chain = np.maximum(chain, _link_floor(a2a, scatter, sum(gathers), first, last, kernels))
         moved = [(a2a, scatter, 1), *[(a2a, b, 1) for b in gathers]] if u > 1 else []
         group_kv = u * sizes["kv"]
         out[pass_] = pass_timing(plan, topo, pass_, compute, chain, moved + hops,
@@ -164,38 +163,35 @@ def _sums_home_wait(plan: Plan, topo: Topology, grid: Grid, home: Transfers, dkv
     return end - steps.sum(axis=1)
 
 
-def _link_floor(plan: Plan, topo: Topology, grid: Grid, pass_: str, a2a: Transfers, scatter: float,
-                gathered: float, first: np.ndarray, last: np.ndarray, compute: np.ndarray) -> float:
+def _link_floor(a2a: Transfers, scatter: float, gathered: float, first: np.ndarray, last: np.ndarray,
+                kernels: np.ndarray) -> float:
     """A floor of the pass's makespan from the all-to-alls' links. A batch ends with its last byte: the rank that
     sent or received the scatter's last byte over a link (no sooner than the scatter's bytes there / its capacity)
     runs its kernels and its gathers after it. And a rank posts its gathers (the forward's output; the backward's
     dQ, then its dK/dV on the same stream) after its last kernel, which starts after its scatter's slowest piece:
     the gathers' bytes over a link (``gathered`` a transfer) come after the earliest such end. Only each rank's own
-    kernels are counted here (``compute`` less the backward's dK/dV partial additions, which it charges every rank
-    R − 1 times — fewer run where a mask leaves a KV group nothing to do — and no wait for another rank's progress,
-    which a rank starting late may not see)."""
-    kernels = compute
-    if pass_ == "bwd" and grid.R > 1:
-        kernels = _rank_compute(plan, topo, grid, pass_, additions=False)
+    ``kernels`` are counted here (not the backward's dK/dV partial additions the chain charges every rank R − 1
+    times — fewer run where a mask leaves a KV group nothing to do — nor a wait for another rank's progress, which a
+    rank starting late may not see)."""
     return max(a2a.link_seconds(scatter) + float((kernels + last).min()),
                float((first + kernels).min()) + a2a.link_seconds(gathered))
 
 
-def _rank_compute(plan: Plan, topo: Topology, grid: Grid, pass_: str, additions: bool = True) -> np.ndarray:
-    """[n] each rank's kernels back to back: its group's query chunks against every KV group, its head range, each
-    block at the envelope efficiency of an op over u × u chunks (N × N for Ulysses), one launch per op, and the
-    combines into its accumulators (the CPU executor's input staging left out: a bound, 10% under it there);
-    ``additions``: the backward's R − 1 dK/dV partials added too."""
+def _rank_compute(plan: Plan, topo: Topology, grid: Grid, pass_: str) -> tuple[np.ndarray, np.ndarray]:
+    """([n] each rank's compute stream, [n] its kernels alone): its kernels back to back — its group's query chunks
+    against every KV group, its head range, each block at the envelope efficiency of an op over u × u chunks (N × N
+    for Ulysses), one launch per op, and the combines into its accumulators (the CPU executor's input staging left
+    out: a bound, 10% under it there) — and, backward with a ring, the R − 1 dK/dV partials added too."""
     m, u, R = plan.matrix, grid.u, grid.R
     cost = CostModel(topo)
     per_op, per_block = _group_ops(plan, topo, grid, pass_)
-    per_group = per_block.sum(axis=1)
-    if pass_ == "bwd" and R > 1 and additions:    # each of the R − 1 dK/dV partials the ring brings, chunk by chunk
-        w, hq = plan.workload, plan.workload.n_heads // u
-        part = tensor_bytes(w, "dkv", m.chunk_tokens("kv"), hq, "fp32")
-        wire = tensor_bytes(w, "dkv", m.chunk_tokens("kv"), hq, plan.knobs.get("dkv_dtype", "fp32"))
-        per_group = per_group + (R - 1) * u * float(cost.merge_time_s(2 * part + wire))
-    return per_group[grid.g_of]
+    kernels = per_block.sum(axis=1)[grid.g_of]
+    if pass_ != "bwd" or R == 1:
+        return kernels, kernels
+    w, hq = plan.workload, plan.workload.n_heads // u     # each of the R − 1 dK/dV partials, added chunk by chunk
+    part = tensor_bytes(w, "dkv", m.chunk_tokens("kv"), hq, "fp32")
+    wire = tensor_bytes(w, "dkv", m.chunk_tokens("kv"), hq, plan.knobs.get("dkv_dtype", "fp32"))
+    return kernels + (R - 1) * u * float(cost.merge_time_s(2 * part + wire)), kernels
 
 
 def _group_ops(plan: Plan, topo: Topology, grid: Grid, pass_: str) -> tuple[float, np.ndarray]:
