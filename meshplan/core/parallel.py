@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +21,14 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-def _child(fn: Callable[[], Any], conn) -> None:
+def _stopped(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _child(fn: Callable[[], Any], conn, own_group: bool = False) -> None:
+    if own_group:           # before any file is made: SIGTERM unwinds (each staging or temporary file removed)
+        signal.signal(signal.SIGTERM, _stopped)
+        _set_group(0)
     try:
         conn.send((True, fn()))
     except BaseException as err:            # handed to the parent, which raises it there
@@ -35,17 +43,29 @@ def can_fork() -> bool:
     return os.environ.get("MESHPLAN_FORK", "1") != "0" and "fork" in mp.get_all_start_methods()
 
 
-class Beside:
-    """Work started in a forked child (:func:`start_beside`) whose result is collected later (:meth:`result`) or
-    waited for and dropped (:meth:`discard`) — for a caller that starts it before other work of its own begins and
-    ends."""
+def _set_group(pid: int) -> None:
+    """Make ``pid`` (0: this process) the leader of its own process group — from both sides of the fork, so the group
+    exists whichever runs first (ESRCH/EACCES/EPERM: the child has already ended or done it)."""
+    try:
+        os.setpgid(pid, 0)
+    except OSError:
+        pass
 
-    def __init__(self, side: Callable[[], Any]) -> None:
+
+class Beside:
+    """Work started in a forked child (:func:`start_beside`) whose result is collected later (:meth:`result`),
+    waited for and dropped (:meth:`discard`) or, started with ``own_group``, stopped midway (:meth:`stop`) — for a
+    caller that starts it before other work of its own begins and ends."""
+
+    def __init__(self, side: Callable[[], Any], own_group: bool = False) -> None:
         ctx = mp.get_context("fork")
         self._recv, send = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(target=_child, args=(side, send))   # not daemonic: a side may fork again
+        self._own_group = own_group
+        self._proc = ctx.Process(target=_child, args=(side, send, own_group))   # not daemonic: a side may fork again
         self._proc.start()
         send.close()
+        if own_group:
+            _set_group(self._proc.pid)
 
     def result(self) -> Any:
         """The side's result (waiting for it).
@@ -73,10 +93,29 @@ class Beside:
         except BaseException:      # noqa: BLE001 - not wanted, whatever it was
             pass
 
+    def stop(self) -> None:
+        """Stop the child and every process it forked (its process group: started with ``own_group``) by SIGTERM,
+        which each turns into SystemExit — unwinding, so the files it was writing are removed as on any error —
+        and wait for it (SIGKILL after 10 s). Its result is dropped. Without ``own_group``: :meth:`discard`."""
+        if not self._own_group:
+            self.discard()
+            return
+        try:
+            os.killpg(self._proc.pid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):         # ended already (its group with it)
+            pass
+        self._proc.join(10.0)
+        if self._proc.exitcode is None:
+            self._proc.kill()
+            self._proc.join()
+        self._recv.close()
 
-def start_beside(side: Callable[[], Any]) -> Beside:
-    """``side()`` started in a forked child now (:class:`Beside`); only where :func:`can_fork`."""
-    return Beside(side)
+
+def start_beside(side: Callable[[], Any], own_group: bool = False) -> Beside:
+    """``side()`` started in a forked child now (:class:`Beside`); only where :func:`can_fork`. ``own_group``: the
+    child leads a process group of its own, so :meth:`Beside.stop` can stop it and what it forks midway (Ctrl-C at
+    the terminal no longer reaches them: the caller stops them on its way out)."""
+    return Beside(side, own_group)
 
 
 def alongside(side: Callable[[], Any], main: Callable[[], T], fork: bool = True) -> tuple[Any, T]:

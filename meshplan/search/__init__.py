@@ -189,14 +189,12 @@ def run_search(base: Workload, topo: Topology, n: int, *, algos: list[str] | Non
                filters: dict[str, Any] | None = None, layout_pinned: bool = False,
                memory_limit: float | None = None, prune_slack: float = PRUNE_SLACK,
                progress: Callable[[int, int, str], None] | None = None,
-               after_branch_bound: Callable[[Candidate | None, list[Candidate]], None] | None = None
-               ) -> SearchResult:
+               on_leader: Callable[[Candidate], None] | None = None) -> SearchResult:
     """Enumerate, prune and simulate; returns the candidates best first (simulated, then closed-form). Every plan
     must fit ``memory_limit`` bytes per GPU (default: the device's memory) by the memory model
     (:mod:`meshplan.cost.memory`): its estimate before simulation, its simulated total after.
-    ``after_branch_bound(leader, beside)``, when given, is called as soon as the branch and bound ends — with its
-    best simulated candidate, while Ring's settings ``beside`` (for the reference row) may still be simulated in
-    another process: the pipeline starts writing the pick there when none of them can beat it.
+    ``on_leader(candidate)``, when given, is called each time the branch and bound has a new best simulated candidate
+    (:attr:`BranchAndBound.on_leader`): the pipeline starts writing it then, while the search goes on.
 
     Raises:
         UserError: no plan fits.
@@ -217,17 +215,12 @@ def run_search(base: Workload, topo: Topology, n: int, *, algos: list[str] | Non
     fwd_only = _within_memory(fwd_only, topo, memory_limit, given, skipped, rejected, refuse=False)
     cands.sort(key=lambda c: (c.estimate_s, c.bound_s))   # likely winners first: pruning bites early
     bnb = BranchAndBound(topo, n, ccr, memory_limit, given, prune_slack, skipped, rejected, FULL_SIM_MAX_RANKS,
-                         PAIR_MAX_RANKS)
+                         PAIR_MAX_RANKS, on_leader=on_leader)
     # Ring's settings for the reference row, simulated in another process beside the branch and bound (both cores)
     ring_max = min(FULL_SIM_MAX_RANKS, SEARCH_BUILD_MAX_RANKS)         # above: Ring's bounds stand
     pool = ring_rows(cands) if n <= ring_max else []
-    def branch_and_bound() -> None:
-        bnb.visit_all(cands, progress)
-        if after_branch_bound is not None:
-            after_branch_bound(bnb.leader, pool)
-
     _, beside = simulate_beside(pool, lambda sim: reference_simulations(
-        cands, n, prune_slack, ring_max, lambda todo: sim(todo[0])), topo, ccr, branch_and_bound)
+        cands, n, prune_slack, ring_max, lambda todo: sim(todo[0])), topo, ccr, lambda: bnb.visit_all(cands, progress))
     for c in beside:
         bnb.record(c)                                            # as the search records what it simulates
     reference = ring_reference(cands, topo, n, ccr, prune_slack, ring_max)

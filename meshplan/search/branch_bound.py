@@ -55,6 +55,9 @@ class BranchAndBound:
     symmetric: dict[int, bool] = field(default_factory=dict)   # id -> reduces(), found where it was refined
     by_quotient: set[int] = field(default_factory=set)   # ids of candidates simulated on their representatives alone
     ahead: set[int] = field(default_factory=set)         # ids simulated beside the one before (not visited again)
+    #: called with each new leader once it leads (after the visit that simulated it: a pair's both recorded)
+    on_leader: Callable[[Candidate], None] | None = None
+    _told: Candidate | None = None                       # the leader on_leader was last called with
 
     def beaten(self, c: Candidate) -> bool:
         """Its lower bound exceeds (1 − prune_slack) x the best simulated makespan."""
@@ -72,6 +75,7 @@ class BranchAndBound:
         pairs = self.n <= self.pair_max_ranks      # in pairs where fork is not offered too: the same answer everywhere
         k = 0
         while k < len(cands):
+            self._tell_leader()
             c = cands[k]
             if progress:
                 progress(k, len(cands), label(c))
@@ -103,6 +107,13 @@ class BranchAndBound:
             self.record(c)
             if partner is not None:
                 self.record(partner)
+        self._tell_leader()
+
+    def _tell_leader(self) -> None:
+        """Call :attr:`on_leader` with the leader if it has not been told of it yet."""
+        if self.on_leader is not None and self.leader is not None and self.leader is not self._told:
+            self._told = self.leader
+            self.on_leader(self.leader)
 
     def _visit_beside_refinement(self, c: Candidate, upcoming: list[Candidate]) -> None:
         """Visit ``c`` (tighten, simulate or leave it) while a forked process tightens the bound of the next

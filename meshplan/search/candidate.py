@@ -204,10 +204,10 @@ def label(c: Candidate) -> str:
 def short_label(c: Candidate) -> str:
     """A candidate as the table names it: algorithm, layout and the knobs that differ from the method's defaults,
     space-separated (``usp zigzag ulysses_degree=32 rank_order=ring-first``)."""
-    return " ".join([c.algorithm, c.workload.layout, *(f"{k}={v}" for k, v in _given_knobs(c))])
+    return " ".join([c.algorithm, c.workload.layout, *(f"{k}={v}" for k, v in given_knobs(c))])
 
 
-def _given_knobs(c: Candidate) -> list[tuple[str, Any]]:
+def given_knobs(c: Candidate) -> list[tuple[str, Any]]:
     """``c``'s knobs that differ from its method's defaults (and are not ``auto``), in order."""
     defaults = {k: kn.default for k, kn in algorithms.get(c.algorithm).knobs.items()}
     return [(k, v) for k, v in c.knobs.items() if v is not None and v != defaults.get(k) and v != "auto"]
@@ -236,7 +236,7 @@ def topology_arg(topo: Topology) -> str:
 def simulate_command(cand: Candidate, topo: Topology) -> str:
     """The ``meshplan simulate`` command that times this candidate alone (every flag: method, knobs that differ
     from the defaults, ranks, topology, workload)."""
-    knobs = [knob_arg(k, v) for k, v in _given_knobs(cand)]
+    knobs = [knob_arg(k, v) for k, v in given_knobs(cand)]
     return " ".join(["meshplan simulate --algo", cand.algorithm, f"--gpus {cand.n_ranks}",
                      f"--topo {topology_arg(topo)}", cand.workload.cli_flags(), *knobs])
 

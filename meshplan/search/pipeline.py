@@ -5,9 +5,8 @@ The steps, in order: enumerate, prune and simulate the candidates (:func:`meshpl
 frameworks' settings (:mod:`meshplan.search.frameworks`); the rank -> GPU placement search
 (``map_search``); CP-SAT stream orders (``scheduler``); the sensitivity study; the re-rank by the whole job's
 time (``job``); the inference rules; verifying and writing the best schedules — in a forked process beside the
-frameworks' settings when no step after the search changes the ranking (both cores); with ``write`` 1, the pick
-already while Ring's reference settings finish, when none of them can beat it
-(:class:`~meshplan.search.write.EarlyWrite`). ``progress(done, total, label)`` is called as the steps go
+frameworks' settings when no step after the search changes the ranking (both cores); with ``write`` 1, the branch
+and bound's leader as soon as it leads, while the search goes on (:class:`~meshplan.search.write.EarlyWrite`). ``progress(done, total, label)`` is called as the steps go
 (``total`` None: a step without a count).
 """
 
@@ -177,7 +176,7 @@ def _steps(req: SearchRequest, say: Progress, early: bool, pick: EarlyWrite | No
     result = run_search(req.workload, req.topology, req.gpus, algos=list(req.algos) if req.algos else None,
                         filters=req.filters, layout_pinned=req.layout_pinned, memory_limit=req.memory_limit_bytes,
                         prune_slack=req.prune_slack, progress=say,
-                        after_branch_bound=pick.start if pick is not None else None)
+                        on_leader=pick.lead if pick is not None else None)
     if not result.candidates:
         if pick is not None:
             pick.discard()

@@ -12,6 +12,7 @@ from meshplan.search.beside import simulate_both
 from meshplan.search.candidate import (
     Candidate,
     forget_built,
+    given_knobs,
     simulate_candidate,
     simulate_command,
     timing_estimate_s,
@@ -19,6 +20,18 @@ from meshplan.search.candidate import (
 
 #: Ring settings simulated at most to find its best for the reference row
 REFERENCE_SIMULATIONS = 4
+#: predicted margins below this are near-ties: closer than the model's error (docs/accuracy.md: the CPU validation's
+#: error is several times it), so neither the table nor the reference row tells such plans apart
+NEAR_TIE = 0.03
+
+
+def reference_slack(prune_slack: float) -> float:
+    """How far below the reference row's simulated time another Ring setting's lower bound may lie and that setting
+    still be left at its bound: the near-tie margin (:data:`NEAR_TIE`), or the prune slack where that is larger. The
+    reference row is Ring's best setting to within the model's error — a setting left at its bound cannot beat it by
+    more than that (Ring's backward bound sits 3–4% under its simulation, so with the prune slack every one of its
+    settings would be simulated only to tell apart times within 0.5% of each other)."""
+    return max(prune_slack, NEAR_TIE)
 
 
 def time_of(c: Candidate) -> float:
@@ -41,7 +54,8 @@ def ring_reference(cands: list[Candidate], topo: Topology, n: int, ccr: float | 
                    max_ranks: int) -> Candidate | None:
     """Ring's best setting, the row every user knows: :func:`reference_simulations`, two at a time
     (:func:`~meshplan.search.beside.simulate_both`), then the fastest simulated setting — or an unsimulated one
-    whose bound is more than the prune slack under it (above ``max_ranks``: the best bound). None when Ring is not
+    whose bound is more than the reference slack (:func:`reference_slack`) under it (above ``max_ranks``: the best
+    bound). None when Ring is not
     among the candidates (``--algos`` without it, or it cannot run)."""
     def simulate(todo: list[Candidate]) -> None:
         if len(todo) == 2:                                          # both cores
@@ -58,27 +72,34 @@ def ring_reference(cands: list[Candidate], topo: Topology, n: int, ccr: float | 
     sim = [r for r in ring if r.model_level == "simulated"]
     best = min(sim, key=time_of) if sim else None
     lower = [r for r in ring if r.model_level != "simulated"
-             and (best is None or r.bound_s < time_of(best) * (1 - prune_slack))]
+             and (best is None or r.bound_s < time_of(best) * (1 - reference_slack(prune_slack)))]
     return min(lower, key=time_of) if lower else best       # a bound well below the best simulated stays shown
 
 
 def reference_simulations(cands: list[Candidate], n: int, prune_slack: float, max_ranks: int,
                           simulate: Callable[[list[Candidate]], Any], batch: int = 1) -> None:
-    """Simulate Ring's settings for the reference row: in bound order, up to ``REFERENCE_SIMULATIONS`` and up to
-    ``max_ranks`` ranks (above, its bounds stand: a schedule alone takes GBs, 8 GB at 1024 ranks and 1M tokens),
-    until no bound is more than the prune slack under the best simulated — as the search prunes. ``simulate(todo)``
-    simulates up to ``batch`` of them at a time. A search runs this beside its branch and bound, one at a time in
-    another process (:func:`~meshplan.search.beside.simulate_beside`); :func:`ring_reference` then simulates
-    any left (one the branch and bound found over the memory limit no longer counts)."""
-    order = sorted(ring_rows(cands), key=lambda c: c.bound_s)[:REFERENCE_SIMULATIONS]
+    """Simulate Ring's settings for the reference row: zigzag with its default knobs first (the setting torchtitan
+    and Megatron-LM run, so its simulation serves their rows too), then in bound order; up to ``REFERENCE_SIMULATIONS``
+    and up to ``max_ranks`` ranks (above, its bounds stand: a schedule alone takes GBs, 8 GB at 1024 ranks and 1M
+    tokens), until no bound is more than the reference slack (:func:`reference_slack`) under the best simulated —
+    as the search prunes, with the near-tie margin for its slack. ``simulate(todo)`` simulates up to ``batch`` of
+    them at a time. A search runs this beside its branch and bound, one at a time in another process
+    (:func:`~meshplan.search.beside.simulate_beside`); :func:`ring_reference` then simulates any left (one the
+    branch and bound found over the memory limit no longer counts)."""
+    order = sorted(ring_rows(cands), key=lambda c: (not _frameworks_ring(c), c.bound_s))[:REFERENCE_SIMULATIONS]
     while n <= max_ranks:
         ring = ring_rows(cands)
         best = min((time_of(r) for r in ring if r.model_level == "simulated"), default=float("inf"))
         todo = [c for c in order if c.model_level not in ("simulated", "over-memory")
-                and c.bound_s < best * (1 - prune_slack)][:batch]
+                and c.bound_s < best * (1 - reference_slack(prune_slack))][:batch]
         if not todo:                                                # no bound beats the best: as the search prunes
             break
         simulate(todo)
+
+
+def _frameworks_ring(c: Candidate) -> bool:
+    """Whether ``c`` is the Ring setting torchtitan and Megatron-LM run: zigzag, every knob at its default."""
+    return c.workload.layout == "zigzag" and not given_knobs(c)
 
 
 def ring_rows(cands: list[Candidate]) -> list[Candidate]:

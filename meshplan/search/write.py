@@ -4,7 +4,7 @@ Each schedule is verified in a forked process while it is encoded to a staging f
 output directory), and renamed to its name only once verified: a file never stands under its name unverified,
 and a refused one leaves nothing. :func:`written_best` leaves the search result as it was, so the pipeline can run
 it in a forked process beside the frameworks' settings and record its outcome with :func:`apply_written`;
-:class:`EarlyWrite` stages the pick even before the search ends, while Ring's reference settings are simulated.
+:class:`EarlyWrite` stages the branch and bound's leader as soon as it leads, while the search goes on.
 """
 
 from __future__ import annotations
@@ -64,42 +64,40 @@ def _record(got: Staged, index: int, paths: dict[int, str], rejected: list[str])
 
 
 class EarlyWrite:
-    """The pick verified and encoded while the search finishes Ring's reference simulations (the branch and bound's
-    other process: this one would wait for it, one core idle): :meth:`start` is
-    :func:`~meshplan.search.run_search`'s ``after_branch_bound``. The branch and bound's best is staged only when no
-    Ring setting still to be simulated can beat it (its lower bound is above the best's simulated time: a simulated
-    time is never under its bound), and committed as #1 only if it is the search's pick (:meth:`collect`); else its
-    staging file is removed and the pick written as usual. ``--write 1`` only (later rows may still move)."""
+    """The pick verified and encoded while the search goes on: :meth:`lead` is :func:`~meshplan.search.run_search`'s
+    ``on_leader``. Each new leader of the branch and bound whose schedule is at hand is staged at once in a forked
+    process (:func:`meshplan.core.parallel.start_beside`, in a process group of its own); a staging overtaken by a
+    faster leader is stopped and its file removed. The staged schedule is committed as #1 only if it is the search's
+    pick (:meth:`collect`: Ring's reference settings or a later candidate may still beat it); else it is stopped, its
+    staging file removed, and the pick written as usual. ``--write 1`` only (later rows may still move)."""
 
     def __init__(self, topo: Topology, memory_limit: float, out_dir: str) -> None:
         self.topo, self.memory_limit, self.out_dir = topo, memory_limit, out_dir
         self.leader = self.job = self.staged = None
 
-    def start(self, leader, beside: list) -> None:
-        """Stage ``leader`` in a forked process (:func:`meshplan.core.parallel.start_beside`) when Ring's settings
-        ``beside`` are being simulated and none of them can beat it."""
-        if leader is None or not beside or leader.predicted is None or leader.schedule is None:
+    def lead(self, leader) -> None:
+        """Stage ``leader`` (the branch and bound's best so far) in a forked process, stopping the staging of the one
+        it overtook; nothing where its schedule was not kept (simulated in another process: written as usual if it
+        is the pick)."""
+        if leader is None or leader is self.leader or leader.predicted is None or leader.schedule is None:
             return
-        best = leader.predicted.makespan_s
-        if any(c.bound_s <= best for c in beside):
-            return
+        self.discard()
         from meshplan.core.heap import release_freed_memory
         from meshplan.core.parallel import start_beside
 
         release_freed_memory()                              # the search's freed pages: not into the fork
         self.leader, self.staged = leader, _paths(1, leader, self.out_dir)[1]
-        self.job = start_beside(lambda: stage_schedule(1, leader, self.topo, self.memory_limit, self.out_dir))
+        self.job = start_beside(lambda: stage_schedule(1, leader, self.topo, self.memory_limit, self.out_dir),
+                                own_group=True)
 
     def discard(self) -> None:
-        """Wait for the staging process (if any) and remove what it staged, whatever became of it (interrupted:
-        Ctrl-C reaches it too): not to be written."""
+        """Stop the staging process (if any: it and the verifier it forked) and remove what it staged, whatever
+        became of it (interrupted: the caller's way out calls this): not to be written."""
         if self.job is None:
             return
-        job, self.job = self.job, None
+        job, self.job, self.leader = self.job, None, None
         try:
-            job.result()
-        except BaseException:   # noqa: BLE001 - not written: its error does not matter
-            pass
+            job.stop()
         finally:
             self.staged.unlink(missing_ok=True)
 

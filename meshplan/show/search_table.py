@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from meshplan.core.units import fmt_bytes, fmt_seconds
+from meshplan.search.ranking import NEAR_TIE
 from meshplan.show.tables import fmt_or_dash, knob_text
 
 
@@ -174,7 +175,6 @@ def _doc_text(d: dict[str, Any] | None) -> str:
     return f"{d['segments']:,}, " + ("-" if waste is None else f"{waste:.2f}x")
 
 
-NEAR_TIE = 0.03      # predicted margins below this are near-ties: the CPU validation's error is several times it
 #: up to this many ranks a search builds every method's schedule whole, so --write N writes the N best (above, a
 #: pick USP and the like is named with the `simulate … --out` that writes it: BuiltTiming.search_max_ranks)
 WRITES_WHOLE_MAX_RANKS = 256
@@ -186,9 +186,9 @@ SAME_TIME = 5e-4
 
 def _lead_text(candidates: list[dict[str, Any]], n_ranks: int) -> str | None:
     """How far #1 (simulated) leads #2 — at least that far when #2 was left at its closed-form lower bound — and a
-    near-tie warning under :data:`NEAR_TIE`: a margin smaller than the model's error does not say which is
-    faster, so run both — here as CPU ranks up to this host's limit, else on the cluster. None without a simulated
-    #1 and a #2."""
+    near-tie warning under :data:`~meshplan.search.ranking.NEAR_TIE`: a margin smaller than the model's error does
+    not say which is faster, so run both — here as CPU ranks up to this host's limit, else on the cluster. None
+    without a simulated #1 and a #2."""
     if len(candidates) < 2 or candidates[0]["model_level"] != "simulated":
         return None
     a, b = (c["predicted"].get("makespan_s") for c in candidates[:2])

@@ -55,3 +55,37 @@ def test_a_shared_counter_hands_each_number_to_one_side(fork, monkeypatch):
     side, main = alongside(drain, drain)
     assert sorted(side + main) == list(range(200))
 
+
+
+def test_a_side_in_its_own_group_is_stopped_midway_with_what_it_forked_and_its_files_removed(tmp_path, monkeypatch):
+    """``start_beside(own_group=True).stop()``: the child and the process it forked stop (SIGTERM unwinds each, so a
+    file being written is removed as on any error), long before they would have ended; what they wrote is gone."""
+    import time
+
+    from meshplan.core.fileio import write_atomic
+    from meshplan.core.parallel import can_fork, start_beside
+
+    if not can_fork():
+        pytest.skip("no fork here")
+    monkeypatch.setenv("MESHPLAN_FORK", "1")
+
+    def slow_pieces(name):
+        (tmp_path / f"{name}.started").touch()
+        for _ in range(600):                      # 60 s unless stopped
+            time.sleep(0.1)
+            yield b"x"
+
+    def side():
+        return alongside(lambda: write_atomic(tmp_path / "inner.bin", slow_pieces("inner")),
+                         lambda: write_atomic(tmp_path / "outer.bin", slow_pieces("outer")))
+
+    job = start_beside(side, own_group=True)
+    deadline = time.monotonic() + 30
+    while len(list(tmp_path.glob("*.started"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(list(tmp_path.glob("*.started"))) == 2       # both the child and its own child are writing
+    t0 = time.monotonic()
+    job.stop()
+    assert time.monotonic() - t0 < 8                         # stopped, not waited for (60 s)
+    time.sleep(0.5)                                          # the inner one ends with the group too
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["inner.started", "outer.started"]   # no .tmp left

@@ -514,3 +514,22 @@ def test_above_the_build_limit_usp_is_simulated_on_its_representatives(monkeypat
         for part in ("fwd", "bwd", "total"):
             assert mine[part] == pytest.approx(theirs[part], rel=1e-12)
     assert result.candidates[0].knobs == next(iter(whole.values())).knobs
+
+
+def test_ring_reference_is_its_best_setting_to_within_the_near_tie_margin():
+    """The reference row: Ring's default setting simulated first (the one torchtitan and Megatron-LM run), then any
+    setting whose bound is more than the near-tie margin under the best simulated; so no Ring setting left at its
+    bound can beat the reference by more than that margin, and the reference is the fastest simulated one."""
+    from meshplan.search.ranking import NEAR_TIE, reference_slack, ring_rows
+
+    assert reference_slack(0.01) == NEAR_TIE and reference_slack(0.05) == 0.05
+    topo = Topology.load("h100x16", gpus=16)
+    res = run_search(resolve(seq_len="64K", model="llama3-8b"), topo, 16, algos=["ring"])
+    ring, ref = ring_rows(res.candidates), res.reference
+    simulated = [c for c in ring if c.model_level == "simulated"]
+    assert ref in simulated and ref.predicted.makespan_s == min(c.predicted.makespan_s for c in simulated)
+    default = [c for c in ring if c.workload.layout == "zigzag" and c.knobs["dkv_hops"] == "n"]
+    assert default[0] in simulated
+    left = [c for c in ring if c.model_level != "simulated"]
+    assert left                                   # the rule left some at their bounds (else this tests nothing)
+    assert all(c.bound_s >= ref.predicted.makespan_s * (1 - NEAR_TIE) for c in left)

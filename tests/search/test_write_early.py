@@ -1,6 +1,6 @@
-"""The pick verified and written while Ring's reference settings are still being simulated (``EarlyWrite``): only
-when no Ring setting can beat it, the same file as the usual write, and nothing left behind when it is not the pick;
-a simulation in a forked process returns its timeline only with its schedule."""
+"""The branch and bound's leader verified and written while the search goes on (``EarlyWrite``): the same file as the
+usual write, a staging overtaken by a faster leader stopped, and nothing left behind when it is not the pick; a
+simulation in a forked process returns its timeline only with its schedule."""
 
 from __future__ import annotations
 
@@ -13,42 +13,52 @@ from meshplan.core.parallel import can_fork
 from meshplan.model.topology import Topology
 from meshplan.model.workload import resolve
 from meshplan.plan.json.io import read_schedule
-from meshplan.search.candidate import make_candidate, simulate_candidate
+from meshplan.search.candidate import label, make_candidate, simulate_candidate
 from meshplan.search.pipeline import SearchRequest, run_pipeline
 from meshplan.search.write import EarlyWrite
 
 pytestmark = pytest.mark.skipif(not can_fork(), reason="the early write runs in a forked process")
 
 
-def _spy(monkeypatch) -> list[bool]:
-    """Whether each call of ``EarlyWrite.start`` staged the pick."""
-    staged, start = [], EarlyWrite.start
+def _spy(monkeypatch) -> list[str]:
+    """The labels of the leaders ``EarlyWrite.lead`` staged, in order."""
+    staged, lead = [], EarlyWrite.lead
 
-    def spy(self, leader, beside):
-        start(self, leader, beside)
-        staged.append(self.job is not None)
-    monkeypatch.setattr(EarlyWrite, "start", spy)
+    def spy(self, leader):
+        lead(self, leader)
+        if self.job is not None and self.leader is leader:
+            staged.append(label(leader))
+    monkeypatch.setattr(EarlyWrite, "lead", spy)
     return staged
 
 
-def test_the_pick_staged_beside_ring_is_the_file_the_usual_write_gives(tmp_path, monkeypatch):
+def test_the_staged_pick_is_the_file_the_usual_write_gives(tmp_path, monkeypatch):
     topo, w = Topology.load("h100x16", gpus=16), resolve(seq_len="64K")
     staged = _spy(monkeypatch)
     early = run_pipeline(SearchRequest(w, topo, 16, write=1, out_dir=str(tmp_path / "early")))
-    assert staged == [True]                                  # USP's time is under every Ring bound here
-    monkeypatch.setattr(EarlyWrite, "start", lambda self, leader, beside: None)
+    assert staged and staged[-1] == label(early.best)        # staged while the search went on
+    monkeypatch.setattr(EarlyWrite, "lead", lambda self, leader: None)
     usual = run_pipeline(SearchRequest(w, topo, 16, write=1, out_dir=str(tmp_path / "usual")))
     a, b = Path(early.best.schedule_path), Path(usual.best.schedule_path)
     assert a.name == b.name and a.read_bytes() == b.read_bytes()
     assert [p.name for p in (tmp_path / "early").iterdir()] == [a.name]      # no staging file left
 
 
-def test_nothing_is_staged_while_a_ring_setting_could_still_win(tmp_path, monkeypatch):
+def test_a_staging_overtaken_by_a_faster_leader_is_stopped_and_leaves_nothing(tmp_path):
     topo, w = Topology.load("h100x16", gpus=16), resolve(seq_len="64K")
-    staged = _spy(monkeypatch)
-    report = run_pipeline(SearchRequest(w, topo, 16, algos=("ring",), write=1, out_dir=str(tmp_path)))
-    assert staged == [False]
-    assert [p.name for p in tmp_path.iterdir()] == [Path(report.best.schedule_path).name]
+    first, second = (make_candidate("ring", w, topo, 16, {"dkv_hops": h}) for h in ("n", "n-1"))
+    for c in (first, second):
+        simulate_candidate(c, topo, None)
+    early = EarlyWrite(topo, topo.memory_bytes, str(tmp_path))
+    early.lead(first)
+    job = early.job
+    early.lead(first)                                        # the same leader: left to go on
+    assert early.job is job
+    early.lead(second)                                       # overtaken: the first's staging stopped
+    assert early.job is not job and job._proc.exitcode is not None
+    paths, rejected = early.collect(SimpleNamespace(candidates=[second, first]))
+    assert rejected == [] and [p.name for p in tmp_path.iterdir()] == [Path(paths[0]).name]
+    assert read_schedule(paths[0]).knobs["dkv_hops"] == "n-1"              # the second leader's schedule
 
 
 def test_a_staged_schedule_that_is_not_the_pick_leaves_nothing(tmp_path):
@@ -56,15 +66,14 @@ def test_a_staged_schedule_that_is_not_the_pick_leaves_nothing(tmp_path):
     leader = make_candidate("ring", w, topo, 16, {})
     simulate_candidate(leader, topo, None)
     other = make_candidate("ring", w, topo, 16, {"dkv_hops": "n-1"})
-    far = [SimpleNamespace(bound_s=2 * leader.predicted.makespan_s)]
     early = EarlyWrite(topo, topo.memory_bytes, str(tmp_path))
-    early.start(leader, [SimpleNamespace(bound_s=leader.predicted.makespan_s)])     # a Ring bound at its time
+    early.lead(other)                                        # not simulated: nothing to stage
     assert early.job is None
-    early.start(leader, far)
+    early.lead(leader)
     assert early.job is not None
     assert early.collect(SimpleNamespace(candidates=[other, leader])) is None
     assert list(tmp_path.iterdir()) == []
-    early.start(leader, far)
+    early.lead(leader)
     paths, rejected = early.collect(SimpleNamespace(candidates=[leader, other]))
     assert rejected == [] and list(paths) == [0]
     assert [p.name for p in tmp_path.iterdir()] == [Path(paths[0]).name]
@@ -97,5 +106,5 @@ def test_an_interrupt_after_the_pick_was_staged_leaves_nothing(tmp_path, monkeyp
     topo, w = Topology.load("h100x16", gpus=16), resolve(seq_len="64K")
     with pytest.raises(KeyboardInterrupt):
         run_pipeline(SearchRequest(w, topo, 16, write=1, out_dir=str(tmp_path)))
-    assert staged == [True]
+    assert staged
     assert list(tmp_path.iterdir()) == []
