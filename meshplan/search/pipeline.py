@@ -6,8 +6,8 @@ frameworks' settings (:mod:`meshplan.search.frameworks`); the rank -> GPU placem
 (``map_search``); CP-SAT stream orders (``scheduler``); the sensitivity study; the re-rank by the whole job's
 time (``job``); the inference rules; verifying and writing the best schedules — in a forked process beside the
 frameworks' settings when no step after the search changes the ranking (both cores); with ``write`` 1, the branch
-and bound's leader as soon as it leads, while the search goes on (:class:`~meshplan.search.write.EarlyWrite`). ``progress(done, total, label)`` is called as the steps go
-(``total`` None: a step without a count).
+and bound's leader as soon as it leads, while the search goes on (:class:`~meshplan.search.write.EarlyWrite`).
+``progress(done, total, label)`` is called as the steps go (``total`` None: a step without a count).
 """
 
 from __future__ import annotations
