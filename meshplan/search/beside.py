@@ -17,6 +17,7 @@ from meshplan.search.candidate import (
     forget_built,
     keep_variant,
     simulate_candidate,
+    simulate_unkept,
     simulate_variants,
     summary_only,
 )
@@ -29,7 +30,8 @@ def simulate_both(first: Candidate, second: Candidate, topo: Topology, ccr: floa
     """:func:`simulate_candidate` of two candidates at once, ``second`` in a forked process
     (:func:`simulate_beside`; in turn where fork is not offered). ``second`` comes back with its simulation's
     summary, and with its schedule and timeline only if its simulated time is under ``keep_below`` (the branch and
-    bound's best so far: the one it keeps, to write; ~0.1 s to pickle 0.5M ops against ~0.5 s to build them again)."""
+    bound's best so far: the one it keeps, to write; ~0.1 s to pickle 0.5M ops against ~0.5 s to build them again) and
+    its method does not build its representatives alone (then it is simulated so: :func:`simulate_unkept`)."""
     simulate_beside([second], lambda simulate: simulate(second), topo, ccr,
                     lambda: simulate_candidate(first, topo, ccr), keep_below)
 
@@ -41,7 +43,8 @@ def simulate_beside(pool: list[Candidate], run: Callable[[Callable[[Candidate], 
     ``pool`` one after the other by calling ``simulate(c)`` (and may choose the next by the results so far), runs in
     a forked process while ``main`` runs here (:func:`meshplan.core.parallel.alongside`; after ``main``, here, where
     fork is not offered: the same answer). Each comes back as :func:`simulate_candidate` leaves it but without its
-    schedule (rebuilt where needed: written, improved) unless its simulated time is under ``keep_below``; its
+    schedule (rebuilt where needed: written, improved) unless its simulated time is under ``keep_below`` and its
+    method does not build its representatives alone (:func:`simulate_unkept`: no schedule then); its
     simulation's summary comes back (:func:`summary_only`; its timeline with its schedule). A candidate ``main``
     simulated itself meanwhile keeps its own (the same) result and is not among those returned."""
     if not pool:
@@ -63,6 +66,10 @@ def simulate_beside(pool: list[Candidate], run: Callable[[Callable[[Candidate], 
         got = []
 
         def simulate_there(c: Candidate) -> None:
+            if algorithms.get(c.algorithm).quotient_builds:      # its representatives alone: no schedule to keep
+                kept = simulate_unkept(c, topo, ccr)
+                got.append((where[id(c)], kept, c.predicted, c.documents, c.sim, None))
+                return
             kept = simulate_variants(c, topo, ccr)
             sched = c.schedule if c.predicted.makespan_s < keep_below else None
             sim = c.sim if sched is not None else summary_only(c.sim)     # its timeline goes with its schedule
@@ -82,3 +89,4 @@ def simulate_beside(pool: list[Candidate], run: Callable[[Callable[[Candidate], 
         c.predicted, c.model_level, c.documents, c.sim, c.schedule = pred, "simulated", docs, sim, sched
         done.append(c)
     return out, done
+

@@ -24,6 +24,7 @@ from meshplan.search.candidate import (
     reduces,
     refine_bound,
     simulate_candidate,
+    simulate_unkept,
     simulate_variants,
 )
 
@@ -100,7 +101,9 @@ class BranchAndBound:
                 if self._to_simulate(d):
                     partner = d
                     break
-            if partner is None:
+            if partner is None and self.leader is not None and algorithms.get(c.algorithm).quotient_builds:
+                simulate_unkept(c, self.topo, self.ccr)        # a rival of the leader: its representatives alone
+            elif partner is None:
                 simulate_candidate(c, self.topo, self.ccr)
             else:
                 simulate_both(c, partner, self.topo, self.ccr, keep_below=self.best)

@@ -30,7 +30,7 @@ from meshplan.core.errors import SkipCandidate, UserError
 from meshplan.core.units import fmt_bytes
 from meshplan.cost.memory import estimated_peak_bytes
 from meshplan.search import FULL_SIM_MAX_RANKS, SearchResult
-from meshplan.search.candidate import Candidate, make_candidate, refine_bound, simulate_candidate
+from meshplan.search.candidate import Candidate, make_candidate, refine_bound, simulate_unkept
 from meshplan.search.framework_settings import BWD_KNOBS, FRAMEWORKS, Choice, NotExpressible, express
 
 #: Every setting a framework offers is evaluated up to this many ranks.
@@ -157,7 +157,7 @@ def _evaluate(fb: FrameworkBest, entries: list, result: SearchResult, listed: di
                 _forget(cand)
             continue
         if k not in times:
-            simulate_candidate(cand, topo, result.ring_ccr)
+            simulate_unkept(cand, topo, result.ring_ccr)
             fb.simulated += 1
             _forget(cand)
             if _too_big(fb, s, cand.predicted.total.peak_memory_total_bytes, result.memory_limit):
