@@ -290,8 +290,9 @@ def simulate_unkept(cand: Candidate, topo: Topology, ccr: float | None) -> int:
     kept = simulate_variants(cand, topo, ccr, quotient=True) if alg.quotient_builds else None
     if kept is None:
         kept = simulate_variants(cand, topo, ccr)
-        cand.sim = summary_only(cand.sim)
+    summary = summary_only(cand.sim)
     forget_built(cand)
+    cand.sim = summary
     return kept
 
 

@@ -178,7 +178,7 @@ def test_above_the_full_simulation_size_only_the_searchs_simulated_plans_are_tim
     topo = Topology.load("h100x8", gpus=8)
     result = run_search(resolve(seq_len="16K", passes="fwd"), topo, 8, algos=["ring", "ulysses"])
     monkeypatch.setattr(fwmod, "FULL_SIM_MAX_RANKS", 4)
-    monkeypatch.setattr(fwmod, "simulate_candidate", lambda *a, **k: pytest.fail("simulated a framework plan"))
+    monkeypatch.setattr(fwmod, "simulate_unkept", lambda *a, **k: pytest.fail("simulated a framework plan"))
     simulated = {Choice.of(c).key(result.workload) for c in result.candidates if c.model_level == "simulated"}
     for fb in framework_bests(result, ["ring", "ulysses"]):
         assert fb.simulated == 0

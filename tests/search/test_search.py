@@ -533,3 +533,26 @@ def test_ring_reference_is_its_best_setting_to_within_the_near_tie_margin():
     left = [c for c in ring if c.model_level != "simulated"]
     assert left                                   # the rule left some at their bounds (else this tests nothing)
     assert all(c.bound_s >= ref.predicted.makespan_s * (1 - NEAR_TIE) for c in left)
+
+
+@pytest.mark.parametrize("name, knobs", [("usp", {"ulysses_degree": 2, "rank_order": "ring-first"}),
+                                         ("usp", {"ulysses_degree": 4, "rank_order": "ulysses-first"}),
+                                         ("ring", {})])
+def test_a_rival_simulated_unkept_has_the_prediction_of_its_whole_simulation(name, knobs):
+    """``simulate_unkept`` (the leader's rivals, the frameworks' settings): a method that builds its representatives
+    alone is simulated so, others whole; every number of the prediction is the whole simulation's, and no schedule
+    is left on the candidate (nor a timeline beyond its summary)."""
+    from meshplan.search.candidate import make_candidate, result_json, simulate_candidate, simulate_unkept
+
+    topo = Topology.load("h100x16", gpus=32)
+    w = resolve(seq_len="64K", model="llama3-8b")
+    whole = simulate_candidate(make_candidate(name, w, topo, 32, knobs), topo, 0.5)
+    rival = make_candidate(name, w, topo, 32, knobs)
+    assert simulate_unkept(rival, topo, 0.5) == 0
+    a, b = result_json(whole), result_json(rival)
+    a["simulation"].pop("wall_s"), b["simulation"].pop("wall_s")
+    if name == "usp":                                   # its representatives alone: one node's ranks
+        assert b["simulation"]["ranks_simulated"] < 32
+    a["simulation"].pop("ranks_simulated"), b["simulation"].pop("ranks_simulated")
+    assert a == b
+    assert rival.schedule is None and "schedule" not in rival.plan.extra and len(rival.sim.start) == 0
