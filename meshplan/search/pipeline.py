@@ -132,8 +132,7 @@ def run_pipeline(request: SearchRequest, progress: Progress | None = None) -> Se
         _nothing_simulated_suits(req)
         keep_large_arrays()      # N x N temporaries of 134 MB: pages reused, not faulted in anew (4096: 100 → 77 s)
     early = req.write > 0 and _writes_now(req) and can_fork()
-    limit = req.memory_limit_bytes if req.memory_limit_bytes is not None else req.topology.memory_bytes
-    pick = EarlyWrite(req.topology, limit, req.out_dir) if early and req.write == 1 else None
+    pick = EarlyWrite(req.topology, req.out_dir) if early and req.write == 1 else None
     try:
         return _steps(req, say, early, pick)
     except BaseException:                     # an error, or Ctrl-C: an early-staged pick is not left behind

@@ -65,21 +65,23 @@ def _record(got: Staged, index: int, paths: dict[int, str], rejected: list[str])
 
 class EarlyWrite:
     """The pick verified and encoded while the search goes on: :meth:`lead` is :func:`~meshplan.search.run_search`'s
-    ``on_leader``. Each new leader of the branch and bound whose schedule is at hand is staged at once in a forked
-    process (:func:`meshplan.core.parallel.start_beside`, in a process group of its own); a staging overtaken by a
-    faster leader is stopped and its file removed. The staged schedule is committed as #1 only if it is the search's
-    pick (:meth:`collect`: Ring's reference settings or a later candidate may still beat it); else it is stopped, its
+    ``on_leader``. The candidate the branch and bound simulates first (as soon as its schedule is built) and each new
+    leader whose schedule is at hand is staged at once in a forked process
+    (:func:`meshplan.core.parallel.start_beside`, in a process group of its own); a staging overtaken by a faster
+    leader is stopped and its file removed. The staged schedule is committed as #1 only if it is the search's pick
+    (:meth:`collect`: Ring's reference settings or a later candidate may still beat it); else it is stopped, its
     staging file removed, and the pick written as usual. ``--write 1`` only (later rows may still move)."""
 
-    def __init__(self, topo: Topology, memory_limit: float, out_dir: str) -> None:
-        self.topo, self.memory_limit, self.out_dir = topo, memory_limit, out_dir
+    def __init__(self, topo: Topology, out_dir: str) -> None:
+        self.topo, self.out_dir = topo, out_dir
         self.leader = self.job = self.staged = None
 
     def lead(self, leader) -> None:
-        """Stage ``leader`` (the branch and bound's best so far) in a forked process, stopping the staging of the one
-        it overtook; nothing where its schedule was not kept (simulated in another process: written as usual if it
-        is the pick)."""
-        if leader is None or leader is self.leader or leader.predicted is None or leader.schedule is None:
+        """Stage ``leader`` (the branch and bound's best so far, or before its first simulation the candidate it
+        simulates first) in a forked process, stopping the staging of the one it overtook; nothing where its schedule
+        was not kept (simulated in another process: written as usual if it is the pick). Its memory is not checked
+        here: a candidate the search's simulation finds over the limit never leads, so is never the pick."""
+        if leader is None or leader is self.leader or leader.schedule is None:
             return
         self.discard()
         from meshplan.core.heap import release_freed_memory
@@ -87,8 +89,7 @@ class EarlyWrite:
 
         release_freed_memory()                              # the search's freed pages: not into the fork
         self.leader, self.staged = leader, _paths(1, leader, self.out_dir)[1]
-        self.job = start_beside(lambda: stage_schedule(1, leader, self.topo, self.memory_limit, self.out_dir),
-                                own_group=True)
+        self.job = start_beside(lambda: stage_schedule(1, leader, self.topo, None, self.out_dir), own_group=True)
 
     def discard(self) -> None:
         """Stop the staging process (if any: it and the verifier it forked) and remove what it staged, whatever

@@ -49,7 +49,7 @@ def test_a_staging_overtaken_by_a_faster_leader_is_stopped_and_leaves_nothing(tm
     first, second = (make_candidate("ring", w, topo, 16, {"dkv_hops": h}) for h in ("n", "n-1"))
     for c in (first, second):
         simulate_candidate(c, topo, None)
-    early = EarlyWrite(topo, topo.memory_bytes, str(tmp_path))
+    early = EarlyWrite(topo, str(tmp_path))
     early.lead(first)
     job = early.job
     early.lead(first)                                        # the same leader: left to go on
@@ -66,7 +66,7 @@ def test_a_staged_schedule_that_is_not_the_pick_leaves_nothing(tmp_path):
     leader = make_candidate("ring", w, topo, 16, {})
     simulate_candidate(leader, topo, None)
     other = make_candidate("ring", w, topo, 16, {"dkv_hops": "n-1"})
-    early = EarlyWrite(topo, topo.memory_bytes, str(tmp_path))
+    early = EarlyWrite(topo, str(tmp_path))
     early.lead(other)                                        # not simulated: nothing to stage
     assert early.job is None
     early.lead(leader)
