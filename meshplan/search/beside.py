@@ -89,4 +89,3 @@ def simulate_beside(pool: list[Candidate], run: Callable[[Callable[[Candidate], 
         c.predicted, c.model_level, c.documents, c.sim, c.schedule = pred, "simulated", docs, sim, sched
         done.append(c)
     return out, done
-

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from meshplan import algorithms
+from meshplan.algorithms.base import BuiltTiming
 from meshplan.core.parallel import alongside, can_fork
 from meshplan.model.topology import Topology
 from meshplan.search.beside import simulate_both
@@ -118,10 +119,12 @@ class BranchAndBound:
     def _tell_likely(self, c: Candidate) -> None:
         """Before the first simulation (no leader yet), call :attr:`on_leader` with its candidate — the best estimate,
         the likely pick — as soon as its schedule is built (the simulation then takes the same build): its write
-        starts half a second sooner, stopped if another leads. Only where the method has one variant (else the
-        simulation picks among several schedules)."""
+        starts half a second sooner, stopped if another leads. Only where the method keeps its build on the plan
+        (:class:`~meshplan.algorithms.base.BuiltTiming`: the simulation takes the same one) and has one variant
+        (else the simulation picks among several schedules)."""
         alg = algorithms.get(c.algorithm)
-        if self.on_leader is None or c is self._told or type(alg).variants is not algorithms.Algorithm.variants:
+        if self.on_leader is None or c is self._told or not isinstance(alg, BuiltTiming) or \
+                type(alg).variants is not algorithms.Algorithm.variants:
             return
         c.schedule = alg.schedule(c.plan, self.topo)
         self._told = c
