@@ -20,14 +20,14 @@ from meshplan.search.write import EarlyWrite
 pytestmark = pytest.mark.skipif(not can_fork(), reason="the early write runs in a forked process")
 
 
-def _spy(monkeypatch) -> list[str]:
-    """The labels of the leaders ``EarlyWrite.lead`` staged, in order."""
+def _spy(monkeypatch) -> list[tuple[str, str]]:
+    """(label, model level when staged) of the leaders ``EarlyWrite.lead`` staged, in order."""
     staged, lead = [], EarlyWrite.lead
 
     def spy(self, leader):
         lead(self, leader)
         if self.job is not None and self.leader is leader:
-            staged.append(label(leader))
+            staged.append((label(leader), leader.model_level))
     monkeypatch.setattr(EarlyWrite, "lead", spy)
     return staged
 
@@ -36,7 +36,8 @@ def test_the_staged_pick_is_the_file_the_usual_write_gives(tmp_path, monkeypatch
     topo, w = Topology.load("h100x16", gpus=16), resolve(seq_len="64K")
     staged = _spy(monkeypatch)
     early = run_pipeline(SearchRequest(w, topo, 16, write=1, out_dir=str(tmp_path / "early")))
-    assert staged and staged[-1] == label(early.best)        # staged while the search went on
+    assert staged and staged[-1][0] == label(early.best)     # staged while the search went on ...
+    assert staged[0][1] == "closed-form"                     # ... the likely pick from its build, before simulated
     monkeypatch.setattr(EarlyWrite, "lead", lambda self, leader: None)
     usual = run_pipeline(SearchRequest(w, topo, 16, write=1, out_dir=str(tmp_path / "usual")))
     a, b = Path(early.best.schedule_path), Path(usual.best.schedule_path)
