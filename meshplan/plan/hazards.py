@@ -23,7 +23,9 @@ from meshplan.plan.schedule import OP_KINDS, RECV, SEND, Schedule
 
 
 def vector_clocks(sched: Schedule, items: Items) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(clock [n_items, n_streams], stream of item, position of item on its stream)."""
+    """(clock [n_items, n_streams], stream of item, position of item on its stream). Positions are below the number
+    of items: all three are int32 where they fit (half the bytes the loop below gathers and reduces, and the hazard
+    checks gather per access)."""
     o = sched.ops
     n, n_streams = items.n, len(sched.streams.names)
     first = items.members[items.member_ptr[:-1]]
@@ -36,7 +38,8 @@ def vector_clocks(sched: Schedule, items: Items) -> tuple[np.ndarray, np.ndarray
     rank_sorted = items.rank[order]
     rank_start = np.r_[0, np.flatnonzero(rank_sorted[1:] != rank_sorted[:-1]) + 1] if n else np.zeros(0, int)
     k_of = np.arange(n) - np.repeat(rank_start, np.diff(np.r_[rank_start, n]))
-    clock = np.full((n, n_streams), -1, dtype=np.int64)
+    width = np.int32 if n < 2**31 else np.int64
+    clock = np.full((n, n_streams), -1, dtype=width)
     by_k = np.argsort(k_of, kind="stable")
     bounds = np.searchsorted(k_of[by_k], np.arange(int(k_of.max(initial=-1)) + 2))
     for k in range(len(bounds) - 1):
@@ -44,30 +47,51 @@ def vector_clocks(sched: Schedule, items: Items) -> tuple[np.ndarray, np.ndarray
         counts = items.pred_ptr[cur + 1] - items.pred_ptr[cur]
         first = np.cumsum(counts) - counts
         idx = np.repeat(items.pred_ptr[cur] - first, counts) + np.arange(first[-1] + counts[-1])
-        acc = np.full((len(cur), n_streams), -1, dtype=np.int64)
+        acc = np.full((len(cur), n_streams), -1, dtype=width)
         some = counts > 0                       # each item's predecessors' clocks, their maximum (a run each)
         if some.any():
             acc[some] = np.maximum.reduceat(clock[items.preds[idx]], first[some], axis=0)
         acc[np.arange(len(cur)), stream[cur]] = pos[cur]
         clock[cur] = acc
-    return clock, stream, pos
+    return clock, stream.astype(width), pos.astype(width)
 
 
 def _accesses(sched: Schedule, phase: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(op, tensor, is_write) for every access of the pass, one row per (op, tensor)."""
+    """(op, tensor, is_write) for every access of the pass, one row per (op, tensor), sorted by (tensor, op); a row
+    is a write if any access of the op to the tensor writes.
+
+    Each access is packed whole into one int64 key, (tensor, op, not a write) with the op in ``bits`` bits, so that
+    one sort of the keys' values (no argsort, no gathers by its order) orders them with the write of a (tensor, op)
+    first; accesses with equal keys are equal. The keys are built in place: arrays of millions of rows, each new
+    one paid in page faults too."""
     o = sched.ops
-    ops_in = np.repeat(np.arange(len(o)), np.diff(o.in_ptr))
-    ops_out = np.repeat(np.arange(len(o)), np.diff(o.out_ptr))
-    in_pass, out_pass = o.phase[ops_in] == phase, o.phase[ops_out] == phase
+    bits = max(len(o), 1).bit_length()
+    parts = []
+    for ptr, values, reads in ((o.in_ptr, o.inputs, 1), (o.out_ptr, o.outputs, 0)):
+        owner = np.repeat(np.arange(len(o)), np.diff(ptr))
+        mine = o.phase[owner] == phase
+        parts.append(_pack(values[mine], owner[mine], bits, reads))
     comm = np.flatnonzero(((o.kind == SEND) | (o.kind == RECV)) & (o.phase == phase))
-    op = np.r_[ops_in[in_pass], ops_out[out_pass], comm]
-    tensor = np.r_[o.inputs[in_pass], o.outputs[out_pass], o.tensor[comm]]
-    write = np.r_[np.zeros(in_pass.sum(), bool), np.ones(out_pass.sum(), bool), o.kind[comm] == RECV]
-    key = tensor * len(o) + op  # one row per (tensor, op), a write if any access writes (sorted first)
-    order = np.argsort(2 * key + ~write)
-    key, op, tensor, write = key[order], op[order], tensor[order], write[order]
-    first = np.r_[True, key[1:] != key[:-1]] if len(key) else np.zeros(0, bool)
-    return op[first], tensor[first], write[first]
+    parts.append(_pack(o.tensor[comm], comm, bits, o.kind[comm] != RECV))
+    packed = np.concatenate(parts)
+    packed.sort()
+    key = packed >> 1
+    first = np.ones(len(key), dtype=bool)
+    np.not_equal(key[1:], key[:-1], out=first[1:])
+    key, write = key[first], (packed[first] & 1) == 0
+    op = key & ((1 << bits) - 1)
+    key >>= bits
+    return op, key, write
+
+
+def _pack(tensor: np.ndarray, op: np.ndarray, bits: int, reads) -> np.ndarray:
+    """((tensor << bits | op) << 1) | reads as int64, in place on one new array (``tensor`` is a fresh copy)."""
+    key = tensor.astype(np.int64, copy=False)
+    key <<= bits
+    key |= op
+    key <<= 1
+    key |= reads
+    return key
 
 
 def check_hazards(sched: Schedule, items: Items) -> list[str]:
@@ -83,19 +107,40 @@ def check_hazards(sched: Schedule, items: Items) -> list[str]:
         return np.where(same, allow_same | (a == b), hb & ~same)
 
     op, tensor, write, starts, prev_w, nxt_w = _chains(sched, items)
+    rows = _Rows(clock, stream, pos, it[op])
     out: list[str] = []
     group_first = np.flatnonzero(starts)
-    pairs = prev_w >= 0
-    ok = before(op[prev_w[pairs]], op[pairs], allow_same=False)
-    bad = np.flatnonzero(pairs)[~ok]
+    bad = np.flatnonzero((prev_w >= 0) & ~rows.after_previous(prev_w))
     out += [f"op {op[k]} ({OP_KINDS[o.kind[op[k]]]}) may touch tensor {tensor[k]} while op {op[prev_w[k]]} "
             f"still writes it: add a dependency" for k in bad]
-    reads = (~write) & (nxt_w >= 0)
-    ok = before(op[reads], op[nxt_w[reads]], allow_same=False)
-    bad = np.flatnonzero(reads)[~ok]
+    reads = np.flatnonzero((~write) & (nxt_w >= 0))
+    bad = reads[~rows.before(reads, nxt_w[reads])]
     out += [f"op {op[nxt_w[k]]} may overwrite tensor {tensor[k]} before op {op[k]} has read it" for k in bad]
-    out += _alloc_free(sched, op, tensor, group_first, before)
+    out += _alloc(sched, op, tensor, group_first, before)
+    out += _free(sched, op, tensor, starts, it, rows)
     return out
+
+
+class _Rows:
+    """Happens-before between accesses (rows of :func:`_chains`), from their ops' items' clocks: item a happens
+    before item b iff ``clock[b, stream of a] >= position of a`` (the flat index into ``clock`` built without
+    2-D fancy indexing)."""
+
+    def __init__(self, clock: np.ndarray, stream: np.ndarray, pos: np.ndarray, item: np.ndarray) -> None:
+        self.clock, self.width, self.item = clock.ravel(), clock.shape[1], item
+        self.stream, self.pos = stream[item], pos[item]         # [n rows] each access's stream and position
+
+    def before(self, ra: np.ndarray, rb: np.ndarray) -> np.ndarray:
+        """[len(ra)] row ``ra`` happens before row ``rb``, in another item (two accesses of one item are unordered;
+        the rows of one tensor's chain are distinct ops, so two of them are never one op)."""
+        ia, ib = self.item[ra], self.item[rb]
+        return (self.clock[ib * self.width + self.stream[ra]] >= self.pos[ra]) & (ia != ib)
+
+    def after_previous(self, prev: np.ndarray) -> np.ndarray:
+        """[n rows] :meth:`before` (``prev``, every row), for a ``prev`` [n rows] of earlier rows: no index arrays of
+        the rows with one (most have); a row with −1 there gets a meaningless answer (row −1 is read), to be masked."""
+        ia = self.item[prev]
+        return (self.clock[self.item * self.width + self.stream[prev]] >= self.pos[prev]) & (ia != self.item)
 
 
 def _chains(sched: Schedule, items: Items):
@@ -103,59 +148,67 @@ def _chains(sched: Schedule, items: Items):
     first access of each tensor —, prev_w — the previous write's row, −1 —, nxt_w — the next write's row, −1)."""
     op, tensor, write = _accesses(sched, items.phase)
     mine = items.item_of_op[op] >= 0            # items of some ranks only (their tensors are their own)
-    op, tensor, write = op[mine], tensor[mine], write[mine]
-    n = len(op)
-    idx = np.arange(n)
-    starts = np.r_[True, tensor[1:] != tensor[:-1]] if n else np.zeros(0, bool)
-    group = np.cumsum(starts) - 1
-    last_w = np.maximum.accumulate(np.where(write | starts, idx, 0)) if n else idx
-    last_w = np.where(write[last_w] & (group[last_w] == group), last_w, -1) if n else idx
-    prev_w = np.where(starts, -1, np.r_[-1, last_w[:-1]]) if n else idx
-    return op, tensor, write, starts, prev_w, _next_write(write, starts)
+    if not mine.all():
+        op, tensor, write = op[mine], tensor[mine], write[mine]
+    starts = np.ones(len(op), dtype=bool)
+    np.not_equal(tensor[1:], tensor[:-1], out=starts[1:])
+    return (op, tensor, write, starts) + _writes_around(write, starts)
 
 
-def _next_write(write: np.ndarray, starts: np.ndarray) -> np.ndarray:
+def _writes_around(write: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """([n] the row of the previous write of each row's group, −1; [n] the row of the next one, −1), for rows in
+    groups that begin at ``starts``. Row indices as int32 where they fit (half the bytes to write and page in)."""
     n = len(write)
-    idx = np.arange(n)
-    rev = np.minimum.accumulate(np.where(write, idx, n)[::-1])[::-1]
-    nxt = np.r_[rev[1:], n]
-    group_end = np.r_[np.flatnonzero(starts)[1:], n]
-    g = np.cumsum(starts) - 1
-    return np.where(nxt < group_end[g], nxt, -1)
+    idx = np.arange(n, dtype=np.int32 if n < 2**31 - 1 else np.int64)
+    group_start = np.maximum.accumulate(np.where(starts, idx, 0)) if n else idx
+    prev = np.empty_like(idx)                   # the last write before the row
+    prev[:1] = -1
+    np.maximum.accumulate(np.where(write[:-1], idx[:-1], -1), out=prev[1:])
+    prev[prev < group_start] = -1
+    nxt = np.empty_like(idx)                    # the first write after the row, and the next group's start
+    nxt[-1:] = n
+    np.minimum.accumulate(np.where(write[1:], idx[1:], n)[::-1], out=nxt[-2::-1])
+    group_end = np.empty_like(idx)
+    group_end[-1:] = n
+    np.minimum.accumulate(np.where(starts[1:], idx[1:], n)[::-1], out=group_end[-2::-1])
+    nxt[nxt >= group_end] = -1
+    return prev, nxt
 
 
-def _member(keys: np.ndarray, pool: np.ndarray) -> np.ndarray:
-    """keys[i] in pool (sort-based; np.isin hashes and is slow on millions of int64)."""
-    pool = np.sort(pool)
-    pos = np.minimum(np.searchsorted(pool, keys), max(len(pool) - 1, 0))
-    return (pool[pos] == keys) if len(pool) else np.zeros(len(keys), dtype=bool)
-
-
-def _alloc_free(sched, op, tensor, group_first, before) -> list[str]:
-    t, out = sched.tensors, []
+def _alloc(sched, op, tensor, group_first, before) -> list[str]:
+    """A tensor allocated by an op is first accessed by that op, or after it (its allocating op may lie outside
+    the pass's items: ``before`` reads item −1 then, as it always has)."""
+    t = sched.tensors
     firsts = group_first
     alloc = t.alloc_op[tensor[firsts]]
     has = alloc >= 0
     ok = before(alloc[has], op[firsts][has], allow_same=True)
-    out += [f"tensor {tensor[firsts][has][k]} is used by op {op[firsts][has][k]} before op {alloc[has][k]} "
+    return [f"tensor {tensor[firsts][has][k]} is used by op {op[firsts][has][k]} before op {alloc[has][k]} "
             f"allocates it" for k in np.flatnonzero(~ok)]
-    counts = np.diff(t.free_ptr)[tensor]
-    n_ops = len(sched.ops)
-    free_owner = np.repeat(np.arange(len(t.rank)), np.diff(t.free_ptr))
-    listed = _member(tensor * n_ops + op, free_owner * n_ops + t.free_after)   # the access is a free_after op
-    counts = np.where(listed, 0, counts)                                         # ... so it needs no pairing
-    rows = np.repeat(np.arange(len(op)), counts)
-    f_ops = t.free_after[np.repeat(t.free_ptr[tensor], counts) + np.arange(counts.sum())
-                         - np.repeat(np.cumsum(counts) - counts, counts)]
-    covered = listed.copy()
-    some = np.flatnonzero(counts > 0)           # each access's free ops: a run of rows (np.repeat)
-    if len(some):
-        covered[some] |= np.logical_or.reduceat(before(op[rows], f_ops, allow_same=True),
-                                                (np.cumsum(counts) - counts)[some])
-    bad = np.flatnonzero((np.diff(t.free_ptr)[tensor] > 0) & ~covered)
-    out += [f"tensor {tensor[k]} may be freed before op {op[k]} has finished with it" for k in bad]
-    return out
 
+
+def _free(sched, op, tensor, starts, it, rows: _Rows) -> list[str]:
+    """A freed tensor's accesses all happen before or at one of its ``free_after`` ops.
+
+    Access a (item i, stream s, position p) happens before or at free op f iff ``clock[item of f, s] >= p``: an
+    item's clock holds its own position on its stream, so this holds too where f is a's op or in a's batch. "Before
+    or at one of them" is then ``max over f of clock[item of f, s] >= p``: one [streams] maximum per tensor of its
+    free ops' clocks, read once per access — not one test per (access, free op) pair. (A free op outside the pass's
+    items reads item −1's clock, as the test per pair did.)"""
+    t = sched.tensors
+    group = np.cumsum(starts, dtype=np.int64 if len(starts) * rows.width >= 2**31 else np.int32)
+    group -= 1
+    tg = tensor[starts]                                          # each accessed tensor, in row order
+    counts = np.diff(t.free_ptr)[tg]
+    some = np.flatnonzero(counts > 0)
+    latest = np.full((len(tg), rows.width), -1, dtype=rows.clock.dtype)
+    if len(some):
+        f_ops = t.free_after[np.repeat(t.free_ptr[tg] - np.cumsum(counts) + counts, counts) + np.arange(counts.sum())]
+        clocks = rows.clock.reshape(-1, rows.width)[it[f_ops]]
+        latest[some] = np.maximum.reduceat(clocks, (np.cumsum(counts) - counts)[some], axis=0)  # runs tile f_ops
+    covered = latest.ravel()[group * rows.width + rows.stream] >= rows.pos
+    return [f"tensor {tensor[k]} may be freed before op {op[k]} has finished with it"
+            for k in np.flatnonzero((counts[group] > 0) & ~covered)]
 
 
 def hazard_orders(sched: Schedule, items: Items) -> tuple[np.ndarray, np.ndarray]:

@@ -295,7 +295,7 @@ def _coverage(s: Schedule, m: AttnMatrix, phase: int) -> list[str]:
     op_of, qi, ki = op_of[keep], qi[keep], ki[keep]
     h0, h1 = h0[keep], h1[keep]
     block = qi * N + ki
-    order = np.argsort(block * (H + 1) + h0, kind="stable")                    # by block, then first head
+    order = _stable_order(block * (H + 1) + h0)                              # by block, then first head
     b, a0, a1, ow = block[order], h0[order], h1[order], op_of[order]
     first = np.r_[True, b[1:] != b[:-1]] if len(b) else np.zeros(0, dtype=bool)
     last = np.r_[b[1:] != b[:-1], True] if len(b) else np.zeros(0, dtype=bool)
@@ -311,6 +311,19 @@ def _coverage(s: Schedule, m: AttnMatrix, phase: int) -> list[str]:
     missing = np.flatnonzero(m.permitted.ravel() & ~covered)
     out += [f"{name}: block ({i // N}, {i % N}) is never computed" for i in missing]
     return out
+
+
+def _stable_order(key: np.ndarray) -> np.ndarray:
+    """``np.argsort(key, kind="stable")`` of int ``key``: each key packed with its index into one int64, key · n +
+    index, whose values are sorted (distinct values: any sort; 2x faster than a stable argsort of a million) and the
+    indices read back (floor remainder, right for negative keys too); the argsort where the packed keys could
+    overflow."""
+    n = len(key)
+    if n == 0 or (int(np.abs(key).max()) + 1) * n >= 2**62:
+        return np.argsort(key, kind="stable")
+    packed = key.astype(np.int64) * n + np.arange(n)
+    packed.sort()
+    return packed % n
 
 
 def _head_runs(o, ops: np.ndarray, name: str) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
