@@ -43,7 +43,7 @@ def rank_columns(reader: Reader, texts: list[bytes], stream_idx: dict[str, int],
         m = _RANK_HEAD.match(text)
         if m is None or text[-2:] != b"]}" or int(m.group(1)) > ID_MAX:
             return None
-        bodies.append(text[m.end():-2])
+        bodies.append(memoryview(text)[m.end():-2])     # no copy: joined by the reader
         listed.append(int(m.group(1)))
     got = reader.records(bodies)
     if got is None:
@@ -77,11 +77,11 @@ def op_columns(recs: Records, rank: np.ndarray, stream_idx: dict[str, int], n_he
          "dtype": per([DTYPES.index(r["dtype"]) if c else -1 for r, c in zip(t, comm)], np.int8),
          "combine": per([COMBINES.index(r["combine"]) if c else -1 for r, c in zip(t, work)], np.int8),
          "h0": _scalar(recs, "heads.0", n, np.int32, 0), "h1": _scalar(recs, "heads.1", n, np.int32, 0),
-         "s_q": _widths(recs, "q_rows", n), "s_kv": _widths(recs, "kv_cols", n),
+         "s_q": _widths(recs, "q_rows"), "s_kv": _widths(recs, "kv_cols"),
          "mask": per([MASKS.index(r["mask"]) if c else 0 for r, c in zip(t, work)], np.int8)}
     for name, fields in (("deps", ("deps",)), ("inputs", ("inputs", "parts")), ("outputs", ("outputs",)),
                          ("q_chunks", ("q_chunks",)), ("kv_chunks", ("kv_chunks",))):
-        a["n_" + name], a[name] = _list(recs, fields, n)
+        a["n_" + name], a[name] = _list(recs, fields)
     computes = per(work, bool)
     bad_heads = computes & ~((a["h0"] >= 0) & (a["h0"] < a["h1"]) & (a["h1"] <= n_heads))
     if bad_heads.any() or (a["q_chunks"] >= n_chunks).any() or (a["kv_chunks"] >= n_chunks).any():
@@ -104,8 +104,8 @@ def tensor_columns(recs: Records, first_id: int) -> dict[str, np.ndarray] | None
     if not np.array_equal(ids, np.arange(first_id, first_id + n)) or (h1 > INT32_MAX).any() or \
             (h0 > INT32_MAX).any():
         return None
-    chunk_n, chunks = _list(recs, ("chunks",), n)
-    free_n, free_after = _list(recs, ("free_after",), n)
+    chunk_n, chunks = _list(recs, ("chunks",))
+    free_n, free_after = _list(recs, ("free_after",))
     return {"rank": _scalar(recs, "rank", n, np.int64, -1),
             "kind": per([TENSOR_KIND_NAMES.index(r["kind"]) for r in t], np.int8), "chunk_n": chunk_n,
             "chunks": chunks, "h0": h0.astype(np.int32), "h1": h1.astype(np.int32),
@@ -126,16 +126,17 @@ def _scalar(recs: Records, name: str, n: int, dtype, default: int) -> np.ndarray
     return out
 
 
-def _list(recs: Records, fields: tuple[str, ...], n: int) -> tuple[np.ndarray, np.ndarray]:
+def _list(recs: Records, fields: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
     """([n] how many numbers each record lists in ``fields``, those numbers in order) as int64."""
-    rec, value = recs.take(*fields)
-    return np.bincount(rec, minlength=n).astype(np.int64), value.astype(np.int64)
+    count, value = recs.listed(*fields)
+    return count, value.astype(np.int64)
 
 
-def _widths(recs: Records, name: str, n: int) -> np.ndarray:
-    """[n] each record's summed ``end − start`` over its ``[start, end)`` pairs of field ``name``."""
-    rec, start = recs.take(name + ".0")
-    _, end = recs.take(name + ".1")
-    out = np.zeros(n, dtype=np.int64)
-    np.add.at(out, rec, end.astype(np.int64) - start.astype(np.int64))
-    return out
+def _widths(recs: Records, name: str) -> np.ndarray:
+    """[n] each record's summed ``end − start`` over its ``[start, end)`` pairs of field ``name``: the differences'
+    running sum (int64, wrapping as a sum in any order does) at each record's last pair less at its first."""
+    count, start = recs.listed(name + ".0")
+    _, end = recs.listed(name + ".1")
+    total = np.concatenate([[0], np.cumsum(end.astype(np.int64) - start.astype(np.int64))])
+    upto = np.concatenate([[0], np.cumsum(count)])
+    return total[upto[1:]] - total[upto[:-1]]

@@ -37,6 +37,13 @@ _KEY_OR_NUMBER = re.compile(rb'"([A-Za-z_]+)":|#')
 _STRING = re.compile(rb'"[^"]*"')
 _SIGN = re.compile(rb'(?<!e)-')
 _MAX_DIGITS = 19
+#: bytes before a part's text (no digit, no ``},{``): a number's 8-byte words (:func:`_parse_padded`) start at most 7
+#: bytes before its first digit, so within them
+_PAD = b"[" * 8
+#: fields of a bound from this up are checked number by number only above the least such bound (few numbers: a
+#: FLOP count's integer part); those of a smaller bound (a float's exponent, 99) whole, by field
+_WIDE = 10**9
+_NO_BOUND = 2**64 - 1                                  # no field of such a bound: no number above it
 #: the bound of a number by the model's field type (``Id``: 2**62; ``Int32``)
 ID_MAX, INT32_MAX = 2**62, 2**31 - 1
 
@@ -53,30 +60,63 @@ class Template:
 
 @dataclass
 class Records:
-    """The records of one part: ``code`` [n] each record's template; per number, in text order, ``value`` (uint64;
-    a float's parts too), ``field`` (index into ``fields``) and ``record`` (its record's index)."""
+    """The records of one part: ``code`` [n] each record's template and ``first`` [n] the index of its first number;
+    per number, in text order, ``value`` (uint64; a float's parts too). A record's numbers are its template's slots
+    in order, so a field's numbers are found per (template, slot) — no sort of every number by its field:
+    ``slot_field`` [S] each template's slots' fields (index into ``fields``), the templates' one after another from
+    ``slot_start`` [T + 1]."""
 
     templates: list[Template]
     code: np.ndarray
-    fields: list[str]
+    first: np.ndarray
     value: np.ndarray
-    field: np.ndarray
-    record: np.ndarray
-    _order: np.ndarray | None = None
-    _bounds: np.ndarray | None = None
+    fields: list[str]
+    slot_field: np.ndarray
+    slot_start: np.ndarray
 
     def __len__(self) -> int:
         return len(self.code)
 
     def take(self, *names: str) -> tuple[np.ndarray, np.ndarray]:
         """(record index, value) of every number of the fields ``names``, in text order."""
-        if self._order is None:                     # the numbers by field (a stable radix sort), once
-            self._order = np.argsort(self.field.astype(np.int16), kind="stable")
-            self._bounds = np.searchsorted(self.field[self._order], np.arange(len(self.fields) + 1))
-        at = [self._order[self._bounds[i]:self._bounds[i + 1]] for i in
-              (self.fields.index(n) for n in names if n in self.fields)]
-        pos = np.sort(np.concatenate(at)) if len(at) > 1 else at[0] if at else np.zeros(0, dtype=np.int64)
-        return self.record[pos], self.value[pos]
+        count, start, slot = self._slots(names)
+        per = count[self.code]
+        if len(count) and count.max() <= 1:          # at most one a record (an id, a peer): no repeat
+            rec = np.flatnonzero(per)
+            return rec, self.value[self.first[rec] + slot[start[self.code[rec]]]]
+        rec = np.repeat(np.arange(len(per)), per)
+        return rec, self.value[self._positions(per, start, slot)]
+
+    def listed(self, *names: str) -> tuple[np.ndarray, np.ndarray]:
+        """([n] how many numbers of the fields ``names`` each record holds, those numbers in text order)."""
+        count, start, slot = self._slots(names)
+        per = count[self.code]
+        return per, self.value[self._positions(per, start, slot)]
+
+    def _slots(self, names: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The slots of the fields ``names``: ([T] how many each template has, [T] where each template's start in
+        ``slot``, ``slot`` [S' + 1] each one's place among its record's numbers, template after template and in
+        order within one; its last entry a 0 pad, so that ``start`` of a template with none still indexes it)."""
+        chosen = np.zeros(len(self.fields), dtype=bool)
+        chosen[[self.fields.index(n) for n in names if n in self.fields]] = True
+        at = np.flatnonzero(chosen[self.slot_field])
+        template = np.searchsorted(self.slot_start, at, side="right") - 1
+        count = np.bincount(template, minlength=len(self.templates))
+        return count, np.cumsum(count) - count, np.append(at - self.slot_start[template], 0)
+
+    def _positions(self, per: np.ndarray, start: np.ndarray, slot: np.ndarray) -> np.ndarray:
+        """[sum(per)] the positions in ``value`` of each record's ``per`` numbers (their places ``slot`` from
+        ``start`` of its template), record by record."""
+        total = int(per.sum())
+        ahead = np.cumsum(per) - per                     # the numbers of the records before
+        place = slot[np.repeat(start[self.code] - ahead, per) + np.arange(total)]
+        return np.repeat(self.first, per) + place
+
+    def field_of(self, at: np.ndarray) -> np.ndarray:
+        """[k] the field (index into ``fields``) of the numbers at positions ``at``: their records found by
+        ``first``."""
+        rec = np.searchsorted(self.first, at, side="right") - 1     # the last record starting at or before
+        return self.slot_field[self.slot_start[self.code[rec]] + at - self.first[rec]]
 
 
 @dataclass
@@ -89,32 +129,23 @@ class Reader:
     float_fields: tuple[str, ...] = ()
     _cache: dict = field(default_factory=dict)
 
-    def records(self, texts: list[bytes]) -> tuple[Records, list[int]] | None:
+    def records(self, texts: list[bytes | memoryview]) -> tuple[Records, list[int]] | None:
         """(the records of ``texts`` — each ``{...},{...}``, or empty —, how many each holds), or None when they
         are not laid out as meshplan writes them or a record does not validate."""
         full = [t for t in texts if t]
         if not full:
-            return Records([], np.zeros(0, np.int64), [], np.zeros(0, np.uint64), np.zeros(0, np.int64),
-                           np.zeros(0, np.int64)), [0] * len(texts)
+            none = np.zeros(0, np.int64)
+            return Records([], none, none, np.zeros(0, np.uint64), [], none, np.zeros(1, np.int64)), [0] * len(texts)
         if any(t[:1] != b"{" or t[-1:] != b"}" for t in full):
             return None
-        text = b",{},".join(full)                    # an empty piece between texts: no record is empty
-        if text.translate(None, _ALLOWED):
+        text = b",{},".join([_PAD + full[0], *full[1:]])     # an empty piece between texts: no record is empty
+        held = text.translate(_HELD)                 # bytes.translate: one C pass a byte
+        if b"\xff" in held:                          # a byte outside _ALLOWED
             return None
         b = np.frombuffer(text, dtype=np.uint8)
-        digit = np.frombuffer(text.translate(_DIGIT_FLAG), dtype=bool)     # bytes.translate: one C pass a byte
-        edges = np.flatnonzero(digit[1:] != digit[:-1])    # text starts with "{" and ends with "}": pairs
-        starts, ends = edges[0::2] + 1, edges[1::2] + 1                     # every run
-        held = bytearray(text.translate(_DIGIT_NUL))        # digits NUL (the text holds none: _ALLOWED)
-        marked = np.frombuffer(held, dtype=np.uint8)
-        kept = _WORDISH[b[starts - 1]]
-        if kept.any():                                  # a string's digits: back as they were
-            at = _runs(starts[kept], ends[kept])
-            marked[at] = b[at]
-            starts, ends = starts[~kept], ends[~kept]
-        marked[starts] = ord("#")
+        before, last, held = _number_runs(b, bytearray(held))
         pieces = bytes(held.translate(None, b"\x00")).split(b"},{")
-        pieces[0] = pieces[0][1:]                   # the first's "{"
+        pieces[0] = pieces[0][len(_PAD) + 1:]      # the first's "{"
         pieces[-1] = pieces[-1][:-1]                # the last's "}"
         index = {p: k for k, p in enumerate(dict.fromkeys([b"", *pieces]))}    # each distinct skeleton, "" first
         code = np.fromiter(map(index.__getitem__, pieces), dtype=np.int64, count=len(pieces))
@@ -125,32 +156,43 @@ class Reader:
         if any(t is None for t in templates):
             return None
         held = iter(np.diff(np.r_[-1, between, len(code)]) - 1)
-        found = self._numbers(b, starts, ends, templates, np.delete(code, between) - 1)
+        found = self._numbers(b, before, last, templates, np.delete(code, between) - 1)
         return None if found is None else (found, [int(next(held)) if t else 0 for t in texts])
 
-    def _numbers(self, b: np.ndarray, starts: np.ndarray, ends: np.ndarray, templates: list[Template],
+    def _numbers(self, b: np.ndarray, before: np.ndarray, last: np.ndarray, templates: list[Template],
                  code: np.ndarray) -> Records | None:
-        """Each number's value, field and record, checked against its field (None when one fails)."""
+        """Each number's value, checked against its field (None when one fails): ``b[before + 1:last + 1]`` its
+        digits, ``b`` led by :data:`_PAD`."""
         fields = sorted({s for t in templates for s in t.slots})
         slot_field = [np.array([fields.index(s) for s in t.slots], dtype=np.int64) for t in templates]
-        per = np.array([len(s) for s in slot_field], dtype=np.int64)[code]
-        if int(per.sum()) != len(starts):
+        count = np.array([len(s) for s in slot_field], dtype=np.int64)
+        per = count[code]
+        if int(per.sum()) != len(last):
             return None
-        flat = np.concatenate(slot_field) if slot_field else np.zeros(0, np.int64)
-        offset = np.cumsum([len(s) for s in slot_field]) - [len(s) for s in slot_field]
-        first_slot = np.cumsum(per) - per
-        pos = np.arange(len(starts)) - np.repeat(first_slot, per)
-        fld = flat[np.repeat(np.asarray(offset, dtype=np.int64)[code], per) + pos]
-        length = ends - starts
+        length = last - before
         if len(length) and length.max() > _MAX_DIGITS:
             return None
-        value = parse_digits(b, ends, length)
-        lead_zero = (length > 1) & (b[starts] == ord("0"))
+        flat = np.concatenate(slot_field) if slot_field else np.zeros(0, np.int64)
+        recs = Records(templates, code, np.cumsum(per) - per, _parse_padded(_words(b), last, length), fields, flat,
+                       np.r_[0, np.cumsum(count)])
+        return recs if self._in_bounds(recs, fields, b[1:][before] == ord("0"), length) else None
+
+    def _in_bounds(self, recs: Records, fields: list[str], zero: np.ndarray, length: np.ndarray) -> bool:
+        """Whether every number of ``recs`` is within its field's bound and, but in a float's fraction or exponent
+        (where JSON lets them lead with 0), has no leading zero (``zero`` [N]: it starts with 0). Only the few
+        numbers that may fail are looked up by field: those above the least bound of 10 digits or more (the fields
+        of a smaller bound — a float's exponent — are taken whole), those leading with 0 and longer than one digit.
+        """
         bound = np.array([self._bound(f) for f in fields], dtype=np.uint64)
+        if any((recs.take(f)[1] > top).any() for f, top in zip(fields, bound) if top < _WIDE):
+            return False
+        high = np.flatnonzero(recs.value > bound[bound >= _WIDE].min(initial=_NO_BOUND))
+        if len(high) and (recs.value[high] > bound[recs.field_of(high)]).any():
+            return False
+        lead = np.flatnonzero(zero)
+        lead = lead[length[lead] > 1]
         free = np.array([f.endswith((".frac", ".exp")) for f in fields], dtype=bool)    # JSON lets these lead 0
-        if (lead_zero & ~free[fld]).any() or (value > bound[fld]).any():
-            return None
-        return Records(templates, code, fields, value, fld, np.repeat(np.arange(len(code)), per))
+        return not len(lead) or bool(free[recs.field_of(lead)].all())
 
     def _bound(self, name: str) -> int:
         """The largest value a number of field ``name`` may take (a float's parts: as many as keep it finite)."""
@@ -216,6 +258,24 @@ def _numbers_only(value) -> bool:
     return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
 
 
+def _number_runs(b: np.ndarray, held: bytearray) -> tuple[np.ndarray, np.ndarray, bytearray]:
+    """([k] the byte before, [k] the last digit of each run of digits of a text that is a number, not a string's,
+    and ``held`` — the text translated by :data:`_HELD`, its digits NUL — with those runs' last digit made ``#`` and
+    the other runs' digits back. ``b``: the text's bytes, starting and ending with no digit."""
+    marked = np.frombuffer(held, dtype=np.uint8)
+    digit = marked == 0                                # a NUL is a digit: the text holds none (_ALLOWED)
+    edges = np.flatnonzero(digit[1:] != digit[:-1])
+    before, last = edges[0::2], edges[1::2]
+    kept = _WORDISH[b[before]]
+    if kept.any():                                  # a string's digits: back as they were
+        at = _runs(before[kept] + 1, last[kept] + 1)
+        marked[at] = b[at]
+        number = ~kept
+        before, last = before[number], last[number]
+    marked[last] = ord("#")
+    return before, last, held
+
+
 def _runs(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
     """Every position of the runs ``[starts[i], ends[i])``."""
     length = ends - starts
@@ -225,10 +285,12 @@ def _runs(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
 #: fields whose numbers come in pairs (a head range, token ranges): ``key.0`` and ``key.1``
 PAIRED = ("heads", "q_rows", "kv_cols")
 
-#: bytes.translate tables: a digit to 1 (else 0), and a digit to NUL (else itself)
-_DIGIT_FLAG = bytes(int(48 <= c < 58) for c in range(256))
-_DIGIT_NUL = bytes(0 if 48 <= c < 58 else c for c in range(256))
-_LOW_FOUR = np.uint64(0x0F0F0F0F0F0F0F0F)
+#: a bytes.translate table: a digit to NUL, another byte of _ALLOWED to itself, any other to 0xFF (none of _ALLOWED)
+_HELD = bytes(0 if 48 <= c < 58 else c if c in _ALLOWED else 0xFF for c in range(256))
+#: [20] by a run's digit count (0..19): the mask of its last min(count, 8) bytes of a little-endian word, each byte's
+#: low four bits (an ASCII digit's value)
+_KEEP = np.array([(2**64 - 1) << (8 * (8 - min(c, 8))) & (2**64 - 1) & 0x0F0F0F0F0F0F0F0F for c in range(20)],
+                 dtype=np.uint64)
 _PAIR_MASK = np.uint64(0x000000FF000000FF)
 _MUL1 = np.uint64(100 + (1_000_000 << 32))
 _MUL2 = np.uint64(1 + (10_000 << 32))
@@ -236,22 +298,45 @@ _MUL2 = np.uint64(1 + (10_000 << 32))
 
 def parse_digits(b: np.ndarray, ends: np.ndarray, length: np.ndarray) -> np.ndarray:
     """[k] uint64 values of the runs of ASCII digits ``b[ends - length:ends]`` (each 1..19 digits)."""
-    padded = np.concatenate([np.full(16, ord("0"), dtype=np.uint8), b])        # windows before the first byte
-    word = np.ndarray(shape=(len(padded) - 7,), dtype="<u8", buffer=padded, strides=(1,))  # any byte order
-    value = _eight(word[ends + 8], np.minimum(length, 8))
-    for k, scale in ((1, 10**8), (2, 10**16)):         # digits 9..16, then 17..19, where a number has them
-        more = np.flatnonzero(length > 8 * k)
+    padded = np.concatenate([np.frombuffer(_PAD, dtype=np.uint8), b])
+    return _parse_padded(_words(padded), ends - 1 + len(_PAD), length)
+
+
+def _words(padded: np.ndarray) -> np.ndarray:
+    """[len - 7] the little-endian 8-byte word at each byte of ``padded`` (any byte order): ``[i]`` ends at
+    ``padded[i + 7]``."""
+    return np.ndarray(shape=(len(padded) - 7,), dtype="<u8", buffer=padded, strides=(1,))
+
+
+def _parse_padded(word: np.ndarray, last: np.ndarray, length: np.ndarray) -> np.ndarray:
+    """[k] uint64 values of the runs of ASCII digits ending at byte ``last`` (each 1..19 digits) of bytes led by
+    :data:`_PAD` (``word`` their :func:`_words`): the 8 bytes ending at a run's last digit, then (more than 8
+    digits) the 8 before, then (more than 16) the 8 before those."""
+    value = _eight(word, last - 7, length)
+    more = np.flatnonzero(length > 8)
+    for k, scale in ((1, 10**8), (2, 10**16)):
+        if k == 2:
+            more = more[length[more] > 16]
         if len(more):
-            value[more] += _eight(word[ends[more] + 8 - 8 * k], np.minimum(length[more] - 8 * k, 8)) * \
-                np.uint64(scale)
+            value[more] += _eight(word, last[more] - 7 - 8 * k, length[more] - 8 * k) * np.uint64(scale)
     return value
 
 
-def _eight(word: np.ndarray, count: np.ndarray) -> np.ndarray:
-    """The value of the last ``count`` (1..8) ASCII digits of each little-endian 8-byte word (the bytes before
-    them ignored): the eight-digit parse of simdjson (Lemire), each step on every word at once."""
-    keep = np.left_shift(np.uint64(0xFFFFFFFFFFFFFFFF), (8 * (8 - count)).astype(np.uint64))
-    v = word & keep & _LOW_FOUR
-    v = v * np.uint64(10) + (v >> np.uint64(8))
-    return (((v & _PAIR_MASK) * _MUL1) + (((v >> np.uint64(16)) & _PAIR_MASK) * _MUL2)) >> np.uint64(32) & \
-        np.uint64(0xFFFFFFFF)
+def _eight(word: np.ndarray, at: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """The value of the last ``min(count, 8)`` (count 1..19) ASCII digits of each little-endian 8-byte word
+    ``word[at]`` (the bytes before them ignored): the eight-digit parse of simdjson (Lemire), each step on every word
+    at once, in place. The product's top half (``>> 32``) holds the value, below 10**8 < 2**32."""
+    v = _KEEP[count]
+    scratch = word[at]
+    v &= scratch
+    np.right_shift(v, np.uint64(8), out=scratch)
+    v *= np.uint64(10)
+    v += scratch                                        # each odd byte: two digits' value
+    np.bitwise_and(v, _PAIR_MASK, out=scratch)
+    scratch *= _MUL1
+    v >>= np.uint64(16)
+    v &= _PAIR_MASK
+    v *= _MUL2
+    v += scratch
+    v >>= np.uint64(32)
+    return v
