@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from meshplan.core.units import fmt_bytes, fmt_seconds
-from meshplan.search.ranking import NEAR_TIE
+from meshplan.search.ranking import NEAR_TIE, reference_slack
 from meshplan.show.tables import fmt_or_dash, knob_text
 
 
@@ -117,8 +117,9 @@ def _print_notes(body: dict[str, Any], console: Console) -> None:
                       f"{guess}; time it alone:")
         for line in command_lines(u["simulate"], console.width):
             console.print(line, soft_wrap=True, markup=False, highlight=False)
-    for line in (_lead_text(body["candidates"], body["n_ranks"]), _bounds_only_text(body), _vs_ring_text(body),
-                 *why_lines(body)):
+    unproven = tuple(u["rank"] for u in body.get("not_proven", []))
+    for line in (_lead_text(body["candidates"], body["n_ranks"], counts.get("prune_slack", 0.0), unproven),
+                 _bounds_only_text(body), _vs_ring_text(body), *why_lines(body)):
         if line:
             console.print(line)
     for i, c in enumerate(body["candidates"], start=1):
@@ -184,11 +185,14 @@ WRITES_WHOLE_MAX_RANKS = 256
 SAME_TIME = 5e-4
 
 
-def _lead_text(candidates: list[dict[str, Any]], n_ranks: int) -> str | None:
-    """How far #1 (simulated) leads #2 — at least that far when #2 was left at its closed-form lower bound — and a
-    near-tie warning under :data:`~meshplan.search.ranking.NEAR_TIE`: a margin smaller than the model's error does
-    not say which is faster, so run both — here as CPU ranks up to this host's limit, else on the cluster. None
-    without a simulated #1 and a #2."""
+def _lead_text(candidates: list[dict[str, Any]], n_ranks: int, prune_slack: float = 0.0,
+               unproven: tuple[int, ...] = ()) -> str | None:
+    """How far #1 (simulated) leads #2 — at least that far when #2 was left at its closed-form lower bound; where
+    that bound lies under #1's time (by less than ``prune_slack``: the search left it there), how far #2 could be
+    ahead — and a near-tie warning under :data:`~meshplan.search.ranking.NEAR_TIE`: a margin smaller than the
+    model's error does not say which is faster, so run both — here as CPU ranks up to this host's limit, else on
+    the cluster. None without a simulated #1 and a #2, or where #2 is in ``unproven`` (the ranks the not-proven
+    lines name)."""
     if len(candidates) < 2 or candidates[0]["model_level"] != "simulated":
         return None
     a, b = (c["predicted"].get("makespan_s") for c in candidates[:2])
@@ -196,22 +200,25 @@ def _lead_text(candidates: list[dict[str, Any]], n_ranks: int) -> str | None:
         return None
     bound = candidates[1]["model_level"] != "simulated"
     gap = (b - a) / a
-    if gap < 0:                          # a bound below the pick: said by the not-proven line, not as a lead
+    if gap < 0 and (not bound or 2 in unproven):    # a bound far below the pick: said by the not-proven line
         return None
-    if gap < SAME_TIME and not bound:
+    if gap < 0:
+        text = (f"#2's lower bound is {-gap:.1%} under #1's time: within the prune slack ({prune_slack:.0%}), so it "
+                f"was not simulated and can beat #1 by at most that")
+    elif gap < SAME_TIME and not bound:
         text = "#1 and #2 take the same time (predicted)"
     else:
         text = (f"#1 leads #2 by {'at least ' if bound else ''}{gap:.1%} (predicted"
                 f"{'; #2 at its closed-form lower bound' if bound else ''})")
-    if gap < NEAR_TIE:
+    if abs(gap) < NEAR_TIE:
         from meshplan.search.run_memory import cpu_max_ranks
         runs = "then meshplan run each" if n_ranks <= cpu_max_ranks() else \
             "then run each on the cluster under torchrun: docs/running.md"
         again = "both are written below" if candidates[1].get("schedule_path") else \
             "this search again with --write 2" if n_ranks <= WRITES_WHOLE_MAX_RANKS else \
             "this search again with --write 2 writes each or names the `meshplan simulate … --out` that does"
-        text += (f"; {'proven only that far: ' if bound else ''}under {NEAR_TIE:.0%} that is a near-tie, closer than "
-                 f"the model's error (docs/accuracy.md): run both ({again}, {runs}) to pick")
+        text += (f"; {'proven only that far: ' if bound and gap >= 0 else ''}under {NEAR_TIE:.0%} that is a near-tie, "
+                 f"closer than the model's error (docs/accuracy.md): run both ({again}, {runs}) to pick")
     return text
 
 
@@ -278,8 +285,9 @@ def _bounds_only_text(body: dict[str, Any]) -> str | None:
 
 
 def _vs_ring_text(body: dict[str, Any]) -> str | None:
-    """The pick's lead over Ring's best setting (the ``ring`` row, or its rank in the table); where Ring is not
-    simulated, over every Ring setting (the row holds the least of their lower bounds)."""
+    """The pick's lead over Ring's best setting (the ``ring`` row, or its rank in the table) — "to within 3%" where
+    another Ring setting was left at a lower bound under its time (:func:`~meshplan.search.ranking.reference_slack`);
+    where Ring is not simulated, over every Ring setting (the row holds the least of their lower bounds)."""
     ref, cands = body.get("reference"), body["candidates"]
     if ref is None or not cands or cands[0] == ref or (cands[0].get("predicted") or {}).get("makespan_s") is None:
         return None
@@ -292,7 +300,9 @@ def _vs_ring_text(body: dict[str, Any]) -> str | None:
     if not sim:             # Ring not simulated here (above 256 ranks): its settings' least bound, a claim on all
         return (f"#1 is at least {b / a:.2f}x as fast as any Ring setting ({where}: {plan_text(ref)}, the least of "
                 f"their lower bounds, {fmt_seconds(b)})")
-    return (f"#1 is {b / a:.2f}x as fast as Ring's best setting ({where}: {plan_text(ref)}, {fmt_seconds(b)} "
+    close = any(c["algorithm"] == "ring" and c["model_level"] != "simulated" and c["bound_s"] < b for c in cands)
+    within = f" to within {reference_slack(body['counts'].get('prune_slack', 0.0)):.0%}" if close else ""
+    return (f"#1 is {b / a:.2f}x as fast as Ring's best setting{within} ({where}: {plan_text(ref)}, {fmt_seconds(b)} "
             "simulated)")
 
 

@@ -108,6 +108,12 @@ def test_search_flags_a_near_tie_at_the_top():
     assert "names the `meshplan simulate … --out` that does" in _lead_text([cands[0], same], 512)
     far = {**cands[0], "predicted": {**cands[0]["predicted"], "makespan_s": 2 * a}}
     assert _lead_text([cands[0], far], 4) == "#1 leads #2 by 100.0% (predicted)"
+    # #2 a lower bound under #1's time, within the prune slack (left unsimulated): how far it could be ahead
+    under = {**cands[0], "model_level": "closed-form", "predicted": {**cands[0]["predicted"], "makespan_s": 0.993 * a}}
+    text = _lead_text([cands[0], under], 4, 0.01)
+    assert text.startswith("#2's lower bound is 0.7% under #1's time: within the prune slack (1%)")
+    assert "near-tie" in text and "proven only that far" not in text
+    assert _lead_text([cands[0], under], 4, 0.01, unproven=(2,)) is None      # the not-proven line says it
     bounded = {**far, "model_level": "closed-form"}
     assert _lead_text([cands[0], bounded], 4).startswith("#1 leads #2 by at least 100.0%")
     from meshplan.show.search_table import why_lines  # equal times: nothing "beats" anything

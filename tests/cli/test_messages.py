@@ -174,15 +174,22 @@ def test_ring_is_the_reference_row(search_body):
     assert ref["algorithm"] == "ring" and ref["model_level"] == "simulated"
     assert ref in search_body["candidates"]
     rings = [c for c in search_body["candidates"] if c["algorithm"] == "ring"]
-    slack = search_body["counts"]["prune_slack"]            # no Ring setting could beat it by more than the slack
+    from meshplan.search.ranking import reference_slack
+
+    slack = reference_slack(search_body["counts"]["prune_slack"])   # no Ring setting beats it by more than that
     assert all(ref["predicted"]["makespan_s"] * (1 - slack) <= (
         c["predicted"]["makespan_s"] if c["model_level"] == "simulated" else c["bound_s"]) for c in rings)
     text = "\n".join(_rendered(search_body, 100, wide=False))
     best = search_body["candidates"][0]["predicted"]["makespan_s"]
     assert f"#1 is {ref['predicted']['makespan_s'] / best:.2f}x as fast as Ring's best setting" in text
+    close = any(c["model_level"] != "simulated" and c["bound_s"] < ref["predicted"]["makespan_s"] for c in rings)
+    assert ("Ring's best setting to within 3%" in " ".join(text.split())) == close
     assert "│ ring │" in text or "ring zigzag" in text
     # Ring left at its bounds (above 256 ranks): a claim on every Ring setting, not on which one is best
     from meshplan.show.search_table import _vs_ring_text
+    near = {**ref, "model_level": "closed-form", "bound_s": 0.99 * ref["predicted"]["makespan_s"]}
+    line = _vs_ring_text({**search_body, "candidates": search_body["candidates"] + [near]})   # within the margin
+    assert "as fast as Ring's best setting to within 3% (" in line
     bounded = {**ref, "model_level": "closed-form"}
     cands = [bounded if c is ref else c for c in search_body["candidates"]]
     line = _vs_ring_text({**search_body, "reference": bounded, "candidates": cands})
