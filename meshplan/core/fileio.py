@@ -15,8 +15,8 @@ from meshplan.core.errors import UserError
 
 def check_writable(path: str | Path, flag: str, directory: bool = False) -> None:
     """Refuse, before any work, a ``path`` (a file, or with ``directory`` a directory) that cannot be written: its
-    nearest existing ancestor must be a directory this process may write into, and the path itself, if it exists, a
-    directory (``directory``) or a file (else).
+    nearest existing ancestor must be a directory this process may write into (its permissions, then an entry made
+    there and removed at once), and the path itself, if it exists, a directory (``directory``) or a file (else).
 
     Raises:
         UserError: naming ``flag`` and the path.
@@ -30,6 +30,11 @@ def check_writable(path: str | Path, flag: str, directory: bool = False) -> None
         base = base.parent
     if not base.is_dir() or not os.access(base, os.W_OK | os.X_OK):
         raise UserError(flag, f"cannot write under {base}", "give a path in a directory you can write to")
+    try:                    # what the permission bits do not say (root under /proc, a read-only mount): try it
+        os.rmdir(tempfile.mkdtemp(prefix=".meshplan-probe-", dir=base))
+    except OSError as err:
+        raise UserError(flag, f"cannot write under {base} ({err.strerror or type(err).__name__})",
+                        "give a path in a directory you can write to") from None
 
 
 def write_atomic(path: str | Path, data) -> Path:

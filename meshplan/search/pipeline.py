@@ -13,6 +13,7 @@ and bound's leader as soon as it leads, while the search goes on (:class:`~meshp
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from meshplan.algorithms.base import SEARCH_BUILD_MAX_RANKS
@@ -133,11 +134,18 @@ def run_pipeline(request: SearchRequest, progress: Progress | None = None) -> Se
         keep_large_arrays()      # N x N temporaries of 134 MB: pages reused, not faulted in anew (4096: 100 → 77 s)
     early = req.write > 0 and _writes_now(req) and can_fork()
     pick = EarlyWrite(req.topology, req.out_dir) if early and req.write == 1 else None
+    out = Path(req.out_dir)
+    made = [d for d in (out, *out.parents) if not d.exists()] if req.write else []    # deepest first
     try:
         return _steps(req, say, early, pick)
-    except BaseException:                     # an error, or Ctrl-C: an early-staged pick is not left behind
+    except BaseException:                     # an error, or Ctrl-C: an early-staged pick is not left behind ...
         if pick is not None:
             pick.discard()
+        for d in made:                        # ... nor the directories made for it, where they are left empty
+            try:
+                d.rmdir()
+            except OSError:
+                break
         raise
 
 

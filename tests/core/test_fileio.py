@@ -4,6 +4,7 @@ CLI can tell, and leave nothing behind; user errors raised in a forked process c
 from __future__ import annotations
 
 import pickle
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -58,3 +59,12 @@ def test_the_cli_refuses_an_output_it_cannot_write_in_one_line(tmp_path, args):
     assert "Traceback" not in out.output and len(out.output.strip().splitlines()) == 1
     assert "--out" in out.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="no /proc here")
+def test_a_directory_nothing_can_be_made_in_is_refused_before_the_work():
+    """/proc allows root by its permission bits but no entry can be made there: refused at once, naming the flag
+    (not after a search, when its schedule is written)."""
+    with pytest.raises(UserError, match="cannot write under /proc") as err:
+        check_writable("/proc/meshplan-out", "--out", directory=True)
+    assert err.value.field == "--out"

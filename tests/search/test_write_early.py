@@ -97,7 +97,8 @@ def test_a_simulation_beside_comes_back_with_its_summary_and_its_timeline_only_w
 
 
 def test_an_interrupt_after_the_pick_was_staged_leaves_nothing(tmp_path, monkeypatch):
-    """Ctrl-C (or an error) while the frameworks are timed: the staged pick is removed, not left half-named."""
+    """Ctrl-C (or an error) while the frameworks are timed: the staged pick is removed, not left half-named, and so
+    are the directories made for it (an --out that did not exist is not left behind empty)."""
     import meshplan.search.pipeline as pipeline
 
     def interrupted(*args, **kwargs):
@@ -106,6 +107,6 @@ def test_an_interrupt_after_the_pick_was_staged_leaves_nothing(tmp_path, monkeyp
     monkeypatch.setattr(pipeline, "framework_bests", interrupted)
     topo, w = Topology.load("h100x16", gpus=16), resolve(seq_len="64K")
     with pytest.raises(KeyboardInterrupt):
-        run_pipeline(SearchRequest(w, topo, 16, write=1, out_dir=str(tmp_path)))
+        run_pipeline(SearchRequest(w, topo, 16, write=1, out_dir=str(tmp_path / "new" / "out")))
     assert staged
     assert list(tmp_path.iterdir()) == []
