@@ -44,6 +44,8 @@ class _Group(TyperGroup):
         except _cx.ClickException as err:
             return self._fail(f"error: {err.format_message()}", 2)
         code = rv if isinstance(rv, int) else 0
+        if code == 130:                           # Ctrl-C: typer returns 130 without a word
+            return self._fail("aborted", 130)
         if standalone_mode:
             sys.exit(code)
         return code

@@ -246,3 +246,14 @@ def test_the_charm_memory_reproduction_fits_100_columns(monkeypatch):
     done = run("reproduce", "charm-memory")
     assert done.exit_code == 0, done.stderr
     assert max(map(len, done.stdout.splitlines())) <= 100 and "…" not in done.stdout
+
+
+def test_ctrl_c_is_said_aborted_with_exit_130(monkeypatch):
+    """Ctrl-C during a command: one line ``aborted`` on stderr and exit status 130 (typer alone exits silently)."""
+    import meshplan.search.pipeline as pipeline
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(pipeline, "run_pipeline", interrupted)
+    r = run("search", "--gpus", 8, "--topo", "h100x8", "--seq-len", "16K", "--write", 0)
+    assert r.exit_code == 130 and r.stderr.strip() == "aborted" and r.stdout == ""
