@@ -304,7 +304,8 @@ def block_baselines(r) -> str:
 def block_speed(r) -> str:
     d = r["planner_speed"]
     return "\n".join([
-        f"`python benchmarks/planner_speed.py` (2 cores{_cpu(d)}, {d['date']}):", "",
+        f"`python benchmarks/planner_speed.py` (2 cores{_cpu(d)}, {d['date']}"
+        + (f"; the package's bytecode {d['bytecode']}" if d.get("bytecode") else "") + "):", "",
         "| measure | result | target |", "|---|---|---|",
         f"| simulate Ring fwd+bwd, 256 GPUs, 1M tokens ({d['ops_256'] / 1e3:.0f}k ops; {d['reps_256']} representative "
         f"ranks) | {d['simulate_256_s']:.2f} s (+{d['build_256_s']:.2f} s to build the schedule) | < 1 s |",
