@@ -33,7 +33,7 @@ import numpy as np
 from meshplan.cost.memory import model_total_bytes, op_workspace_bytes
 from meshplan.cost.simulate import SimResult
 from meshplan.model.topology import Topology
-from meshplan.plan.peaks import peak_memories
+from meshplan.plan.peaks import peak_memories, peak_memories_over
 from meshplan.plan.schedule import BUSY_KINDS, COMPUTE, PASS_NAMES, RECV, SEND, Schedule
 
 KEYS = ("makespan_s", "compute_s", "exposed_comm_s", "comm_busy_s", "comm_bytes_per_gpu_max",
@@ -175,7 +175,8 @@ def pass_metrics(sched: Schedule, topo: Topology, sim: SimResult, phase: int) ->
 def _peaks(sched: Schedule, topo: Topology, phase: int, start: np.ndarray, end: np.ndarray,
            rep_op: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
     """:func:`~meshplan.plan.peaks.peak_memories` with each op's workspace; a quotient schedule whose orbits' ranks
-    run kernels of other shapes (same times, other workspaces): the largest over each distinct member's shapes."""
+    run kernels of other shapes (same times, other workspaces): the largest over each distinct member's shapes
+    (:func:`~meshplan.plan.peaks.peak_memories_over`: one sort of the events for all)."""
     spec = topo.memory_model
     q = sched.quotient
     if q is None or q.member_s_q is None:
@@ -184,9 +185,9 @@ def _peaks(sched: Schedule, topo: Topology, phase: int, start: np.ndarray, end: 
     for k in range(q.member_s_q.shape[1]):
         s_q, s_kv = q.member_s_q[:, k], q.member_s_kv[:, k]
         distinct.setdefault(s_q.tobytes() + s_kv.tobytes(), (s_q, s_kv))
-    peaks = [peak_memories(sched, phase, start, end, op_workspace_bytes(sched, spec, s_q, s_kv))
-             for s_q, s_kv in distinct.values()]
-    return peaks[0][0], np.max([p[1] for p in peaks], axis=0)
+    buffers, totals = peak_memories_over(sched, phase, start, end, [op_workspace_bytes(sched, spec, s_q, s_kv)
+                                                                    for s_q, s_kv in distinct.values()])
+    return buffers, np.max(totals, axis=0)
 
 
 def predicted(sched: Schedule, topo: Topology, sim: SimResult, ring_ccr: float | None) -> Prediction:

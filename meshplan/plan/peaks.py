@@ -65,6 +65,26 @@ def peak_memories(sched: Schedule, phase: int, op_start: np.ndarray, op_end: np.
     return buffers, (buffers if transient is None else total)
 
 
+def peak_memories_over(sched: Schedule, phase: int, op_start: np.ndarray, op_end: np.ndarray,
+                       transients: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """([n_ranks] peak bytes of the tensors alone, for each of ``transients`` [n_ranks] the peak with it) of pass
+    ``phase``: :func:`peak_memories` of each transient (no reduction), from one sort of the events — the ops that
+    hold some transient's bytes give every one its events, zero where it holds none (a level read again at an
+    instant with no change: the same maxima)."""
+    ev = _TensorEvents(sched, phase, op_start, op_end)
+    o = sched.ops
+    holds = np.zeros(len(o), dtype=bool)
+    for w in transients:
+        holds |= w > 0
+    ops = np.flatnonzero((o.phase == phase) & holds & np.isfinite(op_start) & np.isfinite(op_end))
+    rank = np.r_[ev.rank, ev.rank, o.rank[ops], o.rank[ops]]
+    time = np.r_[ev.alloc, ev.free, op_start[ops], op_end[ops]]
+    held = np.r_[ev.size, -ev.size]
+    deltas = [np.r_[held, np.zeros(2 * len(ops))]] + [np.r_[held, w[ops], -w[ops]] for w in transients]
+    peaks = _sorted_peaks(rank, time, deltas, sched.n_ranks)
+    return peaks[0], peaks[1:]
+
+
 class _TensorEvents:
     """The tensors of one pass: rank, bytes, allocation and free times (s)."""
 

@@ -127,3 +127,23 @@ def test_members_whose_tensors_come_in_another_order_share_the_representatives_s
     finally:
         peaks._sorted_peaks = real
     assert sorted_alone == [64, 64]              # only the every-rank reference sorted ranks on their own
+
+
+def test_peaks_over_several_workspaces_equal_each_one_alone(simulated):
+    """``peak_memories_over`` (one sort for a quotient schedule's members' workspaces) gives what
+    ``peak_memories`` gives for each workspace alone, and the tensors' peak, on every pass — workspaces held by
+    different ops (some zero where another is not) included."""
+    from meshplan.plan.peaks import peak_memories_over
+
+    sched, sim, base = simulated
+    rng = np.random.default_rng(0)
+    spaces = [base, np.where(rng.random(len(base)) < 0.5, base * 2, 0.0), np.zeros(len(base))]
+    for phase in sched.passes:
+        off = sim.pass_offset[phase]
+        start, end = sim.start - off, sim.end - off
+        buffers, totals = peak_memories_over(sched, phase, start, end, spaces)
+        for w, total in zip(spaces, totals):
+            alone_buffers, alone_total = peak_memories(sched, phase, start, end, w)
+            np.testing.assert_array_equal(buffers, alone_buffers)
+            np.testing.assert_array_equal(total, alone_total)
+        assert (totals[1] != totals[0]).any()          # the workspaces differ: a test that could fail
