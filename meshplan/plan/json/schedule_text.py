@@ -31,8 +31,8 @@ TEXT_BLOCK_OPS = 100_000
 
 
 def json_chunks(sched: Schedule):
-    """The JSON text (UTF-8 bytes) in pieces (header, tensors, then ranks a block at a time), so big files stream to
-    disk."""
+    """The JSON text (UTF-8) in bytes-like pieces (header, tensors, then ranks a block at a time: bytes and
+    memoryviews of the rendered rows), so big files stream to disk without a copy of each piece."""
     w = sched.workload
     matrix = attn_matrix(w, sched.n_chunks)
     head = {
@@ -52,7 +52,7 @@ def json_chunks(sched: Schedule):
 
 
 
-def _tensors_text(t: TensorTable) -> bytes:
+def _tensors_text(t: TensorTable) -> bytes | memoryview:
     """Every tensor's object, comma-separated."""
     n = len(t.rank)
     if n == 0:
@@ -64,12 +64,12 @@ def _tensors_text(t: TensorTable) -> bytes:
     r.text('","pass":"').choice(t.phase, list(PASS_NAMES)).text('","alloc_op":')
     r.ints(t.alloc_op, null_below_zero=True).text(',"free_after":').int_lists(t.free_ptr, t.free_after).text("}")
     r.text(",", np.arange(n) < n - 1)
-    return r.render()[0].tobytes()
+    return memoryview(r.render()[0])
 
 
 def _ranks_text(sched: Schedule, matrix: AttnMatrix):
     """Each rank's ``{"rank":K,"ops":[...]}``, comma-separated, ranks laid out ~:data:`TEXT_BLOCK_OPS` ops at a
-    time."""
+    time; in pieces (bytes, and memoryviews of the rendered rows: the caller joins them once)."""
     o = sched.ops
     compute = _compute_text(sched, matrix)
     names = [json.dumps(n) for n in sched.streams.names]
@@ -80,10 +80,13 @@ def _ranks_text(sched: Schedule, matrix: AttnMatrix):
         while r1 < sched.n_ranks and ptr[r1 + 1] - ptr[r0] <= TEXT_BLOCK_OPS:
             r1 += 1
         text, offsets = _ops_rows(o, ptr[r0], ptr[r1], compute, names).render()
-        raw, at = text.tobytes(), offsets.tolist()
+        raw, at = memoryview(text), offsets.tolist()        # views of the rows' bytes: no copy until joined
         for r in range(r0, r1):
             a, b = at[ptr[r] - ptr[r0]], at[ptr[r + 1] - ptr[r0]]
-            yield b"".join(((b"," if r else b"") + b'{"rank":%d,"ops":[' % r, raw[a:b - 1] if b > a else b"", b"]}"))
+            yield (b"," if r else b"") + b'{"rank":%d,"ops":[' % r
+            if b > a:
+                yield raw[a:b - 1]
+            yield b"]}"
         r0 = r1
 
 
