@@ -11,13 +11,14 @@ by its schedule-free bound (USP, Ulysses, LoongTrain, StarTrail, CHARM+) is neve
 written): its schedule alone takes GBs; ``meshplan simulate --algo`` times it (and ``--out`` writes it).
 
 Modules, in pipeline order: this one (:func:`run_search`), :mod:`candidate` (one candidate: plan, closed form,
-simulation), :mod:`branch_bound` (the search loop: tighten, prune or simulate each candidate), :mod:`beside`
-(simulations in a forked process beside other work), :mod:`ranking` (the table's order, Ring's reference row, what
-keeps the pick unproven), :mod:`pipeline` (the whole search the CLI runs, as one call: a
-``SearchRequest`` in, a ``SearchReport`` out), :mod:`framework_settings` and :mod:`frameworks` (Megatron-LM/TE,
-yunchang and torchtitan settings), :mod:`improve`, :mod:`mapping` and :mod:`ilp` (CP-SAT orders, placement search),
-:mod:`sensitivity`, :mod:`job_rerank` (ranking by a TP x CP x DP job's time), :mod:`inference` (the KV-cache rule),
-:mod:`run_memory` (will a run fit this host), :mod:`write` (verify and write the best schedules).
+simulation), :mod:`closed_forms` (many candidates' closed forms on both cores), :mod:`branch_bound` (the search
+loop: tighten, prune or simulate each candidate), :mod:`beside` (simulations in a forked process beside other work),
+:mod:`ranking` (the table's order, Ring's reference row, what keeps the pick unproven), :mod:`pipeline` (the whole
+search the CLI runs, as one call: a ``SearchRequest`` in, a ``SearchReport`` out), :mod:`framework_settings` and
+:mod:`frameworks` (Megatron-LM/TE, yunchang and torchtitan settings), :mod:`improve`, :mod:`mapping` and :mod:`ilp`
+(CP-SAT orders, placement search), :mod:`sensitivity`, :mod:`job_rerank` (ranking by a TP x CP x DP job's time),
+:mod:`inference` (the KV-cache rule), :mod:`run_memory` (will a run fit this host), :mod:`write` (verify and write
+the best schedules).
 """
 
 from __future__ import annotations
@@ -45,10 +46,10 @@ from meshplan.search.candidate import (
     closed_form_predicted,
     forget_built,
     label,
-    make_candidates,
     over_memory,
     simulate_candidate,
 )
+from meshplan.search.closed_forms import make_candidates
 from meshplan.search.ranking import not_proven, ranked, reference_simulations, ring_reference, ring_rows
 
 PRUNE_SLACK = 0.01

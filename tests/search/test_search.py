@@ -209,7 +209,8 @@ def test_closed_forms_shared_with_a_forked_process_land_on_their_own_candidates(
     """make_candidates at 64 ranks sends half the schedule-building closed forms to a forked process: every
     candidate gets the timing it gets computed alone, in this process and in order."""
     from meshplan.core.parallel import can_fork
-    from meshplan.search.candidate import make_candidate, make_candidates
+    from meshplan.search.candidate import make_candidate
+    from meshplan.search.closed_forms import make_candidates
 
     topo = Topology.load("h100x32", gpus=64)
     w = resolve(seq_len="16K", model="llama3-8b")
@@ -340,8 +341,9 @@ def test_schedule_free_closed_forms_halved_between_processes_land_on_their_own_c
     """Where no closed form builds a schedule (above 256 ranks: Mesh, Ring), from LIGHT_SPLIT_MIN_RANKS ranks
     both processes take them one at a time from a shared counter: every candidate gets the timing it gets alone, in
     order."""
-    import meshplan.search.candidate as cand
-    from meshplan.search.candidate import make_candidate, make_candidates
+    import meshplan.search.closed_forms as cand
+    from meshplan.search.candidate import make_candidate
+    from meshplan.search.closed_forms import make_candidates
 
     monkeypatch.setenv("MESHPLAN_FORK", "1")
     monkeypatch.setattr(cand, "LIGHT_SPLIT_MIN_RANKS", 16)
