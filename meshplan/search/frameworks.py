@@ -157,9 +157,8 @@ def _evaluate(fb: FrameworkBest, entries: list, result: SearchResult, listed: di
                 _forget(cand)
             continue
         if k not in times:
-            simulate_unkept(cand, topo, result.ring_ccr)
+            simulate_unkept(cand, topo, result.ring_ccr)          # its schedule not kept: none left on its plan
             fb.simulated += 1
-            _forget(cand)
             if _too_big(fb, s, cand.predicted.total.peak_memory_total_bytes, result.memory_limit):
                 continue
             times[k] = cand.predicted.makespan_s

@@ -203,7 +203,7 @@ def _lead_text(candidates: list[dict[str, Any]], n_ranks: int, prune_slack: floa
     if gap < 0 and (not bound or 2 in unproven):    # a bound far below the pick: said by the not-proven line
         return None
     if gap < 0:
-        text = (f"#2's lower bound is {-gap:.1%} under #1's time: within the prune slack ({prune_slack:.0%}), so it "
+        text = (f"#2's lower bound is {-gap:.1%} under #1's time: within the prune slack ({prune_slack * 100:g}%), so it "
                 f"was not simulated and can beat #1 by at most that")
     elif gap < SAME_TIME and not bound:
         text = "#1 and #2 take the same time (predicted)"
@@ -301,7 +301,7 @@ def _vs_ring_text(body: dict[str, Any]) -> str | None:
         return (f"#1 is at least {b / a:.2f}x as fast as any Ring setting ({where}: {plan_text(ref)}, the least of "
                 f"their lower bounds, {fmt_seconds(b)})")
     close = any(c["algorithm"] == "ring" and c["model_level"] != "simulated" and c["bound_s"] < b for c in cands)
-    within = f" to within {reference_slack(body['counts'].get('prune_slack', 0.0)):.0%}" if close else ""
+    within = f" to within {reference_slack(body['counts'].get('prune_slack', 0.0)) * 100:g}%" if close else ""
     return (f"#1 is {b / a:.2f}x as fast as Ring's best setting{within} ({where}: {plan_text(ref)}, {fmt_seconds(b)} "
             "simulated)")
 
