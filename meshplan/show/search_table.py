@@ -203,8 +203,8 @@ def _lead_text(candidates: list[dict[str, Any]], n_ranks: int, prune_slack: floa
     if gap < 0 and (not bound or 2 in unproven):    # a bound far below the pick: said by the not-proven line
         return None
     if gap < 0:
-        text = (f"#2's lower bound is {-gap:.1%} under #1's time: within the prune slack ({prune_slack * 100:g}%), so it "
-                f"was not simulated and can beat #1 by at most that")
+        text = (f"#2's lower bound is {-gap:.1%} under #1's time: within the prune slack ({prune_slack * 100:g}%), so "
+                f"it was not simulated and can beat #1 by at most that")
     elif gap < SAME_TIME and not bound:
         text = "#1 and #2 take the same time (predicted)"
     else:
