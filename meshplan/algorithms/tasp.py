@@ -84,7 +84,7 @@ class TASP(BuiltTiming):
         super().check(workload, topo, n_ranks, knobs)
         f = self.cycles(topo, n_ranks, knobs)[1].shape[0]
         if workload.layout == "striped":
-            raise SkipCandidate("layout not supported", "TASP takes the contiguous or zigzag layout")
+            raise SkipCandidate("striped layout of tasp not supported", "TASP takes the contiguous or zigzag layout")
         unit = n_ranks * f * (2 if workload.layout == "zigzag" else 1)
         if workload.prefix_len:
             raise SkipCandidate("no cached prefix", "TASP is implemented without a KV-cache prefix")

@@ -24,6 +24,7 @@ from meshplan.search.candidate import (
     over_memory,
     reduces,
     refine_bound,
+    short_label,
     simulate_candidate,
     simulate_unkept,
     simulate_variants,
@@ -81,7 +82,7 @@ class BranchAndBound:
             self._tell_leader()
             c = cands[k]
             if progress:
-                progress(k, len(cands), label(c))
+                progress(k, len(cands), short_label(c))
             k += 1
             if id(c) in self.ahead:                    # simulated beside the one before
                 continue
@@ -98,7 +99,7 @@ class BranchAndBound:
             while pairs and k < len(cands):
                 d = cands[k]
                 if progress:
-                    progress(k, len(cands), label(d))
+                    progress(k, len(cands), short_label(d))
                 k += 1
                 if self._to_simulate(d):
                     partner = d
