@@ -175,8 +175,8 @@ def test_head_ranges_of_ops_over_the_same_chunks_must_tile_the_heads():
 
 @pytest.mark.parametrize("fork", ["1", "0"])
 def test_both_passes_checked_at_once_give_the_same_report(fork, monkeypatch):
-    """verify(both_cores=True) checks the coverage and the forward in a forked process (a thread without fork), the
-    contents, rows and backward here: the same violations in the same order, counts and peak — for a valid schedule, one with a hazard in both
+    """verify(both_cores=True) checks the coverage, rows and the forward in a forked process (a thread without
+    fork): the same violations in the same order, counts and peak — for a valid schedule, one with a hazard in both
     passes, one over a memory limit in both and one that computes a block twice (its passes checked, unreported)."""
     import meshplan.plan.verify as v
 
