@@ -21,6 +21,7 @@ except ImportError:  # pragma: no cover
     import click.exceptions as _cx
 
 from meshplan.cli import options as o
+from meshplan.cli import search_flags as sf
 from meshplan.cli import sensitivity as sv
 
 
@@ -101,25 +102,10 @@ def search(gpus: o.GpusNeeded = None, topo: o.TopoNeeded = None, model: o.Model 
            partial_dtype: o.PartialDtype = None, dkv_dtype: o.DkvDtype = None, ulysses_degree: o.UlyssesDegree = None,
            inner_ring: o.InnerRing = None, team_size: o.TeamSize = None, domains: o.Domains = None,
            knob: o.KnobKV = None,
-           algos: Annotated[Optional[str], typer.Option("--algos", help="comma-separated algorithm names")] = None,
-           top: Annotated[int, typer.Option("--top", help="rows shown")] = 10,
-           wide: Annotated[bool, typer.Option("--wide", help="every column (algorithm, layout and knobs apart, "
-                                              "bytes, compute/communication)")] = False,
-           write: Annotated[int, typer.Option("--write", help="best schedules written (0: none)")] = 1,
-           out: Annotated[str, typer.Option("--out", help="directory for written schedules")] = "schedules",
-           scheduler: Annotated[str, typer.Option("--scheduler", help="greedy | ilp (CP-SAT stream orders for the "
-                                                  "best candidates, re-simulated) | auto (CP-SAT where greedy is "
-                                                  "more than 3% above the bound)")] = "greedy",
-           ilp_time_limit_s: Annotated[float, typer.Option(
-               "--ilp-time-limit-s", help="CP-SAT time limit per candidate, seconds")] = 10.0,
-           ilp_workers: Annotated[int, typer.Option("--ilp-workers", help="CP-SAT workers (0: one per core)")] = 0,
-           map_search: Annotated[int, typer.Option(
-               "--map-search", help="rank -> GPU placement search: simulations per written candidate (0: off)")] = 0,
-           memory_limit: Annotated[Optional[str], typer.Option(
-               "--memory-limit", help="bytes per GPU the memory model must fit (80GiB, 64GB, ...; default: the "
-               "device's memory)")] = None,
-           prune_slack: Annotated[float, typer.Option(
-               "--prune-slack", help="prune within this fraction of the best (0: exact)")] = 0.01,
+           algos: sf.Algos = None, top: sf.Top = 10, wide: sf.Wide = False, write: sf.Write = 1,
+           out: sf.Out = "schedules", scheduler: sf.Scheduler = "greedy", ilp_time_limit_s: sf.IlpTimeLimit = 10.0,
+           ilp_workers: sf.IlpWorkers = 0, map_search: sf.MapSearch = 0, memory_limit: sf.MemoryLimit = None,
+           prune_slack: sf.PruneSlack = 0.01,
            tp: o.Tp = 1, dp: o.Dp = 1, rank_order: o.RankOrder = "tp-cp-dp",
            sensitivity: sv.Sensitivity = None, sensitivity_samples: sv.Samples = None, sensitivity_top: sv.Top = None,
            sensitivity_seed: sv.Seed = None, pick: sv.Pick = "nominal",
@@ -128,12 +114,11 @@ def search(gpus: o.GpusNeeded = None, topo: o.TopoNeeded = None, model: o.Model 
 
     With --tp/--dp, --gpus is the CP group size and the best plans are re-ranked by the whole job's time.
     With --doc-lengths, rank fixed methods against per-batch planning over packs drawn from a histogram."""
-    from meshplan.cli.search_flags import check_search_flags, memory_limit_bytes
     from meshplan.search.pipeline import JobRerank, SearchRequest, Sensitivity, no_candidate_error, run_pipeline
     from meshplan.search.sensitivity import check_args
     from meshplan.show.search_table import print_search
 
-    check_search_flags(gpus, scheduler, ilp_time_limit_s, ilp_workers, write, top, map_search, prune_slack, out)
+    sf.check_search_flags(gpus, scheduler, ilp_time_limit_s, ilp_workers, write, top, map_search, prune_slack, out)
     if doc_lengths is not None or batches is not None:
         from meshplan.cli.batch import distribution_command
         distribution_command(gpus, topo, doc_lengths, batches, seq_len, model, batch, heads, kv_heads, head_dim,
@@ -156,8 +141,8 @@ def search(gpus: o.GpusNeeded = None, topo: o.TopoNeeded = None, model: o.Model 
     request = SearchRequest(
         base, topology, gpus, algos=names,
         filters=o.knobs(tile, mapping, partial_dtype, dkv_dtype, ulysses_degree, inner_ring, team_size, domains, knob),
-        layout_pinned=layout is not None, memory_limit_bytes=memory_limit_bytes(memory_limit), prune_slack=prune_slack,
-        write=write, out_dir=out, top=top, map_search=map_search, scheduler=scheduler,
+        layout_pinned=layout is not None, memory_limit_bytes=sf.memory_limit_bytes(memory_limit),
+        prune_slack=prune_slack, write=write, out_dir=out, top=top, map_search=map_search, scheduler=scheduler,
         ilp_time_limit_s=ilp_time_limit_s, ilp_workers=ilp_workers, job=job,
         sensitivity=None if sensitivity is None else Sensitivity(sensitivity, sensitivity_samples, sensitivity_top,
                                                                  sensitivity_seed, pick))

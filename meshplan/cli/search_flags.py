@@ -1,6 +1,28 @@
-"""``search``'s own flags checked before anything runs: each refusal one line naming the flag (exit 2)."""
+"""``search``'s own flags: their options (typer ``Annotated`` types, as :mod:`meshplan.cli.options` holds the
+shared ones), and their checks before anything runs — each refusal one line naming the flag (exit 2)."""
 
 from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+Algos = Annotated[Optional[str], typer.Option("--algos", help="comma-separated algorithm names")]
+Top = Annotated[int, typer.Option("--top", help="rows shown")]
+Wide = Annotated[bool, typer.Option("--wide", help="every column (algorithm, layout and knobs apart, bytes, "
+                                    "compute/communication)")]
+Write = Annotated[int, typer.Option("--write", help="best schedules written (0: none)")]
+Out = Annotated[str, typer.Option("--out", help="directory for written schedules")]
+Scheduler = Annotated[str, typer.Option("--scheduler", help="greedy | ilp (CP-SAT stream orders for the best "
+                                        "candidates, re-simulated) | auto (CP-SAT where greedy is more than 3% "
+                                        "above the bound)")]
+IlpTimeLimit = Annotated[float, typer.Option("--ilp-time-limit-s", help="CP-SAT time limit per candidate, seconds")]
+IlpWorkers = Annotated[int, typer.Option("--ilp-workers", help="CP-SAT workers (0: one per core)")]
+MapSearch = Annotated[int, typer.Option("--map-search", help="rank -> GPU placement search: simulations per written "
+                                        "candidate (0: off)")]
+MemoryLimit = Annotated[Optional[str], typer.Option("--memory-limit", help="bytes per GPU the memory model must fit "
+                                                    "(80GiB, 64GB, ...; default: the device's memory)")]
+PruneSlack = Annotated[float, typer.Option("--prune-slack", help="prune within this fraction of the best (0: exact)")]
 
 
 def memory_limit_bytes(text: str | None) -> float | None:

@@ -38,44 +38,42 @@ def _opt(flag: str, help: str, positive: bool = True):
     return typer.Option(flag, help=help, min=0.0, rich_help_panel="Numbers the dumps lack")
 
 
+NvidiaSmi = Annotated[Optional[str], typer.Option("--nvidia-smi", help="`nvidia-smi topo -m` output saved to a file")]
+NcclXml = Annotated[Optional[str], typer.Option("--nccl-xml", help="NCCL's topology dump (NCCL_TOPO_DUMP_FILE=FILE)")]
+OutYaml = Annotated[str, typer.Option("--out", help="the topology YAML to write (atomically)")]
+Force = Annotated[bool, typer.Option("--force", help="replace --out if it exists")]
+Nodes = Annotated[int, typer.Option("--nodes", min=1, help="node count of the cluster")]
+GpuModel = Annotated[Optional[str], typer.Option("--gpu-model", help="H100-SXM, H200-SXM, H20, A100-SXM, L20: device "
+                                                 "block and default rates")]
+DeviceFrom = Annotated[Optional[str], typer.Option("--device-from", help="copy the device block of this topology "
+                                                   "(path or shipped name)")]
+Name = Annotated[Optional[str], typer.Option("--name", help="topology name (default: --out's stem)")]
+Network = Annotated[str, typer.Option("--network", help="nonblocking | rail (NIC k of every node on leaf k)",
+                                      callback=_choice("nonblocking", "rail"), rich_help_panel=_NET)]
+CrossRail = Annotated[Optional[str], typer.Option("--cross-rail", help="rail: spine | pxn (an NVLink hop to the "
+                                                  "destination's rail first)", callback=_choice("spine", "pxn"),
+                                                  rich_help_panel=_NET)]
+SpineOversubscription = Annotated[Optional[float], typer.Option(
+    "--spine-oversubscription", min=1.0, help="rail: leaf downlink / uplink (1: non-blocking)", rich_help_panel=_NET)]
+SpineLatency = Annotated[Optional[float], typer.Option(
+    "--spine-latency-us", min=0.0, help="rail: extra latency through the spine", rich_help_panel=_NET)]
+Rate = Optional[float]
+
+
 def topo_import(
-        nvidia_smi: Annotated[Optional[str], typer.Option("--nvidia-smi", help="`nvidia-smi topo -m` output saved "
-                                                          "to a file")] = None,
-        nccl_xml: Annotated[Optional[str], typer.Option("--nccl-xml", help="NCCL's topology dump "
-                                                        "(NCCL_TOPO_DUMP_FILE=FILE)")] = None,
-        out: Annotated[str, typer.Option("--out", help="the topology YAML to write (atomically)")] = ...,
-        force: Annotated[bool, typer.Option("--force", help="replace --out if it exists")] = False,
-        nodes: Annotated[int, typer.Option("--nodes", min=1, help="node count of the cluster")] = 1,
-        gpu_model: Annotated[Optional[str], typer.Option("--gpu-model", help="H100-SXM, H200-SXM, H20, A100-SXM, "
-                                                         "L20: device block and default rates")] = None,
-        device_from: Annotated[Optional[str], typer.Option("--device-from", help="copy the device block of this "
-                                                           "topology (path or shipped name)")] = None,
-        name: Annotated[Optional[str], typer.Option("--name", help="topology name (default: --out's stem)")] = None,
-        nvlink_gbps: Annotated[Optional[float], _opt("--nvlink-GBps", "usable GB/s per NVLink and direction")] = None,
-        pcie_gbps: Annotated[Optional[float], _opt("--pcie-GBps", "usable GB/s of a GPU's PCIe link")] = None,
-        socket_gbps: Annotated[Optional[float], _opt("--socket-GBps", "usable GB/s between sockets")] = None,
-        nic_gbps: Annotated[Optional[float], _opt("--nic-GBps", "usable GB/s per NIC port")] = None,
-        nic_latency_us: Annotated[Optional[float], _opt("--nic-latency-us", "NIC port latency", False)] = None,
-        per_flow_gbps: Annotated[Optional[float], _opt("--per-flow-GBps", "most one flow reaches on a NIC")] = None,
-        node_aggregate_gbps: Annotated[Optional[float], _opt("--node-aggregate-GBps", "all of a node's NICs "
-                                                             "together")] = None,
-        network_latency_us: Annotated[Optional[float], _opt("--network-latency-us", "switch traversal", False)]
-        = None,
-        p2p_overhead_us: Annotated[Optional[float], _opt("--p2p-overhead-us", "software cost per message", False)]
-        = None,
-        network: Annotated[str, typer.Option("--network", help="nonblocking | rail (NIC k of every node on leaf k)",
-                                             callback=_choice("nonblocking", "rail"), rich_help_panel=_NET)]
-        = "nonblocking",
-        cross_rail: Annotated[Optional[str], typer.Option("--cross-rail", help="rail: spine | pxn (an NVLink hop to "
-                                                          "the destination's rail first)",
-                                                          callback=_choice("spine", "pxn"), rich_help_panel=_NET)]
-        = None,
-        spine_oversubscription: Annotated[Optional[float], typer.Option(
-            "--spine-oversubscription", min=1.0, help="rail: leaf downlink / uplink (1: non-blocking)",
-            rich_help_panel=_NET)] = None,
-        spine_latency_us: Annotated[Optional[float], typer.Option(
-            "--spine-latency-us", min=0.0, help="rail: extra latency through the spine", rich_help_panel=_NET)]
-        = None,
+        nvidia_smi: NvidiaSmi = None, nccl_xml: NcclXml = None, out: OutYaml = ..., force: Force = False,
+        nodes: Nodes = 1, gpu_model: GpuModel = None, device_from: DeviceFrom = None, name: Name = None,
+        nvlink_gbps: Annotated[Rate, _opt("--nvlink-GBps", "usable GB/s per NVLink and direction")] = None,
+        pcie_gbps: Annotated[Rate, _opt("--pcie-GBps", "usable GB/s of a GPU's PCIe link")] = None,
+        socket_gbps: Annotated[Rate, _opt("--socket-GBps", "usable GB/s between sockets")] = None,
+        nic_gbps: Annotated[Rate, _opt("--nic-GBps", "usable GB/s per NIC port")] = None,
+        nic_latency_us: Annotated[Rate, _opt("--nic-latency-us", "NIC port latency", False)] = None,
+        per_flow_gbps: Annotated[Rate, _opt("--per-flow-GBps", "most one flow reaches on a NIC")] = None,
+        node_aggregate_gbps: Annotated[Rate, _opt("--node-aggregate-GBps", "all of a node's NICs together")] = None,
+        network_latency_us: Annotated[Rate, _opt("--network-latency-us", "switch traversal", False)] = None,
+        p2p_overhead_us: Annotated[Rate, _opt("--p2p-overhead-us", "software cost per message", False)] = None,
+        network: Network = "nonblocking", cross_rail: CrossRail = None,
+        spine_oversubscription: SpineOversubscription = None, spine_latency_us: SpineLatency = None,
         as_json: o.Json = False) -> None:
     """Build a topology YAML from `nvidia-smi topo -m` and/or an NCCL topology dump, plus flags."""
     from meshplan.core.errors import UserError
