@@ -54,13 +54,8 @@ def peak_memories(sched: Schedule, phase: int, op_start: np.ndarray, op_end: np.
     if rep_op is not None:
         alone = _orbit_peaks(sched, phase, ev, ops, op_start, op_end, w, rep_op, buffers, total)
     if alone.any():
-        tensors, mine = np.flatnonzero(alone[ev.rank]), ops[alone[o.rank[ops]]]
-        rank = np.r_[ev.rank[tensors], ev.rank[tensors], o.rank[mine], o.rank[mine]]
-        time = np.r_[ev.alloc[tensors], ev.free[tensors], op_start[mine], op_end[mine]]
-        sizes = ev.size[tensors]
-        held = np.r_[sizes, -sizes]
-        b, t = _sorted_peaks(rank, time, [np.r_[held, np.zeros(2 * len(mine))], np.r_[held, w[mine], -w[mine]]],
-                             sched.n_ranks)
+        b, t = _rank_sorted_peaks(sched, ev, np.flatnonzero(alone[ev.rank]), ops[alone[o.rank[ops]]], op_start,
+                                  op_end, [w])
         buffers[alone], total[alone] = b[alone], t[alone]
     return buffers, (buffers if transient is None else total)
 
@@ -77,12 +72,22 @@ def peak_memories_over(sched: Schedule, phase: int, op_start: np.ndarray, op_end
     for w in transients:
         holds |= w > 0
     ops = np.flatnonzero((o.phase == phase) & holds & np.isfinite(op_start) & np.isfinite(op_end))
-    rank = np.r_[ev.rank, ev.rank, o.rank[ops], o.rank[ops]]
-    time = np.r_[ev.alloc, ev.free, op_start[ops], op_end[ops]]
-    held = np.r_[ev.size, -ev.size]
-    deltas = [np.r_[held, np.zeros(2 * len(ops))]] + [np.r_[held, w[ops], -w[ops]] for w in transients]
-    peaks = _sorted_peaks(rank, time, deltas, sched.n_ranks)
+    peaks = _rank_sorted_peaks(sched, ev, slice(None), ops, op_start, op_end, transients)
     return peaks[0], peaks[1:]
+
+
+def _rank_sorted_peaks(sched: Schedule, ev: _TensorEvents, tensors, ops: np.ndarray, op_start: np.ndarray,
+                       op_end: np.ndarray, transients: list[np.ndarray]) -> list[np.ndarray]:
+    """[the tensors' peak, then the peak with each of ``transients``] ([n_ranks] bytes each) of the events of
+    ``ev``'s ``tensors`` (indices or a slice) and of ``ops`` (each holding a transient's bytes from start to end),
+    from one sort (:func:`_sorted_peaks`)."""
+    o = sched.ops
+    rank = np.r_[ev.rank[tensors], ev.rank[tensors], o.rank[ops], o.rank[ops]]
+    time = np.r_[ev.alloc[tensors], ev.free[tensors], op_start[ops], op_end[ops]]
+    sizes = ev.size[tensors]
+    held = np.r_[sizes, -sizes]
+    deltas = [np.r_[held, np.zeros(2 * len(ops))]] + [np.r_[held, w[ops], -w[ops]] for w in transients]
+    return _sorted_peaks(rank, time, deltas, sched.n_ranks)
 
 
 class _TensorEvents:
