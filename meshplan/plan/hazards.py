@@ -56,9 +56,9 @@ def vector_clocks(sched: Schedule, items: Items) -> tuple[np.ndarray, np.ndarray
     return clock, stream.astype(width), pos.astype(width)
 
 
-def _accesses(sched: Schedule, phase: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(op, tensor, is_write) for every access of the pass, one row per (op, tensor), sorted by (tensor, op); a row
-    is a write if any access of the op to the tensor writes.
+def _accesses(sched: Schedule, ops: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(op, tensor, is_write) for every access of the ops ``ops`` (one pass's, ascending), one row per (op, tensor),
+    sorted by (tensor, op); a row is a write if any access of the op to the tensor writes.
 
     Each access is packed whole into one int64 key, (tensor, op, not a write) with the op in ``bits`` bits, so that
     one sort of the keys' values (no argsort, no gathers by its order) orders them with the write of a (tensor, op)
@@ -68,10 +68,15 @@ def _accesses(sched: Schedule, phase: int) -> tuple[np.ndarray, np.ndarray, np.n
     bits = max(len(o), 1).bit_length()
     parts = []
     for ptr, values, reads in ((o.in_ptr, o.inputs, 1), (o.out_ptr, o.outputs, 0)):
-        owner = np.repeat(np.arange(len(o)), np.diff(ptr))
-        mine = o.phase[owner] == phase
-        parts.append(_pack(values[mine], owner[mine], bits, reads))
-    comm = np.flatnonzero(((o.kind == SEND) | (o.kind == RECV)) & (o.phase == phase))
+        if len(ops) == len(o):                      # every op (one pass's of a one-pass schedule): no gather
+            owner = np.repeat(np.arange(len(o)), np.diff(ptr))
+            mine = values.astype(np.int64)              # a copy: _pack works in place
+        else:
+            counts = ptr[ops + 1] - ptr[ops]
+            owner = np.repeat(ops, counts)
+            mine = values[np.repeat(ptr[ops] - (np.cumsum(counts) - counts), counts) + np.arange(int(counts.sum()))]
+        parts.append(_pack(mine, owner, bits, reads))
+    comm = ops[(o.kind[ops] == SEND) | (o.kind[ops] == RECV)]
     parts.append(_pack(o.tensor[comm], comm, bits, o.kind[comm] != RECV))
     packed = np.concatenate(parts)
     packed.sort()
@@ -146,10 +151,7 @@ class _Rows:
 def _chains(sched: Schedule, items: Items):
     """Accesses of the pass by ``items``' ops, grouped by tensor in program order: (op, tensor, write, starts — the
     first access of each tensor —, prev_w — the previous write's row, −1 —, nxt_w — the next write's row, −1)."""
-    op, tensor, write = _accesses(sched, items.phase)
-    mine = items.item_of_op[op] >= 0            # items of some ranks only (their tensors are their own)
-    if not mine.all():
-        op, tensor, write = op[mine], tensor[mine], write[mine]
+    op, tensor, write = _accesses(sched, np.sort(items.ops))    # items of some ranks only: their own tensors
     starts = np.ones(len(op), dtype=bool)
     np.not_equal(tensor[1:], tensor[:-1], out=starts[1:])
     return (op, tensor, write, starts) + _writes_around(write, starts)

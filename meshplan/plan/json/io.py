@@ -27,6 +27,11 @@ from meshplan.plan.json.format import ScheduleJSON
 from meshplan.plan.json.schedule_text import json_chunks
 from meshplan.plan.schedule import SCHEMA_VERSION, Schedule
 
+try:                 # ISA-L's deflate: the same streams as zlib's, ~3x as fast at level 1, inflate ~2x (x86 and Arm)
+    from isal import isal_zlib as _deflate
+except ImportError:                                   # a platform without its wheel: zlib, the same files
+    _deflate = zlib
+
 
 def to_json_text(sched: Schedule) -> str:
     """The Schedule as JSON text (the contract's skeleton), laid out column-wise for speed."""
@@ -51,16 +56,19 @@ _MEMBER_MAGIC, _MEMBER_EXTRA = b"\x1f\x8b\x08\x04", b"\x08\x00MP\x04\x00"
 _MEMBER_HEAD_BYTES = 20
 #: deflate inflates at most ~1032 bytes per byte: a member stating more is not read by its stated size
 _MAX_RATIO = 1032
+#: the deflate level: ISA-L's 2 (0..3) makes members as small as zlib's 1 (a 4 MB part: 6.6 ms vs 22.7 ms)
+_LEVEL = 2 if _deflate is not zlib else 1
 
 
 def gzip_member(text: bytes) -> bytes:
-    """``text`` as one gzip member (RFC 1952, deflate level 1) whose header's extra field ``MP`` states the member's
-    size in bytes (little-endian uint32), as BGZF does: a reader finds every member without inflating any and
-    inflates them on two threads (:func:`gunzip`). Any gzip reader reads a file of such members as one."""
-    body = zlib.compress(text, 1, wbits=-15)
+    """``text`` as one gzip member (RFC 1952, deflate at ISA-L's level 2 — as small as zlib's level 1, ~3x as fast —
+    or zlib's level 1 where ISA-L is not installed) whose header's extra field ``MP`` states the member's size in
+    bytes (little-endian uint32), as BGZF does: a reader finds every member without inflating any and inflates them
+    on two threads (:func:`gunzip`). Any gzip reader reads a file of such members as one."""
+    body = _deflate.compress(text, _LEVEL, wbits=-15)
     size = _MEMBER_HEAD_BYTES + len(body) + 8
     head = _MEMBER_MAGIC + b"\0\0\0\0\0\xff" + _MEMBER_EXTRA + struct.pack("<I", size)
-    return head + body + struct.pack("<II", zlib.crc32(text), len(text) & 0xFFFFFFFF)
+    return head + body + struct.pack("<II", _deflate.crc32(text), len(text) & 0xFFFFFFFF)
 
 
 def write_schedule(sched: Schedule, path: str | Path) -> Path:
@@ -104,8 +112,8 @@ def _batches(pieces, size: int):
 
 def gunzip(data: bytes) -> bytes | bytearray:
     """The text of gzip ``data``: members written by :func:`gzip_member` inflated on two threads (half the members'
-    bytes each) straight into one buffer (a 1024-rank file's 290 MB: 0.55 s → 0.3 s), any other gzip file by
-    :func:`gzip.decompress`.
+    bytes each; ISA-L's inflate where installed, else zlib's) straight into one buffer (a 1024-rank file's 290 MB:
+    0.55 s on one thread with zlib, 0.3 s on two, 0.17 s with ISA-L), any other gzip file by :func:`gzip.decompress`.
 
     Raises:
         OSError, EOFError, zlib.error: not gzip, or cut short or corrupted (as :func:`gzip.decompress` raises).
@@ -122,7 +130,7 @@ def gunzip(data: bytes) -> bytes | bytearray:
             second = pool.submit(_inflate, data, spans[cut:], out, at[cut:-1], sizes[cut:])
             _inflate(data, spans[:cut], out, at[:cut], sizes[:cut])
             second.result()
-    except zlib.error:
+    except (zlib.error, _deflate.error):
         return gzip.decompress(data)                 # the error gzip names
     return out
 
@@ -146,10 +154,10 @@ def _inflate(data: bytes, spans: list[tuple[int, int]], out: bytearray, at: list
     states (its CRC and length checked by zlib too).
 
     Raises:
-        zlib.error: a member that is not one whole gzip stream, or longer than its ISIZE says.
+        zlib.error (or ISA-L's): a member that is not one whole gzip stream, or longer than its ISIZE says.
     """
     for (a, b), start, size in zip(spans, at, sizes):
-        member = zlib.decompressobj(31)
+        member = _deflate.decompressobj(31)
         text = member.decompress(data[a:b])
         if not member.eof or member.unused_data or len(text) != size:
             raise zlib.error("a member is not one whole gzip stream")
