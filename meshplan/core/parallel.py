@@ -60,7 +60,7 @@ class Beside:
     def __init__(self, side: Callable[[], Any], own_group: bool = False) -> None:
         ctx = mp.get_context("fork")
         self._recv, send = ctx.Pipe(duplex=False)
-        self._own_group = own_group
+        self._own_group, self._taken = own_group, False
         self._proc = ctx.Process(target=_child, args=(side, send, own_group))   # not daemonic: a side may fork again
         self._proc.start()
         send.close()
@@ -73,6 +73,7 @@ class Beside:
         Raises:
             whatever the side raised; RuntimeError if the child died without an answer.
         """
+        self._taken = True
         try:
             try:
                 ok, value = self._recv.recv()
@@ -96,7 +97,10 @@ class Beside:
     def stop(self) -> None:
         """Stop the child and every process it forked (its process group: started with ``own_group``) by SIGTERM,
         which each turns into SystemExit — unwinding, so the files it was writing are removed as on any error —
-        and wait for it (SIGKILL after 10 s). Its result is dropped. Without ``own_group``: :meth:`discard`."""
+        and wait for it (SIGKILL after 10 s). Its result is dropped. Without ``own_group``: :meth:`discard`. Once its
+        result is taken (:meth:`result`), nothing: it has ended."""
+        if self._taken:
+            return
         if not self._own_group:
             self.discard()
             return

@@ -118,3 +118,27 @@ class _Rows:
         frees -= first[:, None]
         own = (none | ((alloc >= 0) & (alloc < n_ops))).all(axis=1) & ((frees >= 0) & (frees < n_ops)).all(axis=1)
         return form + [alloc, np.diff(t.free_ptr)[tens], frees], own
+
+
+def class_partner(sched: Schedule, classes: np.ndarray, partner: np.ndarray, op_seconds: np.ndarray,
+                  transfer_seconds: np.ndarray) -> np.ndarray | None:
+    """[n_ops] for each op of a representative rank (``classes``: :func:`rank_classes`), its transfer's partner as
+    the op at the partner's place in the representative of the partner's rank (−1: none; other ops −1): the
+    evaluation of :mod:`meshplan.plan.dataflow` on the representatives' ops with these partners is the evaluation of
+    every rank's, each op's times its representative's at its place. None where that does not follow: two ranks of
+    one class whose ops at one place pair with different places or classes, or take different times.
+
+    Why: every rank's equations (an item starts when its predecessors end; a transfer ends when both sides have
+    started, plus its time) are its representative's, place by place, and so are the ones their partners' classes
+    give them; the least solution — what the evaluation finds, in waves — is then the same at every rank of a
+    class, and it solves the representatives' equations; deadlock freedom (every item ends) likewise."""
+    o = sched.ops
+    place = np.arange(len(o.rank)) - sched.rank_ptr[o.rank]
+    twin = sched.rank_ptr[classes[o.rank]] + place                    # the op at the same place in the rep
+    has = partner >= 0
+    safe = np.where(has, partner, 0)
+    mapped = np.where(has, sched.rank_ptr[classes[o.rank[safe]]] + place[safe], -1)
+    agree = (mapped == mapped[twin]) & (op_seconds == op_seconds[twin]) & (transfer_seconds == transfer_seconds[twin])
+    if not agree.all():
+        return None
+    return np.where(classes[o.rank] == o.rank, mapped, -1)

@@ -30,13 +30,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from meshplan.core.parallel import alongside
+from meshplan.core.parallel import Beside, can_fork, start_beside
 from meshplan.model.matrix import AttnMatrix, attn_matrix
 from meshplan.plan.contents import check_contents
 from meshplan.plan.dataflow import build_items, evaluate
 from meshplan.plan.hazards import check_hazards
 from meshplan.plan.peaks import peak_memory
-from meshplan.plan.rank_classes import rank_classes
+from meshplan.plan.rank_classes import class_partner, rank_classes
 from meshplan.plan.schedule import (
     COMPUTE,
     DTYPES,
@@ -86,49 +86,66 @@ class Report:
 def verify(sched: Schedule, memory_bytes: float | None = None, op_seconds: np.ndarray | None = None,
            transfer_seconds: np.ndarray | None = None, both_cores: bool = False) -> Report:
     """Run every check. ``op_seconds``/``transfer_seconds`` time the evaluation (default: unit times).
-    ``both_cores``: once the structure, tensors and transfers hold, a forked process
-    (:func:`meshplan.core.parallel.alongside`; from :data:`PHASES_FORK_MIN_OPS` ops, both passes) checks the
-    forward's coverage, evaluation, hazards and memory and the rows while this one checks the rest — the same
-    report; for a caller with nothing else running (``meshplan validate`` of a 1024-rank file: 1.45 s → 1.3 s)."""
+    ``both_cores``: a forked process (:func:`meshplan.core.parallel.start_beside`; from :data:`PHASES_FORK_MIN_OPS`
+    ops, both passes) checks the coverage and the rows while this one checks the rest — the same report; for a
+    caller with nothing else running (``meshplan validate`` of a 1024-rank file)."""
+    n = len(sched.ops)
+    fork = both_cores and len(sched.passes) == 2 and n >= PHASES_FORK_MIN_OPS and can_fork()
+    side = start_beside(lambda: _semantics_if_any(sched), own_group=True) if fork else None
+    try:
+        return _verify(sched, memory_bytes, op_seconds, transfer_seconds, side)
+    finally:
+        if side is not None:
+            side.stop()                     # where the report was made without it: a structure that fails
+
+
+def _verify(sched: Schedule, memory_bytes: float | None, op_seconds: np.ndarray | None,
+            transfer_seconds: np.ndarray | None, side: Beside | None) -> Report:
+    """:func:`verify`, the coverage and rows from ``side`` where given (or None: made here)."""
     rep = Report()
     rep.add("structure", _structure(sched))
     if rep.violations:
         return rep  # later checks index with these fields
-    rep.add("tensor", _tensors(sched))
     partner, _, problems = sched.match_transfers()
-    rep.add("transfer", problems)
     n = len(sched.ops)
     dur = np.ones(n) if op_seconds is None else op_seconds
     tr = np.ones(n) if transfer_seconds is None else transfer_seconds
-    passes = list(sched.passes)
-    check = lambda phase: _pass_checks(sched, phase, partner, dur, tr, memory_bytes, classes)  # noqa: E731
-    classes = None if rep.violations else rank_classes(sched)    # the references hold: each rank's are its own
-    if rep.violations or not (both_cores and len(passes) == 2 and n >= PHASES_FORK_MIN_OPS):
-        rep.add("contents", [] if rep.violations else check_contents(sched, partner))
-        for kind, lines in _semantics(sched):
-            rep.add(kind, lines)
-        rep.add("pass", _passes(sched))
-        if rep.violations:
-            return rep
-        found = [check(phase) for phase in passes]
-    else:       # the passes checked before knowing the rest holds: dropped if it does not, as in turn
-        m = attn_matrix(sched.workload, sched.n_chunks)
-        side = lambda: (_coverage(sched, m, passes[0]), _rows(sched, m), check(passes[0]))  # noqa: E731
-        main = lambda: (check_contents(sched, partner), _coverage(sched, m, passes[1]), check(passes[1]))  # noqa
-        (cover_first, rows, first), (contents, cover_second, second) = alongside(side, main)
-        rep.add("contents", contents)
-        for kind, lines in (("coverage", cover_first), ("coverage", cover_second), ("rows", rows)):
-            rep.add(kind, lines)
-        rep.add("pass", _passes(sched))
-        if rep.violations:
-            return rep
-        found = [first, second]
-    for adds, peak in found:
+    rep.add("tensor", _tensors(sched))
+    rep.add("transfer", problems)
+    rep.add("contents", [] if rep.violations else check_contents(sched, partner))
+    # with a side, the passes are checked before the coverage and rows are known: dropped if those fail, as in turn
+    found = _passes_checked(sched, partner, dur, tr, memory_bytes) if side is not None and not rep.violations \
+        else None
+    semantics = side.result() if side is not None else None
+    for kind, lines in _semantics(sched) if semantics is None else semantics:
+        rep.add(kind, lines)
+    rep.add("pass", _passes(sched))
+    if rep.violations:
+        return rep
+    for adds, peak in found or _passes_checked(sched, partner, dur, tr, memory_bytes):
         for kind, lines in adds:
             rep.add(kind, lines)
         rep.peak_memory_bytes = max(rep.peak_memory_bytes, peak)
     rep.add("batch order", _batch_order(sched, partner))
     return rep
+
+
+def _semantics_if_any(sched: Schedule) -> list[tuple[str, list[str]]] | None:
+    """:func:`_semantics`, or None where they fail (a structure that does not hold, which the other side finds)."""
+    try:
+        return _semantics(sched)
+    except Exception:           # noqa: BLE001 - the structure check names what is wrong
+        return None
+
+
+def _passes_checked(sched: Schedule, partner: np.ndarray, dur: np.ndarray, tr: np.ndarray,
+                    memory_bytes: float | None) -> list[tuple[list[tuple[str, list[str]]], float]]:
+    """:func:`_pass_checks` of every pass, on one rank of each class of :func:`rank_classes` where that proves the
+    rest — for a schedule whose structure, tensors and transfers hold (each rank's references are its own)."""
+    classes = rank_classes(sched)
+    return [_pass_checks(sched, phase, partner, dur, tr, memory_bytes,
+                         lambda items, phase=phase: _hazards(sched, phase, partner, classes, items), classes)
+            for phase in sched.passes]
 
 
 def _semantics(sched: Schedule) -> list[tuple[str, list[str]]]:
@@ -143,19 +160,24 @@ PHASES_FORK_MIN_OPS = 200_000
 
 
 def _pass_checks(sched: Schedule, phase: int, partner: np.ndarray, dur: np.ndarray, tr: np.ndarray,
-                 memory_bytes: float | None, classes: np.ndarray) -> tuple[list[tuple[str, list[str]]], float]:
+                 memory_bytes: float | None, hazards, classes: np.ndarray | None = None
+                 ) -> tuple[list[tuple[str, list[str]]], float]:
     """One pass's deadlock, hazard and memory checks along its uncontended evaluation: ([(kind, violations)] in the
-    order found, its peak buffer bytes on the busiest rank). ``classes``: :func:`rank_classes`."""
-    n = len(sched.ops)
-    items = build_items(sched, phase, partner)
-    adds = [("deadlock", [f"op {int(items.members[items.member_ptr[i]])}: depends on another op of its own "
-                          f"batch (a cycle)" for i in items.self_dep])]
-    ev = evaluate(items, dur, tr)
-    if not ev.complete:
-        return adds + [("deadlock", _stuck(sched, items, ev))], 0.0
-    adds.append(("hazard", _hazards(sched, items, partner, classes)))
-    start, end = np.full(n, np.nan), np.full(n, np.nan)
-    start[items.ops], end[items.ops] = ev.start[items.item_of_op[items.ops]], ev.end[items.item_of_op[items.ops]]
+    order found, its peak buffer bytes on the busiest rank). ``hazards``: the pass's hazard violations, a function of
+    its items (None: not built) that finds them, or None — a placeholder (``("hazard", None)``) for the caller to
+    fill in. ``classes``: :func:`rank_classes`, to evaluate on one rank of each (:func:`_class_times`)."""
+    times = _class_times(sched, phase, partner, dur, tr, classes)
+    if times is None:                              # not provable from the classes, or not a valid pass: every rank
+        items = build_items(sched, phase, partner)
+        adds = [("deadlock", [f"op {int(items.members[items.member_ptr[i]])}: depends on another op of its own "
+                              f"batch (a cycle)" for i in items.self_dep])]
+        ev = evaluate(items, dur, tr)
+        if not ev.complete:
+            return adds + [("deadlock", _stuck(sched, items, ev))], 0.0
+        start, end = _op_times(len(sched.ops), items, ev, np.arange(len(sched.ops)))
+    else:
+        items, (start, end), adds = None, times, [("deadlock", [])]
+    adds.append(("hazard", hazards(items) if callable(hazards) else hazards))
     peak = peak_memory(sched, phase, start, end)
     if memory_bytes is not None and peak.max(initial=0) > memory_bytes:
         r = int(peak.argmax())
@@ -164,15 +186,45 @@ def _pass_checks(sched: Schedule, phase: int, partner: np.ndarray, dur: np.ndarr
     return adds, float(peak.max(initial=0))
 
 
-def _hazards(sched: Schedule, items, partner: np.ndarray, classes: np.ndarray) -> list[str]:
-    """:func:`check_hazards` of one pass (``items``: all its ranks') on one rank of each class of
-    :func:`rank_classes` and on the last rank — whose last item the check reads for an op outside the pass, as on
-    every rank: the same verdict as on every rank (a 1024-rank Mesh schedule: 1.2 → 0.1 CPU-s for both passes).
-    Where it finds any violation, on every rank: the full list, each rank's ops named."""
+def _class_times(sched: Schedule, phase: int, partner: np.ndarray, dur: np.ndarray, tr: np.ndarray,
+                 classes: np.ndarray | None) -> tuple[np.ndarray, np.ndarray] | None:
+    """([n_ops] start, end) of the pass's ops along its uncontended evaluation, evaluated on one rank of each class
+    of :func:`rank_classes` (:func:`class_partner`: 896,000 ops of a 1024-rank Mesh schedule evaluated as 875), or
+    None where that does not prove them — ranks of a class that pair or take time differently, no fewer ranks, or a
+    pass that is not deadlock-free (evaluated on every rank then, its ops named)."""
+    if classes is None:
+        return None
+    reps = np.unique(classes)
+    q_partner = class_partner(sched, classes, partner, dur, tr) if len(reps) < sched.n_ranks else None
+    if q_partner is None:
+        return None
+    items = build_items(sched, phase, q_partner, ranks=reps)
+    ev = evaluate(items, dur, tr)
+    if len(items.self_dep) or not ev.complete:
+        return None
+    o = sched.ops
+    return _op_times(len(o), items, ev, sched.rank_ptr[classes[o.rank]] + np.arange(len(o)) - sched.rank_ptr[o.rank])
+
+
+def _op_times(n: int, items, ev, source: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """([n] start, end) of each op of the pass of ``items``, as the evaluation ``ev`` times op ``source[op]`` (its
+    representative's at its place, or itself); NaN for the ops of other passes."""
+    item = items.item_of_op[source]
+    mine = np.flatnonzero(item >= 0)
+    start, end = np.full(n, np.nan), np.full(n, np.nan)
+    start[mine], end[mine] = ev.start[item[mine]], ev.end[item[mine]]
+    return start, end
+
+
+def _hazards(sched: Schedule, phase: int, partner: np.ndarray, classes: np.ndarray, items=None) -> list[str]:
+    """:func:`check_hazards` of one pass on one rank of each class of :func:`rank_classes` and on the last rank —
+    whose last item the check reads for an op outside the pass, as on every rank: the same verdict as on every rank
+    (a 1024-rank Mesh schedule: 1.2 → 0.02 CPU-s for both passes). Where it finds any violation, on every rank
+    (``items``: the pass's, built here if None): the full list, each rank's ops named."""
     reps = np.union1d(classes, [sched.n_ranks - 1])
-    if len(reps) < sched.n_ranks and not check_hazards(sched, build_items(sched, items.phase, partner, ranks=reps)):
+    if len(reps) < sched.n_ranks and not check_hazards(sched, build_items(sched, phase, partner, ranks=reps)):
         return []
-    return check_hazards(sched, items)
+    return check_hazards(sched, build_items(sched, phase, partner) if items is None else items)
 
 
 def _structure(s: Schedule) -> list[str]:

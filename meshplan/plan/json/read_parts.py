@@ -17,10 +17,12 @@ errors name the field.
 
 from __future__ import annotations
 
+import numpy as np
 from pydantic import TypeAdapter, ValidationError
 
 from meshplan.core.errors import UserError
 from meshplan.core.parallel import alongside, shared_counter
+from meshplan.core.shared_arena import Arena
 from meshplan.model.matrix import attn_matrix
 from meshplan.plan.json.format import RankJSON, ScheduleJSON, TensorJSON
 from meshplan.plan.schedule import Schedule
@@ -68,10 +70,13 @@ def read_in_parts(holder: list[bytes]) -> Schedule | None:
                 done.append((g, *_read_group(raw[groups[g][0]:groups[g][1]], ops, op_read, w.n_heads)))
             return done
 
+        arena = Arena(len(raw) if fork else 0)           # the side's columns, handed back in place
+
         def side():
             try:
                 tensors = _read_tensors(raw, t_key + len(b',"tensors":'), r_key + 1, tensor_read)
-                return _narrow(tensors.parts), tensors.count, [(g, _narrow(p), k) for g, p, k in read_groups()]
+                return (_narrow(tensors.parts, arena), tensors.count,
+                        [(g, _narrow(p, arena), k) for g, p, k in read_groups()])
             except (ValidationError, UserError, _NotLaidOut):
                 return None                              # read whole: its error names the field
 
@@ -80,13 +85,14 @@ def read_in_parts(holder: list[bytes]) -> Schedule | None:
             return None
         raw = None                               # the closures hold the cell: drop the bytes themselves
         holder.clear()
-        tensors = TensorColumns()
-        tensors.parts, tensors.count, theirs = _widen(got[0]), got[1], [(g, _widen(p), k) for g, p, k in got[2]]
+        tensors, t_wide, op_wide = TensorColumns(), set(), set()
+        tensors.parts, tensors.count = _widen(got[0], arena, t_wide), got[1]
+        theirs = [(g, _widen(p, arena, op_wide), k) for g, p, k in got[2]]
         done = sorted(mine + theirs, key=lambda g: g[0])
         check_ranks(doc, [k for _, _, listed in done for k in listed])
         ops.parts = [p for _, parts, _ in done for p in parts]
-        table = ops.table(m)
-        return assemble(doc, w, streams, table, tensors.table(table.id_map, doc.n_ranks, doc.n_chunks))
+        table = ops.table(m, op_wide)
+        return assemble(doc, w, streams, table, tensors.table(table.id_map, doc.n_ranks, doc.n_chunks, t_wide))
     except (ValidationError, UserError, _NotLaidOut):
         return None
 
@@ -122,25 +128,27 @@ def _read_tensors(raw: bytes, start: int, stop: int, reader):
     return tensors
 
 
-def _narrow(parts: list[dict]) -> list[tuple[dict, list[str]]]:
-    """``parts``, each int64 column whose values fit in int32 made int32, with the names of those columns: fewer
-    bytes to hand back from the forked process (:func:`_widen` restores them)."""
-    import numpy as np
+def _narrow(parts: list[dict], arena: Arena) -> list[dict]:
+    """``parts``' columns copied into ``arena`` for the parent (:func:`_widen`), each int64 column whose values fit in
+    int32 made int32 there (half the bytes): [{name: (place, narrowed)}]."""
     out = []
     for p in parts:
-        narrowed = [k for k, v in p.items() if v.dtype == np.int64 and len(v) and -2**31 <= v.min() and
-                    v.max() < 2**31]
-        out.append(({k: v.astype(np.int32) if k in narrowed else v for k, v in p.items()}, narrowed))
+        got = {}
+        for k, v in p.items():
+            narrow = v.dtype == np.int64 and len(v) and -2**31 <= v.min() and v.max() < 2**31
+            got[k] = (arena.put(v, np.int32 if narrow else None), bool(narrow))
+        out.append(got)
     return out
 
 
-def _widen(parts: list[tuple[dict, list[str]]]) -> list[dict]:
-    """The columns :func:`_narrow` made int32, int64 again."""
-    import numpy as np
-    for p, narrowed in parts:
-        for k in narrowed:
-            p[k] = p[k].astype(np.int64)
-    return [p for p, _ in parts]
+def _widen(parts: list[dict], arena: Arena, wide: set[str]) -> list[dict]:
+    """The columns :func:`_narrow` put in ``arena``, read in place; the names of those made int32 added to ``wide``
+    (to be int64 again when joined: ``OpColumns.table``, ``TensorColumns.table``)."""
+    out = []
+    for p in parts:
+        out.append({k: arena.get(place) for k, (place, _) in p.items()})
+        wide.update(k for k, (_, narrowed) in p.items() if narrowed)
+    return out
 
 
 def _read_group(text: bytes, ops, reader, n_heads: int) -> tuple[list, list[int]]:

@@ -135,9 +135,9 @@ class OpColumns:
             np.add.at(width, np.repeat(np.arange(len(rows)), count), ends[:, 1] - ends[:, 0])
             a[field][at] = width
 
-    def table(self, m: AttnMatrix) -> OpTable:
+    def table(self, m: AttnMatrix, wide: set[str] = frozenset()) -> OpTable:
         """The OpTable of every rank added (``m``: the workload's attention matrix, for the FLOPs); ``id_map``
-        (JSON id -> index) attached.
+        (JSON id -> index) attached. ``wide``: the columns some parts hold narrowed to int32, joined as int64.
 
         Raises:
             UserError: op ids not unique, or a dep naming an op that does not exist.
@@ -145,7 +145,7 @@ class OpColumns:
         parts, self.parts = self.parts or [self.columns([], 0)], []
         cat = {}
         for k in list(parts[0]):                  # a column at a time, each part's copy dropped as it goes
-            cat[k] = np.concatenate([p.pop(k) for p in parts])
+            cat[k] = np.concatenate([p.pop(k) for p in parts], dtype=np.int64 if k in wide else None)
         ids = cat.pop("id")
         n = len(ids)
         id_map = _IdMap(ids)
@@ -223,8 +223,9 @@ class TensorColumns:
         self.parts.append(columns)
         self.count += len(columns["rank"])
 
-    def table(self, id_map, n_ranks: int, n_chunks: int) -> TensorTable:
-        """The TensorTable of every batch added, op ids mapped by ``id_map`` (the OpTable's).
+    def table(self, id_map, n_ranks: int, n_chunks: int, wide: set[str] = frozenset()) -> TensorTable:
+        """The TensorTable of every batch added, op ids mapped by ``id_map`` (the OpTable's). ``wide``: the columns
+        some parts hold narrowed to int32, joined as int64.
 
         Raises:
             UserError: an alloc_op or free_after naming no op; a rank or chunk out of range.
@@ -233,7 +234,8 @@ class TensorColumns:
                                                                      "dtype", "role", "phase", "size_bytes",
                                                                      "alloc_op", "alloc_given", "free_n",
                                                                      "free_after")}]
-        a = {k: np.concatenate([p.pop(k) for p in parts]) for k in list(parts[0])}
+        a = {k: np.concatenate([p.pop(k) for p in parts], dtype=np.int64 if k in wide else None)
+             for k in list(parts[0])}
         self.parts = []
         free_owner = np.repeat(np.arange(len(a["rank"])), a["free_n"])
         given = a["alloc_given"].astype(bool)
