@@ -11,10 +11,10 @@ from test_verify import build
 
 from meshplan.core.csr import csr_ptr
 from meshplan.plan import verify as v
-from meshplan.plan.dataflow import build_items
+from meshplan.plan.dataflow import build_items, evaluate
 from meshplan.plan.hazards import check_hazards
-from meshplan.plan.rank_classes import rank_classes
-from meshplan.plan.schedule import COMPUTE
+from meshplan.plan.rank_classes import class_partner, rank_classes
+from meshplan.plan.schedule import COMPUTE, RECV, SEND
 
 
 def every_rank(monkeypatch) -> None:
@@ -93,3 +93,40 @@ def test_reduced_hazards_agree_with_every_rank(name):
             assert bool(full) == bool(reduced)
             found.append(bool(full))
         assert any(found) == (broken is not None)
+
+
+@pytest.mark.parametrize("name,kw", [("ring", {}), ("mesh", {}), ("usp", {}), ("pass-q", {}),
+                                     ("ring", {"mask": "full"})])
+def test_evaluation_on_one_rank_per_class_is_every_ranks(name, kw):
+    """Each op's start and end from the classes' evaluation are the full evaluation's, bit for bit, in both passes
+    (unit times, and times that differ by place but not by rank); times that differ by rank are refused (None)."""
+    s = build(name, n=8, **kw)
+    partner = s.match_transfers()[0]
+    classes = rank_classes(s)
+    n = len(s.ops)
+    place = np.arange(n) - s.rank_ptr[s.ops.rank]
+    for dur in (np.ones(n), 1.0 + (place % 7) / 8):
+        for phase in s.passes:
+            got = v._class_times(s, phase, partner, dur, dur, classes)
+            items = build_items(s, phase, partner)
+            want = v._op_times(n, items, evaluate(items, dur, dur), np.arange(n))
+            assert got is not None
+            np.testing.assert_array_equal(got[0], want[0])
+            np.testing.assert_array_equal(got[1], want[1])
+    by_rank = 1.0 + s.ops.rank / 8
+    assert class_partner(s, classes, partner, by_rank, by_rank) is None
+
+
+def test_a_deadlock_is_evaluated_on_every_rank():
+    """Both ranks of a 2-rank Ring send before they receive, unbatched: one class, but its evaluation does not end,
+    so every rank is evaluated and the stuck ops named (rank 0's and rank 1's)."""
+    s = build("ring", n=2, passes="fwd")
+    o = s.ops
+    for r in (0, 1):
+        mine = np.flatnonzero((o.rank == r) & ((o.kind == SEND) | (o.kind == RECV)))
+        send, recv = mine[o.kind[mine] == SEND][0], mine[o.kind[mine] == RECV][0]
+        o.step[send], o.step[recv] = 1, 0
+    assert (rank_classes(s) == 0).all()
+    assert v._class_times(s, 0, s.match_transfers()[0], np.ones(len(o)), np.ones(len(o)), rank_classes(s)) is None
+    stuck = [x for x in v.verify(s).violations if "never completes" in x]
+    assert {int(x.split(" on rank ")[1].split()[0]) for x in stuck} == {0, 1}
