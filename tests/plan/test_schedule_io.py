@@ -12,6 +12,7 @@ from conftest import DATA
 
 from meshplan.algorithms import get
 from meshplan.core.errors import UserError
+from meshplan.core.gzip_members import member_spans
 from meshplan.model.topology import Topology
 from meshplan.model.workload import resolve
 from meshplan.plan.json.io import read_schedule, schema, to_json_dict, write_schedule
@@ -105,7 +106,7 @@ def test_gzip_members_beside_the_text_are_the_plain_file(tmp_path, monkeypatch):
         monkeypatch.setattr(io, "COMPRESS_BATCH_BYTES", batch)
         data = write_schedule(s, tmp_path / f"s{batch}.json.gz").read_bytes()
         assert gzip.decompress(data) == plain == io.gunzip(data)
-        assert len(io._member_spans(data)) == members
+        assert len(member_spans(data)) == members
 
 
 def test_a_corrupted_or_foreign_gzip_file(tmp_path, monkeypatch):
@@ -118,8 +119,8 @@ def test_a_corrupted_or_foreign_gzip_file(tmp_path, monkeypatch):
     (tmp_path / "foreign.json.gz").write_bytes(gzip.compress(plain))
     assert len(read_schedule(tmp_path / "foreign.json.gz").ops) == len(s.ops)
     data = bytearray(write_schedule(s, tmp_path / "s.json.gz").read_bytes())
-    assert len(io._member_spans(bytes(data))) > 1
-    spans = io._member_spans(bytes(data))
+    assert len(member_spans(bytes(data))) > 1
+    spans = member_spans(bytes(data))
     huge = bytearray(data)
     huge[spans[0][1] - 4:spans[0][1]] = (2**32 - 1).to_bytes(4, "little")     # a member stating 4 GB of text
     data[len(data) // 2] ^= 0xFF                         # inside the deflate data of a member
