@@ -26,7 +26,6 @@ from meshplan.plan.schedule import (
     OpTable,
     Streams,
     TensorTable,
-    expand_blocks,
 )
 
 _LISTS = ("deps", "inputs", "outputs", "q_chunks", "kv_chunks")
@@ -169,9 +168,15 @@ class OpColumns:
         ops = np.flatnonzero(o.kind == KIND["compute"])
         if not len(ops):
             return
-        op_of, qi, kj = expand_blocks(o, ops)
         pairs = np.zeros(len(o), dtype=np.int64)
-        np.add.at(pairs, op_of, m.pairs[qi, kj].astype(np.int64))
+        nq, nk = np.diff(o.qc_ptr)[ops], np.diff(o.kvc_ptr)[ops]
+        shape = nq * (int(nk.max()) + 1) + nk
+        for one in np.unique(shape):            # the ops of one shape (q chunks x KV chunks): their blocks at once
+            sel = ops[shape == one]
+            a, b = divmod(int(one), int(nk.max()) + 1)
+            qi = o.q_chunks[o.qc_ptr[sel][:, None] + np.arange(a)]
+            kj = o.kv_chunks[o.kvc_ptr[sel][:, None] + np.arange(b)]
+            pairs[sel] = m.pairs[qi[:, :, None], kj[:, None, :]].sum(axis=(1, 2), dtype=np.int64)
         heads = (o.h1 - o.h0)[ops].astype(np.float64)
         per_pair = 4.0 * self.w.batch * self.w.head_dim * np.where(o.phase[ops] == 1, BWD_FLOP_FACTOR, 1.0)
         o.flops[ops] = pairs[ops] * (heads * per_pair)
