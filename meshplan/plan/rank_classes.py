@@ -8,11 +8,11 @@ places). Two ranks of equal local forms have the same items, the same happens-be
 same order, so a check that reads no more than these finds a violation on one iff on the other.
 
 Ranks of the same counts (ops, tensors, deps, inputs, outputs, frees) are laid side by side as rows — a rank's ops
-are contiguous, its tensors made so by one sort — and every row is compared whole with a candidate's (the first
-rank not matched yet, up to :data:`MAX_CANDIDATES` a group): a rank that matches none, or whose tensors' ``alloc_op``
-or ``free_after`` lie on another rank, is a class of its own (its ops' references to other ranks are the verifier's
-structure and tensor checks', which run first).
-So the classes are exact: comparison, no hash. A 1024-rank Mesh schedule: one class, found in ~0.1 s.
+are contiguous, its tensors made so by one sort — and grouped by equal rows, each column's rows compared whole as
+bytes: a rank whose tensors' ``alloc_op`` or ``free_after`` lie on another rank is a class of its own (its ops'
+references to other ranks are the verifier's structure and tensor checks', which run first). So the classes are
+exact: comparison, no hash. A 1024-rank Mesh schedule: one class, found in ~0.1 s; the main job's 256-rank USP
+schedule: 32 (a Ulysses group's members differ, its ring's repeat).
 
 Source: the orbit reduction of the search's quotient simulation (:mod:`meshplan.sim.quotient`), here proved on the
 schedule's own arrays, as a verifier must.
@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from meshplan.core.csr import unique_rows
 from meshplan.plan.schedule import RECV, SEND, Schedule
-
-#: candidates compared per group of ranks of equal counts; the ranks matching none are classes of their own
-MAX_CANDIDATES = 4
 
 
 def rank_classes(sched: Schedule) -> np.ndarray:
@@ -54,17 +52,18 @@ def rank_classes(sched: Schedule) -> np.ndarray:
 
 def _match(form: list[np.ndarray], own: np.ndarray, members: np.ndarray, rep: np.ndarray) -> None:
     """Set ``rep`` of ``members`` (ranks of equal counts; ``form`` their local forms' columns as [k, width] rows;
-    ``own`` [k] whether each keeps to itself) from up to :data:`MAX_CANDIDATES` candidates."""
-    open_ = np.flatnonzero(own)
-    for _ in range(MAX_CANDIDATES):
-        if len(open_) < 2:
-            return
-        c = open_[0]
-        same = np.ones(len(open_), dtype=bool)
-        for rows in form:                           # the whole rows compared: no copy of the open ones
-            same &= (rows == rows[c]).all(axis=1)[open_]
-        rep[members[open_[same]]] = members[c]
-        open_ = open_[~same]
+    ``own`` [k] whether each keeps to itself): the first member of each set of equal rows in every column — rows
+    compared whole, as bytes (:func:`meshplan.core.csr.unique_rows`), so equal means equal."""
+    ids = np.zeros(len(members), dtype=np.int64)
+    for rows in form:
+        rows = rows.reshape(len(members), -1)
+        if (rows == rows[0]).all():             # one row (a schedule that repeats on every rank): no sort
+            continue
+        _, again = unique_rows(rows)
+        _, ids = unique_rows(np.stack([ids, again], axis=1))
+    ids = np.where(own, ids, -1 - np.arange(len(members)))       # a rank that does not keep to itself: alone
+    _, first, again = np.unique(ids, return_index=True, return_inverse=True)
+    rep[members] = members[first[again.ravel()]]
 
 
 class _Rows:

@@ -35,7 +35,7 @@ from meshplan.model.matrix import AttnMatrix, attn_matrix
 from meshplan.plan.contents import check_contents
 from meshplan.plan.dataflow import build_items, evaluate
 from meshplan.plan.hazards import check_hazards
-from meshplan.plan.peaks import peak_memory
+from meshplan.plan.peaks import peak_memories
 from meshplan.plan.rank_classes import class_partner, rank_classes
 from meshplan.plan.schedule import (
     COMPUTE,
@@ -174,11 +174,11 @@ def _pass_checks(sched: Schedule, phase: int, partner: np.ndarray, dur: np.ndarr
         ev = evaluate(items, dur, tr)
         if not ev.complete:
             return adds + [("deadlock", _stuck(sched, items, ev))], 0.0
-        start, end = _op_times(len(sched.ops), items, ev, np.arange(len(sched.ops)))
+        (start, end), rep_op = _op_times(len(sched.ops), items, ev, np.arange(len(sched.ops))), None
     else:
-        items, (start, end), adds = None, times, [("deadlock", [])]
+        items, (start, end, rep_op), adds = None, times, [("deadlock", [])]
     adds.append(("hazard", hazards(items) if callable(hazards) else hazards))
-    peak = peak_memory(sched, phase, start, end)
+    peak = peak_memories(sched, phase, start, end, rep_op=rep_op)[0]     # rep_op: one sort per class, as exact
     if memory_bytes is not None and peak.max(initial=0) > memory_bytes:
         r = int(peak.argmax())
         adds.append(("memory", [f"rank {r} needs {peak[r] / 1e9:.3g} GB of buffers in {('fwd', 'bwd')[phase]}, "
@@ -187,11 +187,12 @@ def _pass_checks(sched: Schedule, phase: int, partner: np.ndarray, dur: np.ndarr
 
 
 def _class_times(sched: Schedule, phase: int, partner: np.ndarray, dur: np.ndarray, tr: np.ndarray,
-                 classes: np.ndarray | None) -> tuple[np.ndarray, np.ndarray] | None:
-    """([n_ops] start, end) of the pass's ops along its uncontended evaluation, evaluated on one rank of each class
-    of :func:`rank_classes` (:func:`class_partner`: 896,000 ops of a 1024-rank Mesh schedule evaluated as 875), or
-    None where that does not prove them — ranks of a class that pair or take time differently, no fewer ranks, or a
-    pass that is not deadlock-free (evaluated on every rank then, its ops named)."""
+                 classes: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """([n_ops] start, end, the op at each op's place in its representative rank) of the pass's ops along its
+    uncontended evaluation, evaluated on one rank of each class of :func:`rank_classes` (:func:`class_partner`:
+    896,000 ops of a 1024-rank Mesh schedule evaluated as 875), or None where that does not prove them — ranks of a
+    class that pair or take time differently, no fewer ranks, or a pass that is not deadlock-free (evaluated on
+    every rank then, its ops named)."""
     if classes is None:
         return None
     reps = np.unique(classes)
@@ -203,7 +204,8 @@ def _class_times(sched: Schedule, phase: int, partner: np.ndarray, dur: np.ndarr
     if len(items.self_dep) or not ev.complete:
         return None
     o = sched.ops
-    return _op_times(len(o), items, ev, sched.rank_ptr[classes[o.rank]] + np.arange(len(o)) - sched.rank_ptr[o.rank])
+    rep_op = sched.rank_ptr[classes[o.rank]] + np.arange(len(o)) - sched.rank_ptr[o.rank]
+    return (*_op_times(len(o), items, ev, rep_op), rep_op)
 
 
 def _op_times(n: int, items, ev, source: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

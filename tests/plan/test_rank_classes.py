@@ -113,6 +113,7 @@ def test_evaluation_on_one_rank_per_class_is_every_ranks(name, kw):
             assert got is not None
             np.testing.assert_array_equal(got[0], want[0])
             np.testing.assert_array_equal(got[1], want[1])
+            assert (s.ops.rank[got[2]] == classes[s.ops.rank]).all()
     by_rank = 1.0 + s.ops.rank / 8
     assert class_partner(s, classes, partner, by_rank, by_rank) is None
 
