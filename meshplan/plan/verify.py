@@ -344,12 +344,19 @@ def _batch_order(s: Schedule, partner: np.ndarray) -> list[str]:
             f"#{ordinal[partner[a]] + 1}: NCCL needs both peers to issue their batches in one order" for a in bad]
 
 
-def _coverage(s: Schedule, m: AttnMatrix, phase: int) -> list[str]:
-    """Every permitted block exactly once per head; no single-block op on a block without a permitted pair."""
+def _coverage(s: Schedule, m: AttnMatrix, phase: int, runs: bool = False) -> list[str]:
+    """Every permitted block exactly once per head; no single-block op on a block without a permitted pair.
+
+    Where every op computes every head (no Ulysses split), its ops are its runs of heads (``runs`` False): two ops
+    over one chunk set then compute its blocks twice, which the block check finds — and where it finds anything,
+    the check runs again with the runs merged (:func:`_head_runs`), whose lines name such ops."""
     o, H, N = s.ops, s.workload.n_heads, s.n_chunks
     ops = np.flatnonzero((o.kind == COMPUTE) & (o.phase == phase))
     name = ("fwd", "bwd")[phase]
-    out, seg_op, seg_h0, seg_h1 = _head_runs(o, ops, name)
+    if runs or not ((o.h0[ops] == 0) & (o.h1[ops] == H)).all():
+        out, seg_op, seg_h0, seg_h1 = _head_runs(o, ops, name)
+    else:                                   # every op all heads: each its own run
+        out, seg_op, seg_h0, seg_h1 = [], ops, np.zeros(len(ops), np.int64), np.full(len(ops), H, np.int64)
     op_of, qi, ki = expand_blocks(o, seg_op)
     run = np.repeat(np.arange(len(seg_op)), np.diff(o.qc_ptr)[seg_op] * np.diff(o.kvc_ptr)[seg_op])
     h0, h1 = seg_h0[run], seg_h1[run]
@@ -378,7 +385,7 @@ def _coverage(s: Schedule, m: AttnMatrix, phase: int) -> list[str]:
     covered[block] = True
     missing = np.flatnonzero(m.permitted.ravel() & ~covered)
     out += [f"{name}: block ({i // N}, {i % N}) is never computed" for i in missing]
-    return out
+    return _coverage(s, m, phase, runs=True) if out and seg_op is ops else out
 
 
 def _stable_order(key: np.ndarray) -> np.ndarray:

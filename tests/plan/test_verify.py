@@ -79,6 +79,23 @@ def test_rejects_a_duplicated_block():
     assert not report.ok
     assert any("computed twice" in v for v in report.violations)
     assert any("never computed" in v for v in report.violations)
+    from meshplan.model.matrix import attn_matrix
+    from meshplan.plan.verify import _coverage
+    m = attn_matrix(s.workload, s.n_chunks)          # every op all heads: checked without merging runs, same lines
+    assert _coverage(s, m, 0) == _coverage(s, m, 0, runs=True) and len(_coverage(s, m, 0)) >= 2
+
+
+def test_two_ops_over_one_chunk_set_are_named_as_computed_twice():
+    """Every op computes every head: two ops over the same chunks are found by the block check and then named by
+    the merged runs of heads, as where heads are split."""
+    s = build(passes="fwd")
+    o = s.ops
+    a, b = np.flatnonzero((o.kind == COMPUTE) & (o.rank == 1))[:2]
+    for ptr, val in ((o.qc_ptr, o.q_chunks), (o.kvc_ptr, o.kv_chunks)):
+        assert ptr[b + 1] - ptr[b] == ptr[a + 1] - ptr[a]
+        val[ptr[b]:ptr[b + 1]] = val[ptr[a]:ptr[a + 1]]              # op b now computes op a's chunks again
+    lines = verify(s).violations
+    assert any(f"that op {a} computes over the same chunks (computed twice)" in v for v in lines), lines
 
 
 def test_rejects_an_unmatched_send():
