@@ -232,6 +232,20 @@ class AttnMatrix:
         cols = self._involved_tokens(kc, qc, 1, axis=1)
         return flops, rows, cols, (pairs > 0) & (pairs != rows * cols)
 
+    def op_rows_cols(self, qc: np.ndarray, kc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """([k] rows, [k] columns) of :meth:`op_shape` alone, for compute ops over q chunks ``qc`` [k, mq] x KV
+        chunks ``kc`` [k, mk]: over one KV chunk, the rows are the sum of each block's (:attr:`s_q`), no union of
+        segments to take; over one q chunk, the columns likewise (:attr:`s_kv`)."""
+        if kc.shape[1] == 1:
+            rows = self.s_q[qc, kc].sum(axis=1)
+        else:
+            rows = self._involved_tokens(qc, kc, 0, axis=2)
+        if qc.shape[1] == 1:
+            cols = self.s_kv[qc, kc].sum(axis=1)
+        else:
+            cols = self._involved_tokens(kc, qc, 1, axis=1)
+        return rows, cols
+
     @cached_property
     def _involved_words(self) -> tuple[np.ndarray, np.ndarray]:
         """q_involved and kv_involved with the segment axis packed into 64-bit words: [n, n, ⌈seg/64⌉] uint64."""

@@ -86,43 +86,48 @@ class Report:
 def verify(sched: Schedule, memory_bytes: float | None = None, op_seconds: np.ndarray | None = None,
            transfer_seconds: np.ndarray | None = None, both_cores: bool = False) -> Report:
     """Run every check. ``op_seconds``/``transfer_seconds`` time the evaluation (default: unit times).
-    ``both_cores``: a forked process (:func:`meshplan.core.parallel.start_beside`; from :data:`PHASES_FORK_MIN_OPS`
-    ops, both passes) checks the coverage and the rows while this one checks the rest — the same report; for a
-    caller with nothing else running (``meshplan validate`` of a 1024-rank file)."""
-    n = len(sched.ops)
-    fork = both_cores and len(sched.passes) == 2 and n >= PHASES_FORK_MIN_OPS and can_fork()
-    side = start_beside(lambda: _semantics_if_any(sched), own_group=True) if fork else None
-    try:
-        return _verify(sched, memory_bytes, op_seconds, transfer_seconds, side)
-    finally:
-        if side is not None:
-            side.stop()                     # where the report was made without it: a structure that fails
-
-
-def _verify(sched: Schedule, memory_bytes: float | None, op_seconds: np.ndarray | None,
-            transfer_seconds: np.ndarray | None, side: Beside | None) -> Report:
-    """:func:`verify`, the coverage and rows from ``side`` where given (or None: made here)."""
+    ``both_cores``: once the structure holds and the transfers are matched, a forked process
+    (:func:`meshplan.core.parallel.start_beside`; from :data:`PHASES_FORK_MIN_OPS` ops, both passes) checks the
+    tensors, the coverage and the rows while this one checks the rest — the same report; for a caller with nothing
+    else running (``meshplan validate`` of a 1024-rank file). Forked then, not first: what this process allocates
+    while the fork lives is copied page by page (copy-on-write), ~2x the cost of fresh pages."""
     rep = Report()
     rep.add("structure", _structure(sched))
     if rep.violations:
         return rep  # later checks index with these fields
     partner, _, problems = sched.match_transfers()
     n = len(sched.ops)
+    fork = both_cores and len(sched.passes) == 2 and n >= PHASES_FORK_MIN_OPS and can_fork()
+    side = start_beside(lambda: _side_checks(sched), own_group=True) if fork else None
+    try:
+        return _verify(sched, rep, partner, problems, memory_bytes, op_seconds, transfer_seconds, side)
+    finally:
+        if side is not None:
+            side.stop()                     # where the report was made without its answer: nothing to stop
+
+
+def _verify(sched: Schedule, rep: Report, partner: np.ndarray, problems: list[str], memory_bytes: float | None,
+            op_seconds: np.ndarray | None, transfer_seconds: np.ndarray | None, side: Beside | None) -> Report:
+    """:func:`verify` once the structure holds and the transfers are matched (``partner``, ``problems``); the
+    tensors, coverage and rows from ``side`` where given (or None: checked here)."""
+    n = len(sched.ops)
     dur = np.ones(n) if op_seconds is None else op_seconds
     tr = np.ones(n) if transfer_seconds is None else transfer_seconds
-    rep.add("tensor", _tensors(sched))
+    contents = found = None
+    if side is not None and not problems:   # checked before the tensors are known to hold: dropped if they do not
+        contents = _if_it_runs(lambda: check_contents(sched, partner))
+        found = _if_it_runs(lambda: _passes_checked(sched, partner, dur, tr, memory_bytes))
+    tensors, semantics = (side.result() if side is not None else None) or (None, None)
+    rep.add("tensor", _tensors(sched) if tensors is None else tensors)
     rep.add("transfer", problems)
-    rep.add("contents", [] if rep.violations else check_contents(sched, partner))
-    # with a side, the passes are checked before the coverage and rows are known: dropped if those fail, as in turn
-    found = _passes_checked(sched, partner, dur, tr, memory_bytes) if side is not None and not rep.violations \
-        else None
-    semantics = side.result() if side is not None else None
+    if not rep.violations:
+        rep.add("contents", check_contents(sched, partner) if contents is None else contents)
     for kind, lines in _semantics(sched) if semantics is None else semantics:
         rep.add(kind, lines)
     rep.add("pass", _passes(sched))
     if rep.violations:
         return rep
-    for adds, peak in found or _passes_checked(sched, partner, dur, tr, memory_bytes):
+    for adds, peak in _passes_checked(sched, partner, dur, tr, memory_bytes) if found is None else found:
         for kind, lines in adds:
             rep.add(kind, lines)
         rep.peak_memory_bytes = max(rep.peak_memory_bytes, peak)
@@ -130,11 +135,17 @@ def _verify(sched: Schedule, memory_bytes: float | None, op_seconds: np.ndarray 
     return rep
 
 
-def _semantics_if_any(sched: Schedule) -> list[tuple[str, list[str]]] | None:
-    """:func:`_semantics`, or None where they fail (a structure that does not hold, which the other side finds)."""
+def _side_checks(sched: Schedule) -> tuple[list[str], list[tuple[str, list[str]]]] | None:
+    """The forked side of :func:`verify`: (the tensors' violations, [(kind, violations)] of the coverage and rows),
+    or None where a check fails to run (this side's error, if any, is raised where they run again)."""
+    return _if_it_runs(lambda: (_tensors(sched), _semantics(sched)))
+
+
+def _if_it_runs(check):
+    """``check()``, or None where it raises: a check run before the checks it relies on are known to hold."""
     try:
-        return _semantics(sched)
-    except Exception:           # noqa: BLE001 - the structure check names what is wrong
+        return check()
+    except Exception:           # noqa: BLE001 - run again in turn where those hold: its error raised there
         return None
 
 
@@ -422,15 +433,18 @@ def _head_runs(o, ops: np.ndarray, name: str) -> tuple[list[str], np.ndarray, np
 
 def _rows(s: Schedule, m: AttnMatrix) -> list[str]:
     """Every compute op's row and key counts (``s_q``, ``s_kv``: its q_rows and kv_cols) are its blocks' real
-    tokens that take part (:meth:`AttnMatrix.op_shape`), so padding is never computed as a query or a key."""
+    tokens that take part (:meth:`AttnMatrix.op_rows_cols`), so padding is never computed as a query or a key."""
     o, out = s.ops, []
     ops = np.flatnonzero(o.kind == COMPUTE)
     nq, nk = np.diff(o.qc_ptr)[ops], np.diff(o.kvc_ptr)[ops]
-    for mq, mk in sorted(set(zip(nq.tolist(), nk.tolist()))):
-        sel = ops[(nq == mq) & (nk == mk)]
+    shape = nq * (int(nk.max(initial=0)) + 1) + nk
+    order = np.argsort(shape, kind="stable")                     # the ops of each shape together, in op order
+    cuts = np.flatnonzero(np.diff(shape[order])) + 1
+    for run in np.split(order, cuts) if len(order) else []:
+        sel, mq, mk = ops[run], int(nq[run[0]]), int(nk[run[0]])
         qi = o.q_chunks[o.qc_ptr[sel][:, None] + np.arange(mq)]
         kj = o.kv_chunks[o.kvc_ptr[sel][:, None] + np.arange(mk)]
-        _, rows, cols, _ = m.op_shape(qi, kj, "fwd", 1)
+        rows, cols = m.op_rows_cols(qi, kj)
         bad = np.flatnonzero((o.s_q[sel] != rows) | (o.s_kv[sel] != cols))
         out += [f"{PASS_NAMES[o.phase[sel[k]]]}: op {sel[k]} takes {o.s_q[sel[k]]} query rows and {o.s_kv[sel[k]]} "
                 f"keys, its blocks have {rows[k]} and {cols[k]} real tokens that take part (padding computed, or "

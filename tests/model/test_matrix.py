@@ -211,3 +211,8 @@ def test_op_shape_counts_the_segments_that_take_part(units, n, seed):
     qi, kj = qc[:, :, None], kc[:, None, :]
     assert (rows == (m.q_involved[qi, kj].any(axis=2) * m.q_count[qc]).sum(axis=(1, 2))).all()
     assert (cols == (m.kv_involved[qi, kj].any(axis=1) * m.valid_count[kc]).sum(axis=(1, 2))).all()
+    for a, b in ((qc, kc), (qc[:, :1], kc), (qc, kc[:, :1]), (qc[:, :1], kc[:, :1])):   # one chunk a side: sums
+        r, c = m.op_rows_cols(a, b)
+        ai, bj = a[:, :, None], b[:, None, :]
+        assert (r == (m.q_involved[ai, bj].any(axis=2) * m.q_count[a]).sum(axis=(1, 2))).all()
+        assert (c == (m.kv_involved[ai, bj].any(axis=1) * m.valid_count[b]).sum(axis=(1, 2))).all()
