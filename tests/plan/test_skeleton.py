@@ -41,8 +41,9 @@ def parts(sched):
     """(rank texts, tensor batch texts, the schedule) of a schedule as meshplan writes it."""
     raw = to_json_bytes(sched)
     t_key, r_key = raw.find(b',"tensors":['), raw.rfind(b'],"ranks":[')
-    ranks = list(_rank_objects(raw, r_key + len(b'],"ranks":['), len(raw) - 2))
-    return ranks, list(_tensor_batches(raw, t_key + len(b',"tensors":'), r_key + 1)), sched
+    ranks = [bytes(r) for r in _rank_objects(raw, r_key + len(b'],"ranks":['), len(raw) - 2)]   # views: bytes
+    batches = [b"[" + bytes(b) + b"]" for b in _tensor_batches(raw, t_key + len(b',"tensors":'), r_key + 1)]
+    return ranks, batches, sched
 
 
 def slow_ops(sched, texts):

@@ -67,7 +67,7 @@ def read_in_parts(holder: list[bytes]) -> Schedule | None:
         def read_groups() -> list[tuple[int, list, list]]:
             done = []
             while (g := next_group()) < len(groups):
-                done.append((g, *_read_group(raw[groups[g][0]:groups[g][1]], ops, op_read, w.n_heads)))
+                done.append((g, *_read_group(raw, *groups[g], ops, op_read, w.n_heads)))
             return done
 
         arena = Arena(len(raw) if fork else 0)           # the side's columns, handed back in place
@@ -118,13 +118,13 @@ def _read_tensors(raw: bytes, start: int, stop: int, reader):
     from meshplan.plan.json.record_columns import tensor_columns
     from meshplan.plan.json.to_arrays import TensorColumns
     tensors, model = TensorColumns(), TypeAdapter(list[TensorJSON])
-    for text in _tensor_batches(raw, start, stop):
-        recs = reader.records([text[1:-1]])
+    for inner in _tensor_batches(raw, start, stop):
+        recs = reader.records([inner])
         got = None if recs is None else tensor_columns(recs[0], tensors.count)
         if got is not None:
             tensors.add_columns(got)
         else:
-            tensors.add(model.validate_json(text))
+            tensors.add(model.validate_json(b"[" + bytes(inner) + b"]"))
     return tensors
 
 
@@ -151,21 +151,21 @@ def _widen(parts: list[dict], arena: Arena, wide: set[str]) -> list[dict]:
     return out
 
 
-def _read_group(text: bytes, ops, reader, n_heads: int) -> tuple[list, list[int]]:
-    """(the op columns, the ranks stated) of a group of whole ranks' objects ``text``: by their skeletons, else rank
-    by rank by pydantic.
+def _read_group(raw: bytes, start: int, stop: int, ops, reader, n_heads: int) -> tuple[list, list[int]]:
+    """(the op columns, the ranks stated) of a group of whole ranks' objects ``raw[start:stop]``: by their
+    skeletons, else rank by rank by pydantic.
 
     Raises:
         ValidationError, UserError: a rank that does not validate; _NotLaidOut: not rank objects.
     """
     from meshplan.plan.json.record_columns import rank_columns
-    texts = list(_rank_objects(text, 0, len(text)))
+    texts = list(_rank_objects(raw, start, stop))
     got = rank_columns(reader, texts, ops.stream_idx, n_heads, ops.n_chunks)
     if got is not None:
         return [got[0]], got[1]
     parts, listed, model = [], [], TypeAdapter(RankJSON)
     for one in texts:
-        rank = model.validate_json(one)
+        rank = model.validate_json(bytes(one))
         listed.append(rank.rank)
         parts.append(ops.columns(rank.ops, rank.rank))
     return parts, listed
@@ -189,32 +189,34 @@ class _NotLaidOut(Exception):
 
 
 def _tensor_batches(raw: bytes, start: int, stop: int):
-    """``[`` … ``]`` batches of ~:data:`TENSOR_BATCH_BYTES` of the tensor array ``raw[start:stop]``."""
+    """The contents (between ``[`` and ``]``, views of ``raw``: no copy) of batches of ~:data:`TENSOR_BATCH_BYTES` of
+    the tensor array ``raw[start:stop]``."""
     if raw[start:start + 1] != b"[" or raw[stop - 1:stop] != b"]":
         raise _NotLaidOut
-    pos = start + 1
+    view, pos = memoryview(raw), start + 1
     while pos < stop - 1:
         cut = raw.find(_NEXT_TENSOR, pos + TENSOR_BATCH_BYTES, stop)
         if cut < 0:
-            yield b"[" + raw[pos:stop - 1] + b"]"
+            yield view[pos:stop - 1]
             return
-        yield b"[" + raw[pos:cut + 1] + b"]"
+        yield view[pos:cut + 1]
         pos = cut + 2                                   # past the "},"
 
 
 def _rank_objects(raw: bytes, start: int, stop: int):
-    """Each ``{"rank":K,...}`` object of the rank array's contents ``raw[start:stop]``, comma-separated."""
+    """Each ``{"rank":K,...}`` object of the rank array's contents ``raw[start:stop]``, comma-separated, as a view of
+    ``raw`` (no copy)."""
     if start == stop:
         return
     if raw[start:start + len(_RANK)] != _RANK:
         raise _NotLaidOut
-    pos = start
+    view, pos = memoryview(raw), start
     while True:
         nxt = raw.find(_RANK, pos + len(_RANK), stop)
         if nxt < 0:
-            yield raw[pos:stop]
+            yield view[pos:stop]
             return
         if raw[nxt - 1:nxt] != b",":
             raise _NotLaidOut
-        yield raw[pos:nxt - 1]
+        yield view[pos:nxt - 1]
         pos = nxt
