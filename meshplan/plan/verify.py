@@ -88,9 +88,9 @@ def verify(sched: Schedule, memory_bytes: float | None = None, op_seconds: np.nd
     """Run every check. ``op_seconds``/``transfer_seconds`` time the evaluation (default: unit times).
     ``both_cores``: once the structure holds and the transfers are matched, a forked process
     (:func:`meshplan.core.parallel.start_beside`; from :data:`PHASES_FORK_MIN_OPS` ops, both passes) checks the
-    tensors, the coverage and the rows while this one checks the rest — the same report; for a caller with nothing
-    else running (``meshplan validate`` of a 1024-rank file). Forked then, not first: what this process allocates
-    while the fork lives is copied page by page (copy-on-write), ~2x the cost of fresh pages."""
+    tensors, the forward's coverage and the rows while this one checks the rest — the same report; for a caller
+    with nothing else running (``meshplan validate`` of a 1024-rank file). Forked then, not first: what this process
+    allocates while the fork lives is copied page by page (copy-on-write), ~2x the cost of fresh pages."""
     rep = Report()
     rep.add("structure", _structure(sched))
     if rep.violations:
@@ -113,16 +113,21 @@ def _verify(sched: Schedule, rep: Report, partner: np.ndarray, problems: list[st
     n = len(sched.ops)
     dur = np.ones(n) if op_seconds is None else op_seconds
     tr = np.ones(n) if transfer_seconds is None else transfer_seconds
-    contents = found = None
+    contents = found = order = last_cover = None
     if side is not None and not problems:   # checked before the tensors are known to hold: dropped if they do not
         contents = _if_it_runs(lambda: check_contents(sched, partner))
         found = _if_it_runs(lambda: _passes_checked(sched, partner, dur, tr, memory_bytes))
+        order = _if_it_runs(lambda: _batch_order(sched, partner))
+        last_cover = _if_it_runs(lambda: _coverage(sched, attn_matrix(sched.workload, sched.n_chunks),
+                                                   sched.passes[-1]))
     tensors, semantics = (side.result() if side is not None else None) or (None, None)
     rep.add("tensor", _tensors(sched) if tensors is None else tensors)
     rep.add("transfer", problems)
     if not rep.violations:
         rep.add("contents", check_contents(sched, partner) if contents is None else contents)
-    for kind, lines in _semantics(sched) if semantics is None else semantics:
+    if semantics is not None and last_cover is not None:      # the side's, with the last pass's coverage here
+        semantics = semantics[:-1] + [("coverage", last_cover), semantics[-1]]
+    for kind, lines in _semantics(sched) if semantics is None or last_cover is None else semantics:
         rep.add(kind, lines)
     rep.add("pass", _passes(sched))
     if rep.violations:
@@ -131,14 +136,19 @@ def _verify(sched: Schedule, rep: Report, partner: np.ndarray, problems: list[st
         for kind, lines in adds:
             rep.add(kind, lines)
         rep.peak_memory_bytes = max(rep.peak_memory_bytes, peak)
-    rep.add("batch order", _batch_order(sched, partner))
+    rep.add("batch order", _batch_order(sched, partner) if order is None else order)
     return rep
 
 
 def _side_checks(sched: Schedule) -> tuple[list[str], list[tuple[str, list[str]]]] | None:
-    """The forked side of :func:`verify`: (the tensors' violations, [(kind, violations)] of the coverage and rows),
-    or None where a check fails to run (this side's error, if any, is raised where they run again)."""
-    return _if_it_runs(lambda: (_tensors(sched), _semantics(sched)))
+    """The forked side of :func:`verify`: (the tensors' violations, [(kind, violations)] of the coverage of every
+    pass but the last — which the other side checks — and of the rows), or None where a check fails to run (this
+    side's error, if any, is raised where they run again)."""
+    def checks():
+        m = attn_matrix(sched.workload, sched.n_chunks)
+        return _tensors(sched), [("coverage", _coverage(sched, m, p)) for p in sched.passes[:-1]] + \
+            [("rows", _rows(sched, m))]
+    return _if_it_runs(checks)
 
 
 def _if_it_runs(check):
