@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 from pathlib import Path
@@ -109,6 +110,29 @@ def test_gzip_members_beside_the_text_are_the_plain_file(tmp_path, monkeypatch):
         assert len(member_spans(data)) == members
 
 
+@pytest.mark.parametrize("fork", [False, True])
+def test_a_gzip_file_inflated_as_it_is_read_is_the_plain_file(tmp_path, monkeypatch, fork):
+    """A file of sized members is inflated as its parts are read (``MemberText``): the frame and tensors first,
+    then each group of ranks by the process that reads it, cut at the first rank that starts in its first member.
+    Members of 1 KB (a rank spans many: groups with no rank's start, read empty) and of 64 KB, groups of one member
+    and of several, forked or not: the same Schedule as the plain file's, array by array."""
+    import meshplan.plan.json.io as io
+    import meshplan.plan.json.read_parts as rp
+
+    monkeypatch.setattr(rp, "FORK_MIN_BYTES", 0 if fork else 1 << 40)
+    monkeypatch.setattr(io, "_validate", lambda *a: pytest.fail("read whole, not a part at a time"))
+    s = build("ring")
+    plain = read_schedule(write_schedule(s, tmp_path / "s.json"))
+    for batch, group in ((1000, 1000), (1000, 5000), (1 << 16, 1)):
+        monkeypatch.setattr(io, "COMPRESS_BATCH_BYTES", batch)
+        monkeypatch.setattr(rp, "RANK_GROUP_BYTES", group)
+        back = read_schedule(write_schedule(s, tmp_path / f"s{batch}-{group}.json.gz"))
+        for tab in ("ops", "tensors"):
+            for f in dataclasses.fields(getattr(plain, tab)):
+                a, b = getattr(getattr(plain, tab), f.name), getattr(getattr(back, tab), f.name)
+                assert a.dtype == b.dtype and np.array_equal(a, b), (batch, group, tab, f.name)
+
+
 def test_a_corrupted_or_foreign_gzip_file(tmp_path, monkeypatch):
     """A plain gzip stream (no member sizes) reads as before; a damaged member is one line naming the file."""
     import meshplan.plan.json.io as io
@@ -123,8 +147,10 @@ def test_a_corrupted_or_foreign_gzip_file(tmp_path, monkeypatch):
     spans = member_spans(bytes(data))
     huge = bytearray(data)
     huge[spans[0][1] - 4:spans[0][1]] = (2**32 - 1).to_bytes(4, "little")     # a member stating 4 GB of text
+    late = bytearray(data)
+    late[(spans[-2][0] + spans[-2][1]) // 2] ^= 0xFF     # a member of the ranks, inflated only as they are read
     data[len(data) // 2] ^= 0xFF                         # inside the deflate data of a member
-    for name, bad in (("bad.json.gz", data), ("huge.json.gz", huge)):
+    for name, bad in (("bad.json.gz", data), ("huge.json.gz", huge), ("late.json.gz", late)):
         (tmp_path / name).write_bytes(bytes(bad))
         with pytest.raises(UserError) as err:
             read_schedule(tmp_path / name)

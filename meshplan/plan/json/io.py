@@ -13,14 +13,13 @@ import gc
 import gzip
 import json
 import re
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from meshplan.core.errors import UserError
 from meshplan.core.fileio import write_atomic
-from meshplan.core.gzip_members import gunzip, gzip_member  # noqa: F401 (gunzip: this module's API too)
+from meshplan.core.gzip_members import INFLATE_ERRORS, MemberText, gunzip, gzip_member, text_of  # noqa: F401
 from meshplan.plan.json.format import ScheduleJSON
 from meshplan.plan.json.schedule_text import json_chunks
 from meshplan.plan.schedule import SCHEMA_VERSION, Schedule
@@ -88,7 +87,8 @@ def read_schedule(path: str | Path) -> Schedule:
     """Read, validate and convert a schedule file: a file as meshplan writes it a part at a time (the frame, the
     tensors in batches, each rank's ops: :mod:`meshplan.plan.json.read_parts`), each part validated by the same
     pydantic models and converted before the next, so no more than one part's objects exist at once; any other
-    file, or one a part of which does not validate, whole (:func:`read_document`, whose errors name the field).
+    file, or one a part of which does not validate, whole (:func:`read_document`, whose errors name the field). A
+    file of sized gzip members is inflated as it is read (:class:`meshplan.core.gzip_members.MemberText`).
 
     Raises:
         UserError: unreadable file, another schema version, or a file that does not validate.
@@ -96,12 +96,16 @@ def read_schedule(path: str | Path) -> Schedule:
     from meshplan.plan.json.read_parts import read_in_parts
 
     path = Path(path)
-    holder = [_read_raw(path)]
+    holder = [_read_raw(path, as_read=True)]
     with no_gc():
         sched = read_in_parts(holder)
     if sched is not None:
         return sched
-    doc = _validate(holder[0] if holder else _read_raw(path), path)
+    raw = holder[0] if holder else _read_raw(path)
+    if isinstance(raw, MemberText):
+        with _read_errors(path):
+            raw = raw.whole()
+    doc = _validate(raw, path)
     with no_gc():
         return from_json(doc)
 
@@ -117,27 +121,20 @@ def read_document(path: str | Path) -> tuple[ScheduleJSON, bytes]:
     return _validate(raw, path), raw
 
 
-def _read_raw(path: Path) -> bytes:
-    """The file's (decompressed) bytes, once its ``schema_version`` is this meshplan's.
+def _read_raw(path: Path, as_read: bool = False):
+    """The file's (decompressed) bytes, once its ``schema_version`` is this meshplan's; with ``as_read``, a file of
+    sized gzip members as a :class:`~meshplan.core.gzip_members.MemberText`, inflated as it is read.
 
     Raises:
         UserError: unreadable, a measurement, or another schema version.
     """
-    try:
+    with _read_errors(path):
         raw = path.read_bytes()
         if raw[:2] == b"\x1f\x8b":
-            raw = gunzip(raw)
-        version = _schema_version(raw)
-    except FileNotFoundError:
-        raise UserError(str(path), "no such file", "give the path of a schedule (meshplan simulate --out, "
-                        "search --write)") from None
-    except (EOFError, zlib.error):                 # a gzip stream cut short or damaged
-        raise UserError(str(path), "the compressed file is cut short or corrupted", "regenerate it") from None
-    except (OSError, ValueError) as err:
-        why = getattr(err, "strerror", None) or type(err).__name__        # "Is a directory", "Permission denied"
-        raise UserError(str(path), f"cannot read the schedule ({why})",
-                        "give a .json or .json.gz file written by meshplan") from None
-    if version is None and re.match(rb'\s*\{\s*"measurement_version"', raw):
+            raw = text_of(raw) if as_read else gunzip(raw)
+        head = raw.head() if isinstance(raw, MemberText) else raw
+        version = _schema_version(head, raw)
+    if version is None and re.match(rb'\s*\{\s*"measurement_version"', head):
         raise UserError(str(path), "is a measurement (meshplan run --out), not a schedule",
                         "give the schedule that was run; compare takes it first: meshplan compare SCHEDULE "
                         "MEASUREMENT")
@@ -145,6 +142,26 @@ def _read_raw(path: Path) -> bytes:
         raise UserError(f"{path}: schema_version", f"is {version!r}, this meshplan reads {SCHEMA_VERSION!r}",
                         "regenerate the schedule with this version (meshplan simulate --out / search --write)")
     return raw
+
+
+@contextlib.contextmanager
+def _read_errors(path: Path):
+    """Reading or inflating ``path``'s text: its errors as one-line UserErrors.
+
+    Raises:
+        UserError: no such file, a gzip stream cut short or damaged, or unreadable (a directory, no permission).
+    """
+    try:
+        yield
+    except FileNotFoundError:
+        raise UserError(str(path), "no such file", "give the path of a schedule (meshplan simulate --out, "
+                        "search --write)") from None
+    except (EOFError, *INFLATE_ERRORS):                 # a gzip stream cut short or damaged
+        raise UserError(str(path), "the compressed file is cut short or corrupted", "regenerate it") from None
+    except (OSError, ValueError) as err:
+        why = getattr(err, "strerror", None) or type(err).__name__        # "Is a directory", "Permission denied"
+        raise UserError(str(path), f"cannot read the schedule ({why})",
+                        "give a .json or .json.gz file written by meshplan") from None
 
 
 def _validate(raw: bytes, path: Path) -> ScheduleJSON:
@@ -188,12 +205,13 @@ def schedule_ranks(path: str | Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _schema_version(raw: bytes):
-    """The file's ``schema_version``, read before validating the rest (ValueError if not JSON)."""
-    m = re.match(rb'\s*\{\s*"schema_version"\s*:\s*("(?:[^"\\]|\\.)*"|[-0-9.]+|null|true|false)', raw)
+def _schema_version(head, raw):
+    """The file's ``schema_version``, read from its ``head`` before validating the rest, else from the whole ``raw``
+    (ValueError if not JSON)."""
+    m = re.match(rb'\s*\{\s*"schema_version"\s*:\s*("(?:[^"\\]|\\.)*"|[-0-9.]+|null|true|false)', head)
     if m:
         return json.loads(m.group(1))
-    data = json.loads(raw)
+    data = json.loads(bytes(raw.whole() if isinstance(raw, MemberText) else raw))
     return data.get("schema_version") if isinstance(data, dict) else None
 
 

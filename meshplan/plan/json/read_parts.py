@@ -17,10 +17,13 @@ errors name the field.
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 from pydantic import TypeAdapter, ValidationError
 
 from meshplan.core.errors import UserError
+from meshplan.core.gzip_members import INFLATE_ERRORS, MemberText
 from meshplan.core.parallel import alongside, shared_counter
 from meshplan.core.shared_arena import Arena
 from meshplan.model.matrix import attn_matrix
@@ -37,29 +40,38 @@ _RANK = b'{"rank":'
 _NEXT_TENSOR = b'},{"id":'
 
 
-def read_in_parts(holder: list[bytes]) -> Schedule | None:
-    """The Schedule of a file's bytes (``holder[0]``) read a part at a time, or None when they are not laid out as
-    meshplan writes them or a part does not validate (read the file whole then). The ranks are read in groups of
+def read_in_parts(holder: list) -> Schedule | None:
+    """The Schedule of a file's text (``holder[0]``: bytes, or a :class:`~meshplan.core.gzip_members.MemberText`
+    inflated as it is read) read a part at a time, or None when it is not laid out as meshplan writes it, a part
+    does not validate or a member does not inflate (read the file whole then). The ranks are read in groups of
     ~:data:`RANK_GROUP_BYTES`, each by its records' skeletons (:mod:`meshplan.plan.json.record_columns`) or, where
     that refuses, rank by rank by pydantic. From :data:`FORK_MIN_BYTES` a forked process
     (:func:`meshplan.core.parallel.alongside`) reads the tensors while this one counts the attention matrix, and
-    then both take the next group of ranks until none is left (a 1024-rank Mesh file, 0.9M ops, read by pydantic
-    rank by rank: 4.1–4.5 s; now 1.8 s, gunzip included).
-    Once every part is read, the bytes are dropped (``holder`` emptied: the file is not held beside its arrays)."""
+    then both take the next group of ranks until none is left — of a ``MemberText``, each process inflating the
+    members of the groups it takes (:class:`_MemberGroups`), the frame and tensors having been inflated first (a
+    1024-rank Mesh file, 0.9M ops, read by pydantic rank by rank: 4.1–4.5 s; now ~1.9 s, inflating included).
+    Once every part is read, the text is dropped (``holder`` emptied: the file is not held beside its arrays)."""
     from meshplan.plan.json.frame import assemble, check_ranks, workload_streams
     from meshplan.plan.json.record_columns import op_reader, tensor_reader
     from meshplan.plan.json.to_arrays import OpColumns, TensorColumns
 
     raw = holder[0]
-    keys = _keys(raw)
+    member_text = raw if isinstance(raw, MemberText) else None
+    try:
+        keys = _keys(raw) if member_text is None else _member_keys(member_text)
+    except INFLATE_ERRORS:
+        return None                                      # read whole: gunzip names the damage
     if keys is None:
         return None
     t_key, r_key, end = keys
+    if member_text is not None:
+        raw = member_text.text              # inflated where read: the frame and tensors now, each group by its reader
     try:
         doc = ScheduleJSON.model_validate_json(raw[:t_key] + b',"tensors":[],"ranks":[]}')
         w, streams = workload_streams(doc)
-        groups = _group_bounds(raw, r_key + len(b'],"ranks":['), end - 2)
-        fork = len(raw) >= FORK_MIN_BYTES
+        start, stop = r_key + len(b'],"ranks":['), end - 2
+        groups = _group_bounds(raw, start, stop) if member_text is None else _MemberGroups(member_text, start, stop)
+        fork = len(holder[0]) >= FORK_MIN_BYTES
         next_group = shared_counter(fork)
         ops = OpColumns(streams, w, doc.n_chunks)
         op_read, tensor_read = op_reader(), tensor_reader()
@@ -70,20 +82,20 @@ def read_in_parts(holder: list[bytes]) -> Schedule | None:
                 done.append((g, *_read_group(raw, *groups[g], ops, op_read, w.n_heads)))
             return done
 
-        arena = Arena(len(raw) if fork else 0)           # the side's columns, handed back in place
+        arena = Arena(len(holder[0]) if fork else 0)     # the side's columns, handed back in place
 
         def side():
             try:
                 tensors = _read_tensors(raw, t_key + len(b',"tensors":'), r_key + 1, tensor_read)
                 return (_narrow(tensors.parts, arena), tensors.count,
                         [(g, _narrow(p, arena), k) for g, p, k in read_groups()])
-            except (ValidationError, UserError, _NotLaidOut):
+            except (ValidationError, UserError, _NotLaidOut, *INFLATE_ERRORS):
                 return None                              # read whole: its error names the field
 
         got, (m, mine) = alongside(side, lambda: (attn_matrix(w, doc.n_chunks), read_groups()), fork=fork)
         if got is None:
             return None
-        raw = None                               # the closures hold the cell: drop the bytes themselves
+        raw = member_text = groups = None        # the closures hold the cells: drop the text itself
         holder.clear()
         tensors, t_wide, op_wide = TensorColumns(), set(), set()
         tensors.parts, tensors.count = _widen(got[0], arena, t_wide), got[1]
@@ -93,7 +105,7 @@ def read_in_parts(holder: list[bytes]) -> Schedule | None:
         ops.parts = [p for _, parts, _ in done for p in parts]
         table = ops.table(m, op_wide)
         return assemble(doc, w, streams, table, tensors.table(table.id_map, doc.n_ranks, doc.n_chunks, t_wide))
-    except (ValidationError, UserError, _NotLaidOut):
+    except (ValidationError, UserError, _NotLaidOut, *INFLATE_ERRORS):
         return None
 
 
@@ -106,6 +118,51 @@ def _keys(raw: bytes) -> tuple[int, int, int] | None:
     while end and raw[end - 1] in b" \t\r\n":        # trailing white space (not a copy of the whole text)
         end -= 1
     return None if t_key < 0 or r_key < t_key or raw[end - 2:end] != b"]}" else (t_key, r_key, end)
+
+
+def _member_keys(raw: MemberText) -> tuple[int, int, int] | None:
+    """:func:`_keys` of a text inflated as it is read: the frame and the tensors inflated (to find the ranks' key)
+    and the last member (to find the end), nothing more."""
+    t_key = raw.find(b',"tensors":[', 0)
+    r_key = raw.find(b'],"ranks":[', t_key, ahead=2) if t_key >= 0 else -1        # two members at a time
+    end = len(raw)
+    raw.ensure(max(end - 2, 0), end)
+    text = raw.text
+    while end and text[end - 1] in b" \t\r\n":       # trailing white space, its members inflated as it goes
+        end -= 1
+        raw.ensure(max(end - 2, 0), end)
+    return None if t_key < 0 or r_key < t_key or text[end - 2:end] != b"]}" else (t_key, r_key, end)
+
+
+class _MemberGroups:
+    """:func:`_group_bounds` of a text inflated as it is read, each group found and inflated by the process that
+    reads it: groups start at the members ~:data:`RANK_GROUP_BYTES` apart after the one holding ``start`` (the
+    first group at ``start``), each cut before the first ``,{"rank":`` at or after its first member's start — so
+    every group is whole ranks, and a group with no rank's start in it is empty."""
+
+    def __init__(self, raw: MemberText, start: int, stop: int) -> None:
+        self.raw, self.start, self.stop = raw, start, stop
+        at = raw.member_starts
+        step = max(1, round(RANK_GROUP_BYTES / max(at[1] - at[0], 1)))
+        self.bases = [at[k] for k in range(bisect.bisect_right(at, start), len(at) - 1, step) if at[k] < stop]
+
+    def __len__(self) -> int:
+        return len(self.bases) + 1
+
+    def _cut(self, u: int) -> int:
+        if u == 0:
+            return self.start - 1
+        if u > len(self.bases):
+            return self.stop
+        got = self.raw.find(b',{"rank":', self.bases[u - 1], self.stop)
+        return self.stop if got < 0 else got
+
+    def __getitem__(self, g: int) -> tuple[int, int]:
+        """[start, stop) of group ``g`` (empty where start >= stop), inflated."""
+        start, stop = self._cut(g) + 1, self._cut(g + 1)
+        if start < stop:
+            self.raw.ensure(start, stop)
+        return start, stop
 
 
 def _read_tensors(raw: bytes, start: int, stop: int, reader):
@@ -159,6 +216,8 @@ def _read_group(raw: bytes, start: int, stop: int, ops, reader, n_heads: int) ->
         ValidationError, UserError: a rank that does not validate; _NotLaidOut: not rank objects.
     """
     from meshplan.plan.json.record_columns import rank_columns
+    if start >= stop:
+        return [], []                                    # a group with no rank's start (a rank larger than it)
     texts = list(_rank_objects(raw, start, stop))
     got = rank_columns(reader, texts, ops.stream_idx, n_heads, ops.n_chunks)
     if got is not None:
