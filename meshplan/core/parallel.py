@@ -164,3 +164,35 @@ def shared_counter(fork: bool = True) -> Callable[[], int]:
             box[0] = got + 1
         return got
     return next_local
+
+
+class SharedOnce:
+    """A number one side of :func:`alongside` (with the same ``fork``) sets once (:meth:`set`) and the other waits
+    for (:meth:`wait`): what the side finds first that this one needs later. The side sets it on every way out
+    (a ``finally``); a side killed before it does is noticed by the waiting side within 50 ms."""
+
+    def __init__(self, fork: bool = True) -> None:
+        self._forked = fork and can_fork()
+        if self._forked:
+            ctx = mp.get_context("fork")
+            self._value, self._ready = ctx.Value("q", 0, lock=False), ctx.Event()
+        else:
+            self._value, self._ready = mp.get_context().Value("q", 0, lock=False), threading.Event()
+
+    def set(self, value: int) -> None:
+        """Set the number (once) and wake the waiting side."""
+        self._value.value = value
+        self._ready.set()
+
+    def wait(self) -> int:
+        """The number, once set.
+
+        Raises:
+            RuntimeError: the forked side ended without setting it (killed).
+        """
+        while not self._ready.wait(0.05):
+            if self._forked and not mp.active_children():
+                if self._ready.is_set():
+                    break
+                raise RuntimeError("the side computation's process died")
+        return self._value.value

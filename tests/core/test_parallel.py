@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
 
-from meshplan.core.parallel import alongside, shared_counter
+from meshplan.core.parallel import SharedOnce, alongside, shared_counter
 
 
 @pytest.mark.parametrize("fork", ["1", "0"])
@@ -55,6 +56,27 @@ def test_a_shared_counter_hands_each_number_to_one_side(fork, monkeypatch):
     side, main = alongside(drain, drain)
     assert sorted(side + main) == list(range(200))
 
+
+@pytest.mark.parametrize("fork", ["1", "0"])
+def test_a_number_the_side_finds_first_reaches_main(fork, monkeypatch):
+    """The side sets a number after a while; main waits for it, then goes on."""
+    monkeypatch.setenv("MESHPLAN_FORK", fork)
+    found = SharedOnce()
+
+    def side():
+        time.sleep(0.2)
+        found.set(12345)
+        return "side done"
+
+    assert alongside(side, found.wait) == ("side done", 12345)
+
+
+@pytest.mark.timeout(30)
+def test_a_side_killed_before_it_sets_the_number_is_an_error_not_a_hang(monkeypatch):
+    monkeypatch.setenv("MESHPLAN_FORK", "1")
+    found = SharedOnce()
+    with pytest.raises(RuntimeError, match="died"):
+        alongside(lambda: os._exit(9), found.wait)
 
 
 def test_a_side_in_its_own_group_is_stopped_midway_with_what_it_forked_and_its_files_removed(tmp_path, monkeypatch):

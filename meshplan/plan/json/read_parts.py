@@ -24,7 +24,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from meshplan.core.errors import UserError
 from meshplan.core.gzip_members import INFLATE_ERRORS, MemberText
-from meshplan.core.parallel import alongside, shared_counter
+from meshplan.core.parallel import SharedOnce, alongside, shared_counter
 from meshplan.core.shared_arena import Arena
 from meshplan.model.matrix import attn_matrix
 from meshplan.plan.json.format import RankJSON, ScheduleJSON, TensorJSON
@@ -65,28 +65,45 @@ def read_in_parts(holder: list) -> Schedule | None:
         return None
     t_key, r_key, end = keys
     if member_text is not None:
-        raw = member_text.text              # inflated where read: the frame and tensors now, each group by its reader
+        raw = member_text.text              # inflated where read: the frame now, the rest by the process reading it
     try:
         doc = ScheduleJSON.model_validate_json(raw[:t_key] + b',"tensors":[],"ranks":[]}')
         w, streams = workload_streams(doc)
-        start, stop = r_key + len(b'],"ranks":['), end - 2
-        groups = _group_bounds(raw, start, stop) if member_text is None else _MemberGroups(member_text, start, stop)
         fork = len(holder[0]) >= FORK_MIN_BYTES
         next_group = shared_counter(fork)
+        ranks_at = SharedOnce(fork) if r_key is None else None      # where the side finds the ranks' key
+        here: dict = {}                                              # this process's groups (made after a fork)
         ops = OpColumns(streams, w, doc.n_chunks)
         op_read, tensor_read = op_reader(), tensor_reader()
 
+        def groups():
+            if "groups" not in here:
+                key = r_key if ranks_at is None else ranks_at.wait()
+                start, stop = key + len(b'],"ranks":['), end - 2
+                here["groups"] = [] if key < t_key else _group_bounds(raw, start, stop) if member_text is None \
+                    else _MemberGroups(member_text, start, stop)
+            return here["groups"]
+
         def read_groups() -> list[tuple[int, list, list]]:
-            done = []
-            while (g := next_group()) < len(groups):
-                done.append((g, *_read_group(raw, *groups[g], ops, op_read, w.n_heads)))
+            done, mine = [], groups()
+            while (g := next_group()) < len(mine):
+                done.append((g, *_read_group(raw, *mine[g], ops, op_read, w.n_heads)))
             return done
 
         arena = Arena(len(holder[0]) if fork else 0)     # the side's columns, handed back in place
 
         def side():
             try:
-                tensors = _read_tensors(raw, t_key + len(b',"tensors":'), r_key + 1, tensor_read)
+                key = r_key
+                if ranks_at is not None:                # the tensors inflated here, beside the matrix there
+                    key = -1
+                    try:
+                        key = member_text.find(b'],"ranks":[', t_key, ahead=2)
+                    finally:
+                        ranks_at.set(key)
+                    if key < t_key:
+                        return None                          # not laid out so: read whole
+                tensors = _read_tensors(raw, t_key + len(b',"tensors":'), key + 1, tensor_read)
                 return (_narrow(tensors.parts, arena), tensors.count,
                         [(g, _narrow(p, arena), k) for g, p, k in read_groups()])
             except (ValidationError, UserError, _NotLaidOut, *INFLATE_ERRORS):
@@ -95,7 +112,8 @@ def read_in_parts(holder: list) -> Schedule | None:
         got, (m, mine) = alongside(side, lambda: (attn_matrix(w, doc.n_chunks), read_groups()), fork=fork)
         if got is None:
             return None
-        raw = member_text = groups = None        # the closures hold the cells: drop the text itself
+        raw = member_text = None                 # the closures hold the cells: drop the text itself
+        here.clear()
         holder.clear()
         tensors, t_wide, op_wide = TensorColumns(), set(), set()
         tensors.parts, tensors.count = _widen(got[0], arena, t_wide), got[1]
@@ -120,18 +138,17 @@ def _keys(raw: bytes) -> tuple[int, int, int] | None:
     return None if t_key < 0 or r_key < t_key or raw[end - 2:end] != b"]}" else (t_key, r_key, end)
 
 
-def _member_keys(raw: MemberText) -> tuple[int, int, int] | None:
-    """:func:`_keys` of a text inflated as it is read: the frame and the tensors inflated (to find the ranks' key)
-    and the last member (to find the end), nothing more."""
+def _member_keys(raw: MemberText) -> tuple[int, None, int] | None:
+    """:func:`_keys` of a text inflated as it is read, but the ranks' key (None: found by the process that reads the
+    tensors, inflating them): the frame's member inflated and the last (to find the end), nothing more."""
     t_key = raw.find(b',"tensors":[', 0)
-    r_key = raw.find(b'],"ranks":[', t_key, ahead=2) if t_key >= 0 else -1        # two members at a time
     end = len(raw)
     raw.ensure(max(end - 2, 0), end)
     text = raw.text
     while end and text[end - 1] in b" \t\r\n":       # trailing white space, its members inflated as it goes
         end -= 1
         raw.ensure(max(end - 2, 0), end)
-    return None if t_key < 0 or r_key < t_key or text[end - 2:end] != b"]}" else (t_key, r_key, end)
+    return None if t_key < 0 or text[end - 2:end] != b"]}" else (t_key, None, end)
 
 
 class _MemberGroups:
