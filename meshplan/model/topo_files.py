@@ -8,9 +8,8 @@ from importlib import resources
 from pathlib import Path
 
 from meshplan.core.errors import UserError
+from meshplan.core.limits import MAX_DEVICES
 from meshplan.model.topology_spec import TopologySpec
-
-MAX_DEVICES = 65536
 
 
 def shipped_topologies() -> list[str]:

@@ -12,13 +12,15 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
 
+from meshplan.core.limits import MAX_DEVICES
+
 NonNegFloat = Annotated[float, Field(ge=0)]
 
 
 # bounds of what a file may describe (larger numbers are typos, and building them would take the host's memory):
 MAX_PER_NODE = 1024     # devices (or CPU ranks, NICs, domains) per node; NVL576 racks are the largest today
-MAX_NODES = 16384
-MAX_DEVICES = 65536     # nodes x devices per node
+MAX_NODES = 16384          # with MAX_DEVICES (meshplan.core.limits): nodes x devices per node
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)

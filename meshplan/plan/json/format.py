@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from meshplan.model.topology_spec import MAX_DEVICES
+from meshplan.core.limits import MAX_DEVICES
 from meshplan.plan.schedule import SCHEMA_VERSION
 
 Dtype = Literal["bf16", "fp16", "fp32"]
