@@ -88,9 +88,10 @@ def verify(sched: Schedule, memory_bytes: float | None = None, op_seconds: np.nd
     """Run every check. ``op_seconds``/``transfer_seconds`` time the evaluation (default: unit times).
     ``both_cores``: once the structure holds and the transfers are matched, a forked process
     (:func:`meshplan.core.parallel.start_beside`; from :data:`PHASES_FORK_MIN_OPS` ops, both passes) checks the
-    tensors, the forward's coverage and the rows while this one checks the rest — the same report; for a caller
-    with nothing else running (``meshplan validate`` of a 1024-rank file). Forked then, not first: what this process
-    allocates while the fork lives is copied page by page (copy-on-write), ~2x the cost of fresh pages."""
+    tensors, the contents, the batch order, the forward's coverage and the rows while this one checks the rest — the
+    same report; for a caller with nothing else running (``meshplan validate`` of a 1024-rank file). Forked then,
+    not first: what this process allocates while the fork lives is copied page by page (copy-on-write), ~2x the
+    cost of fresh pages."""
     rep = Report()
     rep.add("structure", _structure(sched))
     if rep.violations:
@@ -98,7 +99,7 @@ def verify(sched: Schedule, memory_bytes: float | None = None, op_seconds: np.nd
     partner, _, problems = sched.match_transfers()
     n = len(sched.ops)
     fork = both_cores and len(sched.passes) == 2 and n >= PHASES_FORK_MIN_OPS and can_fork()
-    side = start_beside(lambda: _side_checks(sched), own_group=True) if fork else None
+    side = start_beside(lambda: _side_checks(sched, partner), own_group=True) if fork else None
     try:
         return _verify(sched, rep, partner, problems, memory_bytes, op_seconds, transfer_seconds, side)
     finally:
@@ -113,14 +114,12 @@ def _verify(sched: Schedule, rep: Report, partner: np.ndarray, problems: list[st
     n = len(sched.ops)
     dur = np.ones(n) if op_seconds is None else op_seconds
     tr = np.ones(n) if transfer_seconds is None else transfer_seconds
-    contents = found = order = last_cover = None
+    found = last_cover = None
     if side is not None and not problems:   # checked before the tensors are known to hold: dropped if they do not
-        contents = _if_it_runs(lambda: check_contents(sched, partner))
         found = _if_it_runs(lambda: _passes_checked(sched, partner, dur, tr, memory_bytes))
-        order = _if_it_runs(lambda: _batch_order(sched, partner))
         last_cover = _if_it_runs(lambda: _coverage(sched, attn_matrix(sched.workload, sched.n_chunks),
                                                    sched.passes[-1]))
-    tensors, semantics = (side.result() if side is not None else None) or (None, None)
+    tensors, contents, order, semantics = (side.result() if side is not None else None) or (None,) * 4
     rep.add("tensor", _tensors(sched) if tensors is None else tensors)
     rep.add("transfer", problems)
     if not rep.violations:
@@ -140,15 +139,16 @@ def _verify(sched: Schedule, rep: Report, partner: np.ndarray, problems: list[st
     return rep
 
 
-def _side_checks(sched: Schedule) -> tuple[list[str], list[tuple[str, list[str]]]] | None:
-    """The forked side of :func:`verify`: (the tensors' violations, [(kind, violations)] of the coverage of every
-    pass but the last — which the other side checks — and of the rows), or None where a check fails to run (this
-    side's error, if any, is raised where they run again)."""
-    def checks():
-        m = attn_matrix(sched.workload, sched.n_chunks)
-        return _tensors(sched), [("coverage", _coverage(sched, m, p)) for p in sched.passes[:-1]] + \
-            [("rows", _rows(sched, m))]
-    return _if_it_runs(checks)
+def _side_checks(sched: Schedule, partner: np.ndarray):
+    """The forked side of :func:`verify`: (the tensors' violations, the contents', the batch order's, [(kind,
+    violations)] of the coverage of every pass but the last — which the other side checks — and of the rows), each
+    None where it fails to run (the tensors may not hold: it runs again there, where its error, if any, is
+    raised)."""
+    m = attn_matrix(sched.workload, sched.n_chunks)
+    return (_if_it_runs(lambda: _tensors(sched)), _if_it_runs(lambda: check_contents(sched, partner)),
+            _if_it_runs(lambda: _batch_order(sched, partner)),
+            _if_it_runs(lambda: [("coverage", _coverage(sched, m, p)) for p in sched.passes[:-1]] +
+                        [("rows", _rows(sched, m))]))
 
 
 def _if_it_runs(check):

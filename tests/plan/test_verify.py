@@ -209,11 +209,16 @@ def test_both_passes_checked_at_once_give_the_same_report(fork, monkeypatch):
     later = build()                                 # a structure violation: reported alone, the side stopped
     k = np.flatnonzero(np.diff(later.ops.dep_ptr) > 0)[0]
     later.ops.deps[later.ops.dep_ptr[k]] = k + 1
-    for s, memory in ((build(), None), (hazard, None), (build(), 1e3), (twice, None), (later, None)):
+    split = build("ulysses", n=2)                   # a batch order violation, found by the side
+    o = split.ops
+    first = np.flatnonzero((o.rank == 0) & (o.phase == 0) & ((o.kind == SEND) | (o.kind == RECV)) & (o.step == 0))
+    o.step[first[2:]] = 7
+    for s, memory in ((build(), None), (hazard, None), (build(), 1e3), (twice, None), (later, None), (split, None)):
         one, two = verify(s, memory), verify(s, memory, both_cores=True)
         assert (one.violations, one.counts, one.peak_memory_bytes) == (two.violations, two.counts,
                                                                         two.peak_memory_bytes)
-        assert two.ok == (memory is None and s is not hazard and s is not twice and s is not later)
+        assert two.ok == (memory is None and s is not hazard and s is not twice and s is not later and s is not split)
+        assert ("batch order" in two.counts) == (s is split)
         assert ("coverage" in two.counts) == (s is twice)
         if memory is not None:                                    # one memory line from each pass, fwd first
             assert [x.split(" in ")[-1][:3] for x in two.violations if "GB of buffers" in x] == ["fwd", "bwd"]
