@@ -163,10 +163,33 @@ def _passes_checked(sched: Schedule, partner: np.ndarray, dur: np.ndarray, tr: n
                     memory_bytes: float | None) -> list[tuple[list[tuple[str, list[str]]], float]]:
     """:func:`_pass_checks` of every pass, on one rank of each class of :func:`rank_classes` where that proves the
     rest — for a schedule whose structure, tensors and transfers hold (each rank's references are its own)."""
-    classes = rank_classes(sched)
+    view = class_view(sched, partner, dur, tr)
     return [_pass_checks(sched, phase, partner, dur, tr, memory_bytes,
-                         lambda items, phase=phase: _hazards(sched, phase, partner, classes, items), classes)
+                         lambda items, phase=phase: _hazards(sched, phase, partner, view.classes, items), view)
             for phase in sched.passes]
+
+
+@dataclass
+class ClassView:
+    """A schedule's rank classes as the pass checks use them, made once for every pass: ``classes`` [n_ranks]
+    (:func:`rank_classes`), ``reps`` the representatives, ``partner`` [n_ops] their transfers' partners within the
+    representatives (:func:`class_partner`; None where that is not proved, or every rank is its own class), and
+    ``rep_op`` [n_ops] the op at each op's place in its representative."""
+
+    classes: np.ndarray
+    reps: np.ndarray
+    partner: np.ndarray | None
+    rep_op: np.ndarray
+
+
+def class_view(sched: Schedule, partner: np.ndarray, dur: np.ndarray, tr: np.ndarray) -> ClassView:
+    """The :class:`ClassView` of a schedule whose references are each rank's own, for op times ``dur``, ``tr``."""
+    classes = rank_classes(sched)
+    reps = np.unique(classes)
+    o = sched.ops
+    q_partner = class_partner(sched, classes, partner, dur, tr) if len(reps) < sched.n_ranks else None
+    return ClassView(classes, reps, q_partner,
+                     sched.rank_ptr[classes[o.rank]] + np.arange(len(o)) - sched.rank_ptr[o.rank])
 
 
 def _semantics(sched: Schedule) -> list[tuple[str, list[str]]]:
@@ -181,13 +204,13 @@ PHASES_FORK_MIN_OPS = 200_000
 
 
 def _pass_checks(sched: Schedule, phase: int, partner: np.ndarray, dur: np.ndarray, tr: np.ndarray,
-                 memory_bytes: float | None, hazards, classes: np.ndarray | None = None
+                 memory_bytes: float | None, hazards, view: ClassView | None = None
                  ) -> tuple[list[tuple[str, list[str]]], float]:
     """One pass's deadlock, hazard and memory checks along its uncontended evaluation: ([(kind, violations)] in the
     order found, its peak buffer bytes on the busiest rank). ``hazards``: the pass's hazard violations, a function of
     its items (None: not built) that finds them, or None — a placeholder (``("hazard", None)``) for the caller to
-    fill in. ``classes``: :func:`rank_classes`, to evaluate on one rank of each (:func:`_class_times`)."""
-    times = _class_times(sched, phase, partner, dur, tr, classes)
+    fill in. ``view``: the rank classes, to evaluate on one rank of each (:func:`_class_times`)."""
+    times = _class_times(sched, phase, dur, tr, view)
     if times is None:                              # not provable from the classes, or not a valid pass: every rank
         items = build_items(sched, phase, partner)
         adds = [("deadlock", [f"op {int(items.members[items.member_ptr[i]])}: depends on another op of its own "
@@ -207,26 +230,20 @@ def _pass_checks(sched: Schedule, phase: int, partner: np.ndarray, dur: np.ndarr
     return adds, float(peak.max(initial=0))
 
 
-def _class_times(sched: Schedule, phase: int, partner: np.ndarray, dur: np.ndarray, tr: np.ndarray,
-                 classes: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+def _class_times(sched: Schedule, phase: int, dur: np.ndarray, tr: np.ndarray,
+                 view: ClassView | None) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """([n_ops] start, end, the op at each op's place in its representative rank) of the pass's ops along its
-    uncontended evaluation, evaluated on one rank of each class of :func:`rank_classes` (:func:`class_partner`:
-    896,000 ops of a 1024-rank Mesh schedule evaluated as 875), or None where that does not prove them — ranks of a
-    class that pair or take time differently, no fewer ranks, or a pass that is not deadlock-free (evaluated on
-    every rank then, its ops named)."""
-    if classes is None:
+    uncontended evaluation, evaluated on one rank of each class (``view``; :func:`class_partner`: 896,000 ops of a
+    1024-rank Mesh schedule evaluated as 875), or None where that does not prove them — ranks of a class that pair
+    or take time differently, no fewer ranks, or a pass that is not deadlock-free (evaluated on every rank then,
+    its ops named)."""
+    if view is None or view.partner is None:
         return None
-    reps = np.unique(classes)
-    q_partner = class_partner(sched, classes, partner, dur, tr) if len(reps) < sched.n_ranks else None
-    if q_partner is None:
-        return None
-    items = build_items(sched, phase, q_partner, ranks=reps)
+    items = build_items(sched, phase, view.partner, ranks=view.reps)
     ev = evaluate(items, dur, tr)
     if len(items.self_dep) or not ev.complete:
         return None
-    o = sched.ops
-    rep_op = sched.rank_ptr[classes[o.rank]] + np.arange(len(o)) - sched.rank_ptr[o.rank]
-    return (*_op_times(len(o), items, ev, rep_op), rep_op)
+    return (*_op_times(len(sched.ops), items, ev, view.rep_op), view.rep_op)
 
 
 def _op_times(n: int, items, ev, source: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -107,7 +107,7 @@ def test_evaluation_on_one_rank_per_class_is_every_ranks(name, kw):
     place = np.arange(n) - s.rank_ptr[s.ops.rank]
     for dur in (np.ones(n), 1.0 + (place % 7) / 8):
         for phase in s.passes:
-            got = v._class_times(s, phase, partner, dur, dur, classes)
+            got = v._class_times(s, phase, dur, dur, v.class_view(s, partner, dur, dur))
             items = build_items(s, phase, partner)
             want = v._op_times(n, items, evaluate(items, dur, dur), np.arange(n))
             assert got is not None
@@ -128,6 +128,7 @@ def test_a_deadlock_is_evaluated_on_every_rank():
         send, recv = mine[o.kind[mine] == SEND][0], mine[o.kind[mine] == RECV][0]
         o.step[send], o.step[recv] = 1, 0
     assert (rank_classes(s) == 0).all()
-    assert v._class_times(s, 0, s.match_transfers()[0], np.ones(len(o)), np.ones(len(o)), rank_classes(s)) is None
+    one = np.ones(len(o))
+    assert v._class_times(s, 0, one, one, v.class_view(s, s.match_transfers()[0], one, one)) is None
     stuck = [x for x in v.verify(s).violations if "never completes" in x]
     assert {int(x.split(" on rank ")[1].split()[0]) for x in stuck} == {0, 1}
