@@ -60,10 +60,9 @@ def count_pairs(q_start, q_count, k_start, k_count, stride, lo, hi) -> np.ndarra
     whole = some & (d_lo <= 1 - ckv) & (d_hi >= cq - 1)
     out = np.where(whole, cq * ckv, 0)
     part = np.flatnonzero(some & ~whole)
-    if len(part):
-        pq, pk = cq.ravel()[part], ckv.ravel()[part]
-        out.ravel()[part] = _pairs_delta_le(d_hi.ravel()[part], pq, pk) \
-            - _pairs_delta_le(d_lo.ravel()[part] - 1, pq, pk)
+    if len(part):               # .flat: the few elements of the broadcast views, not a copy of them whole
+        pq, pk = cq.flat[part], ckv.flat[part]
+        out.ravel()[part] = _pairs_delta_le(d_hi.flat[part], pq, pk) - _pairs_delta_le(d_lo.flat[part] - 1, pq, pk)
     return out
 
 
