@@ -33,10 +33,7 @@ import numpy as np
 from meshplan.core.parallel import Beside, can_fork, start_beside
 from meshplan.model.matrix import AttnMatrix, attn_matrix
 from meshplan.plan.contents import check_contents
-from meshplan.plan.dataflow import build_items, evaluate
-from meshplan.plan.hazards import check_hazards
-from meshplan.plan.peaks import peak_memories
-from meshplan.plan.rank_classes import class_partner, rank_classes
+from meshplan.plan.pass_checks import MAX_PER_KIND, passes_checked
 from meshplan.plan.schedule import (
     COMPUTE,
     DTYPES,
@@ -53,7 +50,6 @@ from meshplan.plan.schedule import (
 )
 
 _COMPUTE_KINDS = np.array([KIND[k] for k in ("compute", "merge", "accumulate", "alloc", "free")])
-_MAX_PER_KIND = 5
 
 
 @dataclass
@@ -77,9 +73,9 @@ class Report:
     def add(self, kind: str, lines: list[str]) -> None:
         """Record violations of one kind (the first few, with a count of the rest)."""
         if lines:
-            self.violations.extend(lines[:_MAX_PER_KIND])
-            if len(lines) > _MAX_PER_KIND:
-                self.violations.append(f"... and {len(lines) - _MAX_PER_KIND} more {kind} violations")
+            self.violations.extend(lines[:MAX_PER_KIND])
+            if len(lines) > MAX_PER_KIND:
+                self.violations.append(f"... and {len(lines) - MAX_PER_KIND} more {kind} violations")
             self.counts[kind] = self.counts.get(kind, 0) + len(lines)
 
 
@@ -116,7 +112,7 @@ def _verify(sched: Schedule, rep: Report, partner: np.ndarray, problems: list[st
     tr = np.ones(n) if transfer_seconds is None else transfer_seconds
     found = last_cover = None
     if side is not None and not problems:   # checked before the tensors are known to hold: dropped if they do not
-        found = _if_it_runs(lambda: _passes_checked(sched, partner, dur, tr, memory_bytes))
+        found = _if_it_runs(lambda: passes_checked(sched, partner, dur, tr, memory_bytes))
         last_cover = _if_it_runs(lambda: _coverage(sched, attn_matrix(sched.workload, sched.n_chunks),
                                                    sched.passes[-1]))
     tensors, contents, order, semantics = (side.result() if side is not None else None) or (None,) * 4
@@ -131,7 +127,7 @@ def _verify(sched: Schedule, rep: Report, partner: np.ndarray, problems: list[st
     rep.add("pass", _passes(sched))
     if rep.violations:
         return rep
-    for adds, peak in _passes_checked(sched, partner, dur, tr, memory_bytes) if found is None else found:
+    for adds, peak in passes_checked(sched, partner, dur, tr, memory_bytes) if found is None else found:
         for kind, lines in adds:
             rep.add(kind, lines)
         rep.peak_memory_bytes = max(rep.peak_memory_bytes, peak)
@@ -159,39 +155,6 @@ def _if_it_runs(check):
         return None
 
 
-def _passes_checked(sched: Schedule, partner: np.ndarray, dur: np.ndarray, tr: np.ndarray,
-                    memory_bytes: float | None) -> list[tuple[list[tuple[str, list[str]]], float]]:
-    """:func:`_pass_checks` of every pass, on one rank of each class of :func:`rank_classes` where that proves the
-    rest — for a schedule whose structure, tensors and transfers hold (each rank's references are its own)."""
-    view = class_view(sched, partner, dur, tr)
-    return [_pass_checks(sched, phase, partner, dur, tr, memory_bytes,
-                         lambda items, phase=phase: _hazards(sched, phase, partner, view.classes, items), view)
-            for phase in sched.passes]
-
-
-@dataclass
-class ClassView:
-    """A schedule's rank classes as the pass checks use them, made once for every pass: ``classes`` [n_ranks]
-    (:func:`rank_classes`), ``reps`` the representatives, ``partner`` [n_ops] their transfers' partners within the
-    representatives (:func:`class_partner`; None where that is not proved, or every rank is its own class), and
-    ``rep_op`` [n_ops] the op at each op's place in its representative."""
-
-    classes: np.ndarray
-    reps: np.ndarray
-    partner: np.ndarray | None
-    rep_op: np.ndarray
-
-
-def class_view(sched: Schedule, partner: np.ndarray, dur: np.ndarray, tr: np.ndarray) -> ClassView:
-    """The :class:`ClassView` of a schedule whose references are each rank's own, for op times ``dur``, ``tr``."""
-    classes = rank_classes(sched)
-    reps = np.unique(classes)
-    o = sched.ops
-    q_partner = class_partner(sched, classes, partner, dur, tr) if len(reps) < sched.n_ranks else None
-    return ClassView(classes, reps, q_partner,
-                     sched.rank_ptr[classes[o.rank]] + np.arange(len(o)) - sched.rank_ptr[o.rank])
-
-
 def _semantics(sched: Schedule) -> list[tuple[str, list[str]]]:
     """[(kind, violations)] of the coverage of each pass and the rows."""
     matrix = attn_matrix(sched.workload, sched.n_chunks)
@@ -201,70 +164,6 @@ def _semantics(sched: Schedule) -> list[tuple[str, list[str]]]:
 
 #: :func:`verify` with ``both_cores`` checks the two passes in two processes from this many ops
 PHASES_FORK_MIN_OPS = 200_000
-
-
-def _pass_checks(sched: Schedule, phase: int, partner: np.ndarray, dur: np.ndarray, tr: np.ndarray,
-                 memory_bytes: float | None, hazards, view: ClassView | None = None
-                 ) -> tuple[list[tuple[str, list[str]]], float]:
-    """One pass's deadlock, hazard and memory checks along its uncontended evaluation: ([(kind, violations)] in the
-    order found, its peak buffer bytes on the busiest rank). ``hazards``: the pass's hazard violations, a function of
-    its items (None: not built) that finds them, or None — a placeholder (``("hazard", None)``) for the caller to
-    fill in. ``view``: the rank classes, to evaluate on one rank of each (:func:`_class_times`)."""
-    times = _class_times(sched, phase, dur, tr, view)
-    if times is None:                              # not provable from the classes, or not a valid pass: every rank
-        items = build_items(sched, phase, partner)
-        adds = [("deadlock", [f"op {int(items.members[items.member_ptr[i]])}: depends on another op of its own "
-                              f"batch (a cycle)" for i in items.self_dep])]
-        ev = evaluate(items, dur, tr)
-        if not ev.complete:
-            return adds + [("deadlock", _stuck(sched, items, ev))], 0.0
-        (start, end), rep_op = _op_times(len(sched.ops), items, ev, np.arange(len(sched.ops))), None
-    else:
-        items, (start, end, rep_op), adds = None, times, [("deadlock", [])]
-    adds.append(("hazard", hazards(items) if callable(hazards) else hazards))
-    peak = peak_memories(sched, phase, start, end, rep_op=rep_op)[0]     # rep_op: one sort per class, as exact
-    if memory_bytes is not None and peak.max(initial=0) > memory_bytes:
-        r = int(peak.argmax())
-        adds.append(("memory", [f"rank {r} needs {peak[r] / 1e9:.3g} GB of buffers in {('fwd', 'bwd')[phase]}, "
-                                f"more than the device's {memory_bytes / 1e9:.3g} GB"]))
-    return adds, float(peak.max(initial=0))
-
-
-def _class_times(sched: Schedule, phase: int, dur: np.ndarray, tr: np.ndarray,
-                 view: ClassView | None) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """([n_ops] start, end, the op at each op's place in its representative rank) of the pass's ops along its
-    uncontended evaluation, evaluated on one rank of each class (``view``; :func:`class_partner`: 896,000 ops of a
-    1024-rank Mesh schedule evaluated as 875), or None where that does not prove them — ranks of a class that pair
-    or take time differently, no fewer ranks, or a pass that is not deadlock-free (evaluated on every rank then,
-    its ops named)."""
-    if view is None or view.partner is None:
-        return None
-    items = build_items(sched, phase, view.partner, ranks=view.reps)
-    ev = evaluate(items, dur, tr)
-    if len(items.self_dep) or not ev.complete:
-        return None
-    return (*_op_times(len(sched.ops), items, ev, view.rep_op), view.rep_op)
-
-
-def _op_times(n: int, items, ev, source: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """([n] start, end) of each op of the pass of ``items``, as the evaluation ``ev`` times op ``source[op]`` (its
-    representative's at its place, or itself); NaN for the ops of other passes."""
-    item = items.item_of_op[source]
-    mine = np.flatnonzero(item >= 0)
-    start, end = np.full(n, np.nan), np.full(n, np.nan)
-    start[mine], end[mine] = ev.start[item[mine]], ev.end[item[mine]]
-    return start, end
-
-
-def _hazards(sched: Schedule, phase: int, partner: np.ndarray, classes: np.ndarray, items=None) -> list[str]:
-    """:func:`check_hazards` of one pass on one rank of each class of :func:`rank_classes` and on the last rank —
-    whose last item the check reads for an op outside the pass, as on every rank: the same verdict as on every rank
-    (a 1024-rank Mesh schedule: 1.2 → 0.02 CPU-s for both passes). Where it finds any violation, on every rank
-    (``items``: the pass's, built here if None): the full list, each rank's ops named."""
-    reps = np.union1d(classes, [sched.n_ranks - 1])
-    if len(reps) < sched.n_ranks and not check_hazards(sched, build_items(sched, phase, partner, ranks=reps)):
-        return []
-    return check_hazards(sched, build_items(sched, phase, partner) if items is None else items)
 
 
 def _structure(s: Schedule) -> list[str]:
@@ -485,13 +384,3 @@ def _passes(s: Schedule) -> list[str]:
         have = "+".join(("fwd", "bwd")[p] for p in s.passes) or "nothing"
         return [f"the workload asks for {s.workload.passes} but the schedule holds {have}"]
     return []
-
-
-def _stuck(s: Schedule, items, ev) -> list[str]:
-    never = np.flatnonzero(~np.isfinite(ev.end))
-    lines = []
-    for i in never[:_MAX_PER_KIND]:
-        op = int(items.members[items.member_ptr[i]])
-        lines.append(f"deadlock: op {op} ({OP_KINDS[s.ops.kind[op]]}) on rank {s.ops.rank[op]} stream "
-                     f"{s.streams.names[s.ops.stream[op]]!r} never completes")
-    return lines + ([f"... {len(never)} items never complete"] if len(never) > _MAX_PER_KIND else [])

@@ -10,6 +10,7 @@ import pytest
 from test_verify import build
 
 from meshplan.core.csr import csr_ptr
+from meshplan.plan import pass_checks as pc
 from meshplan.plan import verify as v
 from meshplan.plan.dataflow import build_items, evaluate
 from meshplan.plan.hazards import check_hazards
@@ -19,7 +20,7 @@ from meshplan.plan.schedule import COMPUTE, RECV, SEND
 
 def every_rank(monkeypatch) -> None:
     """The verifier with every rank a class of its own: the hazard check on every rank, as before classes."""
-    monkeypatch.setattr(v, "rank_classes", lambda s: np.arange(s.n_ranks))
+    monkeypatch.setattr(pc, "rank_classes", lambda s: np.arange(s.n_ranks))
 
 
 def drop_compute_deps(s, rank: int):
@@ -107,9 +108,9 @@ def test_evaluation_on_one_rank_per_class_is_every_ranks(name, kw):
     place = np.arange(n) - s.rank_ptr[s.ops.rank]
     for dur in (np.ones(n), 1.0 + (place % 7) / 8):
         for phase in s.passes:
-            got = v._class_times(s, phase, dur, dur, v.class_view(s, partner, dur, dur))
+            got = pc._class_times(s, phase, dur, dur, pc.class_view(s, partner, dur, dur))
             items = build_items(s, phase, partner)
-            want = v._op_times(n, items, evaluate(items, dur, dur), np.arange(n))
+            want = pc._op_times(n, items, evaluate(items, dur, dur), np.arange(n))
             assert got is not None
             np.testing.assert_array_equal(got[0], want[0])
             np.testing.assert_array_equal(got[1], want[1])
@@ -129,6 +130,6 @@ def test_a_deadlock_is_evaluated_on_every_rank():
         o.step[send], o.step[recv] = 1, 0
     assert (rank_classes(s) == 0).all()
     one = np.ones(len(o))
-    assert v._class_times(s, 0, one, one, v.class_view(s, s.match_transfers()[0], one, one)) is None
+    assert pc._class_times(s, 0, one, one, pc.class_view(s, s.match_transfers()[0], one, one)) is None
     stuck = [x for x in v.verify(s).violations if "never completes" in x]
     assert {int(x.split(" on rank ")[1].split()[0]) for x in stuck} == {0, 1}
