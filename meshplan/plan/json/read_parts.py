@@ -51,80 +51,108 @@ def read_in_parts(holder: list) -> Schedule | None:
     members of the groups it takes (:class:`_MemberGroups`), the frame and tensors having been inflated first (a
     1024-rank Mesh file, 0.9M ops, read by pydantic rank by rank: 4.1–4.5 s; now ~1.9 s, inflating included).
     Once every part is read, the text is dropped (``holder`` emptied: the file is not held beside its arrays)."""
-    from meshplan.plan.json.frame import assemble, check_ranks, workload_streams
-    from meshplan.plan.json.record_columns import op_reader, tensor_reader
-    from meshplan.plan.json.to_arrays import OpColumns, TensorColumns
-
     raw = holder[0]
-    member_text = raw if isinstance(raw, MemberText) else None
     try:
-        keys = _keys(raw) if member_text is None else _member_keys(member_text)
-    except INFLATE_ERRORS:
-        return None                                      # read whole: gunzip names the damage
-    if keys is None:
-        return None
-    t_key, r_key, end = keys
-    if member_text is not None:
-        raw = member_text.text              # inflated where read: the frame now, the rest by the process reading it
-    try:
-        doc = ScheduleJSON.model_validate_json(raw[:t_key] + b',"tensors":[],"ranks":[]}')
-        w, streams = workload_streams(doc)
-        fork = len(holder[0]) >= FORK_MIN_BYTES
-        next_group = shared_counter(fork)
-        ranks_at = SharedOnce(fork) if r_key is None else None      # where the side finds the ranks' key
-        here: dict = {}                                              # this process's groups (made after a fork)
-        ops = OpColumns(streams, w, doc.n_chunks)
-        op_read, tensor_read = op_reader(), tensor_reader()
-
-        def groups():
-            if "groups" not in here:
-                key = r_key if ranks_at is None else ranks_at.wait()
-                start, stop = key + len(b'],"ranks":['), end - 2
-                here["groups"] = [] if key < t_key else _group_bounds(raw, start, stop) if member_text is None \
-                    else _MemberGroups(member_text, start, stop)
-            return here["groups"]
-
-        def read_groups() -> list[tuple[int, list, list]]:
-            done, mine = [], groups()
-            while (g := next_group()) < len(mine):
-                done.append((g, *_read_group(raw, *mine[g], ops, op_read, w.n_heads)))
-            return done
-
-        arena = Arena(len(holder[0]) if fork else 0)     # the side's columns, handed back in place
-
-        def side():
-            try:
-                key = r_key
-                if ranks_at is not None:                # the tensors inflated here, beside the matrix there
-                    key = -1
-                    try:
-                        key = member_text.find(b'],"ranks":[', t_key, ahead=2)
-                    finally:
-                        ranks_at.set(key)
-                    if key < t_key:
-                        return None                          # not laid out so: read whole
-                tensors = _read_tensors(raw, t_key + len(b',"tensors":'), key + 1, tensor_read)
-                return (_narrow(tensors.parts, arena), tensors.count,
-                        [(g, _narrow(p, arena), k) for g, p, k in read_groups()])
-            except (ValidationError, UserError, _NotLaidOut, *INFLATE_ERRORS):
-                return None                              # read whole: its error names the field
-
-        got, (m, mine) = alongside(side, lambda: (attn_matrix(w, doc.n_chunks), read_groups()), fork=fork)
+        keys = _keys(raw) if not isinstance(raw, MemberText) else _member_keys(raw)
+        read = None if keys is None else _Parts(raw, *keys)
+        if read is None:
+            return None
+        got, (m, mine) = alongside(read.side, lambda: (attn_matrix(read.w, read.doc.n_chunks), read.read_groups()),
+                                   fork=read.fork)
         if got is None:
             return None
-        raw = member_text = None                 # the closures hold the cells: drop the text itself
-        here.clear()
+        raw = None                                       # the text goes: its pages serve the arrays now
+        read.drop_text()
         holder.clear()
-        tensors, t_wide, op_wide = TensorColumns(), set(), set()
-        tensors.parts, tensors.count = _widen(got[0], arena, t_wide), got[1]
-        theirs = [(g, _widen(p, arena, op_wide), k) for g, p, k in got[2]]
-        done = sorted(mine + theirs, key=lambda g: g[0])
-        check_ranks(doc, [k for _, _, listed in done for k in listed])
-        ops.parts = [p for _, parts, _ in done for p in parts]
-        table = ops.table(m, op_wide)
-        return assemble(doc, w, streams, table, tensors.table(table.id_map, doc.n_ranks, doc.n_chunks, t_wide))
+        return read.assemble(got, m, mine)
     except (ValidationError, UserError, _NotLaidOut, *INFLATE_ERRORS):
-        return None
+        return None                                      # read whole: its error names the field or the damage
+
+
+class _Parts:
+    """One reading of a file's text by parts (:func:`read_in_parts`): its frame, where its parts are, and the work
+    both processes share — :meth:`side` (the tensors, then groups of ranks) there, :meth:`read_groups` here — then
+    :meth:`assemble` here. After a fork each process holds its own copy (its groups, its inflated members).
+
+    Raises (on construction):
+        ValidationError: a frame that does not validate.
+    """
+
+    def __init__(self, raw, t_key: int, r_key: int | None, end: int) -> None:
+        from meshplan.plan.json.frame import workload_streams
+        from meshplan.plan.json.record_columns import op_reader, tensor_reader
+        from meshplan.plan.json.to_arrays import OpColumns
+
+        self.member_text = raw if isinstance(raw, MemberText) else None
+        self.raw = raw if self.member_text is None else raw.text    # inflated where read: the frame now
+        self.t_key, self.r_key, self.end = t_key, r_key, end
+        self.doc = ScheduleJSON.model_validate_json(self.raw[:t_key] + b',"tensors":[],"ranks":[]}')
+        self.w, self.streams = workload_streams(self.doc)
+        self.fork = len(raw) >= FORK_MIN_BYTES
+        self.next_group = shared_counter(self.fork)
+        self.ranks_at = SharedOnce(self.fork) if r_key is None else None    # where the side finds the ranks' key
+        self.arena = Arena(len(raw) if self.fork else 0)         # the side's columns, handed back in place
+        self.ops = OpColumns(self.streams, self.w, self.doc.n_chunks)
+        self.op_read, self.tensor_read = op_reader(), tensor_reader()
+        self._groups = None                                     # this process's (made after a fork)
+
+    def groups(self):
+        """The groups of ranks, [start, stop) each (:func:`_group_bounds`, :class:`_MemberGroups`)."""
+        if self._groups is None:
+            key = self.r_key if self.ranks_at is None else self.ranks_at.wait()
+            start, stop = key + len(b'],"ranks":['), self.end - 2
+            self._groups = [] if key < self.t_key else _group_bounds(self.raw, start, stop) \
+                if self.member_text is None else _MemberGroups(self.member_text, start, stop)
+        return self._groups
+
+    def read_groups(self) -> list[tuple[int, list, list]]:
+        """[(group, its op columns, the ranks it states)] of the groups this process takes until none is left."""
+        done, mine = [], self.groups()
+        while (g := self.next_group()) < len(mine):
+            done.append((g, *_read_group(self.raw, *mine[g], self.ops, self.op_read, self.w.n_heads)))
+        return done
+
+    def side(self):
+        """The forked side: the tensors (their members inflated here, beside the matrix there), then groups —
+        its columns in the arena (:func:`_narrow`) —, or None where a part does not read (read whole then)."""
+        try:
+            key = self.r_key
+            if self.ranks_at is not None:
+                key = -1
+                try:
+                    key = self.member_text.find(b'],"ranks":[', self.t_key, ahead=2)
+                finally:
+                    self.ranks_at.set(key)
+                if key < self.t_key:
+                    return None                          # not laid out so
+            tensors = _read_tensors(self.raw, self.t_key + len(b',"tensors":'), key + 1, self.tensor_read)
+            return (_narrow(tensors.parts, self.arena), tensors.count,
+                    [(g, _narrow(p, self.arena), k) for g, p, k in self.read_groups()])
+        except (ValidationError, UserError, _NotLaidOut, *INFLATE_ERRORS):
+            return None
+
+    def drop_text(self) -> None:
+        """Let the text go: the arrays are not held beside it."""
+        self.raw = self.member_text = self._groups = None
+
+    def assemble(self, got, m, mine) -> Schedule:
+        """The Schedule of the side's answer ``got``, the matrix ``m`` and this process's groups ``mine``.
+
+        Raises:
+            UserError: ranks not 0..n−1, ids or references that do not hold (:mod:`meshplan.plan.json.to_arrays`).
+        """
+        from meshplan.plan.json.frame import assemble, check_ranks
+        from meshplan.plan.json.to_arrays import TensorColumns
+
+        tensors, t_wide, op_wide = TensorColumns(), set(), set()
+        tensors.parts, tensors.count = _widen(got[0], self.arena, t_wide), got[1]
+        theirs = [(g, _widen(p, self.arena, op_wide), k) for g, p, k in got[2]]
+        done = sorted(mine + theirs, key=lambda g: g[0])
+        check_ranks(self.doc, [k for _, _, listed in done for k in listed])
+        self.ops.parts = [p for _, parts, _ in done for p in parts]
+        table = self.ops.table(m, op_wide)
+        return assemble(self.doc, self.w, self.streams, table,
+                        tensors.table(table.id_map, self.doc.n_ranks, self.doc.n_chunks, t_wide))
 
 
 def _keys(raw: bytes) -> tuple[int, int, int] | None:
