@@ -16,6 +16,7 @@ import signal
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -176,8 +177,8 @@ class SharedOnce:
         if self._forked:
             ctx = mp.get_context("fork")
             self._value, self._ready = ctx.Value("q", 0, lock=False), ctx.Event()
-        else:
-            self._value, self._ready = mp.get_context().Value("q", 0, lock=False), threading.Event()
+        else:                                           # a thread: a plain box will do
+            self._value, self._ready = SimpleNamespace(value=0), threading.Event()
 
     def set(self, value: int) -> None:
         """Set the number (once) and wake the waiting side."""

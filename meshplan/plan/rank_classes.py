@@ -14,7 +14,7 @@ references to other ranks are the verifier's structure and tensor checks', which
 exact: comparison, no hash. A 1024-rank Mesh schedule: one class, found in ~0.1 s; the main job's 256-rank USP
 schedule: 32 (a Ulysses group's members differ, its ring's repeat).
 
-Source: the orbit reduction of the search's quotient simulation (:mod:`meshplan.sim.quotient`), here proved on the
+Source: the orbit reduction of the search's quotient builds (:mod:`meshplan.plan.quotient`), here proved on the
 schedule's own arrays, as a verifier must.
 """
 

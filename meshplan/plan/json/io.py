@@ -19,7 +19,7 @@ from typing import Any
 
 from meshplan.core.errors import UserError
 from meshplan.core.fileio import write_atomic
-from meshplan.core.gzip_members import INFLATE_ERRORS, MemberText, gunzip, gzip_member, text_of  # noqa: F401
+from meshplan.core.gzip_members import INFLATE_ERRORS, MemberText, gunzip, gzip_member, text_of
 from meshplan.plan.json.format import ScheduleJSON
 from meshplan.plan.json.schedule_text import json_chunks
 from meshplan.plan.schedule import SCHEMA_VERSION, Schedule
