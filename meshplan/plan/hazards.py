@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from meshplan.core.csr import csr_take
 from meshplan.plan.dataflow import Items
 from meshplan.plan.schedule import OP_KINDS, RECV, SEND, Schedule
 
@@ -68,14 +69,8 @@ def _accesses(sched: Schedule, ops: np.ndarray) -> tuple[np.ndarray, np.ndarray,
     bits = max(len(o), 1).bit_length()
     parts = []
     for ptr, values, reads in ((o.in_ptr, o.inputs, 1), (o.out_ptr, o.outputs, 0)):
-        if len(ops) == len(o):                      # every op (one pass's of a one-pass schedule): no gather
-            owner = np.repeat(np.arange(len(o)), np.diff(ptr))
-            mine = values.astype(np.int64)              # a copy: _pack works in place
-        else:
-            counts = ptr[ops + 1] - ptr[ops]
-            owner = np.repeat(ops, counts)
-            mine = values[np.repeat(ptr[ops] - (np.cumsum(counts) - counts), counts) + np.arange(int(counts.sum()))]
-        parts.append(_pack(mine, owner, bits, reads))
+        mine_ptr, mine = csr_take(ptr, values, ops)        # a copy: _pack works in place
+        parts.append(_pack(mine, np.repeat(ops, np.diff(mine_ptr)), bits, reads))
     comm = ops[(o.kind[ops] == SEND) | (o.kind[ops] == RECV)]
     parts.append(_pack(o.tensor[comm], comm, bits, o.kind[comm] != RECV))
     packed = np.concatenate(parts)

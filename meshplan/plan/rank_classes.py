@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from meshplan.core.csr import unique_rows
+from meshplan.core.csr import csr_take, unique_rows
 from meshplan.plan.schedule import RECV, SEND, Schedule
 
 
@@ -79,8 +79,7 @@ class _Rows:
         self.local_t[self.t_order] = np.arange(len(t.rank)) - np.repeat(self.t_ptr[:-1], self.t_count)
         free_n = np.diff(t.free_ptr)[self.t_order]
         self.free_count = np.bincount(t.rank[self.t_order], weights=free_n, minlength=n_ranks).astype(np.int64)
-        starts = np.repeat(t.free_ptr[self.t_order] - (np.cumsum(free_n) - free_n), free_n)
-        self.free_sorted = t.free_after[starts + np.arange(int(free_n.sum()))]      # rank by rank, in t_order
+        self.free_sorted = csr_take(t.free_ptr, t.free_after, self.t_order)[1]    # rank by rank, in t_order
         self.free_ptr_sorted = np.r_[0, np.cumsum(self.free_count)]
         self.comm = (o.kind == SEND) | (o.kind == RECV)
 
