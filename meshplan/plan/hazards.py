@@ -58,7 +58,7 @@ def vector_clocks(sched: Schedule, items: Items) -> tuple[np.ndarray, np.ndarray
 
 
 def _accesses(sched: Schedule, ops: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(op, tensor, is_write) for every access of the ops ``ops`` (one pass's, ascending), one row per (op, tensor),
+    """(op, tensor, is_write) for every access of the ops ``ops`` (one pass's), one row per (op, tensor),
     sorted by (tensor, op); a row is a write if any access of the op to the tensor writes.
 
     Each access is packed whole into one int64 key, (tensor, op, not a write) with the op in ``bits`` bits, so that
@@ -146,7 +146,7 @@ class _Rows:
 def _chains(sched: Schedule, items: Items):
     """Accesses of the pass by ``items``' ops, grouped by tensor in program order: (op, tensor, write, starts — the
     first access of each tensor —, prev_w — the previous write's row, −1 —, nxt_w — the next write's row, −1)."""
-    op, tensor, write = _accesses(sched, np.sort(items.ops))    # items of some ranks only: their own tensors
+    op, tensor, write = _accesses(sched, items.ops)    # items of some ranks only: their own tensors
     starts = np.ones(len(op), dtype=bool)
     np.not_equal(tensor[1:], tensor[:-1], out=starts[1:])
     return (op, tensor, write, starts) + _writes_around(write, starts)

@@ -111,15 +111,24 @@ def _one_or_each(tokens: np.ndarray):
     return int(tokens[0]) if (tokens == tokens[0]).all() else tokens
 
 
+def chunk_matrices(o: OpTable, ops: np.ndarray):
+    """For each shape (mq query chunks x mk KV chunks) among compute ops ``ops``, in (mq, mk) order: (the positions in
+    ``ops`` of its ops, in order; [k, mq] their query chunks; [k, mk] their KV chunks) — ops of one shape at once."""
+    nq, nk = np.diff(o.qc_ptr)[ops], np.diff(o.kvc_ptr)[ops]
+    shape = nq * (int(nk.max(initial=0)) + 1) + nk
+    order = np.argsort(shape, kind="stable")
+    for run in np.split(order, np.flatnonzero(np.diff(shape[order])) + 1) if len(order) else []:
+        sel = ops[run]
+        yield run, o.q_chunks[o.qc_ptr[sel][:, None] + np.arange(nq[run[0]])], \
+            o.kv_chunks[o.kvc_ptr[sel][:, None] + np.arange(nk[run[0]])]
+
+
 def distinct_chunk_sets(o: OpTable, ops: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(one op of each distinct (query chunks, KV chunks) among compute ops ``ops``, [len(ops)] the index of each op's
     representative in that list): ops alike but for their heads or rank are priced once."""
-    nq, nk = np.diff(o.qc_ptr)[ops], np.diff(o.kvc_ptr)[ops]
     reps, inverse = [], np.empty(len(ops), dtype=np.int64)
-    for mq, mk in sorted(set(zip(nq.tolist(), nk.tolist()))):
-        sel = np.flatnonzero((nq == mq) & (nk == mk))
-        first, again = unique_rows(np.concatenate([o.q_chunks[o.qc_ptr[ops[sel]][:, None] + np.arange(mq)],
-                                                   o.kv_chunks[o.kvc_ptr[ops[sel]][:, None] + np.arange(mk)]], axis=1))
+    for sel, qi, kj in chunk_matrices(o, ops):
+        first, again = unique_rows(np.concatenate([qi, kj], axis=1))
         inverse[sel] = sum(len(r) for r in reps) + again
         reps.append(ops[sel[first]])
     return (np.concatenate(reps) if reps else np.zeros(0, dtype=np.int64)), inverse

@@ -44,6 +44,7 @@ from meshplan.plan.schedule import (
     SEND,
     TENSOR_KIND_NAMES,
     Schedule,
+    chunk_matrices,
     distinct_chunk_sets,
     expand_blocks,
     tensor_bytes,
@@ -362,14 +363,8 @@ def _rows(s: Schedule, m: AttnMatrix) -> list[str]:
     tokens that take part (:meth:`AttnMatrix.op_rows_cols`), so padding is never computed as a query or a key."""
     o, out = s.ops, []
     ops = np.flatnonzero(o.kind == COMPUTE)
-    nq, nk = np.diff(o.qc_ptr)[ops], np.diff(o.kvc_ptr)[ops]
-    shape = nq * (int(nk.max(initial=0)) + 1) + nk
-    order = np.argsort(shape, kind="stable")                     # the ops of each shape together, in op order
-    cuts = np.flatnonzero(np.diff(shape[order])) + 1
-    for run in np.split(order, cuts) if len(order) else []:
-        sel, mq, mk = ops[run], int(nq[run[0]]), int(nk[run[0]])
-        qi = o.q_chunks[o.qc_ptr[sel][:, None] + np.arange(mq)]
-        kj = o.kv_chunks[o.kvc_ptr[sel][:, None] + np.arange(mk)]
+    for run, qi, kj in chunk_matrices(o, ops):
+        sel = ops[run]
         rows, cols = m.op_rows_cols(qi, kj)
         bad = np.flatnonzero((o.s_q[sel] != rows) | (o.s_kv[sel] != cols))
         out += [f"{PASS_NAMES[o.phase[sel[k]]]}: op {sel[k]} takes {o.s_q[sel[k]]} query rows and {o.s_kv[sel[k]]} "

@@ -26,6 +26,7 @@ from meshplan.plan.schedule import (
     OpTable,
     Streams,
     TensorTable,
+    chunk_matrices,
 )
 
 _LISTS = ("deps", "inputs", "outputs", "q_chunks", "kv_chunks")
@@ -169,14 +170,8 @@ class OpColumns:
         if not len(ops):
             return
         pairs = np.zeros(len(o), dtype=np.int64)
-        nq, nk = np.diff(o.qc_ptr)[ops], np.diff(o.kvc_ptr)[ops]
-        shape = nq * (int(nk.max()) + 1) + nk
-        for one in np.unique(shape):            # the ops of one shape (q chunks x KV chunks): their blocks at once
-            sel = ops[shape == one]
-            a, b = divmod(int(one), int(nk.max()) + 1)
-            qi = o.q_chunks[o.qc_ptr[sel][:, None] + np.arange(a)]
-            kj = o.kv_chunks[o.kvc_ptr[sel][:, None] + np.arange(b)]
-            pairs[sel] = m.pairs[qi[:, :, None], kj[:, None, :]].sum(axis=(1, 2), dtype=np.int64)
+        for sel, qi, kj in chunk_matrices(o, ops):   # the ops of one shape: their blocks at once
+            pairs[ops[sel]] = m.pairs[qi[:, :, None], kj[:, None, :]].sum(axis=(1, 2), dtype=np.int64)
         heads = (o.h1 - o.h0)[ops].astype(np.float64)
         per_pair = 4.0 * self.w.batch * self.w.head_dim * np.where(o.phase[ops] == 1, BWD_FLOP_FACTOR, 1.0)
         o.flops[ops] = pairs[ops] * (heads * per_pair)
