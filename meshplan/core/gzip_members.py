@@ -42,10 +42,11 @@ def gzip_member(text: bytes) -> bytes:
     return head + body + struct.pack("<II", _deflate.crc32(text), len(text) & 0xFFFFFFFF)
 
 
-def gunzip(data: bytes) -> bytes | bytearray:
-    """The text of gzip ``data``: members written by :func:`gzip_member` inflated on two threads (half the members'
-    bytes each; ISA-L's inflate where installed, else zlib's) straight into one buffer (a 1024-rank file's 290 MB:
-    0.55 s on one thread with zlib, 0.3 s on two, 0.17 s with ISA-L), any other gzip file by :func:`gzip.decompress`.
+def gunzip(data: bytes) -> bytes | bytearray | mmap.mmap:
+    """The text of gzip ``data``: members written by :func:`gzip_member` inflated on two threads (half the members
+    each: :meth:`MemberText.whole`; ISA-L's inflate where installed, else zlib's) straight into one buffer (a
+    1024-rank file's 290 MB: 0.55 s on one thread with zlib, 0.3 s on two, 0.17 s with ISA-L), any other gzip file
+    by :func:`gzip.decompress`.
 
     Raises:
         OSError, EOFError, zlib.error: not gzip, or cut short or corrupted (as :func:`gzip.decompress` raises).
@@ -53,17 +54,10 @@ def gunzip(data: bytes) -> bytes | bytearray:
     layout = member_layout(data)
     if layout is None:
         return gzip.decompress(data)                 # not such members, or sizes deflate cannot reach
-    spans, at, sizes = layout
-    out = bytearray(at[-1])
-    cut = bisect.bisect_left([b for _, b in spans], len(data) / 2)
     try:
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            second = pool.submit(_inflate, data, spans[cut:], out, at[cut:-1], sizes[cut:])
-            _inflate(data, spans[:cut], out, at[:cut], sizes[:cut])
-            second.result()
-    except (zlib.error, _deflate.error):
+        return MemberText(data, layout).whole()
+    except INFLATE_ERRORS:
         return gzip.decompress(data)                 # the error gzip names
-    return out
 
 
 def member_layout(data: bytes) -> tuple[list[tuple[int, int]], list[int], list[int]] | None:
@@ -123,8 +117,18 @@ class MemberText:
             self._inflate_members(todo)
 
     def _inflate_members(self, members: list[int]) -> None:
+        """Inflate each member of ``members`` into the buffer at its text's place, its CRC and length checked.
+
+        Raises:
+            zlib.error (or ISA-L's): a member that is not one whole gzip stream of its stated size.
+        """
         for k in members:
-            _inflate(self._data, self._spans[k:k + 1], self.text, self._at[k:k + 1], self._sizes[k:k + 1])
+            (a, b), start, size = self._spans[k], self._at[k], self._sizes[k]
+            member = _deflate.decompressobj(31)
+            text = member.decompress(self._data[a:b])
+            if not member.eof or member.unused_data or len(text) != size:
+                raise zlib.error("a member is not one whole gzip stream")
+            self.text[start:start + size] = text
             self._done[k] = 1
 
     def find(self, pattern: bytes, start: int, stop: int | None = None, ahead: int = 1) -> int:
@@ -148,10 +152,10 @@ class MemberText:
             start, k = end, k + ahead
         return -1
 
-    def whole(self) -> bytes:
-        """The whole text, every member inflated."""
+    def whole(self) -> bytearray | mmap.mmap:
+        """The whole text (the buffer itself, not a copy), every member inflated."""
         self.ensure(0, len(self))
-        return self.text[:len(self)]
+        return self.text
 
 
 def untouched_buffer(size: int) -> bytearray | mmap.mmap:
@@ -196,19 +200,3 @@ def member_spans(data: bytes) -> list[tuple[int, int]] | None:
         spans.append((pos, pos + size))
         pos += size
     return spans
-
-
-def _inflate(data: bytes, spans: list[tuple[int, int]], out: bytearray, at: list[int], sizes: list[int]) -> None:
-    """Inflate each member ``data[a:b]`` of ``spans`` into ``out`` from ``at[k]``, ``sizes[k]`` bytes as its ISIZE
-    states (its CRC and length checked by zlib too).
-
-    Raises:
-        zlib.error (or ISA-L's): a member that is not one whole gzip stream, or longer than its ISIZE says.
-    """
-    for (a, b), start, size in zip(spans, at, sizes):
-        member = _deflate.decompressobj(31)
-        text = member.decompress(data[a:b])
-        if not member.eof or member.unused_data or len(text) != size:
-            raise zlib.error("a member is not one whole gzip stream")
-        out[start:start + size] = text
-

@@ -53,7 +53,7 @@ def read_in_parts(holder: list) -> Schedule | None:
     Once every part is read, the text is dropped (``holder`` emptied: the file is not held beside its arrays)."""
     raw = holder[0]
     try:
-        keys = _keys(raw) if not isinstance(raw, MemberText) else _member_keys(raw)
+        keys = _keys(raw)
         read = None if keys is None else _Parts(raw, *keys)
         if read is None:
             return None
@@ -155,28 +155,24 @@ class _Parts:
                         tensors.table(table.id_map, self.doc.n_ranks, self.doc.n_chunks, t_wide))
 
 
-def _keys(raw: bytes) -> tuple[int, int, int] | None:
+def _keys(raw) -> tuple[int, int | None, int] | None:
     """Where ``,"tensors":[`` and ``],"ranks":[`` start and where the text ends (before trailing white space), or
-    None when the bytes are not laid out so."""
-    t_key = raw.find(b',"tensors":[')
-    r_key = raw.find(b'],"ranks":[', t_key)          # no tensor holds it: its parts would not validate
-    end = len(raw)
-    while end and raw[end - 1] in b" \t\r\n":        # trailing white space (not a copy of the whole text)
-        end -= 1
-    return None if t_key < 0 or r_key < t_key or raw[end - 2:end] != b"]}" else (t_key, r_key, end)
-
-
-def _member_keys(raw: MemberText) -> tuple[int, None, int] | None:
-    """:func:`_keys` of a text inflated as it is read, but the ranks' key (None: found by the process that reads the
-    tensors, inflating them): the frame's member inflated and the last (to find the end), nothing more."""
+    None when the text is not laid out so. Of a :class:`~meshplan.core.gzip_members.MemberText`, the ranks' key is
+    None — found by the process that reads the tensors, inflating them — and only the frame's member and the last
+    are inflated here."""
+    lazy = isinstance(raw, MemberText)
+    text = raw.text if lazy else raw
     t_key = raw.find(b',"tensors":[', 0)
+    r_key = None if lazy else raw.find(b'],"ranks":[', t_key)     # no tensor holds it: its parts would not validate
     end = len(raw)
-    raw.ensure(max(end - 2, 0), end)
-    text = raw.text
-    while end and text[end - 1] in b" \t\r\n":       # trailing white space, its members inflated as it goes
+    while True:                                      # trailing white space (not a copy of the whole text)
+        if lazy:
+            raw.ensure(max(end - 2, 0), end)
+        if not (end and text[end - 1] in b" \t\r\n"):
+            break
         end -= 1
-        raw.ensure(max(end - 2, 0), end)
-    return None if t_key < 0 or text[end - 2:end] != b"]}" else (t_key, None, end)
+    bad = t_key < 0 or (r_key is not None and r_key < t_key) or text[end - 2:end] != b"]}"
+    return None if bad else (t_key, r_key, end)
 
 
 class _MemberGroups:
