@@ -17,9 +17,9 @@ from meshplan.model.topology import Topology
 from meshplan.model.workload import resolve
 from meshplan.plan.json.format import RankJSON, TensorJSON
 from meshplan.plan.json.io import to_json_bytes
+from meshplan.plan.json.number_scan import parse_digits
 from meshplan.plan.json.read_parts import _rank_objects, _tensor_batches
 from meshplan.plan.json.record_columns import op_reader, rank_columns, tensor_columns, tensor_reader
-from meshplan.plan.json.skeleton import parse_digits
 from meshplan.plan.json.to_arrays import OpColumns, TensorColumns
 from meshplan.plan.schedule import Streams
 

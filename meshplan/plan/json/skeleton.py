@@ -1,10 +1,11 @@
-"""Records (a rank's ops, a batch of tensors) of a file as meshplan writes it, read with numpy and no Python code
-per number: the fast path of :mod:`meshplan.plan.json.read_parts`.
+"""Records (a rank's ops, a batch of tensors) of a file as meshplan writes it, read with no Python code per number:
+the fast path of :mod:`meshplan.plan.json.read_parts`.
 
 A record's *skeleton* is its text with each run of digits replaced by ``#``. The records of a schedule differ
 mostly in their numbers: a 1024-rank file's 0.9M ops have a few hundred skeletons (an op's kind, stream, pass,
-list lengths). So the text is scanned once with numpy — each run of digits found, parsed eight digits at a time
-from a 64-bit word, and replaced by ``#`` — and cut into records at ``},{``; each *distinct* skeleton is then
+list lengths). So the text is scanned once — each run of digits found, parsed and replaced by ``#``
+(:func:`meshplan.plan.json.number_scan.scan_numbers`: compiled where built, else numpy) — and cut into records at
+``},{``; each *distinct* skeleton is then
 validated by the pydantic model of a whole record, its numbers zero, and must be the text meshplan writes (the
 compact JSON of what it parses to: no space, no repeated key); its numbers' fields come from it, in text order.
 The numbers are checked column-wise: JSON integers (no leading zero) within their field's bound, a float as
@@ -28,18 +29,11 @@ from dataclasses import dataclass, field
 import numpy as np
 from pydantic import TypeAdapter, ValidationError
 
-#: every byte a record of a file meshplan writes holds (compact JSON, no escapes)
-_ALLOWED = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-{}[]:,\".+"
-#: bytes after which a run of digits is part of a string (a letter, ``_``, ``"``), not a number
-_WORDISH = np.zeros(256, dtype=bool)
-_WORDISH[list(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_\"")] = True
+from meshplan.plan.json.number_scan import MAX_DIGITS, PAD, Numbers, scan_numbers
+
 _KEY_OR_NUMBER = re.compile(rb'"([A-Za-z_]+)":|#')
 _STRING = re.compile(rb'"[^"]*"')
 _SIGN = re.compile(rb'(?<!e)-')
-_MAX_DIGITS = 19
-#: bytes before a part's text (no digit, no ``},{``): a number's 8-byte words (:func:`_parse_padded`) start at most 7
-#: bytes before its first digit, so within them
-_PAD = b"[" * 8
 #: fields of a bound from this up are checked number by number only above the least such bound (few numbers: a
 #: FLOP count's integer part); those of a smaller bound (a float's exponent, 99) whole, by field
 _WIDE = 10**9
@@ -138,14 +132,13 @@ class Reader:
             return Records([], none, none, np.zeros(0, np.uint64), [], none, np.zeros(1, np.int64)), [0] * len(texts)
         if any(t[:1] != b"{" or t[-1:] != b"}" for t in full):
             return None
-        text = b",{},".join([_PAD + full[0], *full[1:]])     # an empty piece between texts: no record is empty
-        held = text.translate(_HELD)                 # bytes.translate: one C pass a byte
-        if b"\xff" in held:                          # a byte outside _ALLOWED
+        text = b",{},".join([PAD + full[0], *full[1:]])     # an empty piece between texts: no record is empty
+        scanned = scan_numbers(text)
+        if scanned is None:
             return None
-        b = np.frombuffer(text, dtype=np.uint8)
-        before, last, held = _number_runs(b, bytearray(held))
-        pieces = bytes(held.translate(None, b"\x00")).split(b"},{")
-        pieces[0] = pieces[0][len(_PAD) + 1:]      # the first's "{"
+        skeleton, numbers = scanned
+        pieces = skeleton.split(b"},{")
+        pieces[0] = pieces[0][len(PAD) + 1:]      # the first's "{"
         pieces[-1] = pieces[-1][:-1]                # the last's "}"
         index = {p: k for k, p in enumerate(dict.fromkeys([b"", *pieces]))}    # each distinct skeleton, "" first
         code = np.fromiter(map(index.__getitem__, pieces), dtype=np.int64, count=len(pieces))
@@ -156,26 +149,21 @@ class Reader:
         if any(t is None for t in templates):
             return None
         held = iter(np.diff(np.r_[-1, between, len(code)]) - 1)
-        found = self._numbers(b, before, last, templates, np.delete(code, between) - 1)
+        found = self._numbers(numbers, templates, np.delete(code, between) - 1)
         return None if found is None else (found, [int(next(held)) if t else 0 for t in texts])
 
-    def _numbers(self, b: np.ndarray, before: np.ndarray, last: np.ndarray, templates: list[Template],
-                 code: np.ndarray) -> Records | None:
-        """Each number's value, checked against its field (None when one fails): ``b[before + 1:last + 1]`` its
-        digits, ``b`` led by :data:`_PAD`."""
+    def _numbers(self, numbers: Numbers, templates: list[Template], code: np.ndarray) -> Records | None:
+        """The records of ``code`` [n] (each record's template), their numbers each checked against its field (None
+        when one fails)."""
         fields = sorted({s for t in templates for s in t.slots})
         slot_field = [np.array([fields.index(s) for s in t.slots], dtype=np.int64) for t in templates]
         count = np.array([len(s) for s in slot_field], dtype=np.int64)
         per = count[code]
-        if int(per.sum()) != len(last):
-            return None
-        length = last - before
-        if len(length) and length.max() > _MAX_DIGITS:
+        if int(per.sum()) != len(numbers.value):
             return None
         flat = np.concatenate(slot_field) if slot_field else np.zeros(0, np.int64)
-        recs = Records(templates, code, np.cumsum(per) - per, _parse_padded(_words(b), last, length), fields, flat,
-                       np.r_[0, np.cumsum(count)])
-        return recs if self._in_bounds(recs, fields, b[1:][before] == ord("0"), length) else None
+        recs = Records(templates, code, np.cumsum(per) - per, numbers.value, fields, flat, np.r_[0, np.cumsum(count)])
+        return recs if self._in_bounds(recs, fields, numbers.zero, numbers.length) else None
 
     def _in_bounds(self, recs: Records, fields: list[str], zero: np.ndarray, length: np.ndarray) -> bool:
         """Whether every number of ``recs`` is within its field's bound and, but in a float's fraction or exponent
@@ -198,7 +186,7 @@ class Reader:
         """The largest value a number of field ``name`` may take (a float's parts: as many as keep it finite)."""
         key, _, part = name.partition(".")
         if key in self.float_fields:
-            return 99 if part == "exp" else 10**_MAX_DIGITS - 1       # at most 19 digits x 1e99: finite
+            return 99 if part == "exp" else 10**MAX_DIGITS - 1       # at most 19 digits x 1e99: finite
         return self.bounds[key]
 
     def _template(self, skeleton: bytes) -> Template | None:
@@ -258,85 +246,5 @@ def _numbers_only(value) -> bool:
     return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
 
 
-def _number_runs(b: np.ndarray, held: bytearray) -> tuple[np.ndarray, np.ndarray, bytearray]:
-    """([k] the byte before, [k] the last digit of each run of digits of a text that is a number, not a string's,
-    and ``held`` — the text translated by :data:`_HELD`, its digits NUL — with those runs' last digit made ``#`` and
-    the other runs' digits back. ``b``: the text's bytes, starting and ending with no digit."""
-    marked = np.frombuffer(held, dtype=np.uint8)
-    digit = marked == 0                                # a NUL is a digit: the text holds none (_ALLOWED)
-    edges = np.flatnonzero(digit[1:] != digit[:-1])
-    before, last = edges[0::2], edges[1::2]
-    kept = _WORDISH[b[before]]
-    if kept.any():                                  # a string's digits: back as they were
-        at = _runs(before[kept] + 1, last[kept] + 1)
-        marked[at] = b[at]
-        number = ~kept
-        before, last = before[number], last[number]
-    marked[last] = ord("#")
-    return before, last, held
-
-
-def _runs(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-    """Every position of the runs ``[starts[i], ends[i])``."""
-    length = ends - starts
-    return np.repeat(starts - (np.cumsum(length) - length), length) + np.arange(int(length.sum()))
-
-
 #: fields whose numbers come in pairs (a head range, token ranges): ``key.0`` and ``key.1``
 PAIRED = ("heads", "q_rows", "kv_cols")
-
-#: a bytes.translate table: a digit to NUL, another byte of _ALLOWED to itself, any other to 0xFF (none of _ALLOWED)
-_HELD = bytes(0 if 48 <= c < 58 else c if c in _ALLOWED else 0xFF for c in range(256))
-#: [20] by a run's digit count (0..19): the mask of its last min(count, 8) bytes of a little-endian word, each byte's
-#: low four bits (an ASCII digit's value)
-_KEEP = np.array([(2**64 - 1) << (8 * (8 - min(c, 8))) & (2**64 - 1) & 0x0F0F0F0F0F0F0F0F for c in range(20)],
-                 dtype=np.uint64)
-_PAIR_MASK = np.uint64(0x000000FF000000FF)
-_MUL1 = np.uint64(100 + (1_000_000 << 32))
-_MUL2 = np.uint64(1 + (10_000 << 32))
-
-
-def parse_digits(b: np.ndarray, ends: np.ndarray, length: np.ndarray) -> np.ndarray:
-    """[k] uint64 values of the runs of ASCII digits ``b[ends - length:ends]`` (each 1..19 digits)."""
-    padded = np.concatenate([np.frombuffer(_PAD, dtype=np.uint8), b])
-    return _parse_padded(_words(padded), ends - 1 + len(_PAD), length)
-
-
-def _words(padded: np.ndarray) -> np.ndarray:
-    """[len - 7] the little-endian 8-byte word at each byte of ``padded`` (any byte order): ``[i]`` ends at
-    ``padded[i + 7]``."""
-    return np.ndarray(shape=(len(padded) - 7,), dtype="<u8", buffer=padded, strides=(1,))
-
-
-def _parse_padded(word: np.ndarray, last: np.ndarray, length: np.ndarray) -> np.ndarray:
-    """[k] uint64 values of the runs of ASCII digits ending at byte ``last`` (each 1..19 digits) of bytes led by
-    :data:`_PAD` (``word`` their :func:`_words`): the 8 bytes ending at a run's last digit, then (more than 8
-    digits) the 8 before, then (more than 16) the 8 before those."""
-    value = _eight(word, last - 7, length)
-    more = np.flatnonzero(length > 8)
-    for k, scale in ((1, 10**8), (2, 10**16)):
-        if k == 2:
-            more = more[length[more] > 16]
-        if len(more):
-            value[more] += _eight(word, last[more] - 7 - 8 * k, length[more] - 8 * k) * np.uint64(scale)
-    return value
-
-
-def _eight(word: np.ndarray, at: np.ndarray, count: np.ndarray) -> np.ndarray:
-    """The value of the last ``min(count, 8)`` (count 1..19) ASCII digits of each little-endian 8-byte word
-    ``word[at]`` (the bytes before them ignored): the eight-digit parse of simdjson (Lemire), each step on every word
-    at once, in place. The product's top half (``>> 32``) holds the value, below 10**8 < 2**32."""
-    v = _KEEP[count]
-    scratch = word[at]
-    v &= scratch
-    np.right_shift(v, np.uint64(8), out=scratch)
-    v *= np.uint64(10)
-    v += scratch                                        # each odd byte: two digits' value
-    np.bitwise_and(v, _PAIR_MASK, out=scratch)
-    scratch *= _MUL1
-    v >>= np.uint64(16)
-    v &= _PAIR_MASK
-    v *= _MUL2
-    v += scratch
-    v >>= np.uint64(32)
-    return v

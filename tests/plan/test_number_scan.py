@@ -1,0 +1,107 @@
+"""The number scan of the schedule reader (plan/json/number_scan.py): numpy's and the compiled one (_scan.c) against
+a reference written with ``re`` — the same skeleton, values, digit counts and leading zeros, or the same refusal."""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshplan.algorithms import get
+from meshplan.model.topology import Topology
+from meshplan.model.workload import resolve
+from meshplan.plan.json import number_scan
+from meshplan.plan.json.io import to_json_bytes
+from meshplan.plan.json.number_scan import ALLOWED, MAX_DIGITS, PAD, compiled_scan_built, scan_numbers
+
+BUILT = compiled_scan_built()
+WAYS = [False, pytest.param(True, marks=pytest.mark.skipif(not BUILT, reason="the compiled scan is not built"))]
+_STRING_BEFORE = set(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_\"")
+
+
+def reference(text: bytes):
+    """(skeleton, values, digit counts, leading zeros) by ``re``, or None (a byte outside ALLOWED, a number of
+    more than 19 digits)."""
+    if any(c not in ALLOWED for c in text):
+        return None
+    out, values, lengths, zeros, pos = [], [], [], [], 0
+    for m in re.finditer(rb"[0-9]+", text):
+        digits = m.group()
+        out.append(text[pos:m.start()])
+        if m.start() and text[m.start() - 1] in _STRING_BEFORE:
+            out.append(digits)                                  # a string's digits
+        elif len(digits) > MAX_DIGITS:
+            return None
+        else:
+            out.append(b"#")
+            values.append(int(digits))
+            lengths.append(len(digits))
+            zeros.append(digits[:1] == b"0")
+        pos = m.end()
+    out.append(text[pos:])
+    return b"".join(out), values, lengths, zeros
+
+
+def assert_scans_as_reference(text: bytes, compiled: bool):
+    got, want = scan_numbers(text, compiled=compiled), reference(text)
+    if want is None:
+        assert got is None
+        return
+    skeleton, numbers = got
+    assert skeleton == want[0]
+    assert numbers.value.dtype == np.uint64 and numbers.value.tolist() == want[1]
+    assert numbers.length.tolist() == want[2] and numbers.zero.tolist() == want[3]
+
+
+def build(name, knobs=None, **kw):
+    w = resolve(**({"seq_len": "8K"} | kw))
+    t = Topology.load("h100x8", gpus=4)
+    alg = get(name)
+    return alg.schedule(alg.plan(w, t, 4, alg.normalize(knobs or {})), t)
+
+
+@pytest.mark.parametrize("compiled", WAYS)
+@pytest.mark.parametrize("name,knobs,kw", [("ring", None, {}), ("usp", {"ulysses_degree": "2"}, {}),
+                                           ("mesh", {"tile": "2x2"}, {"mask": "docs:3000,5192"}),
+                                           ("pass-q", None, {"mask": "window:700", "valid_len": 8000})])
+def test_a_written_schedule_s_tensors_and_ranks_scan_as_the_reference(name, knobs, kw, compiled):
+    raw = to_json_bytes(build(name, knobs, **kw))
+    parts = raw[raw.find(b',"tensors":[') + 1:]              # the frame's free text holds bytes outside ALLOWED
+    assert reference(PAD + parts) is not None
+    assert_scans_as_reference(PAD + parts, compiled)
+
+
+_PIECES = [b"0", b"7", b"00", b"09", b"12345678", b"9" * 19, b"1" * 20, b"9" * 25, b"a", b"e", b"_", b'"', b".",
+           b"+", b"-", b",", b":", b"[", b"]", b"{", b"}", b"},{", b" ", b"\xff", b"\\", b'"bf16"', b"kv2"]
+
+
+@pytest.mark.parametrize("compiled", WAYS)
+@settings(max_examples=400, deadline=None)
+@given(pieces=st.lists(st.sampled_from(_PIECES), max_size=40))
+def test_fuzz_every_scan_reads_as_the_reference(pieces, compiled):
+    """Digits after a letter, ``_`` or a quote (a string's, however long), numbers of up to 19 digits and past it,
+    leading zeros, bytes outside what meshplan writes."""
+    assert_scans_as_reference(PAD + b"".join(pieces) + b"}", compiled)
+
+
+@pytest.mark.skipif(not BUILT, reason="the compiled scan is not built")
+def test_the_compiled_scan_refuses_outputs_without_room():
+    scan = number_scan._compiled_scan
+    text = PAD + b"1,2,3}"
+    room = (len(text) + 1) // 2
+    tables = (number_scan._ALLOWED_TABLE, number_scan._WORDISH_TABLE)
+    with pytest.raises(ValueError, match="room"):
+        scan(text, *tables, np.empty(room - 1, np.uint64), np.empty(room, np.uint8), np.empty(room, np.uint8))
+    with pytest.raises(ValueError, match="256"):
+        scan(text, b"", tables[1], np.empty(room, np.uint64), np.empty(room, np.uint8), np.empty(room, np.uint8))
+
+
+@pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler: installs leave it out")
+def test_the_compiled_scan_is_built_where_a_c_compiler_is():
+    """setup.py builds it as optional (an install without a compiler goes on without it), so a C file that does
+    not compile would fall back to numpy silently: this says so. Reinstall (``pip install -e .``) after editing it."""
+    assert BUILT
