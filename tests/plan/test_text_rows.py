@@ -13,19 +13,24 @@ from hypothesis import strategies as st
 from meshplan.algorithms import get
 from meshplan.model.topology import Topology
 from meshplan.model.workload import resolve
+from meshplan.plan.json import compiled
 from meshplan.plan.json.io import to_json_bytes
 from meshplan.plan.json.text_rows import Rows
 
 TABLE = ["send", "compute", "", '"a\\u00e9"']
 BIG_TABLE = [f'"{"x" * k}{k}"' for k in range(20)]      # past the literal-per-string path: copied byte by byte
 
+#: numpy's stores, and the compiled ones where built: the same bytes
+WAYS = [False, pytest.param(True, marks=pytest.mark.skipif(not compiled.built(), reason="the compiled loops are not "
+                                                                                        "built"))]
 row = st.tuples(st.integers(0, 2**62), st.integers(-1, 10**7), st.booleans(), st.integers(0, 3),
                 st.lists(st.integers(0, 10**12), max_size=5), st.integers(0, len(BIG_TABLE) - 1))
 
 
+@pytest.mark.parametrize("compiled_stores", WAYS)
 @settings(max_examples=60, deadline=None)
-@given(st.lists(row, max_size=40), st.text("ab:,", min_size=1, max_size=19))
-def test_rows_equal_f_strings(rows, literal):
+@given(rows=st.lists(row, max_size=40), literal=st.text("ab:,", min_size=1, max_size=19))
+def test_rows_equal_f_strings(rows, literal, compiled_stores):
     """Integers of every width (0 and int64's), nulls, a piece only in some rows, choices (an empty one; a large
     table), lists (empty ones), literals of every length up to 19 (stored 1, 2, 4 and 8 bytes at a time)."""
     n = len(rows)
@@ -36,7 +41,7 @@ def test_rows_equal_f_strings(rows, literal):
     r.ints(np.array(small, dtype=np.int64), null_below_zero=True).text(',"c":', np.array(some, dtype=bool))
     r.choice(np.array(code, dtype=np.int64), TABLE, np.array(some, dtype=bool)).text(',"d":').int_lists(ptr, flat)
     r.text(literal).choice(np.array(wide, dtype=np.int64), BIG_TABLE).text("}")
-    text, offsets = r.render()
+    text, offsets = r.render(compiled=compiled_stores)
     want = [f'{{"a":{a},"b":{"null" if b < 0 else b}' + (f',"c":{TABLE[c]}' if s else "")
             + f',"d":[{",".join(map(str, v))}]{literal}{BIG_TABLE[x]}}}' for a, b, s, c, v, x in rows]
     got = [text[offsets[i]:offsets[i + 1]].tobytes().decode() for i in range(n)]
@@ -70,9 +75,13 @@ def _built(name, knobs, n, topo, **kw):
     lambda: _built("pass-q", {}, 8, "h100x8", seq_len="16K", prefix_len="8K", passes="fwd"),
     _doc_place_heads,
 ])
-def test_a_schedule_text_is_its_canonical_compact_dump(make):
+@pytest.mark.parametrize("compiled_stores", WAYS)
+def test_a_schedule_text_is_its_canonical_compact_dump(make, compiled_stores, monkeypatch):
     """What the writer lays out is exactly ``json.dumps`` of its own parse (no space, the keys in order, floats as
-    Python writes them, ``null``), and the parse holds every op: a field left out or misplaced shows."""
+    Python writes them, ``null``), and the parse holds every op: a field left out or misplaced shows — by numpy's
+    stores and by the compiled ones."""
+    if not compiled_stores:
+        monkeypatch.setattr(compiled, "text", None)
     sched = make()
     raw = to_json_bytes(sched)
     doc = json.loads(raw)

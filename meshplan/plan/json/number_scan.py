@@ -5,10 +5,10 @@ A run of digits right after a letter, ``_`` or ``"`` is a string's (``"bf16"``, 
 JSON number in what meshplan writes (its floats' exponents are signed) — and is kept in the skeleton as it is. A
 byte outside what meshplan writes, or a number of more than 19 digits, refuses the text (None).
 
-Two ways, the same results: the compiled scan (``_scan.c``, built at install where a C compiler is found: one pass,
-~1 ns a byte) or, where it was not built, numpy (~10 passes: a byte table, the digits' edges, the string digits put
-back, the numbers cut out, each number parsed eight digits at a time from a 64-bit word). ``tests/plan/
-test_number_scan.py`` compares the two on every method's files and on fuzzed text.
+Two ways, the same results: the compiled scan (``_text.c``, :mod:`meshplan.plan.json.compiled`: one pass, ~1 ns a
+byte) or, where it was not built, numpy (~10 passes: a byte table, the digits' edges, the string digits put back,
+the numbers cut out, each number parsed eight digits at a time from a 64-bit word). ``tests/plan/
+test_compiled_text.py`` compares the two on every method's files and on fuzzed text.
 """
 
 from __future__ import annotations
@@ -17,10 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-try:
-    from meshplan.plan.json._scan import scan as _compiled_scan
-except ImportError:                                    # not built (no C compiler at install): numpy scans
-    _compiled_scan = None
+from meshplan.plan.json import compiled as _compiled
 
 #: every byte a record of a file meshplan writes holds (compact JSON, no escapes)
 ALLOWED = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-{}[]:,\".+"
@@ -51,19 +48,14 @@ def scan_numbers(text: bytes, compiled: bool | None = None) -> tuple[bytes, Numb
     byte outside :data:`ALLOWED` or a number of more than :data:`MAX_DIGITS` digits. ``compiled``: the compiled scan
     (True), numpy's (False), the compiled one where built (None)."""
     if compiled is None:
-        compiled = _compiled_scan is not None
+        compiled = _compiled.built()
     return _scan_compiled(text) if compiled else _scan_numpy(text)
-
-
-def compiled_scan_built() -> bool:
-    """Whether the compiled scan was built at install."""
-    return _compiled_scan is not None
 
 
 def _scan_compiled(text: bytes) -> tuple[bytes, Numbers] | None:
     room = (len(text) + 1) // 2                       # at most one number in two bytes
     value, length, zero = np.empty(room, np.uint64), np.empty(room, np.uint8), np.empty(room, np.bool_)
-    got = _compiled_scan(text, _ALLOWED_TABLE, _WORDISH_TABLE, value, length, zero)
+    got = _compiled.text.scan(text, _ALLOWED_TABLE, _WORDISH_TABLE, value, length, zero)
     if got is None:
         return None
     skeleton, k = got

@@ -2,14 +2,17 @@
 list of integers, a choice from a table of strings — each present in the rows its mask selects, so one
 :class:`Rows` holds rows of several shapes (a schedule's send, compute and merge ops). The bytes of every row are
 laid out with numpy (lengths, offsets, then each piece scattered into one buffer), with no Python code per row:
-a 256-rank schedule's 126 MB of text in a fraction of the time f-strings take (``docs/speed.md``). Literal text
-and digits are stored several bytes at a time (:class:`_Text`'s unaligned views of widths 2, 4 and 8): a 15-byte
-literal is two 8-byte stores per row, not 15 one-byte ones.
+a 256-rank schedule's 126 MB of text in a fraction of the time f-strings take (``docs/speed.md``). The stores of
+literals and integers at their rows' offsets are compiled loops where built (:mod:`meshplan.plan.json.compiled`);
+numpy's otherwise, the same bytes: literal text and digits stored several bytes at a time (:class:`_Text`'s
+unaligned views of widths 2, 4 and 8: a 15-byte literal is two 8-byte stores per row, not 15 one-byte ones).
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from meshplan.plan.json import compiled as _compiled
 
 _DIGITS = np.frombuffer(b"0123456789", dtype=np.uint8)
 #: "00".."99" as 2-byte words in memory order: two digits a store
@@ -22,16 +25,21 @@ _CHOICE_AS_LITERALS = 16
 
 class _Text:
     """A text buffer of ``size`` bytes (``buf``; 8 more held behind it) and views of it as 2-, 4- and 8-byte words
-    starting at every byte (``word[w][i]`` is bytes i..i+w−1: numpy stores at unaligned offsets)."""
+    starting at every byte (``word[w][i]`` is bytes i..i+w−1: numpy stores at unaligned offsets); ``compiled``: its
+    stores by the compiled loops."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, compiled: bool) -> None:
         self._raw = np.empty(size + 8, dtype=np.uint8)
         self.buf = self._raw[:size]
         self.word = {w: np.ndarray((size + 8 - w + 1,), dtype=t, buffer=self._raw, strides=(1,))
                      for w, t in _WORDS.items()}
+        self.compiled = compiled
 
-    def literal(self, stores: list[tuple[int, int, int]], pos: np.ndarray) -> None:
-        """Write a literal given as its :func:`_stores` at each of ``pos``."""
+    def literal(self, lit: bytes, stores: list[tuple[int, int, int]], pos: np.ndarray) -> None:
+        """Write ``lit`` (given also as its :func:`_stores`) at each of ``pos``."""
+        if self.compiled:
+            _compiled.text.put_literal(self.buf, np.ascontiguousarray(pos, dtype=np.int64), lit)
+            return
         for off, width, value in stores:
             self.word[width][pos + off if off else pos] = value
 
@@ -101,7 +109,7 @@ class Rows:
         lengths = np.array([len(e) for e in enc], dtype=np.int64)
         c = np.asarray(codes, dtype=np.int64)[rows]
         if len(table) <= _CHOICE_AS_LITERALS:
-            self._pieces.append(("choice", rows, c, [_stores(e) for e in enc], lengths[c]))
+            self._pieces.append(("choice", rows, c, [(e, _stores(e)) for e in enc], lengths[c]))
         else:
             flat = np.frombuffer(b"".join(enc), dtype=np.uint8) if any(enc) else np.zeros(0, dtype=np.uint8)
             self._pieces.append(("ragged", rows, flat, (np.cumsum(lengths) - lengths)[c], lengths[c]))
@@ -119,8 +127,9 @@ class Rows:
         self._pieces.append(("list", rows, v, counts))
         return self
 
-    def render(self) -> tuple[np.ndarray, np.ndarray]:
-        """(the rows' bytes back to back as uint8, [n + 1] row offsets)."""
+    def render(self, compiled: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(the rows' bytes back to back as uint8, [n + 1] row offsets). ``compiled``: the stores by the compiled
+        loops (True), by numpy (False), by the compiled ones where built (None) — the same bytes."""
         lengths = np.zeros(self.n, dtype=np.int64)
         sizes = []
         for p in self._pieces:
@@ -129,7 +138,7 @@ class Rows:
             sizes.append((size, row_len))
             lengths[p[1]] += row_len
         offsets = np.r_[0, np.cumsum(lengths)]
-        out = _Text(int(offsets[-1]))
+        out = _Text(int(offsets[-1]), _compiled.built() if compiled is None else compiled)
         at = offsets[:-1].copy()                     # each row's write position
         for p, (size, row_len) in zip(self._pieces, sizes):
             _write(out, p, at[p[1]], size, row_len)
@@ -153,16 +162,16 @@ def _write(out: _Text, p, pos: np.ndarray, size, row_len) -> None:
     """Write one piece at each of its rows' positions ``pos``."""
     kind = p[0]
     if kind == "lit":
-        out.literal(p[3], pos)
+        out.literal(p[2], p[3], pos)
     elif kind == "int":
         _write_ints(out, p[2], pos, size, p[3])
     elif kind == "choice":
         codes = p[2]
-        for code, stores in enumerate(p[3]):
+        for code, (lit, stores) in enumerate(p[3]):
             if stores:
                 at = codes == code
                 if at.any():
-                    out.literal(stores, pos[at])
+                    out.literal(lit, stores, pos[at])
     elif kind == "ragged":
         _copy_ragged(out.buf, p[2], pos, p[3], p[4])
     else:
@@ -187,9 +196,12 @@ def _write_ints(out: _Text, v: np.ndarray, pos: np.ndarray, size: np.ndarray, nu
     """Decimal digits of ``v`` at ``pos`` (``size`` digits each), ``null`` where flagged: two digits a store, from
     the last (a number's odd first digit alone)."""
     if null.any():
-        out.literal(_NULL, pos[null])
+        out.literal(b"null", _NULL, pos[null])
         keep = ~null
         v, pos, size = v[keep], pos[keep], size[keep]
+    if out.compiled:
+        _compiled.text.put_ints(out.buf, *(np.ascontiguousarray(x, dtype=np.int64) for x in (pos, size, v)))
+        return
     if len(v) and v.max() < 2**31:
         v = v.astype(np.int32)                   # int32 division: twice as fast
     end = pos + size                             # one past each number's last digit

@@ -1,5 +1,7 @@
-"""The number scan of the schedule reader (plan/json/number_scan.py): numpy's and the compiled one (_scan.c) against
-a reference written with ``re`` — the same skeleton, values, digit counts and leading zeros, or the same refusal."""
+"""The JSON text's compiled loops (plan/json/_text.c). The reader's number scan (plan/json/number_scan.py), numpy's
+and the compiled one, against a reference written with ``re``: the same skeleton, values, digit counts and leading
+zeros, or the same refusal. The writer's stores (plan/json/text_rows.py: tests/plan/test_text_rows.py compares both
+ways with f-strings) refuse an offset outside their buffer. And the loops are built where a C compiler is."""
 
 from __future__ import annotations
 
@@ -14,11 +16,11 @@ from hypothesis import strategies as st
 from meshplan.algorithms import get
 from meshplan.model.topology import Topology
 from meshplan.model.workload import resolve
-from meshplan.plan.json import number_scan
+from meshplan.plan.json import compiled
 from meshplan.plan.json.io import to_json_bytes
-from meshplan.plan.json.number_scan import ALLOWED, MAX_DIGITS, PAD, compiled_scan_built, scan_numbers
+from meshplan.plan.json.number_scan import _ALLOWED_TABLE, _WORDISH_TABLE, ALLOWED, MAX_DIGITS, PAD, scan_numbers
 
-BUILT = compiled_scan_built()
+BUILT = compiled.built()
 WAYS = [False, pytest.param(True, marks=pytest.mark.skipif(not BUILT, reason="the compiled scan is not built"))]
 _STRING_BEFORE = set(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_\"")
 
@@ -90,18 +92,38 @@ def test_fuzz_every_scan_reads_as_the_reference(pieces, compiled):
 
 @pytest.mark.skipif(not BUILT, reason="the compiled scan is not built")
 def test_the_compiled_scan_refuses_outputs_without_room():
-    scan = number_scan._compiled_scan
+    scan = compiled.text.scan
     text = PAD + b"1,2,3}"
     room = (len(text) + 1) // 2
-    tables = (number_scan._ALLOWED_TABLE, number_scan._WORDISH_TABLE)
+    tables = (_ALLOWED_TABLE, _WORDISH_TABLE)
     with pytest.raises(ValueError, match="room"):
         scan(text, *tables, np.empty(room - 1, np.uint64), np.empty(room, np.uint8), np.empty(room, np.uint8))
     with pytest.raises(ValueError, match="256"):
         scan(text, b"", tables[1], np.empty(room, np.uint64), np.empty(room, np.uint8), np.empty(room, np.uint8))
 
 
+@pytest.mark.skipif(not BUILT, reason="the compiled loops are not built")
+def test_the_compiled_stores_refuse_what_is_out_of_range_and_write_nothing():
+    out = bytearray(b"." * 10)
+    i64 = lambda *v: np.array(v, dtype=np.int64)  # noqa: E731
+    compiled.text.put_literal(out, i64(0, 7), b"abc")
+    compiled.text.put_ints(out, i64(3, 5), i64(2, 1), i64(7, 9))
+    assert out == bytearray(b"abc079.abc")
+    for bad in (i64(8), i64(-1)):
+        with pytest.raises(ValueError, match="out of the buffer"):
+            compiled.text.put_literal(out, i64(0, *bad), b"abc")
+    for pos, size, value in ((9, 2, 12), (-1, 1, 1), (0, 0, 1), (0, 20, 1), (0, 1, -1)):
+        with pytest.raises(ValueError, match="out of range"):
+            compiled.text.put_ints(out, i64(0, pos), i64(1, size), i64(5, value))
+    with pytest.raises(ValueError, match="differ in length"):
+        compiled.text.put_ints(out, i64(0), i64(1, 1), i64(5))
+    with pytest.raises(ValueError, match="int64"):
+        compiled.text.put_literal(out, b"abc", b"x")
+    assert out == bytearray(b"abc079.abc")                    # nothing written by a refused call
+
+
 @pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler: installs leave it out")
-def test_the_compiled_scan_is_built_where_a_c_compiler_is():
-    """setup.py builds it as optional (an install without a compiler goes on without it), so a C file that does
+def test_the_compiled_loops_are_built_where_a_c_compiler_is():
+    """setup.py builds them as optional (an install without a compiler goes on without it), so a C file that does
     not compile would fall back to numpy silently: this says so. Reinstall (``pip install -e .``) after editing it."""
     assert BUILT
