@@ -148,8 +148,26 @@ static PyObject *put_literal(PyObject *self, PyObject *args)
     Py_BEGIN_ALLOW_THREADS
     uint8_t *o = (uint8_t *)out.buf;
     const uint8_t *l = (const uint8_t *)lit.buf;
-    for (Py_ssize_t i = 0; i < n; i++)
-        memcpy(o + p[i], l, (size_t)len);
+    if (len >= 8 && len <= 16) {                    /* two 8-byte stores, the second overlapping the first */
+        uint64_t a, b;
+        memcpy(&a, l, 8);
+        memcpy(&b, l + len - 8, 8);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            memcpy(o + p[i], &a, 8);
+            memcpy(o + p[i] + len - 8, &b, 8);
+        }
+    } else if (len >= 4 && len < 8) {
+        uint32_t a, b;
+        memcpy(&a, l, 4);
+        memcpy(&b, l + len - 4, 4);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            memcpy(o + p[i], &a, 4);
+            memcpy(o + p[i] + len - 4, &b, 4);
+        }
+    } else {
+        for (Py_ssize_t i = 0; i < n; i++)
+            memcpy(o + p[i], l, (size_t)len);
+    }
     Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
 done:
