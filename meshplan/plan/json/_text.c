@@ -130,6 +130,20 @@ static const int64_t *int64s(Py_buffer *b, Py_ssize_t *n, const char *name)
     return (const int64_t *)b->buf;
 }
 
+/* the literal l (len bytes, w <= len <= 2w) at each of the n offsets p of o, as two w-byte stores, the second
+ * overlapping the first: a constant w makes each a single move once inlined, not a call of memcpy */
+static inline void put_two_words(uint8_t *o, const int64_t *p, Py_ssize_t n, const uint8_t *l, Py_ssize_t len,
+                                 size_t w)
+{
+    uint8_t first[8], last[8];
+    memcpy(first, l, w);
+    memcpy(last, l + len - w, w);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        memcpy(o + p[i], first, w);
+        memcpy(o + p[i] + len - w, last, w);
+    }
+}
+
 static PyObject *put_literal(PyObject *self, PyObject *args)
 {
     Py_buffer out, pos, lit;
@@ -148,26 +162,13 @@ static PyObject *put_literal(PyObject *self, PyObject *args)
     Py_BEGIN_ALLOW_THREADS
     uint8_t *o = (uint8_t *)out.buf;
     const uint8_t *l = (const uint8_t *)lit.buf;
-    if (len >= 8 && len <= 16) {                    /* two 8-byte stores, the second overlapping the first */
-        uint64_t a, b;
-        memcpy(&a, l, 8);
-        memcpy(&b, l + len - 8, 8);
-        for (Py_ssize_t i = 0; i < n; i++) {
-            memcpy(o + p[i], &a, 8);
-            memcpy(o + p[i] + len - 8, &b, 8);
-        }
-    } else if (len >= 4 && len < 8) {
-        uint32_t a, b;
-        memcpy(&a, l, 4);
-        memcpy(&b, l + len - 4, 4);
-        for (Py_ssize_t i = 0; i < n; i++) {
-            memcpy(o + p[i], &a, 4);
-            memcpy(o + p[i] + len - 4, &b, 4);
-        }
-    } else {
+    if (len >= 8 && len <= 16)
+        put_two_words(o, p, n, l, len, 8);
+    else if (len >= 4 && len < 8)
+        put_two_words(o, p, n, l, len, 4);
+    else
         for (Py_ssize_t i = 0; i < n; i++)
             memcpy(o + p[i], l, (size_t)len);
-    }
     Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
 done:
