@@ -10,6 +10,7 @@ import json
 
 import numpy as np
 
+from meshplan.core.csr import unique_rows
 from meshplan.model.matrix import AttnMatrix, attn_matrix
 from meshplan.plan.json.format import SEMANTICS
 from meshplan.plan.json.text_rows import Rows
@@ -180,15 +181,18 @@ def _descriptors(sched: Schedule, m: AttnMatrix):
 
 def _multi_descriptors(sched: Schedule, m: AttnMatrix, ops: np.ndarray, cls: np.ndarray):
     """:func:`_descriptors`' groups of the ops over several chunks, one group per (q chunks, KV chunks) count;
-    ``cls`` each chunk's shape class."""
+    ``cls`` each chunk's shape class. A signature is a function of the op's chunks alone, so it is made once per
+    distinct chunk set (a 256-rank USP schedule: 64 sets among 4096 ops)."""
     o = sched.ops
     if not len(ops):
         return
     nq, nk = np.diff(o.qc_ptr)[ops], np.diff(o.kvc_ptr)[ops]
     for mq, mk in sorted(set(zip(nq.tolist(), nk.tolist()))):
-        sel = ops[(nq == mq) & (nk == mk)]
-        qi = o.q_chunks[o.qc_ptr[sel][:, None] + np.arange(mq)]
-        kj = o.kv_chunks[o.kvc_ptr[sel][:, None] + np.arange(mk)]
+        group = ops[(nq == mq) & (nk == mk)]
+        qi = o.q_chunks[o.qc_ptr[group][:, None] + np.arange(mq)]
+        kj = o.kv_chunks[o.kvc_ptr[group][:, None] + np.arange(mk)]
+        same, again = unique_rows(np.concatenate([qi, kj], axis=1))     # the distinct chunk sets
+        sel, qi, kj = group[same], qi[same], kj[same]
         blocks = (qi[:, :, None], kj[:, None, :])
         qinv, kinv = m.q_involved[blocks].any(axis=2), m.kv_involved[blocks].any(axis=1)
         elem = m.elementwise[blocks].any(axis=(1, 2)) | (m.pairs[blocks] == 0).any(axis=(1, 2))
@@ -201,7 +205,7 @@ def _multi_descriptors(sched: Schedule, m: AttnMatrix, ops: np.ndarray, cls: np.
                                 o.kv_chunks[o.kvc_ptr[op]:o.kvc_ptr[op + 1]].tolist())
             found.append((json.dumps(d["q_rows"], separators=(",", ":")),
                           json.dumps(d["kv_cols"], separators=(",", ":")), d["mask"]))
-        yield sel, found, inverse
+        yield group, found, inverse[again]
 
 
 def _distinct(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
