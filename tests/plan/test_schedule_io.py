@@ -187,9 +187,35 @@ def test_mesh_multi_chunk_descriptors_round_trip(tmp_path, layout, tile):
     multi = [op for r in d["ranks"] for op in r["ops"] if op["kind"] == "compute" and
              len(op["q_chunks"]) * len(op["kv_chunks"]) > 1]
     assert multi or tile == "2x8"        # with one remote row every group can be a single block
-    for op in multi[:50]:
-        ref = plan.matrix.op_descriptor(op["q_chunks"], op["kv_chunks"])
+    _assert_descriptors_op_by_op(multi, plan.matrix)
+
+
+def _assert_descriptors_op_by_op(ops: list[dict], matrix):
+    """Every op's written q_rows, kv_cols and mask are :meth:`AttnMatrix.op_descriptor` of its own chunks (the
+    writer makes them once per distinct chunk set: an op given another set's shows)."""
+    refs = {}
+    for op in ops:
+        key = (tuple(op["q_chunks"]), tuple(op["kv_chunks"]))
+        if key not in refs:
+            refs[key] = matrix.op_descriptor(op["q_chunks"], op["kv_chunks"])
+        ref = refs[key]
         assert (op["q_rows"], op["kv_cols"], op["mask"]) == (ref["q_rows"], ref["kv_cols"], ref["mask"])
+
+
+@pytest.mark.parametrize("mask", ["causal", "window:3000", "docs:4992,3200,8192"])
+def test_usp_ops_sharing_chunk_sets_are_written_with_their_own_descriptors(mask):
+    """USP's compute ops span whole groups of chunks, the same sets on many ranks (its Ulysses groups'): each op's
+    descriptor still is its own chunks'."""
+    w = resolve(seq_len="16K", layout="zigzag", mask=mask)
+    t = Topology.load("h100x16")
+    alg = get("usp")
+    plan = alg.plan(w, t, 16, alg.normalize({"ulysses_degree": 4}))
+    d = to_json_dict(alg.schedule(plan, t))
+    multi = [op for r in d["ranks"] for op in r["ops"] if op["kind"] == "compute" and
+             len(op["q_chunks"]) * len(op["kv_chunks"]) > 1]
+    sets = {(tuple(op["q_chunks"]), tuple(op["kv_chunks"])) for op in multi}
+    assert len(multi) > 2 * len(sets)                       # sets shared among ops
+    _assert_descriptors_op_by_op(multi, plan.matrix)
 
 
 def _parts_equal_whole(path):
