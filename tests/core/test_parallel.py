@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from meshplan.core.parallel import SharedOnce, alongside, shared_counter
+from meshplan.core.parallel import BACKGROUND_NICE, SharedOnce, alongside, shared_counter, start_beside
 
 
 @pytest.mark.parametrize("fork", ["1", "0"])
@@ -111,3 +111,17 @@ def test_a_side_in_its_own_group_is_stopped_midway_with_what_it_forked_and_its_f
     assert time.monotonic() - t0 < 8                         # stopped, not waited for (60 s)
     time.sleep(0.5)                                          # the inner one ends with the group too
     assert sorted(p.name for p in tmp_path.iterdir()) == ["inner.started", "outer.started"]   # no .tmp left
+
+
+@pytest.mark.skipif(not hasattr(os, "nice"), reason="no nice(2) here")
+def test_a_background_side_and_what_it_forks_run_at_the_lowest_priority_the_caller_keeps_its_own():
+    here = os.nice(0)
+    if here >= BACKGROUND_NICE:
+        pytest.skip("this process runs at the lowest priority already")
+
+    def niceness_and_forked():
+        return os.nice(0), start_beside(lambda: os.nice(0)).result()
+
+    assert start_beside(niceness_and_forked, background=True).result() == (BACKGROUND_NICE, BACKGROUND_NICE)
+    assert start_beside(lambda: os.nice(0)).result() == here          # a side in the foreground: as the caller
+    assert os.nice(0) == here

@@ -110,3 +110,19 @@ def test_an_interrupt_after_the_pick_was_staged_leaves_nothing(tmp_path, monkeyp
         run_pipeline(SearchRequest(w, topo, 16, write=1, out_dir=str(tmp_path / "new" / "out")))
     assert staged
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_staging_runs_in_the_background(tmp_path, monkeypatch):
+    """The staging is started at the lowest CPU priority (:func:`meshplan.core.parallel.start_beside`'s
+    ``background``): the search and the frameworks, which the run waits for first, are not slowed by it."""
+    import meshplan.core.parallel as parallel
+
+    started, start = [], parallel.start_beside
+    monkeypatch.setattr(parallel, "start_beside", lambda side, **kw: started.append(kw) or start(side, **kw))
+    topo, w = Topology.load("h100x16", gpus=16), resolve(seq_len="64K")
+    leader = make_candidate("ring", w, topo, 16, {})
+    simulate_candidate(leader, topo, None)
+    early = EarlyWrite(topo, str(tmp_path))
+    early.lead(leader)
+    early.collect(SimpleNamespace(candidates=[leader]))
+    assert started == [{"own_group": True, "background": True}]
