@@ -122,6 +122,29 @@ def test_the_compiled_stores_refuse_what_is_out_of_range_and_write_nothing():
     assert out == bytearray(b"abc079.abc")                    # nothing written by a refused call
 
 
+@pytest.mark.skipif(not BUILT, reason="the compiled loops are not built")
+def test_the_compiled_stores_stay_in_the_buffer_when_their_offsets_overlap_it():
+    """Offsets read from a view of the output itself, changed by an earlier store after every offset was checked:
+    each is loaded once and checked again where it is used, so the call stops with ValueError inside the buffer. An
+    offset array at any alignment is read whole; a literal that is a view of the output is copied as it was."""
+    buf = np.zeros(64, np.uint8)
+    pos = buf.view(np.int64)
+    pos[:2] = [8, 16]                              # the first store (at 8) overwrites pos[1] with a huge offset
+    with pytest.raises(ValueError, match="out of the buffer"):
+        compiled.text.put_literal(buf, pos[:2], (1 << 44).to_bytes(8, "little"))
+    buf[:] = 0
+    pos[:2] = [8, 16]
+    with pytest.raises(ValueError, match="out of range"):      # digits written into pos[1]
+        compiled.text.put_ints(buf, pos[:2], np.array([8, 8], np.int64), np.array([12345678, 1], np.int64))
+    odd = np.zeros(17, np.uint8)[1:].view(np.int64)             # misaligned
+    odd[:] = [3, 0]
+    out = bytearray(b"." * 8)
+    compiled.text.put_literal(out, odd, b"ab")
+    assert out == bytearray(b"ab.ab...")
+    compiled.text.put_literal(out, np.array([2], np.int64), memoryview(out)[:5])     # overlapping: as it was
+    assert out == bytearray(b"abab.ab.")
+
+
 @pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler: installs leave it out")
 def test_the_compiled_loops_are_built_where_a_c_compiler_is():
     """setup.py builds them as optional (an install without a compiler goes on without it), so a C file that does

@@ -20,7 +20,9 @@
  * put_literal(out, pos, literal): out[p:p + len(literal)] = literal for each p of pos (int64, native order).
  * put_ints(out, pos, size, values): the decimal digits of values[i] (int64 >= 0), size[i] of them (int64, 1..19),
  *   at out[pos[i]:pos[i] + size[i]] (a value of fewer digits is led by zeros, of more is cut to its last ones).
- * Both raise ValueError where an offset, a size or a value is out of range, writing nothing.
+ * Both raise ValueError where an offset, a size or a value is out of range, writing nothing. Each offset is read
+ * once into a local and checked again where it is used, so arrays that overlap `out` (or that another thread
+ * changes while the GIL is released) cannot make a store leave the buffer: the call then stops with ValueError.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -31,44 +33,56 @@
 
 static int is_digit(uint8_t c) { return (uint8_t)(c - '0') < 10; }
 
-/* 0: done; 1: a byte not allowed; 2: a number too long */
+/* 0: done; 1: a byte not allowed; 2: a number too long; 3: more numbers than `room` (only where the text changed
+ * while it was read). Each byte of t is read once and written to skel as it is (a number's digits then replaced by
+ * one '#'), so o <= i <= n; a run's digits are taken from what was read, not read again. */
 static int scan_text(const uint8_t *t, Py_ssize_t n, const uint8_t *allowed, const uint8_t *wordish, uint8_t *skel,
-                     Py_ssize_t *skel_len, uint8_t *values, uint8_t *lengths, uint8_t *zeros, Py_ssize_t *count)
+                     Py_ssize_t *skel_len, uint8_t *values, uint8_t *lengths, uint8_t *zeros, Py_ssize_t room,
+                     Py_ssize_t *count)
 {
     Py_ssize_t i = 0, o = 0, k = 0;
-    uint8_t prev = 0;                               /* the byte before a run: none at the start (not a string's) */
-    while (i < n) {
-        uint8_t c = t[i];
+    uint8_t c = 0;
+    int held = 0;                                   /* c holds the byte after a run, read but not yet handled */
+    while (held || i < n) {
+        if (!held)
+            c = t[i++];
+        held = 0;
         if (!is_digit(c)) {
             if (!allowed[c])
                 return 1;
             skel[o++] = c;
-            prev = c;
-            i++;
             continue;
         }
-        Py_ssize_t start = i;
+        /* a run of digits from c; the byte before it (a non-digit, copied as it was; none at the start) says
+         * whether it is a string's ("bf16": kept as it is) or a number */
+        Py_ssize_t start = o, len = 0;
+        uint8_t before = start > 0 ? skel[start - 1] : 0, first = c;
         uint64_t v = 0;
-        while (i < n && is_digit(t[i]) && i - start < MAX_DIGITS) {
-            v = v * 10 + (uint64_t)(t[i] - '0');
-            i++;
+        for (;;) {
+            if (len < MAX_DIGITS)                    /* past 19: a string's run may go on, a number may not */
+                v = v * 10 + (uint64_t)(c - '0');
+            skel[o++] = c;
+            len++;
+            if (i >= n)
+                break;
+            c = t[i++];
+            if (!is_digit(c)) {
+                held = 1;
+                break;
+            }
         }
-        while (i < n && is_digit(t[i]))              /* past 19 digits: a string's run may go on, a number may not */
-            i++;
-        Py_ssize_t len = i - start;
-        if (wordish[prev]) {                         /* a string's digits ("bf16"): kept as they are */
-            memcpy(skel + o, t + start, (size_t)len);
-            o += len;
-        } else {
-            if (len > MAX_DIGITS)
-                return 2;
-            memcpy(values + 8 * k, &v, 8);
-            lengths[k] = (uint8_t)len;
-            zeros[k] = t[start] == '0';
-            k++;
-            skel[o++] = '#';
-        }
-        prev = t[i - 1];
+        if (wordish[before])
+            continue;
+        if (len > MAX_DIGITS)
+            return 2;
+        if (k >= room)
+            return 3;
+        memcpy(values + 8 * k, &v, 8);
+        lengths[k] = (uint8_t)len;
+        zeros[k] = first == '0';
+        k++;
+        o = start;
+        skel[o++] = '#';
     }
     *skel_len = o;
     *count = k;
@@ -86,7 +100,7 @@ static PyObject *scan(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "allowed and wordish must be 256 bytes each");
         goto done;
     }
-    if (values.len < 8 * room || lengths.len < room || zeros.len < room) {
+    if (values.len / 8 < room || lengths.len < room || zeros.len < room) {
         PyErr_SetString(PyExc_ValueError, "values, lengths and zeros need room for (len(text) + 1) // 2 numbers");
         goto done;
     }
@@ -97,7 +111,7 @@ static PyObject *scan(PyObject *self, PyObject *args)
     Py_BEGIN_ALLOW_THREADS
     status = scan_text((const uint8_t *)text.buf, n, (const uint8_t *)allowed.buf, (const uint8_t *)wordish.buf,
                        (uint8_t *)PyBytes_AS_STRING(skel), &skel_len, (uint8_t *)values.buf,
-                       (uint8_t *)lengths.buf, (uint8_t *)zeros.buf, &count);
+                       (uint8_t *)lengths.buf, (uint8_t *)zeros.buf, room, &count);
     Py_END_ALLOW_THREADS
     if (status != 0) {
         Py_CLEAR(skel);
@@ -119,29 +133,50 @@ done:
     return result;
 }
 
-/* the int64 array of a buffer (its length in *n), or NULL with ValueError set */
-static const int64_t *int64s(Py_buffer *b, Py_ssize_t *n, const char *name)
+/* the int64 values of a buffer (their count in *n; read with load64: any alignment), or NULL with ValueError set */
+static const uint8_t *int64s(Py_buffer *b, Py_ssize_t *n, const char *name)
 {
     if (b->len % 8 != 0) {
         PyErr_Format(PyExc_ValueError, "%s must hold int64 values", name);
         return NULL;
     }
     *n = b->len / 8;
-    return (const int64_t *)b->buf;
+    return (const uint8_t *)b->buf;
 }
 
-/* the literal l (len bytes, w <= len <= 2w) at each of the n offsets p of o, as two w-byte stores, the second
- * overlapping the first: a constant w makes each a single move once inlined, not a call of memcpy */
-static inline void put_two_words(uint8_t *o, const int64_t *p, Py_ssize_t n, const uint8_t *l, Py_ssize_t len,
-                                 size_t w)
+static int64_t load64(const uint8_t *a, Py_ssize_t i)
+{
+    int64_t x;
+    memcpy(&x, a + 8 * i, 8);
+    return x;
+}
+
+/* whether a store of len bytes at offset at stays within a buffer of size bytes */
+static int fits(int64_t at, int64_t len, Py_ssize_t size) { return at >= 0 && len <= size && at <= size - len; }
+
+/* the literal l (len bytes) at each of the n offsets p of o; 0, or -1 where an offset is out of the buffer (its
+ * store and the later ones not made). Each offset is loaded once, checked, then used. A literal of w..2w bytes
+ * (w 4 or 8: a constant once inlined, a single move each) is two w-byte stores, the second overlapping the first. */
+static inline int put_each(uint8_t *o, Py_ssize_t size, const uint8_t *p, Py_ssize_t n, const uint8_t *l,
+                           Py_ssize_t len, size_t w)
 {
     uint8_t first[8], last[8];
-    memcpy(first, l, w);
-    memcpy(last, l + len - w, w);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        memcpy(o + p[i], first, w);
-        memcpy(o + p[i] + len - w, last, w);
+    if (w) {
+        memcpy(first, l, w);
+        memcpy(last, l + len - w, w);
     }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t at = load64(p, i);
+        if (!fits(at, len, size))
+            return -1;
+        if (w) {
+            memcpy(o + at, first, w);
+            memcpy(o + at + len - w, last, w);
+        } else {
+            memmove(o + at, l, (size_t)len);         /* a literal may be a view of out itself */
+        }
+    }
+    return 0;
 }
 
 static PyObject *put_literal(PyObject *self, PyObject *args)
@@ -151,31 +186,41 @@ static PyObject *put_literal(PyObject *self, PyObject *args)
         return NULL;
     PyObject *result = NULL;
     Py_ssize_t n = 0, len = lit.len;
-    const int64_t *p = int64s(&pos, &n, "pos");
+    const uint8_t *p = int64s(&pos, &n, "pos");
     if (p == NULL)
         goto done;
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (p[i] < 0 || p[i] > (int64_t)(out.len - len)) {
+    for (Py_ssize_t i = 0; i < n; i++)              /* every offset before any store: nothing written on error */
+        if (!fits(load64(p, i), len, out.len)) {
             PyErr_SetString(PyExc_ValueError, "put_literal: an offset out of the buffer");
             goto done;
         }
+    int status;
     Py_BEGIN_ALLOW_THREADS
     uint8_t *o = (uint8_t *)out.buf;
     const uint8_t *l = (const uint8_t *)lit.buf;
     if (len >= 8 && len <= 16)
-        put_two_words(o, p, n, l, len, 8);
+        status = put_each(o, out.len, p, n, l, len, 8);
     else if (len >= 4 && len < 8)
-        put_two_words(o, p, n, l, len, 4);
+        status = put_each(o, out.len, p, n, l, len, 4);
     else
-        for (Py_ssize_t i = 0; i < n; i++)
-            memcpy(o + p[i], l, (size_t)len);
+        status = put_each(o, out.len, p, n, l, len, 0);
     Py_END_ALLOW_THREADS
+    if (status != 0) {                               /* an offset changed by a store (pos overlapping out) */
+        PyErr_SetString(PyExc_ValueError, "put_literal: an offset out of the buffer");
+        goto done;
+    }
     result = Py_NewRef(Py_None);
 done:
     PyBuffer_Release(&out);
     PyBuffer_Release(&pos);
     PyBuffer_Release(&lit);
     return result;
+}
+
+/* whether value x (int64 >= 0) of len digits (1..19) at offset at stays within a buffer of size bytes */
+static int int_fits(int64_t at, int64_t len, int64_t x, Py_ssize_t size)
+{
+    return len >= 1 && len <= MAX_DIGITS && x >= 0 && fits(at, len, size);
 }
 
 static PyObject *put_ints(PyObject *self, PyObject *args)
@@ -185,7 +230,7 @@ static PyObject *put_ints(PyObject *self, PyObject *args)
         return NULL;
     PyObject *result = NULL;
     Py_ssize_t n = 0, n_size = 0, n_values = 0;
-    const int64_t *p = int64s(&pos, &n, "pos"), *s = p ? int64s(&size, &n_size, "size") : NULL,
+    const uint8_t *p = int64s(&pos, &n, "pos"), *s = p ? int64s(&size, &n_size, "size") : NULL,
                   *v = s ? int64s(&values, &n_values, "values") : NULL;
     if (v == NULL)
         goto done;
@@ -193,21 +238,31 @@ static PyObject *put_ints(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "put_ints: pos, size and values differ in length");
         goto done;
     }
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (s[i] < 1 || s[i] > MAX_DIGITS || v[i] < 0 || p[i] < 0 || p[i] > (int64_t)out.len - s[i]) {
+    for (Py_ssize_t i = 0; i < n; i++)              /* every store before any: nothing written on error */
+        if (!int_fits(load64(p, i), load64(s, i), load64(v, i), out.len)) {
             PyErr_SetString(PyExc_ValueError, "put_ints: an offset, size or value out of range");
             goto done;
         }
+    int status = 0;
     Py_BEGIN_ALLOW_THREADS
     uint8_t *o = (uint8_t *)out.buf;
     for (Py_ssize_t i = 0; i < n; i++) {
-        uint64_t x = (uint64_t)v[i];
-        for (int64_t j = p[i] + s[i] - 1; j >= p[i]; j--) {
-            o[j] = (uint8_t)('0' + x % 10);
-            x /= 10;
+        int64_t at = load64(p, i), len = load64(s, i), x = load64(v, i);    /* each loaded once, checked, used */
+        if (!int_fits(at, len, x, out.len)) {
+            status = -1;
+            break;
+        }
+        uint64_t rest = (uint64_t)x;
+        for (int64_t j = at + len - 1; j >= at; j--) {
+            o[j] = (uint8_t)('0' + rest % 10);
+            rest /= 10;
         }
     }
     Py_END_ALLOW_THREADS
+    if (status != 0) {                               /* changed by a store (an array overlapping out) */
+        PyErr_SetString(PyExc_ValueError, "put_ints: an offset, size or value out of range");
+        goto done;
+    }
     result = Py_NewRef(Py_None);
 done:
     PyBuffer_Release(&out);
