@@ -35,12 +35,12 @@ class _Text:
                      for w, t in _WORDS.items()}
         self.compiled = compiled
 
-    def literal(self, lit: bytes, stores: list[tuple[int, int, int]], pos: np.ndarray) -> None:
-        """Write ``lit`` (given also as its :func:`_stores`) at each of ``pos``."""
+    def literal(self, lit: bytes, pos: np.ndarray) -> None:
+        """Write ``lit`` at each of ``pos``."""
         if self.compiled:
             _compiled.text.put_literal(self.buf, np.ascontiguousarray(pos, dtype=np.int64), lit)
             return
-        for off, width, value in stores:
+        for off, width, value in _stores(lit):
             self.word[width][pos + off if off else pos] = value
 
 
@@ -85,7 +85,7 @@ class Rows:
     def text(self, s: str, mask=None) -> Rows:
         """The same text in every selected row."""
         lit = s.encode()
-        self._pieces.append(("lit", self._rows(mask), lit, _stores(lit)))
+        self._pieces.append(("lit", self._rows(mask), lit))
         return self
 
     def ints(self, values: np.ndarray, mask=None, null_below_zero: bool = False) -> Rows:
@@ -109,7 +109,7 @@ class Rows:
         lengths = np.array([len(e) for e in enc], dtype=np.int64)
         c = np.asarray(codes, dtype=np.int64)[rows]
         if len(table) <= _CHOICE_AS_LITERALS:
-            self._pieces.append(("choice", rows, c, [(e, _stores(e)) for e in enc], lengths[c]))
+            self._pieces.append(("choice", rows, c, enc, lengths[c]))
         else:
             flat = np.frombuffer(b"".join(enc), dtype=np.uint8) if any(enc) else np.zeros(0, dtype=np.uint8)
             self._pieces.append(("ragged", rows, flat, (np.cumsum(lengths) - lengths)[c], lengths[c]))
@@ -162,16 +162,16 @@ def _write(out: _Text, p, pos: np.ndarray, size, row_len) -> None:
     """Write one piece at each of its rows' positions ``pos``."""
     kind = p[0]
     if kind == "lit":
-        out.literal(p[2], p[3], pos)
+        out.literal(p[2], pos)
     elif kind == "int":
         _write_ints(out, p[2], pos, size, p[3])
     elif kind == "choice":
         codes = p[2]
-        for code, (lit, stores) in enumerate(p[3]):
-            if stores:
+        for code, lit in enumerate(p[3]):
+            if lit:
                 at = codes == code
                 if at.any():
-                    out.literal(lit, stores, pos[at])
+                    out.literal(lit, pos[at])
     elif kind == "ragged":
         _copy_ragged(out.buf, p[2], pos, p[3], p[4])
     else:
@@ -196,7 +196,7 @@ def _write_ints(out: _Text, v: np.ndarray, pos: np.ndarray, size: np.ndarray, nu
     """Decimal digits of ``v`` at ``pos`` (``size`` digits each), ``null`` where flagged: two digits a store, from
     the last (a number's odd first digit alone)."""
     if null.any():
-        out.literal(b"null", _NULL, pos[null])
+        out.literal(b"null", pos[null])
         keep = ~null
         v, pos, size = v[keep], pos[keep], size[keep]
     if out.compiled:
@@ -220,9 +220,6 @@ def _write_ints(out: _Text, v: np.ndarray, pos: np.ndarray, size: np.ndarray, nu
         more = size > k
         if not more.all():
             v, end, size = v[more], end[more], size[more]
-
-
-_NULL = _stores(b"null")
 
 
 def _copy_ragged(out: np.ndarray, flat: np.ndarray, pos: np.ndarray, src: np.ndarray, length: np.ndarray) -> None:
