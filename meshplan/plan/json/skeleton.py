@@ -5,9 +5,9 @@ A record's *skeleton* is its text with each run of digits replaced by ``#``. The
 mostly in their numbers: a 1024-rank file's 0.9M ops have a few hundred skeletons (an op's kind, stream, pass,
 list lengths). So the text is scanned once — each run of digits found, parsed and replaced by ``#``
 (:func:`meshplan.plan.json.number_scan.scan_numbers`: compiled where built, else numpy) — and cut into records at
-``},{``; each *distinct* skeleton is then
-validated by the pydantic model of a whole record, its numbers zero, and must be the text meshplan writes (the
-compact JSON of what it parses to: no space, no repeated key); its numbers' fields come from it, in text order.
+``},{``; each *distinct* skeleton is then validated by the pydantic model of a whole record, its numbers zero, and
+must be the text meshplan writes (the compact JSON of what it parses to: no space, no repeated key); its numbers'
+fields come from it, in text order.
 The numbers are checked column-wise: JSON integers (no leading zero) within their field's bound, a float as
 Python's ``repr`` writes it and finite. So a record is accepted only if its text is a valid record and reads the
 same as pydantic reads it (``tests/plan/test_skeleton.py`` checks both on every method's files and on corrupted
